@@ -1,0 +1,112 @@
+"""rdzv: elastic rendezvous for distributed jobs.
+
+Every public name of ``torch.distributed.elastic.rendezvous`` and of the
+``tensorplay.distributed.elastic.rendezvous`` spec is importable from here.
+Names are imported lazily, so ``import rdzv`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "RendezvousError": "rdzv.errors",
+    "RendezvousClosedError": "rdzv.errors",
+    "RendezvousTimeoutError": "rdzv.errors",
+    "RendezvousConnectionError": "rdzv.errors",
+    "RendezvousStateError": "rdzv.errors",
+    "RendezvousGracefulExitError": "rdzv.errors",
+    "RendezvousExhaustedError": "rdzv.errors",
+    "StoreTimeoutError": "rdzv.errors",
+    "RendezvousTimeout": "rdzv.api",
+    "RendezvousSettings": "rdzv.api",
+    "RendezvousParameters": "rdzv.api",
+    "RendezvousStoreInfo": "rdzv.api",
+    "RendezvousInfo": "rdzv.api",
+    "RendezvousHandler": "rdzv.api",
+    "RendezvousHandlerCreator": "rdzv.registry",
+    "RendezvousHandlerRegistry": "rdzv.registry",
+    "rendezvous_handler_registry": "rdzv.registry",
+    "create_handler": "rdzv.registry",
+    "RendezvousBackend": "rdzv.backends.base",
+    "Store": "rdzv.store.base",
+    "HashStore": "rdzv.store.memory",
+    "PrefixStore": "rdzv.store.memory",
+    "parse_endpoint": "rdzv.endpoint",
+    "parse_config": "rdzv.endpoint",
+}
+
+__all__ = [
+    "HashStore",
+    "PrefixStore",
+    "RendezvousBackend",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousExhaustedError",
+    "RendezvousGracefulExitError",
+    "RendezvousHandler",
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousSettings",
+    "RendezvousStateError",
+    "RendezvousStoreInfo",
+    "RendezvousTimeout",
+    "RendezvousTimeoutError",
+    "Store",
+    "StoreTimeoutError",
+    "__version__",
+    "create_handler",
+    "parse_config",
+    "parse_endpoint",
+    "rendezvous_handler_registry",
+]
+
+if TYPE_CHECKING:
+    from rdzv.api import (
+        RendezvousHandler,
+        RendezvousInfo,
+        RendezvousParameters,
+        RendezvousSettings,
+        RendezvousStoreInfo,
+        RendezvousTimeout,
+    )
+    from rdzv.backends.base import RendezvousBackend
+    from rdzv.endpoint import parse_config, parse_endpoint
+    from rdzv.errors import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousError,
+        RendezvousExhaustedError,
+        RendezvousGracefulExitError,
+        RendezvousStateError,
+        RendezvousTimeoutError,
+        StoreTimeoutError,
+    )
+    from rdzv.registry import (
+        RendezvousHandlerCreator,
+        RendezvousHandlerRegistry,
+        create_handler,
+        rendezvous_handler_registry,
+    )
+    from rdzv.store.base import Store
+    from rdzv.store.memory import HashStore, PrefixStore
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rdzv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

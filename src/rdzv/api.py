@@ -1,0 +1,633 @@
+"""The public rendezvous API: timeouts, settings, parameters, results and the handler ABC.
+
+Names and shapes follow ``torch.distributed.elastic.rendezvous`` and the
+``tensorplay.distributed.elastic.rendezvous`` spec, so code written for either
+ports by changing an import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import InitVar, dataclass, field
+from datetime import timedelta
+from typing import Any, ClassVar, Union, cast
+
+from rdzv.errors import RendezvousStateError, RendezvousTimeoutError
+from rdzv.net import primary_address
+from rdzv.store.base import Store
+
+__all__ = [
+    "RendezvousHandler",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousSettings",
+    "RendezvousStoreInfo",
+    "RendezvousTimeout",
+]
+
+Duration = Union[timedelta, float, int]  # noqa: UP007 - a runtime alias on 3.10
+
+
+def _duration(value: Duration | None, default: timedelta, name: str) -> timedelta:
+    if value is None:
+        return default
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"{name} must be a timedelta or seconds, not {type(value).__name__}")
+    if not seconds > 0:
+        raise ValueError(f"the {name} timeout must be positive, got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+class RendezvousTimeout:
+    """The timeouts of a rendezvous.
+
+    Args:
+        join: How long to wait for the rendezvous to complete (600 s).
+        last_call: How long to wait for more nodes once ``min_nodes`` have
+            joined (30 s).
+        close: How long to wait for ``set_closed`` to take effect (30 s).
+        heartbeat: How long a node may go without a heartbeat before it is
+            considered dead (5 s).
+
+    Each accepts a ``timedelta``, seconds, or None for the default.
+
+    Raises:
+        ValueError: A timeout is zero or negative; the message names it.
+    """
+
+    _DEFAULT_JOIN: ClassVar[timedelta] = timedelta(seconds=600)
+    _DEFAULT_LAST_CALL: ClassVar[timedelta] = timedelta(seconds=30)
+    _DEFAULT_CLOSE: ClassVar[timedelta] = timedelta(seconds=30)
+    _DEFAULT_HEARTBEAT: ClassVar[timedelta] = timedelta(seconds=5)
+
+    __slots__ = ("_close", "_heartbeat", "_join", "_last_call")
+
+    def __init__(
+        self,
+        join: Duration | None = None,
+        last_call: Duration | None = None,
+        close: Duration | None = None,
+        heartbeat: Duration | None = None,
+    ) -> None:
+        self._join = _duration(join, self._DEFAULT_JOIN, "join")
+        self._last_call = _duration(last_call, self._DEFAULT_LAST_CALL, "last_call")
+        self._close = _duration(close, self._DEFAULT_CLOSE, "close")
+        self._heartbeat = _duration(heartbeat, self._DEFAULT_HEARTBEAT, "heartbeat")
+
+    @property
+    def join(self) -> timedelta:
+        """The join timeout."""
+        return self._join
+
+    @property
+    def last_call(self) -> timedelta:
+        """The last-call timeout."""
+        return self._last_call
+
+    @property
+    def close(self) -> timedelta:
+        """The close timeout."""
+        return self._close
+
+    @property
+    def heartbeat(self) -> timedelta:
+        """The heartbeat (liveness) timeout."""
+        return self._heartbeat
+
+    def __repr__(self) -> str:
+        return (
+            f"RendezvousTimeout(join={self.join.total_seconds():g}, "
+            f"last_call={self.last_call.total_seconds():g}, "
+            f"close={self.close.total_seconds():g}, "
+            f"heartbeat={self.heartbeat.total_seconds():g})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RendezvousTimeout):
+            return NotImplemented
+        return (self.join, self.last_call, self.close, self.heartbeat) == (
+            other.join,
+            other.last_call,
+            other.close,
+            other.heartbeat,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.join, self.last_call, self.close, self.heartbeat))
+
+
+def _check_node_counts(min_nodes: int, max_nodes: int) -> None:
+    if isinstance(min_nodes, bool) or not isinstance(min_nodes, int):
+        raise TypeError(f"min_nodes must be an integer, got {min_nodes!r}")
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int):
+        raise TypeError(f"max_nodes must be an integer, got {max_nodes!r}")
+    if min_nodes < 1:
+        raise ValueError(f"min_nodes must be at least 1, got {min_nodes}")
+    if max_nodes < min_nodes:
+        raise ValueError(f"max_nodes ({max_nodes}) must be at least min_nodes ({min_nodes})")
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """The settings of a rendezvous, fixed for its life.
+
+    Args:
+        run_id: The run (job) identifier.
+        min_nodes: The fewest nodes a round needs.
+        max_nodes: The most nodes a round admits.
+        timeout: The timeouts; built from ``join``/``last_call``/``close``/
+            ``heartbeat`` when None.
+        keep_alive_interval: How often a node sends a heartbeat (5 s).
+        keep_alive_max_attempt: Heartbeats a node may miss before it is
+            considered dead (3).
+        join: The join timeout, when ``timeout`` is not given.
+        last_call: The last-call timeout, when ``timeout`` is not given.
+        close: The close timeout, when ``timeout`` is not given.
+        heartbeat: The heartbeat timeout, when ``timeout`` is not given.
+
+    Raises:
+        ValueError: ``run_id`` is empty, ``min_nodes < 1``,
+            ``max_nodes < min_nodes``, or an interval is not positive.
+    """
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    timeout: RendezvousTimeout = field(default=cast(RendezvousTimeout, None))
+    keep_alive_interval: timedelta = timedelta(seconds=5)
+    keep_alive_max_attempt: int = 3
+    join: InitVar[Duration | None] = None
+    last_call: InitVar[Duration | None] = None
+    close: InitVar[Duration | None] = None
+    heartbeat: InitVar[Duration | None] = None
+
+    def __post_init__(
+        self,
+        join: Duration | None,
+        last_call: Duration | None,
+        close: Duration | None,
+        heartbeat: Duration | None,
+    ) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ValueError(f"run_id must be a non-empty string, got {self.run_id!r}")
+        _check_node_counts(self.min_nodes, self.max_nodes)
+        if cast(object, self.timeout) is None:
+            object.__setattr__(
+                self, "timeout", RendezvousTimeout(join, last_call, close, heartbeat)
+            )
+        elif any(v is not None for v in (join, last_call, close, heartbeat)):
+            raise ValueError("give either timeout or join/last_call/close/heartbeat, not both")
+        interval = _duration(self.keep_alive_interval, timedelta(seconds=5), "keep_alive_interval")
+        object.__setattr__(self, "keep_alive_interval", interval)
+        attempts = self.keep_alive_max_attempt
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise ValueError(f"keep_alive_max_attempt must be a positive integer, got {attempts!r}")
+
+    def replace(self, **changes: Any) -> RendezvousSettings:
+        """Return a copy with some fields changed.
+
+        Args:
+            **changes: Field names and their new values.
+
+        Returns:
+            The new settings (validated again).
+        """
+        return dataclasses.replace(self, **changes)
+
+
+_TRUE = frozenset({"1", "true", "t", "yes", "y"})
+_FALSE = frozenset({"0", "false", "f", "no", "n"})
+
+
+class RendezvousParameters:
+    """The parameters used to build a rendezvous handler.
+
+    ``min_nodes``/``max_nodes`` may be given positionally (torch) or as
+    ``config={"min_nodes": ..., "max_nodes": ...}`` (tensorplay). When only
+    ``min_nodes`` is known, ``max_nodes`` equals it; when neither is, both
+    are 1.
+
+    Args:
+        backend: The registered name of the backend (``c10d``, ``etcd``, ...).
+        endpoint: The backend's endpoint, usually ``host[:port]``.
+        run_id: The run identifier.
+        min_nodes: The fewest nodes a round needs.
+        max_nodes: The most nodes a round admits.
+        local_addr: The address of this node, if known.
+        node_rank: This node's rank when launchers assign one (0).
+        local_world_size: Workers on this node (1).
+        config: Backend-specific settings.
+        **kwargs: More backend-specific settings (merged into ``config``).
+
+    Raises:
+        ValueError: ``backend`` is empty, ``min_nodes < 1`` or
+            ``max_nodes < min_nodes``; the message names the bad value.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        endpoint: str,
+        run_id: str,
+        min_nodes: int | None = None,
+        max_nodes: int | None = None,
+        local_addr: str | None = None,
+        node_rank: int = 0,
+        local_world_size: int = 1,
+        config: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(backend, str) or not backend.strip():
+            raise ValueError(
+                f"the rendezvous backend name must be a non-empty string, got {backend!r}"
+            )
+        merged: dict[str, Any] = dict(config or {})
+        merged.update(kwargs)
+        if min_nodes is None:
+            min_nodes = self._int_from(merged.pop("min_nodes", None), "min_nodes")
+        else:
+            merged.pop("min_nodes", None)
+        if max_nodes is None:
+            max_nodes = self._int_from(merged.pop("max_nodes", None), "max_nodes")
+        else:
+            merged.pop("max_nodes", None)
+        if min_nodes is None:
+            min_nodes = 1
+        if max_nodes is None:
+            max_nodes = min_nodes
+        _check_node_counts(min_nodes, max_nodes)
+        if isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0:
+            raise ValueError(f"node_rank must be a non-negative integer, got {node_rank!r}")
+        if (
+            isinstance(local_world_size, bool)
+            or not isinstance(local_world_size, int)
+            or local_world_size < 1
+        ):
+            raise ValueError(
+                f"local_world_size must be a positive integer, got {local_world_size!r}"
+            )
+        self.backend = backend.strip()
+        self.endpoint = endpoint
+        self.run_id = run_id
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.local_addr = local_addr
+        self.node_rank = node_rank
+        self.local_world_size = local_world_size
+        self.config = merged
+
+    @staticmethod
+    def _int_from(value: Any, name: str) -> int | None:
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Return the value of a backend-specific setting.
+
+        Args:
+            key: The setting.
+            default: Returned when the setting is absent.
+
+        Returns:
+            The value, or ``default``.
+        """
+        return self.config.get(key, default)
+
+    def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
+        """Return a setting read as a boolean.
+
+        ``1/0``, ``true/false``, ``t/f``, ``yes/no`` and ``y/n`` are accepted in
+        any case, as are real booleans and the integers 0 and 1.
+
+        Args:
+            key: The setting.
+            default: Returned when the setting is absent.
+
+        Returns:
+            The boolean, or ``default``.
+
+        Raises:
+            ValueError: The value is not one of the accepted forms; the
+                message names the key.
+        """
+        value = self.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text in _TRUE:
+                return True
+            if text in _FALSE:
+                return False
+        raise ValueError(
+            f"the rendezvous configuration option {key!r} does not represent a valid "
+            f"boolean value: {value!r}"
+        )
+
+    def get_as_int(self, key: str, default: int | None = None) -> int | None:
+        """Return a setting read as an integer.
+
+        Args:
+            key: The setting.
+            default: Returned when the setting is absent.
+
+        Returns:
+            The integer, or ``default``.
+
+        Raises:
+            ValueError: The value is not an integer; the message names the key.
+        """
+        value = self.get(key)
+        if value is None:
+            return default
+        try:
+            if isinstance(value, bool):
+                raise ValueError(value)  # noqa: TRY301, TRY004 - handled just below
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"the rendezvous configuration option {key!r} does not represent a valid "
+                f"integer value: {value!r}"
+            ) from None
+
+    def get_as_seconds(self, key: str) -> float | None:
+        """Return a setting read as a positive number of seconds.
+
+        Args:
+            key: The setting.
+
+        Returns:
+            The seconds, or None when the setting is absent.
+
+        Raises:
+            ValueError: The value is not a positive number; the message names
+                the key.
+        """
+        value = self.get(key)
+        if value is None:
+            return None
+        try:
+            seconds = float(value.total_seconds() if isinstance(value, timedelta) else value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"the rendezvous configuration option {key!r} is not a number of seconds: {value!r}"
+            ) from None
+        if not seconds > 0:
+            raise ValueError(
+                f"the rendezvous configuration option {key!r} must be positive: {value!r}"
+            )
+        return seconds
+
+    @property
+    def timeout(self) -> RendezvousTimeout:
+        """The timeouts read from the configuration, in seconds.
+
+        The keys are ``join_timeout``, ``last_call_timeout``,
+        ``close_timeout`` and ``heartbeat_timeout`` (or ``heartbeat``).
+        """
+        heartbeat = self.get_as_seconds("heartbeat_timeout")
+        if heartbeat is None:
+            heartbeat = self.get_as_seconds("heartbeat")
+        return RendezvousTimeout(
+            join=self.get_as_seconds("join_timeout"),
+            last_call=self.get_as_seconds("last_call_timeout"),
+            close=self.get_as_seconds("close_timeout"),
+            heartbeat=heartbeat,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"RendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
+            f"run_id={self.run_id!r}, min_nodes={self.min_nodes}, max_nodes={self.max_nodes}, "
+            f"local_addr={self.local_addr!r}, node_rank={self.node_rank}, "
+            f"local_world_size={self.local_world_size}, config={self.config!r})"
+        )
+
+
+_KEY_MASTER_ADDR = "MASTER_ADDR"
+_KEY_MASTER_PORT = "MASTER_PORT"
+
+
+@dataclass(frozen=True)
+class RendezvousStoreInfo:
+    """Where workers find their bootstrap store.
+
+    Args:
+        master_addr: The address of the bootstrap store.
+        master_port: Its port.
+    """
+
+    master_addr: str
+    master_port: int
+
+    @property
+    def addr(self) -> str:
+        """Alias of :attr:`master_addr`."""
+        return self.master_addr
+
+    @staticmethod
+    def build(
+        rank: int,
+        store: Store,
+        local_addr: str | None = None,
+        server_port: int | None = None,
+    ) -> RendezvousStoreInfo:
+        """Publish (rank 0) or read (other ranks) the bootstrap store address.
+
+        Rank 0 writes its address and port into ``store``; the other ranks
+        read them, waiting up to the store's timeout.
+
+        Args:
+            rank: This node's rank in the round.
+            store: The round's store.
+            local_addr: Rank 0's address; found with ``getaddrinfo`` when None.
+            server_port: The port rank 0 serves the bootstrap store on; a free
+                port is picked when None.
+
+        Returns:
+            The address and port.
+
+        Raises:
+            RendezvousTimeoutError: A non-zero rank did not see rank 0's
+                address within the store timeout.
+            RendezvousStateError: The published port is not an integer.
+        """
+        if rank == 0:
+            addr = local_addr or primary_address()
+            port = server_port if server_port is not None else _free_port()
+            store.multi_set([_KEY_MASTER_ADDR, _KEY_MASTER_PORT], [addr, str(port)])
+            return RendezvousStoreInfo(addr, port)
+        try:
+            addr_b, port_b = store.multi_get([_KEY_MASTER_ADDR, _KEY_MASTER_PORT])
+        except RendezvousTimeoutError as exc:
+            raise RendezvousTimeoutError(
+                f"rank {rank} did not see rank 0 publish MASTER_ADDR/MASTER_PORT "
+                f"within {store.timeout.total_seconds():g} s"
+            ) from exc
+        try:
+            port = int(port_b)
+        except ValueError:
+            raise RendezvousStateError(
+                f"the published MASTER_PORT is not an integer: {port_b!r}"
+            ) from None
+        return RendezvousStoreInfo(addr_b.decode("utf-8", "replace"), port)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+class RendezvousInfo:
+    """What a completed rendezvous round gives this node.
+
+    Args:
+        store: The round's key-value store (prefixed per run and round).
+        rank: This node's rank, in ``0..world_size-1``.
+        world_size: The number of nodes in the round.
+        bootstrap_store_info: Where workers find their bootstrap store.
+        participants: The members' addresses (node descriptors), in rank order.
+        wait_list: Nodes waiting for the next round.
+    """
+
+    __slots__ = ("_bootstrap", "_participants", "_rank", "_store", "_wait_list", "_world_size")
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        world_size: int,
+        bootstrap_store_info: RendezvousStoreInfo | None = None,
+        participants: Sequence[str] | None = None,
+        wait_list: Sequence[str] | None = None,
+    ) -> None:
+        self._store = store
+        self._rank = rank
+        self._world_size = world_size
+        self._bootstrap = bootstrap_store_info
+        self._participants = tuple(participants or ())
+        self._wait_list = tuple(wait_list or ())
+
+    @property
+    def store(self) -> Store:
+        """The round's store."""
+        return self._store
+
+    @property
+    def rank(self) -> int:
+        """This node's rank."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of nodes in the round."""
+        return self._world_size
+
+    @property
+    def bootstrap_store_info(self) -> RendezvousStoreInfo | None:
+        """Where workers find their bootstrap store."""
+        return self._bootstrap
+
+    @property
+    def participants(self) -> tuple[str, ...]:
+        """The members, in rank order."""
+        return self._participants
+
+    @property
+    def wait_list(self) -> tuple[str, ...]:
+        """Nodes waiting for the next round."""
+        return self._wait_list
+
+    def __repr__(self) -> str:
+        return (
+            f"RendezvousInfo(rank={self.rank}, world_size={self.world_size}, "
+            f"bootstrap_store_info={self.bootstrap_store_info!r}, "
+            f"participants={list(self.participants)!r}, wait_list={list(self.wait_list)!r})"
+        )
+
+
+class RendezvousHandler(ABC):
+    """The rendezvous interface a launcher drives.
+
+    A launcher calls :meth:`next_rendezvous` to join a round, polls
+    :meth:`num_nodes_waiting` while its workers run, and calls it again to
+    re-form the group when nodes wait or a member died.
+    """
+
+    @abstractmethod
+    def get_backend(self) -> str:
+        """Return the name of the rendezvous backend."""
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Whether workers reuse the agent's store for their bootstrap (False)."""
+        return False
+
+    @abstractmethod
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round and block until it completes.
+
+        Returns:
+            This node's view of the completed round.
+
+        Raises:
+            RendezvousClosedError: The run is closed.
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored state is corrupt.
+            RendezvousTimeoutError: The round did not complete in time.
+            RendezvousGracefulExitError: This node is a spare and the run
+                does not need it.
+        """
+
+    @abstractmethod
+    def is_closed(self) -> bool:
+        """Tell whether the run has been closed.
+
+        Returns:
+            True once :meth:`set_closed` was called by any node.
+        """
+
+    @abstractmethod
+    def set_closed(self) -> None:
+        """Close the run: later joins fail with ``RendezvousClosedError``."""
+
+    @abstractmethod
+    def num_nodes_waiting(self) -> int:
+        """Return how many nodes wait to join.
+
+        A positive number tells members to re-rendezvous to admit them.
+
+        Returns:
+            The number of waiting nodes.
+        """
+
+    @abstractmethod
+    def get_run_id(self) -> str:
+        """Return the run identifier."""
+
+    @abstractmethod
+    def shutdown(self) -> bool:
+        """Leave the rendezvous and release resources.
+
+        Returns:
+            True if the node left cleanly.
+        """
+
+    def pre_shutdown(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """Prepare for :meth:`shutdown`; the default does nothing."""

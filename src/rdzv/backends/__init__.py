@@ -1,0 +1,1 @@
+"""Rendezvous backends: the contract and its implementations."""

@@ -1,0 +1,68 @@
+"""The ``rdzv`` command line.
+
+Each sub-command lives in its own function ``_cmd_<name>``; ``main`` only
+parses arguments and maps errors to exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import rdzv
+from rdzv.registry import rendezvous_handler_registry
+
+__all__ = ["main"]
+
+
+def _cmd_backends(_args: argparse.Namespace) -> int:
+    backends = rendezvous_handler_registry.backends()
+    if not backends:
+        print("no rendezvous backends are registered")
+        return 0
+    width = max(len(name) for name in backends)
+    for name, origin in backends.items():
+        print(f"{name:<{width}}  {origin}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser of the ``rdzv`` command.
+
+    Returns:
+        The parser, with one sub-parser per command.
+    """
+    parser = argparse.ArgumentParser(
+        prog="rdzv", description="Elastic rendezvous for distributed jobs."
+    )
+    parser.add_argument("--version", action="version", version=f"rdzv {rdzv.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    backends = commands.add_parser(
+        "backends", help="list the registered rendezvous backends and where each came from"
+    )
+    backends.set_defaults(func=_cmd_backends)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``rdzv`` command.
+
+    Args:
+        argv: The arguments, without the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The exit status.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return 2
+    status: int = func(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""The key-value store API shared by every rdzv store.
+
+The method names and semantics follow ``torch.distributed.Store`` so that code
+written for torch ports by changing an import. Keys are ``str``; values are
+``str`` or ``bytes`` going in and ``bytes`` coming out; timeouts accept a
+:class:`datetime.timedelta` or a number of seconds.
+
+A store that can block until a key changes also implements
+:meth:`Store.watch`; callers test :attr:`Store.supports_watch` first.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Union
+
+__all__ = ["DEFAULT_STORE_TIMEOUT", "Store", "Timeout", "Value", "to_bytes", "to_seconds"]
+
+Value = Union[str, bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alias on 3.10
+Timeout = Union[timedelta, float, int]  # noqa: UP007 - a runtime alias on 3.10
+
+DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)
+
+
+def to_bytes(value: Value) -> bytes:
+    """Convert a store value to bytes (``str`` is encoded as UTF-8).
+
+    Args:
+        value: The value.
+
+    Returns:
+        The value as bytes.
+
+    Raises:
+        TypeError: The value is neither ``str`` nor bytes-like.
+    """
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"store values must be str or bytes, not {type(value).__name__}")
+
+
+def to_seconds(timeout: Timeout, name: str = "timeout") -> float:
+    """Convert a timeout given as ``timedelta`` or seconds to seconds.
+
+    Args:
+        timeout: The timeout.
+        name: The parameter name used in error messages.
+
+    Returns:
+        The timeout in seconds, a finite non-negative float.
+
+    Raises:
+        ValueError: The timeout is negative or not finite.
+        TypeError: The timeout is not a ``timedelta`` or a number.
+    """
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"{name} must be a timedelta or seconds, not {type(timeout).__name__}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{name} must be a finite non-negative duration, got {timeout!r}")
+    return seconds
+
+
+class Store(ABC):
+    """A key-value store with torch's ``Store`` semantics.
+
+    Blocking calls (:meth:`get`, :meth:`wait`, :meth:`multi_get`) give up
+    after the store timeout and raise :class:`rdzv.StoreTimeoutError`; a store
+    whose server is unreachable raises :class:`rdzv.RendezvousConnectionError`.
+    """
+
+    def __init__(self, timeout: Timeout = DEFAULT_STORE_TIMEOUT) -> None:
+        self._timeout = timedelta(seconds=to_seconds(timeout))
+
+    @property
+    def timeout(self) -> timedelta:
+        """The timeout applied to blocking operations."""
+        return self._timeout
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        """Change the timeout applied to blocking operations.
+
+        Args:
+            timeout: A ``timedelta`` or seconds.
+
+        Raises:
+            ValueError: The timeout is negative or not finite.
+        """
+        self._timeout = timedelta(seconds=to_seconds(timeout))
+
+    @property
+    def supports_watch(self) -> bool:
+        """Whether :meth:`watch` blocks on the server instead of raising."""
+        return False
+
+    @abstractmethod
+    def set(self, key: str, value: Value) -> None:
+        """Store ``value`` under ``key``, waking anyone waiting for the key.
+
+        Args:
+            key: The key.
+            value: The value.
+        """
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """Return the value of ``key``, waiting up to the store timeout for it to exist.
+
+        Args:
+            key: The key.
+
+        Returns:
+            The value.
+
+        Raises:
+            StoreTimeoutError: The key did not appear within the timeout.
+        """
+
+    @abstractmethod
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer stored under ``key`` (0 when missing).
+
+        Args:
+            key: The key; its value is kept as ASCII decimal.
+            amount: The increment, possibly negative.
+
+        Returns:
+            The new value.
+
+        Raises:
+            ValueError: The stored value is not an integer.
+        """
+
+    @abstractmethod
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        """Set ``key`` to ``desired`` if its value equals ``expected``.
+
+        torch's rules for a missing key: with an empty ``expected`` the key is
+        created with ``desired`` and ``desired`` is returned; with a non-empty
+        ``expected`` nothing is written and ``expected`` is returned.
+
+        Args:
+            key: The key.
+            expected: The value the key must hold.
+            desired: The value to write.
+
+        Returns:
+            The value of the key after the operation.
+        """
+
+    @abstractmethod
+    def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
+        """Block until every key exists.
+
+        Args:
+            keys: The keys.
+            timeout: Overrides the store timeout for this call.
+
+        Raises:
+            StoreTimeoutError: Not every key existed within the timeout.
+        """
+
+    @abstractmethod
+    def check(self, keys: Sequence[str]) -> bool:
+        """Tell whether every key exists, without waiting.
+
+        Args:
+            keys: The keys.
+
+        Returns:
+            True if all exist.
+        """
+
+    @abstractmethod
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``.
+
+        Args:
+            key: The key.
+
+        Returns:
+            True if the key existed.
+        """
+
+    @abstractmethod
+    def num_keys(self) -> int:
+        """Return the number of keys in the store."""
+
+    @abstractmethod
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Return the values of several keys, waiting for all of them to exist.
+
+        Args:
+            keys: The keys.
+
+        Returns:
+            The values, in the order of ``keys``.
+
+        Raises:
+            StoreTimeoutError: Not every key existed within the store timeout.
+        """
+
+    @abstractmethod
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        """Set several keys at once.
+
+        Args:
+            keys: The keys.
+            values: Their values, as many as ``keys``.
+
+        Raises:
+            ValueError: ``keys`` and ``values`` differ in length.
+        """
+
+    @abstractmethod
+    def append(self, key: str, value: Value) -> None:
+        """Append ``value`` to the value of ``key`` (creating it when missing).
+
+        Args:
+            key: The key.
+            value: The bytes to append.
+        """
+
+    @abstractmethod
+    def list_keys(self) -> list[str]:
+        """Return every key in the store."""
+
+    @abstractmethod
+    def queue_push(self, key: str, value: Value) -> None:
+        """Push ``value`` onto the queue named ``key``.
+
+        Args:
+            key: The queue name.
+            value: The item.
+        """
+
+    @abstractmethod
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Pop the oldest item of the queue named ``key``.
+
+        Args:
+            key: The queue name.
+            block: Wait up to the store timeout for an item when the queue is
+                empty.
+
+        Returns:
+            The item.
+
+        Raises:
+            StoreTimeoutError: The queue stayed empty within the timeout (or
+                was empty and ``block`` is False).
+        """
+
+    @abstractmethod
+    def queue_len(self, key: str) -> int:
+        """Return the number of items in the queue named ``key``.
+
+        Args:
+            key: The queue name.
+
+        Returns:
+            The length (0 for a queue that does not exist).
+        """
+
+    def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:
+        """Block until the value of ``key`` differs from ``previous``.
+
+        Args:
+            key: The key.
+            previous: The value the caller last saw; None means "absent".
+            timeout: How long to wait.
+
+        Returns:
+            The new value (None if the key is absent), or ``previous`` if it
+            did not change within the timeout.
+
+        Raises:
+            NotImplementedError: This store cannot watch (see
+                :attr:`supports_watch`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support watch")
+
+    def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """Release the store's connections; the default does nothing."""

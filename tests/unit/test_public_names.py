@@ -1,0 +1,61 @@
+"""Every public name of torch's rendezvous module and of the tensorplay spec imports from rdzv."""
+
+import importlib
+
+import pytest
+
+import rdzv
+
+SPEC_NAMES = [
+    # errors
+    "RendezvousError",
+    "RendezvousClosedError",
+    "RendezvousTimeoutError",
+    "RendezvousConnectionError",
+    "RendezvousStateError",
+    "RendezvousGracefulExitError",
+    "RendezvousExhaustedError",
+    # api
+    "RendezvousHandler",
+    "RendezvousInfo",
+    "RendezvousStoreInfo",
+    "RendezvousParameters",
+    "RendezvousSettings",
+    "RendezvousTimeout",
+    # registry
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
+    "rendezvous_handler_registry",
+    "create_handler",
+    # backends
+    "RendezvousBackend",
+]
+
+
+def test_all_holds_every_spec_name() -> None:
+    missing = [name for name in SPEC_NAMES if name not in rdzv.__all__]
+    assert missing == []
+
+
+def test_every_name_in_all_imports_and_is_documented() -> None:
+    for name in rdzv.__all__:
+        value = getattr(rdzv, name)
+        if (
+            callable(value)
+            and not isinstance(value, type(rdzv))
+            and name != "RendezvousHandlerCreator"
+        ):
+            assert (value.__doc__ or "").strip(), f"{name} has no docstring"
+
+
+def test_from_import_works_for_all_names() -> None:
+    module = importlib.import_module("rdzv")
+    namespace: dict[str, object] = {}
+    exec("from rdzv import *", namespace)
+    for name in module.__all__:
+        assert name in namespace
+
+
+def test_unknown_attribute_raises_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="NoSuchThing"):
+        rdzv.NoSuchThing  # type: ignore[attr-defined]  # noqa: B018

@@ -1,0 +1,131 @@
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import rdzv
+from rdzv import RendezvousHandler, RendezvousHandlerRegistry, RendezvousParameters
+from tests.unit.test_api import _Handler
+
+
+def _creator(params: RendezvousParameters) -> RendezvousHandler:
+    return _Handler()
+
+
+def _other_creator(params: RendezvousParameters) -> RendezvousHandler:
+    return _Handler()
+
+
+def test_register_and_create() -> None:
+    reg = RendezvousHandlerRegistry(load_entry_points=False)
+    reg.register("fake", _creator)
+    handler = reg.create_handler(RendezvousParameters("fake", "e", "r", 1, 1))
+    assert isinstance(handler, _Handler)
+    assert reg.backends() == {"fake": __name__}
+
+
+def test_register_same_creator_twice_is_fine() -> None:
+    reg = RendezvousHandlerRegistry(load_entry_points=False)
+    reg.register("fake", _creator)
+    reg.register("fake", _creator)
+
+
+def test_register_different_creator_is_rejected() -> None:
+    reg = RendezvousHandlerRegistry(load_entry_points=False)
+    reg.register("fake", _creator)
+    with pytest.raises(ValueError, match=r"'fake'.*already registered"):
+        reg.register("fake", _other_creator)
+
+
+def test_register_empty_name_is_rejected() -> None:
+    reg = RendezvousHandlerRegistry(load_entry_points=False)
+    with pytest.raises(ValueError, match="non-empty"):
+        reg.register("", _creator)
+
+
+def test_unknown_backend_lists_known_ones() -> None:
+    reg = RendezvousHandlerRegistry(load_entry_points=False)
+    reg.register("alpha", _creator)
+    reg.register("beta", _other_creator)
+    with pytest.raises(ValueError, match="'gamma' is not registered; known backends: alpha, beta"):
+        reg.create_handler(RendezvousParameters("gamma", "e", "r", 1, 1))
+
+
+@pytest.fixture
+def plugin_path(tmp_path: Path) -> Iterator[Path]:
+    (tmp_path / "good_rdzv_plugin.py").write_text(
+        textwrap.dedent(
+            """
+            from tests.unit.test_api import _Handler
+            CALLS = []
+            def create(params):
+                CALLS.append(params)
+                return _Handler()
+            """
+        )
+    )
+    dist = tmp_path / "good_rdzv_plugin-1.2.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: good-rdzv-plugin\nVersion: 1.2\n")
+    (dist / "entry_points.txt").write_text(
+        "[rdzv.handlers]\ngood = good_rdzv_plugin:create\nbroken = no_such_module_xyz:create\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield tmp_path
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("good_rdzv_plugin", None)
+
+
+def test_entry_points_load_lazily_once_and_broken_ones_warn(plugin_path: Path) -> None:
+    reg = RendezvousHandlerRegistry()
+    assert "good_rdzv_plugin" not in sys.modules
+    with pytest.warns(RuntimeWarning, match=r"'broken'.*No module named"):
+        handler = reg.create_handler(RendezvousParameters("good", "e", "r", 1, 1))
+    assert isinstance(handler, _Handler)
+    origins = reg.backends()
+    assert "good-rdzv-plugin 1.2" in origins["good"]
+    assert "broken" not in origins
+    module = sys.modules["good_rdzv_plugin"]
+    assert len(module.CALLS) == 1
+    # Loaded once: no second warning.
+    reg.create_handler(RendezvousParameters("good", "e", "r", 1, 1))
+
+
+def test_module_level_registry_and_create_handler() -> None:
+    assert isinstance(rdzv.rendezvous_handler_registry, RendezvousHandlerRegistry)
+    with pytest.raises(ValueError, match="not registered"):
+        rdzv.create_handler(RendezvousParameters("definitely-not-a-backend", "e", "r", 1, 1))
+
+
+def test_cli_version_and_backends() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "rdzv.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == f"rdzv {rdzv.__version__}"
+    out = subprocess.run(
+        [sys.executable, "-m", "rdzv.cli", "backends"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for name, origin in rdzv.rendezvous_handler_registry.backends().items():
+        assert name in out.stdout
+        assert origin in out.stdout
+
+
+def test_cli_without_command_prints_help_and_fails() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "rdzv.cli"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 2
+    assert "backends" in out.stderr
