@@ -8,6 +8,7 @@ import pytest
 
 import rdzv
 from rdzv import RendezvousHandler, RendezvousHandlerRegistry, RendezvousParameters
+from tests.procs import subprocess_env
 from tests.unit.test_api import _Handler
 
 
@@ -105,6 +106,7 @@ def test_module_level_registry_and_create_handler() -> None:
 def test_cli_version_and_backends() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "rdzv.cli", "--version"],
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -113,6 +115,7 @@ def test_cli_version_and_backends() -> None:
     assert out.stdout.strip() == f"rdzv {rdzv.__version__}"
     out = subprocess.run(
         [sys.executable, "-m", "rdzv.cli", "backends"],
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -125,7 +128,12 @@ def test_cli_version_and_backends() -> None:
 
 def test_cli_without_command_prints_help_and_fails() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "rdzv.cli"], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-m", "rdzv.cli"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert out.returncode == 2
     assert "backends" in out.stderr
