@@ -144,7 +144,7 @@ def test_multi_set_and_multi_get(store: Store, uid: str) -> None:
     store.multi_set(keys, [f"v{i}" for i in range(5)])
     assert store.multi_get(keys) == [f"v{i}".encode() for i in range(5)]
     assert store.multi_get(list(reversed(keys[:2]))) == [b"v1", b"v0"]
-    with pytest.raises(ValueError, match="2 keys but 1 values|differ"):
+    with pytest.raises(ValueError, match=r"2 keys but 1 values|differ"):
         store.multi_set(keys[:2], ["x"])
 
 
