@@ -691,8 +691,13 @@ class TCPStoreServer:
 
         Args:
             on_ready: Called once the server is bound, e.g. to print the address.
+
+        Raises:
+            OSError: The address could not be bound.
         """
         asyncio.run(self._main(on_ready, install_signals=True))
+        if self._error is not None:
+            raise self._error
 
     def waiter_count(self) -> int:
         """Return the number of blocked requests (for tests and monitoring)."""
@@ -738,10 +743,10 @@ class TCPStoreServer:
                 backlog=listen_backlog(),
                 ssl=self._ssl_context,
             )
-        except BaseException as exc:
+        except (OSError, ValueError) as exc:
             self._error = exc
             self._ready.set()
-            raise
+            return
         address = sock.getsockname()
         self._bound_host = str(address[0])
         self._port = int(address[1])
