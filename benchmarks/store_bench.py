@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ("set", "get", "add", "compare_set")
@@ -34,7 +35,7 @@ def env() -> dict[str, str]:
     return environ
 
 
-def make_client(kind: str, port: int):  # noqa: ANN201 - a torch or an rdzv store
+def make_client(kind: str, port: int) -> Any:
     if kind == "torch":
         from datetime import timedelta
 
@@ -48,7 +49,7 @@ def make_client(kind: str, port: int):  # noqa: ANN201 - a torch or an rdzv stor
 
 def worker(kind: str, port: int, op: str, duration: float, start_at: float, index: int) -> None:
     store = make_client(kind, port)
-    key = f"bench/{op}/{index}"
+    key = f"bench/{kind}/{op}/{index}"
     if op == "add":
         store.set(key, "0")
     else:
@@ -103,25 +104,17 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
 
 def measure(client: str, port: int, op: str, clients: int, duration: float) -> float:
     start_at = time.time() + 1.0 + 0.3 * clients
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--worker",
-                client,
-                str(port),
-                op,
-                str(duration),
-                str(start_at),
-                str(index),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env(),
-        )  # fmt: skip
-        for index in range(clients)
-    ]
+    procs = []
+    for index in range(clients):
+        argv = [client, str(port), op, str(duration), str(start_at), str(index)]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", *argv],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env(),
+            )
+        )
     total = 0
     for proc in procs:
         out, _ = proc.communicate(timeout=120)
@@ -150,15 +143,19 @@ def main() -> None:
         "torch->rdzv": ("rdzv", "torch"),
     }
     results: dict[tuple[str, str, int], float] = {}
-    for name, (server_kind, client_kind) in setups.items():
-        proc, port = start_server(server_kind)
-        try:
-            for clients in args.clients:
-                for op in OPS:
+    servers = {kind: start_server(kind) for kind in ("torch", "rdzv")}
+    try:
+        # Interleave the setups cell by cell so that a change in the machine's
+        # load during the run affects every column alike.
+        for clients in args.clients:
+            for op in OPS:
+                for name, (server_kind, client_kind) in setups.items():
+                    port = servers[server_kind][1]
                     results[name, op, clients] = measure(
                         client_kind, port, op, clients, args.duration
                     )
-        finally:
+    finally:
+        for proc, _port in servers.values():
             stop_server(proc)
 
     print(
