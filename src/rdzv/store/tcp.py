@@ -218,6 +218,25 @@ class TCPStore(Store):
                 self._call(lambda: None)
             return bool(self._rdzv_server)
 
+    def clone(self) -> TCPStore:
+        """Return a new client of the same server, with its own connection.
+
+        Blocking calls (``get``, ``wait``, ``watch``, ...) hold this client's
+        connection until they return; a thread that must not wait behind
+        them uses a clone.
+
+        Returns:
+            A connected client with the same timeout, secret and TLS context
+            (it never hosts a server).
+        """
+        return TCPStore(
+            self._host,
+            self._port,
+            timeout=self.timeout,
+            auth_token=self._secret,
+            ssl_context=self._ssl_context,
+        )
+
     # -- connection management -----------------------------------------------
 
     def _connect_once(self, remaining: float) -> socket.socket:
