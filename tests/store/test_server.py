@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -81,9 +82,10 @@ def closed_by_peer(sock: socket.socket) -> bool:
 
 
 def healthy(port: int) -> bool:
+    key = f"health-{uuid.uuid4().hex}"
     with TCPStore("127.0.0.1", port, timeout=5) as client:
-        client.set("health", "ok")
-        return client.get("health") == b"ok" and client.add("health-n", 1) > 0
+        client.set(key, "ok")
+        return client.get(key) == b"ok" and client.add(f"{key}-n", 1) == 1
 
 
 @pytest.mark.parametrize(
