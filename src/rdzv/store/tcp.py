@@ -694,14 +694,7 @@ class TCPStore(Store):
                 return previous
             raise ProtocolError(f"unexpected WATCH status {status}")
 
-        with self._lock:
-            if self._rdzv_server is None:
-                self._call(lambda: None)
-            if not self._rdzv_server:
-                raise NotImplementedError(
-                    f"the store at {self._address} is not an rdzv server and cannot watch"
-                )
-            return self._call(watch)
+        return self._call(watch)
 
     def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Return the values of several keys without waiting; None for a missing key.
