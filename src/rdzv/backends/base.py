@@ -141,11 +141,14 @@ class JoinQueueBackend(ABC):
 
     Rules every implementation keeps:
 
-    * :meth:`enqueue` appends atomically and returns the record's 1-based
-      position; positions of one round are distinct and gap-free (1, 2, 3,
-      ...), in the order the backend serialised the appends.
+    * :meth:`enqueue` appends atomically and returns a 1-based position;
+      the positions handed out for one round are distinct and gap-free
+      (1, 2, 3, ...). Positions decide roles (who seals), not admission.
+    * :meth:`queue_records` returns the records in the order the backend
+      serialised the appends; that order never changes (records are only
+      added at the end), and it may differ from the order of positions.
     * Once ``enqueue`` returned ``k``, :meth:`queue_records` returns at least
-      ``k`` records, and its first ``k`` records never change afterwards.
+      ``k`` records, this one among them.
     * :meth:`queue_length` is the number of appended records; it only grows
       until :meth:`drop_queue`.
     * ``enqueue`` is not idempotent: a retry after a lost reply may append
@@ -177,7 +180,7 @@ class JoinQueueBackend(ABC):
 
     @abstractmethod
     def queue_records(self, round_id: int) -> list[bytes]:
-        """Return the records of the queue of ``round_id``, in position order.
+        """Return the records of the queue of ``round_id``, in append order.
 
         Args:
             round_id: The round.
