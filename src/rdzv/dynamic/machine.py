@@ -171,11 +171,21 @@ def start_join(state: RendezvousState | None, now: float) -> JoinProgress:
     return JoinProgress(round_id=0 if state is None else state.next_round, started_at=now)
 
 
-def observe(progress: JoinProgress, queue_length: int, limits: Limits, now: float) -> JoinProgress:
-    """Record what the queue length tells this node.
+def observe(
+    progress: JoinProgress,
+    state: RendezvousState | None,
+    queue_length: int,
+    limits: Limits,
+    now: float,
+) -> JoinProgress:
+    """Record what the state and the queue length tell this node.
+
+    A node waiting behind a full round is on the redundancy list: it may
+    wait indefinitely, so its join clock restarts while the round stays full.
 
     Args:
         progress: The join so far.
+        state: The stored state, or None.
         queue_length: The length of the round's queue, as read.
         limits: The settings.
         now: The monotonic time.
@@ -183,6 +193,13 @@ def observe(progress: JoinProgress, queue_length: int, limits: Limits, now: floa
     Returns:
         The updated progress (the same object when nothing changed).
     """
+    if (
+        state is not None
+        and state.next_round == progress.round_id
+        and len(state.live_participants()) >= limits.max_nodes
+        and progress.started_at != now
+    ):
+        progress = replace(progress, started_at=now)
     if progress.min_seen_at is None and queue_length >= limits.min_nodes:
         progress = replace(progress, min_seen_at=now)
     if progress.max_seen_at is None and queue_length >= limits.max_nodes:
