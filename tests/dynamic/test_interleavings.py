@@ -80,9 +80,7 @@ class World:
         progress = observe(progress, state, length, LIMITS, now)
         action = decide(progress, state, length, node.key, LIMITS, now)
         if isinstance(action, Enqueue):
-            position = self.backend.enqueue(
-                action.round_id, encode_record(JoinRecord(node.key))
-            )
+            position = self.backend.enqueue(action.round_id, encode_record(JoinRecord(node.key)))
             progress = replace(progress, position=position)
         elif isinstance(action, Requeue):
             progress = JoinProgress(action.round_id, progress.started_at)
@@ -133,7 +131,9 @@ class World:
         assert len(running) <= 1, f"two groups run at once: rounds {running}"
 
 
-OPS = st.sampled_from(["step", "step", "step", "spawn", "crash", "rejoin", "tick", "evict", "close"])
+OPS = st.sampled_from(
+    ["step", "step", "step", "spawn", "crash", "rejoin", "tick", "evict", "close"]
+)
 
 
 @settings(max_examples=300, deadline=None)

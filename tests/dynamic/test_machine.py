@@ -55,9 +55,7 @@ def test_closed_run_lets_spares_exit_gracefully() -> None:
     clock = FakeClock()
     full = RendezvousState(0, (A, B, C, D))
     progress = _joined(1, clock, full)
-    assert decide(progress, full.close(), 1, ME, LIMITS, clock()) == Fail(
-        FailReason.GRACEFUL_EXIT
-    )
+    assert decide(progress, full.close(), 1, ME, LIMITS, clock()) == Fail(FailReason.GRACEFUL_EXIT)
     beyond_max = _joined(5, clock)
     assert decide(beyond_max, RendezvousState().close(), 5, ME, LIMITS, clock()) == Fail(
         FailReason.GRACEFUL_EXIT
