@@ -30,6 +30,7 @@ logger (no handlers attached: the application decides where logs go).
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import random
@@ -532,10 +533,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         interval = self._settings.keep_alive_interval.total_seconds()
         check_every = min(interval, max(0.02, self._dead_after / 40))
         failures = 0
-        next_beat = 0.0
+        next_beat = -math.inf
         watched: tuple[int, str] | None = None
         last_mark: bytes | None = None
-        last_change = 0.0
+        last_change = -math.inf
         while not self._keepalive_stop.is_set():
             now = self._clock()
             if now >= next_beat:
