@@ -205,18 +205,12 @@ def test_keep_alive_gives_up_with_a_clear_error(cluster_factory: Callable[..., C
     h = c.handler("k1")
     c.join([h])[0].result(timeout=10)
     c.storage.fail_next(10_000)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            h._check_keepalive()
-        except RendezvousConnectionError as exc:
-            assert "gave up after 3 failed keep-alive" in str(exc)
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    _until(lambda: h._keepalive_error is not None)
     c.storage.fail_next(0)
-    with pytest.raises(RendezvousConnectionError, match="gave up"):
+    with pytest.raises(RendezvousConnectionError, match="gave up after 3 failed keep-alive"):
         h.num_nodes_waiting()
+    with pytest.raises(RendezvousConnectionError, match="gave up"):
+        h.next_rendezvous()
 
 
 def test_closed_run_rejects_joins(cluster_factory: Callable[..., Cluster]) -> None:

@@ -30,8 +30,8 @@ logger (no handlers attached: the application decides where logs go).
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import random
 import secrets
