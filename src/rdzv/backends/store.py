@@ -20,13 +20,17 @@ Keys live under ``rdzv.backend/<run_id>/``. Store failures become
 
 from __future__ import annotations
 
+import importlib
+import ipaddress
 import random
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
+from rdzv.api import RendezvousParameters
 from rdzv.backends.base import (
     JoinQueueBackend,
     LivenessBackend,
@@ -36,7 +40,9 @@ from rdzv.backends.base import (
     validate_node_key,
     validate_record,
 )
+from rdzv.endpoint import parse_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
+from rdzv.net import local_addresses
 from rdzv.store.base import Store
 
 __all__ = [
@@ -45,6 +51,8 @@ __all__ = [
     "StoreJoinQueue",
     "StoreLiveness",
     "TpRendezvousBackend",
+    "create_backend",
+    "endpoint_is_local",
     "poll_backoff",
 ]
 
@@ -193,17 +201,20 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
     Args:
         store: The store; its operations must be atomic across clients.
         run_id: The run identifier; it names the keys.
+        liveness_store: A second client of the same store for heartbeats, so
+            a heartbeat never queues behind a long watch on a client that
+            serialises requests (the TCP store does); ``store`` when None.
 
     Raises:
         ValueError: ``run_id`` is empty or holds whitespace.
     """
 
-    def __init__(self, store: Store, run_id: str) -> None:
+    def __init__(self, store: Store, run_id: str, liveness_store: Store | None = None) -> None:
         if not isinstance(run_id, str) or not run_id or any(c.isspace() for c in run_id):
             raise ValueError(f"run_id must be a non-empty string without whitespace: {run_id!r}")
         prefix = f"rdzv.backend/{run_id}/"
         StoreJoinQueue.__init__(self, store, prefix)
-        StoreLiveness.__init__(self, store, prefix)
+        StoreLiveness.__init__(self, liveness_store or store, prefix)
         self._store = store
         self._run_id = run_id
         self._key = f"{prefix}state"
@@ -274,6 +285,91 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
             time.sleep(min(remaining, poll_backoff(attempt)))
             attempt += 1
 
+    def close(self) -> None:
+        """Close the heartbeat client when it is a separate one."""
+        if self._liveness_store is not self._store:
+            self._liveness_store.close()
+
 
 P10dRendezvousBackend = C10dRendezvousBackend
 TpRendezvousBackend = C10dRendezvousBackend
+
+
+DEFAULT_READ_TIMEOUT = 60.0
+
+
+def _addresses_of(host: str) -> set[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return set()
+    return {str(info[4][0]).split("%", 1)[0] for info in infos}
+
+
+def endpoint_is_local(host: str) -> bool:
+    """Tell whether ``host`` names this machine (IPv4 or IPv6; no reverse DNS).
+
+    Args:
+        host: A host name or numeric address.
+
+    Returns:
+        True when one of its ``getaddrinfo`` addresses is one of this
+        machine's addresses or a loopback address.
+    """
+    found = _addresses_of(host)
+    if any(ipaddress.ip_address(addr).is_loopback for addr in found):
+        return True
+    return bool(found & set(local_addresses()))
+
+
+def _tcp_store(host: str, port: int, is_master: bool, timeout: float) -> Store:
+    tcp = importlib.import_module("rdzv.store.tcp")
+    store: Store = tcp.TCPStore(host, port, is_master=is_master, timeout=timeout)
+    return store
+
+
+def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend, Store]:
+    """Build the store backend and its store from rendezvous parameters.
+
+    Recognised ``params.config`` keys: ``store_type`` (``tcp``, the only
+    one), ``read_timeout`` (60 s: the store's timeout for blocking reads),
+    and ``is_host`` (host the TCP store server in this process). When
+    ``is_host`` is absent it is inferred: this node hosts when the endpoint
+    host resolves (``getaddrinfo``, IPv4 and IPv6) to one of this machine's
+    addresses; if binding then fails (another local process hosts it), the
+    node connects as a client instead.
+
+    Args:
+        params: The parameters; ``endpoint`` is ``host[:port]`` (29400 by
+            default) and ``run_id`` names the keys.
+
+    Returns:
+        ``(backend, store)``.
+
+    Raises:
+        ValueError: ``store_type`` is not ``tcp`` or another option is invalid.
+        RendezvousConnectionError: The store could not be reached or hosted.
+    """
+    store_type = str(params.get("store_type", "tcp")).strip().lower()
+    if store_type != "tcp":
+        raise ValueError(
+            f"the store backend supports store_type 'tcp' only, got {params.get('store_type')!r}"
+        )
+    host, port = parse_endpoint(params.endpoint)
+    timeout = params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
+    explicit = params.get_as_bool("is_host")
+    is_host = endpoint_is_local(host) if explicit is None else explicit
+    store: Store
+    if is_host:
+        try:
+            store = _tcp_store(host, port, True, timeout)
+        except (OSError, RendezvousConnectionError) as exc:
+            if explicit:
+                raise RendezvousConnectionError(
+                    f"could not host the rendezvous store on port {port}: {exc}"
+                ) from exc
+            store = _tcp_store(host, port, False, timeout)
+    else:
+        store = _tcp_store(host, port, False, timeout)
+    liveness = _tcp_store(host, port, False, timeout)
+    return C10dRendezvousBackend(store, params.run_id, liveness_store=liveness), store

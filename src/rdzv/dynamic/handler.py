@@ -57,7 +57,7 @@ from rdzv.backends.base import (
     Token,
     WatchableBackend,
 )
-from rdzv.backends.store import StoreJoinQueue, StoreLiveness, poll_backoff
+from rdzv.backends.store import StoreJoinQueue, StoreLiveness, create_backend, poll_backoff
 from rdzv.dynamic.machine import (
     Complete,
     Enqueue,
@@ -95,7 +95,7 @@ from rdzv.net import primary_address
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 
-__all__ = ["DynamicRendezvousHandler", "create_handler"]
+__all__ = ["DynamicRendezvousHandler", "create_c10d_handler", "create_handler"]
 
 LOGGER = logging.getLogger("rdzv.dynamic")
 
@@ -618,3 +618,23 @@ def create_handler(
         attempts,
         node_rank=params.node_rank,
     )
+
+
+def create_c10d_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """Build a handler over the TCP store backend (registered as ``c10d``, ``p10d``, ``core``, ``tcp``).
+
+    The first node whose host matches the endpoint hosts the store.
+
+    Args:
+        params: The rendezvous parameters (see :func:`rdzv.backends.store.create_backend`
+            and :func:`create_handler` for the config keys).
+
+    Returns:
+        The handler.
+
+    Raises:
+        ValueError: A parameter is invalid.
+        RendezvousConnectionError: The store could not be reached or hosted.
+    """
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)
