@@ -533,7 +533,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         interval = self._settings.keep_alive_interval.total_seconds()
         check_every = min(interval, max(0.02, self._dead_after / 40))
         failures = 0
-        next_beat = -math.inf
+        # The first beat is due one interval after joining: an observer only
+        # starts judging a node when a round completes, and a round that
+        # forms within one interval needs no heartbeat traffic at all.
+        next_beat = self._clock() + interval
         watched: tuple[int, str] | None = None
         last_mark: bytes | None = None
         last_change = -math.inf
