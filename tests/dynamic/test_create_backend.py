@@ -1,6 +1,5 @@
 """create_backend / the registry entries for the store backend."""
 
-import importlib.util
 import socket
 from collections.abc import Iterator
 
@@ -10,11 +9,6 @@ import rdzv
 from rdzv.api import RendezvousParameters
 from rdzv.backends.store import C10dRendezvousBackend, create_backend, endpoint_is_local
 from rdzv.dynamic.handler import DynamicRendezvousHandler
-
-needs_tcp = pytest.mark.skipif(
-    importlib.util.find_spec("rdzv.store.tcp") is None,
-    reason="the TCP store lands with the store issue",
-)
 
 
 def test_loopback_and_local_names_are_local() -> None:
@@ -60,7 +54,6 @@ def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
             handler._store.close()
 
 
-@needs_tcp
 @pytest.mark.timeout(30)
 def test_create_handler_just_works(handlers: list[DynamicRendezvousHandler]) -> None:
     endpoint = f"127.0.0.1:{_free_port()}"
@@ -78,7 +71,6 @@ def test_create_handler_just_works(handlers: list[DynamicRendezvousHandler]) -> 
     assert handler.get_backend() == "c10d"
 
 
-@needs_tcp
 @pytest.mark.timeout(30)
 def test_explicit_host_that_cannot_bind_is_an_error(
     handlers: list[DynamicRendezvousHandler],

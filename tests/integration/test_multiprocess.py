@@ -14,8 +14,6 @@ import pytest
 from tests.integration.conftest import Agent
 from tests.procs import subprocess_env
 
-pytest.importorskip("rdzv.store.tcp", reason="the TCP store lands with the store issue")
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 CLIENT = ("--is-host", "false")

@@ -20,7 +20,6 @@ Keys live under ``rdzv.backend/<run_id>/``. Store failures become
 
 from __future__ import annotations
 
-import importlib
 import ipaddress
 import random
 import secrets
@@ -323,9 +322,9 @@ def endpoint_is_local(host: str) -> bool:
 
 
 def _tcp_store(host: str, port: int, is_master: bool, timeout: float) -> Store:
-    tcp = importlib.import_module("rdzv.store.tcp")
-    store: Store = tcp.TCPStore(host, port, is_master=is_master, timeout=timeout)
-    return store
+    from rdzv.store.tcp import TCPStore  # noqa: PLC0415 - imported only when used
+
+    return TCPStore(host, port, is_master=is_master, timeout=timeout)
 
 
 def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend, Store]:
