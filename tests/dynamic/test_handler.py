@@ -69,7 +69,7 @@ class Cluster:
             self.max_nodes,
             local_addr=addr,
             timeout=self.timeout,
-            keep_alive_interval=0.1,
+            keep_alive_interval=0.2,
             keep_alive_max_attempt=3,
             node_rank=node_rank,
             clock=clock,
@@ -178,7 +178,7 @@ def test_member_dead_after_completion_is_detected(cluster_factory: Callable[...,
     c = cluster_factory(2, 3)
     nodes = [c.handler(f"d{i}") for i in range(3)]
     [f.result(timeout=10) for f in c.join(nodes)]
-    time.sleep(0.5)  # a few heartbeat periods: nobody is wrongly evicted
+    time.sleep(1.3)  # two dead-node timeouts (0.2 s x 3): nobody is wrongly evicted
     assert all(h.num_nodes_waiting() == 0 for h in nodes)
     nodes[1].pre_shutdown()  # stops heart-beating, as a SIGKILLed node would
     _until(lambda: nodes[0].num_nodes_waiting() > 0 and nodes[2].num_nodes_waiting() > 0)
@@ -194,7 +194,7 @@ def test_clock_skew_neither_kills_the_living_nor_saves_the_dead(
     skewed = c.handler("s0", clock=lambda: time.monotonic() + 3600.0)
     normal = [c.handler("s1"), c.handler("s2", clock=lambda: time.monotonic() - 3600.0)]
     [f.result(timeout=10) for f in c.join([skewed, *normal])]
-    time.sleep(0.8)  # > 2 dead-node timeouts
+    time.sleep(1.3)  # > 2 dead-node timeouts (0.2 s x 3)
     assert all(h.num_nodes_waiting() == 0 for h in [skewed, *normal])
     skewed.pre_shutdown()
     _until(lambda: normal[0].num_nodes_waiting() > 0)

@@ -47,6 +47,9 @@ def main() -> int:
     )
     parser.add_argument("--close-after", type=float, default=None)
     parser.add_argument("--clock-skew", type=float, default=0.0)
+    parser.add_argument(
+        "--wait-go", action="store_true", help="read a line from stdin before joining"
+    )
     args = parser.parse_args()
 
     logger = logging.getLogger("rdzv.dynamic")
@@ -68,6 +71,9 @@ def main() -> int:
     if args.clock_skew:
         skew = args.clock_skew
         handler._clock = lambda: time.monotonic() + skew  # type: ignore[attr-defined]
+    if args.wait_go:
+        emit(event="ready")
+        sys.stdin.readline()
     started = time.monotonic()
     if args.rounds == 0 and args.close_after is not None:
         handler.set_closed()

@@ -23,6 +23,7 @@ class Agent:
     def __init__(self, args: list[str]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.agent", *args],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=subprocess_env(),
@@ -63,6 +64,12 @@ class Agent:
                     )
                 self._cond.wait(min(remaining, 0.2))
 
+    def go(self) -> None:
+        self.wait_for(lambda i: i["event"] == "ready")
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
     def rounds(self) -> list[dict[str, Any]]:
         with self._cond:
             return [i for i in self.lines if i["event"] == "round"]
@@ -87,7 +94,7 @@ class Agent:
     def stop(self) -> None:
         self.kill()
         self._reader.join(timeout=10)
-        for stream in (self.proc.stdout, self.proc.stderr):
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
 

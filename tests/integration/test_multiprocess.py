@@ -54,10 +54,13 @@ def test_formation_and_max_completes_at_once(
 
 
 def test_last_call_admits_a_straggler(agents: Callable[..., Agent], store_endpoint: str) -> None:
-    common = ("--endpoint", store_endpoint, "--min", "2", "--max", "4", "--last-call", "3", *CLIENT)
+    common = ("--endpoint", store_endpoint, "--min", "2", "--max", "4", "--last-call", "2", *CLIENT)
+    third = agents(*common, "--wait-go")  # started early: its start-up is not timed
+    third.wait_for(lambda i: i["event"] == "ready")
     first = [agents(*common), agents(*common)]
-    first[0].wait_for(lambda i: i.get("action") == "enqueue")
-    third = agents(*common)
+    for agent in first:
+        agent.wait_for(lambda i: i.get("action") == "enqueue")
+    third.go()  # arrives after min_nodes joined, within the last call
     _same_round([_round(a, 3) for a in [*first, third]])
 
 
@@ -133,14 +136,17 @@ def test_sigkill_after_completion_triggers_a_new_round(
 def test_skewed_clocks_do_not_evict_the_living_nor_keep_the_dead(
     agents: Callable[..., Agent], store_endpoint: str
 ) -> None:
-    common = ("--endpoint", store_endpoint, "--min", "2", "--max", "3", *CLIENT, "--rounds", "2")
+    common = (
+        "--endpoint", store_endpoint, "--min", "2", "--max", "3", "--interval", "0.4",
+        *CLIENT, "--rounds", "2",
+    )  # fmt: skip
     nodes = [
         agents(*common, "--addr", "127.0.0.1", "--clock-skew", "3600"),
         agents(*common, "--addr", "127.0.0.2", "--clock-skew", "-3600"),
         agents(*common, "--addr", "127.0.0.3"),
     ]
     _same_round([_round(a, 3) for a in nodes])
-    time.sleep(2.0)  # > 3 dead-node timeouts (0.2 s x 3)
+    time.sleep(2.5)  # > 2 dead-node timeouts (0.4 s x 3)
     for a in nodes:
         assert not any(i["event"] == "waiting" for i in a.lines), a.lines
         assert not any(i.get("action") in ("dead", "evict") for i in a.lines), a.lines
