@@ -289,3 +289,17 @@ def test_backend_name_and_run_id(cluster_factory: Callable[..., Cluster]) -> Non
     assert threading.active_count() == thread_count + 1  # the keep-alive thread
     h.shutdown()
     assert threading.active_count() == thread_count
+
+
+def test_a_round_whose_members_all_died_does_not_block_the_next(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(2, 2)
+    old = [c.handler("o1"), c.handler("o2")]
+    [f.result(timeout=10) for f in c.join(old)]
+    for h in old:
+        h.pre_shutdown()  # both stop heart-beating: the whole job crashed
+    fresh = [c.handler("f1"), c.handler("f2")]
+    infos = [f.result(timeout=10) for f in c.join(fresh)]
+    _check_round(infos)
+    assert infos[0].participants == ("f1", "f2")

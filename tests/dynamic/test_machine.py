@@ -197,3 +197,43 @@ def test_plan_seal_admits_at_most_max() -> None:
 )
 def test_nodes_waiting(state: RendezvousState | None, queued: int, expected: int) -> None:
     assert nodes_waiting(state, queued, ME, LIMITS) == expected
+
+
+def test_judge_marks_uses_only_the_observers_clock() -> None:
+    from rdzv.dynamic.machine import judge_marks
+
+    clock = FakeClock(start=-5000.0)  # any origin: only differences matter
+    watches, dead = judge_marks({}, {A: b"1", B: None}, clock(), 3.0)
+    assert dead == []
+    clock.advance(2.5)
+    watches, dead = judge_marks(watches, {A: b"2", B: None}, clock(), 3.0)
+    assert dead == []
+    clock.advance(0.5)
+    watches, dead = judge_marks(watches, {A: b"2", B: None}, clock(), 3.0)
+    assert dead == [B]  # B never beat for 3 s of the observer's clock
+    assert A in watches and B not in watches
+    clock.advance(2.0)
+    watches, dead = judge_marks(watches, {A: b"2"}, clock(), 3.0)
+    assert dead == []  # A changed 2.5 s ago
+    clock.advance(0.5)
+    _, dead = judge_marks(watches, {A: b"2"}, clock(), 3.0)
+    assert dead == [A]
+
+
+def test_successor_ring_skips_evicted_members() -> None:
+    from rdzv.dynamic.machine import successor_of
+
+    state = RendezvousState(0, (A, B, C))
+    assert successor_of(state, A) == B
+    assert successor_of(state, C) == A
+    assert successor_of(state.evict([B]), A) == C
+    assert successor_of(state.evict([B, C]), A) is None
+    assert successor_of(state, ME) is None
+
+
+def test_missing_members() -> None:
+    from rdzv.dynamic.machine import missing_members
+
+    state = RendezvousState(0, (A, B, C)).evict([C])
+    assert missing_members(None, [JoinRecord(A)]) == []
+    assert missing_members(state, [JoinRecord(A), JoinRecord(D)]) == [B]

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -65,14 +64,18 @@ from rdzv.dynamic.machine import (
     FailReason,
     JoinProgress,
     Limits,
+    MarkWatch,
     Requeue,
     Seal,
     Wait,
     decide,
+    judge_marks,
+    missing_members,
     nodes_waiting,
     observe,
     plan_seal,
     start_join,
+    successor_of,
 )
 from rdzv.dynamic.state import (
     JoinRecord,
@@ -314,6 +317,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         progress = start_join(state, now)
         queue_length = 0
         attempt = 0
+        missing: list[str] = []
+        watches: dict[str, MarkWatch] = {}
         self._event("join", progress.round_id)
         while True:
             progress = observe(progress, state, queue_length, self._limits, now)
@@ -334,13 +339,22 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 progress = JoinProgress(action.round_id, progress.started_at)
                 queue_length = 0
             elif isinstance(action, Seal):
-                state, token, progress = self._seal(state, token, progress, queue_length)
+                state, token, progress, missing = self._seal(state, token, progress, queue_length)
             elif isinstance(action, Wait):
                 remaining = max(0.0, action.deadline - now)
                 if action.on_queue:
                     queue_length = self._queue.wait_queue_length(
                         progress.round_id, queue_length, min(remaining, _QUEUE_WAIT_CAP)
                     )
+                    if missing and state is not None:
+                        # The seal waits for members of the last round: judge
+                        # them here too, or a round whose members all died
+                        # would block the next one.
+                        marks = {n: self._liveness.heartbeat_mark(n) for n in missing}
+                        watches, dead = judge_marks(watches, marks, self._clock(), self._dead_after)
+                        if dead:
+                            self._event("dead", state.round, suspects=dead)
+                            self._evict(dead, state.round)
                     state, token = self._read()
                 else:
                     state, token = self._wait_state(token, min(remaining, _STATE_WAIT_CAP), attempt)
@@ -354,23 +368,24 @@ class DynamicRendezvousHandler(RendezvousHandler):
         token: Token | None,
         progress: JoinProgress,
         queue_length: int,
-    ) -> tuple[RendezvousState | None, Token | None, JoinProgress]:
+    ) -> tuple[RendezvousState | None, Token | None, JoinProgress, list[str]]:
         round_id = progress.round_id
         records = [decode_record(r) for r in self._queue.queue_records(round_id)]
         plan = plan_seal(state, round_id, records, self._limits)
         if plan is None:
-            self._event("seal-deferred", round_id, queued=len(records))
-            return state, token, replace(progress, blocked=(queue_length, state))
+            missing = missing_members(state, records)
+            self._event("seal-deferred", round_id, queued=len(records), missing=len(missing))
+            return state, token, replace(progress, blocked=(queue_length, state)), missing
         result = self._backend.set_state(encode_state(plan), token)
         if result is None:
-            return None, None, progress
+            return None, None, progress, []
         new_state, new_token, written = result
         if written:
             self._event("sealed", round_id, world_size=len(plan.participants))
             if round_id >= 2:
                 self._queue.drop_queue(round_id - 2)
-            return plan, new_token, progress
-        return decode_state(new_state), new_token, progress
+            return plan, new_token, progress, []
+        return decode_state(new_state), new_token, progress, []
 
     def _fail(self, reason: FailReason, progress: JoinProgress) -> None:
         self._event("fail", progress.round_id, reason=reason.value)
@@ -487,7 +502,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 member = self._member_of
                 self._member_of = None
             if member is not None:
-                self._evict(self._node, member.round)
+                self._evict([self._node], member.round)
             self._liveness.forget(self._node)
         except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
             LOGGER.warning("rdzv shutdown of %s did not reach the backend: %s", self._node, exc)
@@ -497,16 +512,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     # -- keep-alive ---------------------------------------------------------
 
-    def _evict(self, node: str, round_id: int) -> bool:
+    def _evict(self, nodes: Sequence[str], round_id: int) -> bool:
+        """Remove ``nodes`` from the live members of ``round_id`` with one compare-and-set."""
         for attempt in range(_CAS_ATTEMPTS):
             state, token = self._read()
             if state is None or state.round != round_id or state.closed:
                 return False
-            if state.rank_of(node) is None:
+            members = [n for n in nodes if state.rank_of(n) is not None]
+            if not members:
                 return False
-            result = self._backend.set_state(encode_state(state.evict([node])), token)
+            result = self._backend.set_state(encode_state(state.evict(members)), token)
             if result is not None and result[2]:
-                self._event("evict", round_id, evicted=node)
+                self._event("evict", round_id, evicted=members)
                 return True
             time.sleep(poll_backoff(attempt, cap=0.1))
         return False
@@ -537,9 +554,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # starts judging a node when a round completes, and a round that
         # forms within one interval needs no heartbeat traffic at all.
         next_beat = self._clock() + interval
-        watched: tuple[int, str] | None = None
-        last_mark: bytes | None = None
-        last_change = -math.inf
+        watched_round = -1
+        watches: dict[str, MarkWatch] = {}
         while not self._keepalive_stop.is_set():
             now = self._clock()
             if now >= next_beat:
@@ -558,31 +574,23 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 next_beat = now + interval
             with self._lock:
                 member = self._member_of
-            successor = _successor(member, self._node) if member is not None else None
-            if successor is None or member is None:
-                watched = None
-            else:
+            successor = successor_of(member, self._node) if member is not None else None
+            if member is not None and successor is not None:
+                if member.round != watched_round:
+                    watched_round, watches = member.round, {}
                 try:
-                    mark = self._liveness.heartbeat_mark(successor)
-                    if watched != (member.round, successor) or mark != last_mark:
-                        watched, last_mark, last_change = (member.round, successor), mark, now
-                    elif now - last_change >= self._dead_after:
-                        self._event("dead", member.round, suspect=successor)
-                        self._evict(successor, member.round)
-                        with self._lock:
-                            if self._member_of is member:
-                                self._member_of = member.evict([successor])
-                        watched = None
+                    marks = {successor: self._liveness.heartbeat_mark(successor)}
                 except RendezvousConnectionError as exc:
                     self._event("watch-failed", member.round, error=str(exc))
+                else:
+                    watches, dead = judge_marks(watches, marks, now, self._dead_after)
+                    if dead:
+                        self._event("dead", member.round, suspects=dead)
+                        self._evict(dead, member.round)
+                        with self._lock:
+                            if self._member_of is member:
+                                self._member_of = member.evict(dead)
             self._keepalive_stop.wait(check_every * (0.75 + random.random() / 2))
-
-
-def _successor(state: RendezvousState, node: str) -> str | None:
-    live = state.live_participants()
-    if node not in live or len(live) < 2:
-        return None
-    return live[(live.index(node) + 1) % len(live)]
 
 
 def create_handler(

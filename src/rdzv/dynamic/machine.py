@@ -23,7 +23,12 @@ Exclusivity: round ``r + 1`` is sealed only when every live participant of
 round ``r`` has enqueued for it (so two groups never run at once); members
 re-join when :func:`nodes_waiting` says someone waits, and a dead member is
 evicted from round ``r`` by a compare-and-set that also makes survivors
-re-join. This module decides; ``rdzv.dynamic.handler`` acts.
+re-join. Death is judged by :func:`judge_marks` on the observer's own
+monotonic clock: a member watches its ring successor (:func:`successor_of`),
+and a node whose seal waits for members that have not re-joined
+(:func:`missing_members`) watches those, so a round whose members all died
+does not block the next one. This module decides; ``rdzv.dynamic.handler``
+acts.
 
 Every function here is pure: inputs are the state, what this node knows of
 its join (:class:`JoinProgress`), an observation of the queue, the
@@ -33,7 +38,7 @@ settings and ``now`` from an injected monotonic clock.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from rdzv.dynamic.state import JoinRecord, RendezvousState, assign_ranks
@@ -46,14 +51,18 @@ __all__ = [
     "FailReason",
     "JoinProgress",
     "Limits",
+    "MarkWatch",
     "Requeue",
     "Seal",
     "Wait",
     "decide",
+    "judge_marks",
+    "missing_members",
     "nodes_waiting",
     "observe",
     "plan_seal",
     "start_join",
+    "successor_of",
 ]
 
 
@@ -279,10 +288,9 @@ def plan_seal(
         than ``min_nodes`` distinct nodes, or a live member of the previous
         round has not re-joined.
     """
-    previous = state.live_participants() if state is not None else ()
-    joined = {r.node for r in records}
-    if any(n not in joined for n in previous):
+    if missing_members(state, records):
         return None
+    previous = state.live_participants() if state is not None else ()
     participants = assign_ranks(records, previous, limits.max_nodes)
     if len(participants) < limits.min_nodes:
         return None
@@ -313,3 +321,84 @@ def nodes_waiting(
     evicted = len(state.participants) - live
     waiting = next_queue_length if live < limits.max_nodes else 0
     return waiting + evicted
+
+
+@dataclass(frozen=True)
+class MarkWatch:
+    """When an observer last saw a node's heartbeat mark change.
+
+    Attributes:
+        mark: The mark it saw.
+        since: The observer's monotonic time when it first saw that mark.
+    """
+
+    mark: bytes | None
+    since: float
+
+
+def judge_marks(
+    watches: Mapping[str, MarkWatch],
+    marks: Mapping[str, bytes | None],
+    now: float,
+    dead_after: float,
+) -> tuple[dict[str, MarkWatch], list[str]]:
+    """Judge nodes dead or alive from their heartbeat marks, on the observer's clock.
+
+    A node is dead when its mark has not changed for ``dead_after`` seconds
+    of the observer's monotonic clock. Nobody's wall clock is involved, so
+    skewed clocks neither kill a living node nor keep a dead one alive.
+
+    Args:
+        watches: What the observer saw before, by node.
+        marks: The marks just read, by node (only these nodes are judged).
+        now: The observer's monotonic time.
+        dead_after: The dead-node timeout, in seconds.
+
+    Returns:
+        ``(watches, dead)``: the updated watches of the nodes still judged
+        alive, and the nodes judged dead.
+    """
+    updated: dict[str, MarkWatch] = {}
+    dead: list[str] = []
+    for node, mark in marks.items():
+        seen = watches.get(node)
+        if seen is None or seen.mark != mark:
+            updated[node] = MarkWatch(mark, now)
+        elif now - seen.since >= dead_after:
+            dead.append(node)
+        else:
+            updated[node] = seen
+    return updated, dead
+
+
+def successor_of(state: RendezvousState, node: str) -> str | None:
+    """Return the live participant after ``node`` in rank order, wrapping around.
+
+    Args:
+        state: The round (as this member knows it).
+        node: This member.
+
+    Returns:
+        The member ``node`` watches, or None when it is not a live member or
+        is alone.
+    """
+    live = state.live_participants()
+    if node not in live or len(live) < 2:
+        return None
+    return live[(live.index(node) + 1) % len(live)]
+
+
+def missing_members(state: RendezvousState | None, records: Sequence[JoinRecord]) -> list[str]:
+    """Return the live members of the last round that have not re-joined.
+
+    Args:
+        state: The stored state, or None.
+        records: The join records of the next round.
+
+    Returns:
+        Their node keys, in rank order.
+    """
+    if state is None:
+        return []
+    joined = {r.node for r in records}
+    return [n for n in state.live_participants() if n not in joined]
