@@ -1,4 +1,4 @@
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -18,27 +18,48 @@ class _NoWatchStore(HashStore):
 
 
 class StoreHarness(BackendHarness):
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, client: Callable[[], Store] | None = None) -> None:
         self.store = store
+        self.client = client
+        self.clients: list[Store] = []
+
+    def _client(self) -> Store:
+        if self.client is None:
+            return self.store
+        store = self.client()
+        self.clients.append(store)
+        return store
 
     def connect(self) -> RendezvousBackend:
-        return C10dRendezvousBackend(self.store, "run1")
+        return C10dRendezvousBackend(self._client(), "run1")
 
     def connect_other_run(self) -> RendezvousBackend:
-        return C10dRendezvousBackend(self.store, "run2")
+        return C10dRendezvousBackend(self._client(), "run2")
 
     def corrupt_state(self) -> None:
         self.store.set("rdzv.backend/run1/state", b"\x80\x04garbage")
 
+    def close(self) -> None:
+        for store in self.clients:
+            store.close()
 
-@pytest.fixture(params=["watch", "poll"])
+
+@pytest.fixture(params=["watch", "poll", "tcp"])
 def harness(request: pytest.FixtureRequest) -> Iterator[StoreHarness]:
-    store = HashStore(timeout=10) if request.param == "watch" else _NoWatchStore(timeout=10)
-    h = StoreHarness(store)
+    if request.param == "tcp":
+        from rdzv.store.tcp import TCPStore
+
+        host = TCPStore("127.0.0.1", 0, is_master=True, timeout=10)
+        h = StoreHarness(host, lambda: TCPStore("127.0.0.1", host.port, timeout=10))
+    else:
+        store = HashStore(timeout=10) if request.param == "watch" else _NoWatchStore(timeout=10)
+        host = store
+        h = StoreHarness(store)
     try:
         yield h
     finally:
         h.close()
+        host.close()
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
