@@ -12,7 +12,12 @@ from collections.abc import Sequence
 
 import rdzv
 from rdzv.registry import rendezvous_handler_registry
-from rdzv.store.server import serve_main
+from rdzv.store.server import (
+    DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    serve_main,
+)
 
 __all__ = ["main"]
 
@@ -36,6 +41,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             auth_token_file=args.auth_token_file,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
+            max_connections=args.max_connections,
+            frame_timeout=args.frame_timeout,
+            idle_timeout=args.idle_timeout,
         )
     except (OSError, ValueError) as exc:
         print(f"rdzv serve: {exc}", file=sys.stderr)
@@ -64,9 +72,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default=None, help="address to listen on (default: all, dual stack)"
     )
     serve.add_argument("--port", type=int, default=29400, help="port (0 picks a free one)")
-    serve.add_argument("--auth-token-file", help="file holding the shared secret clients must know")
+    serve.add_argument(
+        "--auth-token-file",
+        help="file holding the shared secret clients must know (default: $RDZV_AUTH_TOKEN)",
+    )
     serve.add_argument("--tls-cert", help="PEM certificate chain (enables TLS with --tls-key)")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="most client connections at once; more are closed (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--frame-timeout",
+        type=float,
+        default=DEFAULT_FRAME_TIMEOUT,
+        help="seconds a started request or the handshake may take (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT,
+        help="close connections idle this long, never those blocked in a wait (default: off)",
+    )
     serve.set_defaults(func=_cmd_serve)
     return parser
 

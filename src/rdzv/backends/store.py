@@ -30,6 +30,7 @@ from functools import partial
 from typing import TypeVar
 
 from rdzv.api import RendezvousParameters
+from rdzv.auth import resolve_auth_token
 from rdzv.backends.base import (
     JoinQueueBackend,
     LivenessBackend,
@@ -321,10 +322,12 @@ def endpoint_is_local(host: str) -> bool:
     return bool(found & set(local_addresses()))
 
 
-def _tcp_store(host: str, port: int, is_master: bool, timeout: float) -> Store:
+def _tcp_store(
+    host: str, port: int, is_master: bool, timeout: float, auth_token: bytes | None
+) -> Store:
     from rdzv.store.tcp import TCPStore  # noqa: PLC0415 - imported only when used
 
-    return TCPStore(host, port, is_master=is_master, timeout=timeout)
+    return TCPStore(host, port, is_master=is_master, timeout=timeout, auth_token=auth_token)
 
 
 def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend, Store]:
@@ -332,7 +335,10 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
 
     Recognised ``params.config`` keys: ``store_type`` (``tcp``, the only
     one), ``read_timeout`` (60 s: the store's timeout for blocking reads),
-    and ``is_host`` (host the TCP store server in this process). When
+    ``auth_token_file`` (a file holding the store's shared secret; without
+    it the ``RDZV_AUTH_TOKEN`` environment variable is read, and with
+    neither the store is unauthenticated), and ``is_host`` (host the TCP
+    store server in this process). When
     ``is_host`` is absent it is inferred: this node hosts when the endpoint
     host resolves (``getaddrinfo``, IPv4 and IPv6) to one of this machine's
     addresses; if binding then fails (another local process hosts it), the
@@ -347,7 +353,9 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
 
     Raises:
         ValueError: ``store_type`` is not ``tcp`` or another option is invalid.
+        OSError: ``auth_token_file`` cannot be read.
         RendezvousConnectionError: The store could not be reached or hosted.
+        StoreAuthenticationError: The store refused the secret, or needs one.
     """
     store_type = str(params.get("store_type", "tcp")).strip().lower()
     if store_type != "tcp":
@@ -356,19 +364,21 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
         )
     host, port = parse_endpoint(params.endpoint)
     timeout = params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
+    token_file = params.get("auth_token_file")
+    auth_token = resolve_auth_token(None if token_file is None else str(token_file))
     explicit = params.get_as_bool("is_host")
     is_host = endpoint_is_local(host) if explicit is None else explicit
     store: Store
     if is_host:
         try:
-            store = _tcp_store(host, port, True, timeout)
+            store = _tcp_store(host, port, True, timeout, auth_token)
         except (OSError, RendezvousConnectionError) as exc:
             if explicit:
                 raise RendezvousConnectionError(
                     f"could not host the rendezvous store on port {port}: {exc}"
                 ) from exc
-            store = _tcp_store(host, port, False, timeout)
+            store = _tcp_store(host, port, False, timeout, auth_token)
     else:
-        store = _tcp_store(host, port, False, timeout)
-    liveness = _tcp_store(host, port, False, timeout)
+        store = _tcp_store(host, port, False, timeout, auth_token)
+    liveness = _tcp_store(host, port, False, timeout, auth_token)
     return C10dRendezvousBackend(store, params.run_id, liveness_store=liveness), store

@@ -28,6 +28,23 @@ on its way: the cancel is answered even when no waiter is left. A waiter also
 leaves the index when its connection closes, and the rdzv-only waiters carry
 their own timeout.
 
+Limits against misbehaving peers
+--------------------------------
+Each limit has a named default and a constructor parameter. A connection past
+``max_connections`` is closed as soon as it is accepted. Accepted TCP sockets
+get kernel keepalive probes (``tcp_keepalive`` seconds of silence before the
+first), so a peer that vanished without a FIN (half-open) is found even while
+it is blocked in a long ``WAIT``. One sweeper task checks every connection
+periodically: a request whose first byte arrived more than ``frame_timeout``
+seconds ago and is still incomplete (a slow writer, one byte a second) ends
+the connection, as does a handshake not finished within ``frame_timeout``;
+with ``idle_timeout`` set, a connection that has no request pending, no
+partial frame buffered and no blocked request of its own for that long is
+closed too. A connection blocked in a ``WAIT``/``WATCH``/``BARRIER`` it asked
+for is never idle: it is waiting for the server, not the other way round.
+Oversize keys, values and key counts are refused by the parser as soon as
+their length prefix is readable.
+
 The server runs either in a background thread of the current process
 (:meth:`TCPStoreServer.start`, what ``TCPStore(is_master=True)`` does) or in
 the foreground until a signal (:meth:`TCPStoreServer.serve`, what
@@ -47,11 +64,13 @@ import signal
 import socket
 import ssl
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from rdzv.auth import resolve_auth_token
 from rdzv.store.protocol import (
     FEATURE_AUTH_REQUIRED,
     PROBE_NONCE,
@@ -71,9 +90,32 @@ from rdzv.store.protocol import (
     encode_u32,
 )
 
-__all__ = ["TCPStoreServer", "auth_tag", "listen_backlog", "serve_main"]
+__all__ = [
+    "DEFAULT_FRAME_TIMEOUT",
+    "DEFAULT_IDLE_TIMEOUT",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_TCP_KEEPALIVE",
+    "TCPStoreServer",
+    "auth_tag",
+    "listen_backlog",
+    "serve_main",
+]
 
 _log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONNECTIONS: Final = 4096
+"""Most client connections a server keeps open at once; more are closed at once."""
+DEFAULT_FRAME_TIMEOUT: Final = 60.0
+"""Seconds within which a started request (or the handshake) must arrive in full."""
+DEFAULT_IDLE_TIMEOUT: Final[float | None] = None
+"""Seconds a connection may sit with nothing pending; None never closes idle
+connections (torch's client holds its connection idle for a whole job and
+never reconnects, so the default keeps torch compatibility)."""
+DEFAULT_TCP_KEEPALIVE: Final = 60.0
+"""Seconds of silence before the kernel's first keepalive probe; dead after 6 more
+probes 10 s apart, so a half-open peer is found in about two minutes."""
+_KEEPALIVE_INTERVAL: Final = 10
+_KEEPALIVE_PROBES: Final = 6
 
 _STOP_WAITING: Final = bytes([WaitResult.STOP_WAITING])
 _WAIT_CANCELED: Final = bytes([WaitResult.WAIT_CANCELED])
@@ -249,6 +291,9 @@ class _Connection(asyncio.Protocol):
         self.waiter: _Waiter | None = None
         self.server_nonce: bytes | None = None
         self.peer = "?"
+        self.opened_at = time.monotonic()
+        self.last_activity = self.opened_at
+        self.frame_started: float | None = None
 
     # -- asyncio callbacks -------------------------------------------------
 
@@ -258,10 +303,23 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         if peer:
             self.peer = f"{peer[0]}:{peer[1]}"
+        if len(self.server.connections) >= self.server.max_connections:
+            _log.warning(
+                "store client %s refused: the server already has %d connections "
+                "(max_connections=%d)",
+                self.peer,
+                len(self.server.connections),
+                self.server.max_connections,
+            )
+            self.server.refused_connections += 1
+            transport.abort()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.server.tcp_keepalive is not None:
+                _enable_keepalive(sock, self.server.tcp_keepalive)
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -288,8 +346,12 @@ class _Connection(asyncio.Protocol):
         parser = self.parser
         parser.feed(data)
         replies: list[bytes] = []
+        now = self.last_activity = time.monotonic()
+        if self.frame_started is None:
+            self.frame_started = now
         try:
             while (request := parser.next_request()) is not None:
+                self.frame_started = now
                 table = self.table if self.waiter is None else _WHILE_WAITING
                 handler = table.get(request.op)
                 if handler is None:
@@ -298,6 +360,8 @@ class _Connection(asyncio.Protocol):
                 reply = handler(self, request)
                 if reply is not None:
                     replies.append(reply)
+            if not parser.pending:
+                self.frame_started = None
         except ProtocolError as exc:
             _log.warning("store client %s sent a bad request, disconnecting: %s", self.peer, exc)
             self._close(replies)
@@ -314,7 +378,30 @@ class _Connection(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         if self.transport is not None:
+            self.last_activity = time.monotonic()
             self.transport.write(data)
+
+    def expired(self, now: float) -> str | None:
+        """Return why this connection broke a time limit, or None if it did not."""
+        server = self.server
+        if self.frame_started is not None and now - self.frame_started > server.frame_timeout:
+            return (
+                f"a request was still incomplete after {server.frame_timeout:g} s "
+                f"(frame_timeout; {self.parser.pending} bytes buffered)"
+            )
+        if self.table is not _FULL and now - self.opened_at > server.frame_timeout:
+            return f"the handshake was not completed within {server.frame_timeout:g} s"
+        idle = server.idle_timeout
+        if idle is not None and self.waiter is None and now - self.last_activity > idle:
+            return f"the connection was idle for {idle:g} s (idle_timeout)"
+        return None
+
+    def close_expired(self, reason: str) -> None:
+        """Close this connection because it broke a time limit."""
+        _log.warning("store client %s disconnected: %s", self.peer, reason)
+        self.server.expired_connections += 1
+        if self.transport is not None:
+            self.transport.abort()
 
     def _close(self, replies: list[bytes]) -> None:
         if self.transport is None:
@@ -601,9 +688,22 @@ class TCPStoreServer:
         auth_token: A shared secret; when given, clients must authenticate
             (rdzv clients only: torch's client cannot).
         ssl_context: A server-side TLS context; when given, connections use TLS.
+        max_connections: Most client connections open at once; a connection
+            past it is closed as soon as it is accepted, with a log line.
+        frame_timeout: Seconds within which a request must arrive in full once
+            its first byte has, and within which a new connection must finish
+            the handshake (and authentication); a slower peer is disconnected.
+        idle_timeout: Seconds after which a connection with nothing pending is
+            closed; a connection blocked in a request it asked for (``WAIT``,
+            ``WATCH``, ``BARRIER``...) is never idle. None (the default) keeps
+            idle connections, as torch's clients expect.
+        tcp_keepalive: Seconds of silence before the kernel probes a peer
+            (then every 10 s; 6 unanswered probes close the connection), so
+            half-open connections go away; None turns keepalive off.
 
     Raises:
-        ValueError: ``port`` is out of range or ``auth_token`` is empty.
+        ValueError: ``port`` is out of range, ``auth_token`` is empty or a
+            limit is not positive.
     """
 
     def __init__(
@@ -613,11 +713,32 @@ class TCPStoreServer:
         *,
         auth_token: str | bytes | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+        tcp_keepalive: float | None = DEFAULT_TCP_KEEPALIVE,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
         if auth_token is not None and not auth_token:
             raise ValueError("auth_token must not be empty")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        for name, value in (
+            ("frame_timeout", frame_timeout),
+            ("idle_timeout", idle_timeout),
+            ("tcp_keepalive", tcp_keepalive),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.max_connections = max_connections
+        self.frame_timeout = float(frame_timeout)
+        self.idle_timeout = None if idle_timeout is None else float(idle_timeout)
+        self.tcp_keepalive = None if tcp_keepalive is None else float(tcp_keepalive)
+        self.refused_connections = 0
+        """Connections closed at once because ``max_connections`` was reached."""
+        self.expired_connections = 0
+        """Connections closed for breaking ``frame_timeout`` or ``idle_timeout``."""
         self._host = host
         self._requested_port = port
         self.secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
@@ -755,11 +876,15 @@ class TCPStoreServer:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self._stop.set)
         self._ready.set()
+        sweeper = loop.create_task(self._sweep())
         try:
             if on_ready is not None:
                 on_ready(self)
             await self._stop.wait()
         finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
             server.close()
             for conn in list(self.connections):
                 if conn.transport is not None:
@@ -773,6 +898,34 @@ class TCPStoreServer:
             self._port = None
             self._loop = None
 
+    async def _sweep(self) -> None:
+        """Close, periodically, every connection that broke a time limit."""
+        limits = [self.frame_timeout]
+        if self.idle_timeout is not None:
+            limits.append(self.idle_timeout)
+        period = min(1.0, max(0.05, min(limits) / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                reason = conn.expired(now)
+                if reason is not None:
+                    conn.close_expired(reason)
+
+
+def _enable_keepalive(sock: socket.socket, idle: float) -> None:
+    """Turn on TCP keepalive probes on ``sock`` after ``idle`` seconds of silence."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", max(1, round(idle))),
+            ("TCP_KEEPINTVL", _KEEPALIVE_INTERVAL),
+            ("TCP_KEEPCNT", _KEEPALIVE_PROBES),
+        ):
+            option = getattr(socket, name, None)
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
 
 def serve_main(
     host: str | None,
@@ -781,6 +934,9 @@ def serve_main(
     auth_token_file: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
+    idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
 ) -> int:
     """Run a store server in the foreground: the ``rdzv serve`` command.
 
@@ -791,30 +947,38 @@ def serve_main(
         host: The address to listen on; None for every address.
         port: The port (0 picks a free one).
         auth_token_file: A file holding the shared secret (surrounding
-            whitespace is stripped).
+            whitespace is stripped); without it the secret is read from the
+            ``RDZV_AUTH_TOKEN`` environment variable, if set.
         tls_cert: A PEM certificate chain; enables TLS together with ``tls_key``.
         tls_key: The PEM private key of ``tls_cert``.
+        max_connections: See :class:`TCPStoreServer`.
+        frame_timeout: See :class:`TCPStoreServer`.
+        idle_timeout: See :class:`TCPStoreServer`.
 
     Returns:
         The exit status.
 
     Raises:
-        ValueError: Only one of ``tls_cert`` and ``tls_key`` was given, or
-            the token file is empty.
+        ValueError: Only one of ``tls_cert`` and ``tls_key`` was given, the
+            token file is empty or a limit is not positive.
         OSError: A file could not be read or the address could not be bound.
     """
-    token: bytes | None = None
-    if auth_token_file is not None:
-        token = Path(auth_token_file).read_bytes().strip()
-        if not token:
-            raise ValueError(f"the auth token file {auth_token_file!r} is empty")
+    token = resolve_auth_token(auth_token_file)
     context: ssl.SSLContext | None = None
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("--tls-cert and --tls-key must be given together")
     if tls_cert is not None and tls_key is not None:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(tls_cert, tls_key)
-    server = TCPStoreServer(host, port, auth_token=token, ssl_context=context)
+    server = TCPStoreServer(
+        host,
+        port,
+        auth_token=token,
+        ssl_context=context,
+        max_connections=max_connections,
+        frame_timeout=frame_timeout,
+        idle_timeout=idle_timeout,
+    )
 
     def announce(srv: TCPStoreServer) -> None:
         shown = f"[{srv.host}]" if ":" in srv.host else srv.host
