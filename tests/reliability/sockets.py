@@ -1,0 +1,54 @@
+"""Raw-socket helpers of the reliability tests (loopback only, every wait bounded)."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Callable
+
+from rdzv.store.protocol import VALIDATE_MAGIC, Op, Request, encode_request
+from rdzv.store.tcp import TCPStore
+
+VALIDATE = encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
+PING = encode_request(Request(Op.PING, number=7))
+
+
+def eventually(predicate: Callable[[], bool], seconds: float = 15.0) -> bool:
+    """Poll ``predicate`` until it is true or ``seconds`` passed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def connect(port: int, validate: bool = True) -> socket.socket:
+    """Open a raw connection to the server, sending ``VALIDATE`` first by default."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    if validate:
+        sock.sendall(VALIDATE)
+    return sock
+
+
+def pinged(sock: socket.socket) -> bool:
+    """Return whether a ``PING`` on ``sock`` is echoed (the connection is served)."""
+    sock.sendall(PING)
+    return sock.recv(4) == (7).to_bytes(4, "little")
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Block (up to the socket timeout) until the server closes ``sock``."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def served(port: int, auth_token: str | None = None) -> bool:
+    """Return whether a fresh client can write and read a key."""
+    key = f"served-{uuid.uuid4().hex}"
+    with TCPStore("127.0.0.1", port, timeout=10, auth_token=auth_token) as client:
+        client.set(key, "ok")
+        return client.get(key) == b"ok"
