@@ -1,0 +1,225 @@
+"""Authentication everywhere it applies: the secret comes from a file or the
+environment, the right one is accepted, a wrong or missing one is refused with
+a clear error: TCPStore, ``rdzv serve`` and the c10d rendezvous."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import rdzv
+from rdzv.api import RendezvousParameters
+from rdzv.auth import AUTH_TOKEN_ENV, read_token_file, resolve_auth_token
+from rdzv.backends.store import create_backend
+from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.errors import StoreAuthenticationError
+from rdzv.store.server import TCPStoreServer
+from rdzv.store.tcp import TCPStore
+from tests.procs import subprocess_env
+from tests.reliability.sockets import served
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = "correct horse battery staple"
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text(f"  {SECRET}\n")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# -- where the secret comes from ------------------------------------------------
+
+
+def test_a_token_file_wins_over_the_environment(token_file: Path) -> None:
+    assert resolve_auth_token(token_file, {AUTH_TOKEN_ENV: "other"}) == SECRET.encode()
+
+
+def test_the_environment_is_read_without_a_file() -> None:
+    assert resolve_auth_token(None, {AUTH_TOKEN_ENV: " from-env "}) == b"from-env"
+    assert resolve_auth_token(None, {AUTH_TOKEN_ENV: "  "}) is None
+    assert resolve_auth_token(None, {}) is None
+
+
+def test_an_empty_or_missing_token_file_is_an_error_naming_it(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_token_file(empty)
+    with pytest.raises(OSError, match="missing"):
+        resolve_auth_token(tmp_path / "missing", {AUTH_TOKEN_ENV: "ignored"})
+
+
+# -- TCPStore against an in-process server -----------------------------------------
+
+
+@pytest.fixture
+def auth_server() -> Iterator[TCPStoreServer]:
+    server = TCPStoreServer("127.0.0.1", 0, auth_token=SECRET).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_tcpstore_right_secret_is_served(auth_server: TCPStoreServer) -> None:
+    assert served(auth_server.port, auth_token=SECRET)
+
+
+@pytest.mark.parametrize(
+    ("token", "message"),
+    [("wrong", "refused auth_token"), (None, "needs a shared secret")],
+    ids=["wrong", "missing"],
+)
+def test_tcpstore_wrong_or_missing_secret_is_refused(
+    auth_server: TCPStoreServer, token: str | None, message: str
+) -> None:
+    with pytest.raises(StoreAuthenticationError, match=message):
+        TCPStore("127.0.0.1", auth_server.port, timeout=5, auth_token=token)
+    assert served(auth_server.port, auth_token=SECRET)
+
+
+# -- rdzv serve ---------------------------------------------------------------------
+
+
+@contextmanager
+def serve(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[int, int]]:
+    """Run ``rdzv serve`` on a free port; yield its pid and port."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rdzv.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or subprocess_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "(auth)" in line, line
+        yield proc.pid, int(line.split()[4].rsplit(":", 1)[1])
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.mark.parametrize("source", ["file", "env"])
+def test_rdzv_serve_takes_the_secret_from_a_file_or_the_environment(
+    token_file: Path, source: str
+) -> None:
+    if source == "file":
+        context = serve("--auth-token-file", str(token_file))
+    else:
+        context = serve(env=subprocess_env(**{AUTH_TOKEN_ENV: SECRET}))
+    with context as (pid, port):
+        assert SECRET not in Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+        assert served(port, auth_token=SECRET)
+        with pytest.raises(StoreAuthenticationError, match="refused auth_token"):
+            TCPStore("127.0.0.1", port, timeout=5, auth_token="wrong")
+        with pytest.raises(StoreAuthenticationError, match="needs a shared secret"):
+            TCPStore("127.0.0.1", port, timeout=5)
+
+
+def test_rdzv_serve_has_no_option_taking_the_secret_itself() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "rdzv.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=30,
+        check=True,
+    )
+    assert "--auth-token-file" in result.stdout
+    assert "--auth-token " not in result.stdout
+    assert "--auth-token\n" not in result.stdout
+
+
+# -- the c10d rendezvous ------------------------------------------------------------
+
+
+@pytest.fixture
+def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
+    made: list[DynamicRendezvousHandler] = []
+    try:
+        yield made
+    finally:
+        for handler in made:
+            handler.pre_shutdown()
+        for handler in made:
+            handler._backend.close()  # type: ignore[attr-defined]  # test teardown
+            handler._store.close()
+
+
+def _params(endpoint: str, **config: object) -> RendezvousParameters:
+    return RendezvousParameters(
+        "c10d", endpoint, "authjob", 1, 1, local_addr="127.0.0.1", read_timeout=5, **config
+    )
+
+
+def test_c10d_rendezvous_runs_authenticated_from_a_token_file(
+    token_file: Path, handlers: list[DynamicRendezvousHandler]
+) -> None:
+    port = _free_port()
+    handler = rdzv.create_handler(
+        _params(f"127.0.0.1:{port}", is_host=True, auth_token_file=str(token_file))
+    )
+    assert isinstance(handler, DynamicRendezvousHandler)
+    handlers.append(handler)
+    info = handler.next_rendezvous()
+    assert info.world_size == 1
+    info.store.set("round-key", "v")  # the round store speaks through the authenticated client
+    assert info.store.get("round-key") == b"v"
+    # The hosted store refuses anyone without the secret.
+    with pytest.raises(StoreAuthenticationError):
+        TCPStore("127.0.0.1", port, timeout=5)
+    assert served(port, auth_token=SECRET)
+
+
+def test_c10d_backend_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(AUTH_TOKEN_ENV, SECRET)
+    port = _free_port()
+    backend, store = create_backend(_params(f"127.0.0.1:{port}", is_host=True))
+    try:
+        with pytest.raises(StoreAuthenticationError):
+            TCPStore("127.0.0.1", port, timeout=5)
+        assert served(port, auth_token=SECRET)
+    finally:
+        backend.close()
+        store.close()
+
+
+@pytest.mark.parametrize("wrong", ["file", "missing"])
+def test_c10d_backend_with_a_wrong_or_missing_secret_is_refused(
+    auth_server: TCPStoreServer, tmp_path: Path, wrong: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    config: dict[str, object] = {"is_host": False}
+    if wrong == "file":
+        bad = tmp_path / "bad"
+        bad.write_text("not the secret")
+        config["auth_token_file"] = str(bad)
+    with pytest.raises(StoreAuthenticationError, match="authentication"):
+        create_backend(_params(f"127.0.0.1:{auth_server.port}", **config))
