@@ -196,7 +196,9 @@ def decode_state(data: bytes) -> RendezvousState:
         raise _bad(f"unknown version {data[0]} (this rdzv reads version {STATE_VERSION})")
     try:
         body = json.loads(bytes(data[1:]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: arrays nested deeper than the interpreter's stack
+        # (found by tests/fuzz/test_fuzz_state_codec.py).
         raise _bad(f"it is not JSON ({exc})") from exc
     if not isinstance(body, list) or len(body) != 4:
         raise _bad("expected [round, closed, participants, evicted]")
