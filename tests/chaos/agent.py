@@ -1,0 +1,133 @@
+"""One chaos agent: an elastic node that re-rendezvouses forever.
+
+It joins, records each completed round as one JSON line on stdout, "trains"
+for a random while (leaving early when another node waits), and joins again,
+like torch's elastic agent restarting its workers. Around each
+``next_rendezvous`` it reads the store's epoch key (written by the harness
+each time it starts the store host), so a round that straddles a store
+restart can be told apart. Lines: ``begin``, ``round``, ``error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+
+import rdzv
+from rdzv.api import RendezvousParameters
+from rdzv.errors import RendezvousError
+from rdzv.store.tcp import TCPStore
+
+EPOCH_KEY = "chaos/epoch"
+
+
+def emit(**fields: object) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+class _Completions(logging.Handler):
+    """Remember the round number of this node's last ``complete`` event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.round = -1
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = getattr(record, "rdzv_event", None)
+        if event is not None and event.get("action") == "complete":
+            self.round = int(event["round"])
+
+
+def read_epoch(probe: TCPStore) -> int | None:
+    try:
+        return int(probe.get(EPOCH_KEY))
+    except (RendezvousError, ValueError, OSError):
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--run-id", default="chaos")
+    parser.add_argument("--min", type=int, required=True)
+    parser.add_argument("--max", type=int, required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--join", type=float, default=30.0)
+    parser.add_argument("--interval", type=float, default=0.3)
+    parser.add_argument("--attempts", type=int, default=3)
+    parser.add_argument("--hold", type=float, default=1.5, help="longest training stint")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    completions = _Completions()
+    logger = logging.getLogger("rdzv.dynamic")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(completions)
+    params = RendezvousParameters(
+        "c10d",
+        f"127.0.0.1:{args.port}",
+        args.run_id,
+        args.min,
+        args.max,
+        local_addr="127.0.0.1",
+        is_host=False,
+        join_timeout=args.join,
+        last_call_timeout=0.3,
+        keep_alive_interval=args.interval,
+        keep_alive_max_attempt=args.attempts,
+        read_timeout=5,
+    )
+    try:
+        probe = TCPStore("127.0.0.1", args.port, timeout=5)
+        handler = rdzv.create_handler(params)
+    except RendezvousError as exc:
+        emit(event="error", phase="start", error=type(exc).__name__, message=str(exc))
+        return 3
+    node = getattr(handler, "node", "?")
+    while True:
+        before = read_epoch(probe)
+        started = time.monotonic()
+        emit(event="begin", node=node, at=time.time())
+        try:
+            info = handler.next_rendezvous()
+        except RendezvousError as exc:
+            emit(
+                event="error",
+                phase="rendezvous",
+                node=node,
+                error=type(exc).__name__,
+                message=str(exc)[:300],
+                took=time.monotonic() - started,
+            )
+            return 3
+        took = time.monotonic() - started
+        after = read_epoch(probe)
+        # The node keys of the sealed round, in rank order (info only has addresses).
+        member_of = handler._member_of  # type: ignore[attr-defined]  # test agent reads the state
+        participants = list(member_of.participants) if member_of is not None else []
+        emit(
+            event="round",
+            node=node,
+            round=completions.round,
+            rank=info.rank,
+            world_size=info.world_size,
+            participants=participants,
+            epoch=after if after == before else None,
+            at=time.time(),
+            took=took,
+        )
+        stint_end = time.monotonic() + rng.uniform(0.2, args.hold)
+        try:
+            while time.monotonic() < stint_end and handler.num_nodes_waiting() == 0:
+                time.sleep(0.05)
+        except RendezvousError as exc:
+            emit(event="error", phase="train", node=node, error=type(exc).__name__)
+            return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,500 @@
+"""The chaos harness: many agent processes, random faults, invariants checked.
+
+Theory of operation
+-------------------
+A :class:`ChaosRun` starts the store host (``rdzv serve`` in a subprocess),
+a :class:`~tests.chaos.proxy.FaultProxy` in front of it, and a population of
+agent processes (:mod:`tests.chaos.agent`) that re-rendezvous forever through
+the proxy. A seeded random schedule injects one fault every one to three
+seconds: an agent SIGKILLed (and a fresh one started later: a late joiner),
+an agent paused with SIGSTOP past the heartbeat bound and resumed, every
+proxied connection cut, the proxy delaying traffic, the store host killed
+and restarted (a new epoch: the state is gone), an extra agent joining.
+
+A :class:`Checker` receives every line the agents print and the harness's own
+fault log, and checks the invariants: the members of a completed round agree
+on its participants and ranks (so no two groups complete the same round); a
+node SIGKILLed is in no round first completed later than the detection bound
+after the kill; no ``next_rendezvous`` runs past its deadline (join timeout
+plus store timeouts, plus any time the agent spent paused); and the stored
+state, read by a monitor every half second, always decodes. Rounds are told
+apart per store epoch; a round whose call straddled a store restart is not
+attributed to either epoch and is counted as straddled.
+
+Everything is driven by one seed, printed first, so a run replays (as far as
+process scheduling allows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from rdzv.backends.store import C10dRendezvousBackend
+from rdzv.dynamic.state import decode_state
+from rdzv.errors import RendezvousError, RendezvousStateError
+from rdzv.store.tcp import TCPStore
+from tests.chaos.agent import EPOCH_KEY
+from tests.chaos.proxy import FaultProxy
+from tests.procs import subprocess_env
+
+RUN_ID = "chaos"
+READ_TIMEOUT = 5.0
+
+
+@dataclass
+class Settings:
+    """The shape of a run.
+
+    Attributes:
+        seed: Drives every random choice.
+        agents: Agents started at first (and kept running).
+        min_nodes: ``min_nodes`` of the rendezvous.
+        max_nodes: ``max_nodes`` of the rendezvous.
+        seconds: Stop after this long.
+        rounds: Stop once this many distinct rounds completed (0: no limit).
+        join_timeout: The agents' join timeout.
+        interval: The agents' keep-alive interval.
+        attempts: The agents' keep-alive attempts (dead after interval x attempts).
+        faults: Inject faults (False: a fault-free baseline).
+        store_restarts: Allow killing the store host.
+    """
+
+    seed: int
+    agents: int = 4
+    min_nodes: int = 2
+    max_nodes: int = 4
+    seconds: float = 40.0
+    rounds: int = 0
+    join_timeout: float = 30.0
+    interval: float = 0.3
+    attempts: int = 3
+    faults: bool = True
+    store_restarts: bool = True
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds without heartbeats after which a node is dead."""
+        return self.interval * self.attempts
+
+    @property
+    def detection_bound(self) -> float:
+        """Latest a killed node may still be in a newly completed round.
+
+        The handler's bound (``dead_after``) plus the last-call window, two
+        keep-alive periods of watcher lag and 3 s of scheduling slack on a
+        loaded two-core host.
+        """
+        return self.dead_after + 0.3 + 2 * self.interval + 3.0
+
+    @property
+    def call_deadline(self) -> float:
+        """Longest a ``next_rendezvous`` may take (not counting pauses)."""
+        return self.join_timeout + 2 * READ_TIMEOUT + 5.0
+
+
+@dataclass
+class Figures:
+    """What a run did and found."""
+
+    seed: int
+    seconds: float = 0.0
+    rounds: int = 0
+    round_records: int = 0
+    straddled: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    agent_starts: int = 0
+    agent_errors: Counter[str] = field(default_factory=Counter)
+    state_reads: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One human-readable block of the figures."""
+        lines = [
+            (
+                f"seed={self.seed} seconds={self.seconds:.1f} rounds={self.rounds} "
+                f"round_records={self.round_records} straddled={self.straddled}"
+            ),
+            f"faults={sum(self.faults.values())} {dict(sorted(self.faults.items()))}",
+            f"agent_starts={self.agent_starts} agent_errors={dict(self.agent_errors)}",
+            f"state_reads={self.state_reads} violations={len(self.violations)}",
+        ]
+        lines += [f"  VIOLATION {v}" for v in self.violations[:20]]
+        return "\n".join(lines)
+
+
+class Checker:
+    """Checks the invariants over agent lines and the fault log (thread-safe)."""
+
+    def __init__(self, settings: Settings, figures: Figures) -> None:
+        self.settings = settings
+        self.figures = figures
+        self._lock = threading.Lock()
+        self.groups: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+        self.killed_at: dict[str, float] = {}
+        self.paused: dict[str, float] = defaultdict(float)
+
+    def violation(self, text: str) -> None:
+        with self._lock:
+            self.figures.violations.append(text)
+
+    def node_killed(self, node: str, at: float) -> None:
+        with self._lock:
+            self.killed_at[node] = at
+
+    def node_paused(self, node: str, seconds: float) -> None:
+        with self._lock:
+            self.paused[node] += seconds
+
+    def call_took(self, node: str, took: float, what: str) -> None:
+        """Check one ``next_rendezvous`` duration against the deadline."""
+        with self._lock:
+            allowed = self.settings.call_deadline + self.paused[node]
+        if took > allowed:
+            self.violation(f"{node}: next_rendezvous {what} after {took:.1f} s > {allowed:.1f} s")
+
+    def round_line(self, line: dict[str, Any]) -> None:
+        """Check one completed-round line as it arrives."""
+        node, rank, participants = line["node"], line["rank"], line["participants"]
+        self.call_took(node, float(line["took"]), "returned")
+        with self._lock:
+            self.figures.round_records += 1
+            if line["epoch"] is None:
+                self.figures.straddled += 1
+                return
+        if not 0 <= rank < len(participants) or participants[rank] != node:
+            self.violation(f"{node}: rank {rank} does not match participants {participants}")
+        if line["world_size"] != len(participants):
+            self.violation(f"{node}: world size {line['world_size']} != {len(participants)}")
+        key = (int(line["epoch"]), int(line["round"]))
+        with self._lock:
+            group = self.groups[key]
+            group.append(line)
+            first = group[0]
+        if first["participants"] != participants:
+            self.violation(
+                f"epoch {key[0]} round {key[1]} completed by two groups: "
+                f"{first['participants']} and {participants}"
+            )
+
+    def finish(self) -> None:
+        """The checks that need every line: dead nodes left in time."""
+        bound = self.settings.detection_bound
+        with self._lock:
+            groups = dict(self.groups)
+            killed = dict(self.killed_at)
+            self.figures.rounds = len(groups)
+        for (epoch, round_id), lines in groups.items():
+            completed = min(float(line["at"]) for line in lines)
+            for node in lines[0]["participants"]:
+                at = killed.get(node)
+                if at is not None and completed > at + bound:
+                    self.violation(
+                        f"epoch {epoch} round {round_id} first completed {completed - at:.1f} s "
+                        f"after {node} was killed (bound {bound:.1f} s) and includes it"
+                    )
+
+
+def _parse(raw: str) -> dict[str, Any] | None:
+    """Decode one agent line; None for anything that is not a JSON object."""
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        return None
+    return line if isinstance(line, dict) else None
+
+
+class _Agent:
+    """One agent subprocess and the thread forwarding its lines."""
+
+    def __init__(self, run: ChaosRun, seed: int) -> None:
+        settings = run.settings
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.chaos.agent",
+                "--port",
+                str(run.proxy.port),
+                "--run-id",
+                RUN_ID,
+                "--min",
+                str(settings.min_nodes),
+                "--max",
+                str(settings.max_nodes),
+                "--seed",
+                str(seed),
+                "--join",
+                str(settings.join_timeout),
+                "--interval",
+                str(settings.interval),
+                "--attempts",
+                str(settings.attempts),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=subprocess_env(),
+            text=True,
+        )
+        self.node: str | None = None
+        self.begun: float | None = None
+        self.paused_until: float | None = None
+        self._reader = threading.Thread(target=self._read, args=(run.lines,), daemon=True)
+        self._reader.start()
+
+    def _read(self, lines: queue.Queue[tuple[_Agent, dict[str, Any]]]) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = _parse(raw)
+            if line is not None:
+                lines.put((self, line))
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            os.kill(self.proc.pid, signum)
+
+    def stop(self) -> None:
+        if self.alive:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self._reader.join(30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+class ChaosRun:
+    """One chaos run on the TCP store backend.
+
+    Args:
+        settings: The shape of the run.
+        log: Where progress lines go (None: silent).
+    """
+
+    def __init__(self, settings: Settings, log: Any = None) -> None:
+        self.settings = settings
+        self.rng = random.Random(settings.seed)
+        self.figures = Figures(settings.seed)
+        self.checker = Checker(settings, self.figures)
+        self.lines: queue.Queue[tuple[_Agent, dict[str, Any]]] = queue.Queue()
+        self.agents: list[_Agent] = []
+        self.log = log
+        self.epoch = 0
+        self.store_port = 0
+        self.store_proc: subprocess.Popen[str] | None = None
+        self._monitor_stop = threading.Event()
+
+    # -- the store host ------------------------------------------------------
+
+    def _start_store(self) -> None:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rdzv.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.store_port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=subprocess_env(),
+            text=True,
+        )
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("rdzv store listening on "):
+            proc.kill()
+            proc.wait(30)
+            proc.stdout.close()
+            raise RuntimeError(f"the store host did not start: {line!r}")
+        self.store_port = int(line.split()[4].rsplit(":", 1)[1])
+        self.store_proc = proc
+        self.epoch += 1
+        with TCPStore("127.0.0.1", self.store_port, timeout=10) as client:
+            client.set(EPOCH_KEY, str(self.epoch))
+
+    def _stop_store(self, signum: int) -> None:
+        proc, self.store_proc = self.store_proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            os.kill(proc.pid, signum)
+        proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def _monitor(self) -> None:
+        """Read and decode the stored state every half second."""
+        key = f"rdzv.backend/{RUN_ID}/state"
+        client: TCPStore | None = None
+        while not self._monitor_stop.wait(0.5):
+            try:
+                if client is None:
+                    client = TCPStore("127.0.0.1", self.store_port, timeout=2)
+                if not client.check([key]):
+                    continue
+                raw = client.get(key)
+            except (RendezvousError, OSError):
+                if client is not None:
+                    client.close()
+                client = None
+                continue
+            self.figures.state_reads += 1
+            try:
+                body, _token = C10dRendezvousBackend._decode(raw)
+                decode_state(body)
+            except RendezvousStateError as exc:
+                self.checker.violation(f"the stored state does not decode: {exc}")
+        if client is not None:
+            client.close()
+
+    # -- agents --------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        self.agents.append(_Agent(self, self.rng.randrange(1 << 30)))
+        self.figures.agent_starts += 1
+
+    def _live_agents(self) -> list[_Agent]:
+        return [a for a in self.agents if a.alive]
+
+    def _handle(self, agent: _Agent, line: dict[str, Any]) -> None:
+        event = line.get("event")
+        if "node" in line:
+            agent.node = line["node"]
+        if event == "begin":
+            agent.begun = time.monotonic()
+        elif event == "round":
+            agent.begun = None
+            self.checker.round_line(line)
+        elif event == "error":
+            agent.begun = None
+            self.figures.agent_errors[str(line.get("error"))] += 1
+            if agent.node is not None and "took" in line:
+                self.checker.call_took(agent.node, float(line["took"]), "raised")
+
+    def _watchdog(self) -> None:
+        """Flag agents stuck in ``next_rendezvous`` past their deadline."""
+        now = time.monotonic()
+        for agent in self._live_agents():
+            if agent.begun is None or agent.node is None or agent.paused_until is not None:
+                continue
+            allowed = self.settings.call_deadline + self.checker.paused[agent.node]
+            if now - agent.begun > allowed:
+                self.checker.violation(f"{agent.node}: blocked for more than {allowed:.1f} s")
+                agent.begun = None
+
+    # -- faults --------------------------------------------------------------
+
+    def _inject(self) -> None:
+        kinds = ["kill", "pause", "cut", "delay", "join"]
+        weights = [3, 2, 2, 2, 1]
+        if self.settings.store_restarts:
+            kinds.append("store")
+            weights.append(1)
+        kind = self.rng.choices(kinds, weights)[0]
+        live = [a for a in self._live_agents() if a.paused_until is None]
+        if kind in ("kill", "pause") and (len(live) <= 1 or not live):
+            kind = "cut"
+        if kind == "join" and len(self._live_agents()) >= self.settings.max_nodes + 1:
+            kind = "delay"
+        self.figures.faults[kind] += 1
+        if kind == "kill":
+            victim = self.rng.choice(live)
+            victim.signal(signal.SIGKILL)
+            if victim.node is not None:
+                self.checker.node_killed(victim.node, time.time())
+        elif kind == "pause":
+            victim = self.rng.choice(live)
+            seconds = self.settings.dead_after * self.rng.uniform(1.5, 3.0)
+            victim.signal(signal.SIGSTOP)
+            victim.paused_until = time.monotonic() + seconds
+            if victim.node is not None:
+                self.checker.node_paused(victim.node, seconds + 1.0)
+        elif kind == "cut":
+            self.proxy.cut()
+        elif kind == "delay":
+            self.proxy.delay = self.rng.uniform(0.01, 0.15)
+            self._delay_until = time.monotonic() + self.rng.uniform(1.0, 3.0)
+        elif kind == "join":
+            self._spawn()
+        elif kind == "store":
+            self._stop_store(signal.SIGKILL)
+            self._start_store()
+            self.proxy.target_port = self.store_port
+        self._say(f"fault {kind}")
+
+    def _say(self, text: str) -> None:
+        if self.log is not None:
+            print(f"[chaos {time.monotonic() - self._t0:7.1f}s] {text}", file=self.log, flush=True)
+
+    # -- the run -------------------------------------------------------------
+
+    def run(self) -> Figures:
+        """Run until the time or round budget is spent; return the figures."""
+        settings = self.settings
+        self._t0 = time.monotonic()
+        self._delay_until = 0.0
+        self._say(f"seed={settings.seed}")
+        self._start_store()
+        self.proxy = FaultProxy(self.store_port)
+        monitor = threading.Thread(target=self._monitor, daemon=True)
+        monitor.start()
+        try:
+            for _ in range(settings.agents):
+                self._spawn()
+            next_fault = time.monotonic() + self.rng.uniform(2.0, 4.0)
+            end = self._t0 + settings.seconds
+            while time.monotonic() < end:
+                if settings.rounds and len(self.checker.groups) >= settings.rounds:
+                    break
+                try:
+                    agent, line = self.lines.get(timeout=0.1)
+                    self._handle(agent, line)
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
+                for agent in self.agents:
+                    if agent.paused_until is not None and now >= agent.paused_until:
+                        agent.signal(signal.SIGCONT)
+                        agent.paused_until = None
+                if self._delay_until and now >= self._delay_until:
+                    self.proxy.delay = 0.0
+                    self._delay_until = 0.0
+                # Keep the population up: replace agents that died or exited.
+                while len(self._live_agents()) < settings.agents:
+                    self._spawn()
+                if settings.faults and now >= next_fault:
+                    self._inject()
+                    next_fault = now + self.rng.uniform(1.0, 3.0)
+                self._watchdog()
+            while not self.lines.empty():
+                self._handle(*self.lines.get_nowait())
+        finally:
+            self._monitor_stop.set()
+            monitor.join(30)
+            for agent in self.agents:
+                agent.stop()
+            while not self.lines.empty():
+                self._handle(*self.lines.get_nowait())
+            self.proxy.close()
+            self._stop_store(signal.SIGTERM)
+        self.checker.finish()
+        self.figures.seconds = time.monotonic() - self._t0
+        return self.figures

@@ -1,0 +1,44 @@
+"""Run the chaos harness by hand: ``python -m tests.chaos.run --minutes 30``.
+
+Prints the seed first and the figures at the end; exits 1 on any violation.
+A failing seed replays with ``--seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+from tests.chaos.harness import ChaosRun, Settings
+
+BACKENDS = ("tcp",)
+"""Backends the harness drives (etcd and Redis join once their engines land)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--minutes", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=0, help="stop after this many rounds")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--agents", type=int, default=5)
+    parser.add_argument("--backend", choices=[*BACKENDS, "all"], default="all")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    print(f"chaos seed={seed} backends={list(BACKENDS)} minutes={args.minutes}", flush=True)
+    settings = Settings(
+        seed=seed,
+        agents=args.agents,
+        min_nodes=2,
+        max_nodes=args.agents,
+        seconds=args.minutes * 60,
+        rounds=args.rounds,
+    )
+    figures = ChaosRun(settings, log=None if args.quiet else sys.stdout).run()
+    print(figures.summary(), flush=True)
+    return 1 if figures.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
