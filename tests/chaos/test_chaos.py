@@ -1,0 +1,119 @@
+"""The chaos harness in CI: its checker and proxy, then one short chaos run."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any
+
+import pytest
+
+from rdzv.errors import RendezvousConnectionError
+from rdzv.store.server import TCPStoreServer
+from rdzv.store.tcp import TCPStore
+from tests.chaos.harness import ChaosRun, Checker, Figures, Settings
+from tests.chaos.proxy import FaultProxy
+
+
+def line(node: str, rank: int, participants: list[str], **extra: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "event": "round",
+        "node": node,
+        "round": 3,
+        "rank": rank,
+        "world_size": len(participants),
+        "participants": participants,
+        "epoch": 1,
+        "at": 1000.0,
+        "took": 1.0,
+    }
+    fields.update(extra)
+    return fields
+
+
+@pytest.fixture
+def checker() -> Checker:
+    return Checker(Settings(seed=0), Figures(seed=0))
+
+
+def test_checker_accepts_an_agreeing_round(checker: Checker) -> None:
+    checker.round_line(line("a", 0, ["a", "b"]))
+    checker.round_line(line("b", 1, ["a", "b"]))
+    checker.finish()
+    assert checker.figures.violations == []
+    assert checker.figures.rounds == 1
+
+
+def test_checker_flags_two_groups_completing_one_round(checker: Checker) -> None:
+    checker.round_line(line("a", 0, ["a", "b"]))
+    checker.round_line(line("c", 0, ["c", "d"]))
+    assert any("two groups" in v for v in checker.figures.violations)
+
+
+def test_checker_flags_a_rank_that_disagrees_with_the_participants(checker: Checker) -> None:
+    checker.round_line(line("b", 0, ["a", "b"]))
+    assert any("does not match" in v for v in checker.figures.violations)
+
+
+def test_checker_flags_a_dead_node_past_the_detection_bound(checker: Checker) -> None:
+    bound = checker.settings.detection_bound
+    checker.node_killed("b", 1000.0 - bound - 1.0)
+    checker.round_line(line("a", 0, ["a", "b"]))
+    checker.finish()
+    assert any("was killed" in v for v in checker.figures.violations)
+
+
+def test_checker_allows_a_dead_node_within_the_bound(checker: Checker) -> None:
+    checker.node_killed("b", 1000.0 - 0.5)
+    checker.round_line(line("a", 0, ["a", "b"]))
+    checker.finish()
+    assert checker.figures.violations == []
+
+
+def test_checker_flags_a_call_past_its_deadline_unless_paused(checker: Checker) -> None:
+    deadline = checker.settings.call_deadline
+    checker.node_paused("a", 10.0)
+    checker.round_line(line("a", 0, ["a"], took=deadline + 5.0))
+    assert checker.figures.violations == []
+    checker.round_line(line("a", 0, ["a"], took=deadline + 11.0, round=4))
+    assert any("next_rendezvous returned" in v for v in checker.figures.violations)
+
+
+def test_checker_sets_aside_rounds_straddling_a_store_restart(checker: Checker) -> None:
+    checker.round_line(line("a", 0, ["a", "b"], epoch=None))
+    checker.round_line(line("c", 0, ["c", "d"]))
+    assert checker.figures.violations == []
+    assert checker.figures.straddled == 1
+
+
+@pytest.mark.timeout(60)
+def test_proxy_forwards_cuts_and_delays() -> None:
+    server = TCPStoreServer("127.0.0.1", 0).start()
+    proxy = FaultProxy(server.port)
+    try:
+        with TCPStore("127.0.0.1", proxy.port, timeout=5) as client:
+            client.set("k", "v")
+            assert proxy.cut() >= 1
+            with pytest.raises(RendezvousConnectionError):
+                client.get("k")
+            assert client.get("k") == b"v"  # the next call reconnects
+            proxy.delay = 0.2
+            started = time.monotonic()
+            assert client.get("k") == b"v"
+            assert time.monotonic() - started >= 0.2  # lower bound only: the delay applied
+    finally:
+        proxy.close()
+        server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_short_chaos_run_on_the_tcp_store_has_no_violations() -> None:
+    seed = int(os.environ.get("RDZV_CHAOS_SEED", random.randrange(1 << 31)))
+    settings = Settings(seed=seed, agents=4, min_nodes=2, max_nodes=4, seconds=30.0)
+    figures = ChaosRun(settings).run()
+    report = f"replay with RDZV_CHAOS_SEED={seed}\n{figures.summary()}"
+    assert figures.violations == [], report
+    assert figures.rounds >= 3, report
+    assert sum(figures.faults.values()) >= 5, report
+    assert figures.state_reads > 0, report
