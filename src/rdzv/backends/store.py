@@ -183,10 +183,9 @@ class StoreLiveness(LivenessBackend):
 
     def heartbeat_mark(self, node: str) -> bytes | None:  # noqa: D102
         key = self._beat_key(node)
-        store = self._liveness_store
-        if not _call("heartbeat_mark", lambda: store.check([key])):
-            return None
-        value = _call("heartbeat_mark", lambda: store.add(key, 0))
+        # One round trip: add(key, 0) reads the counter (0, "never beat",
+        # when the key is missing).
+        value = _call("heartbeat_mark", lambda: self._liveness_store.add(key, 0))
         return str(value).encode() if value else None
 
     def forget(self, node: str) -> None:  # noqa: D102
