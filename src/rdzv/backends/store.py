@@ -27,7 +27,7 @@ import socket
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from rdzv.api import RendezvousParameters
 from rdzv.auth import resolve_auth_token
@@ -184,10 +184,9 @@ class StoreLiveness(LivenessBackend):
 
     def heartbeat_mark(self, node: str) -> bytes | None:  # noqa: D102
         key = self._beat_key(node)
-        store = self._liveness_store
-        if not _call("heartbeat_mark", lambda: store.check([key])):
-            return None
-        value = _call("heartbeat_mark", lambda: store.add(key, 0))
+        # One round trip: add(key, 0) reads the counter (0, "never beat",
+        # when the key is missing).
+        value = _call("heartbeat_mark", lambda: self._liveness_store.add(key, 0))
         return str(value).encode() if value else None
 
     def forget(self, node: str) -> None:  # noqa: D102
@@ -322,9 +321,13 @@ def endpoint_is_local(host: str) -> bool:
     return bool(found & set(local_addresses()))
 
 
+if TYPE_CHECKING:
+    from rdzv.store.tcp import TCPStore
+
+
 def _tcp_store(
     host: str, port: int, is_master: bool, timeout: float, auth_token: bytes | None
-) -> Store:
+) -> TCPStore:
     from rdzv.store.tcp import TCPStore  # noqa: PLC0415 - imported only when used
 
     return TCPStore(host, port, is_master=is_master, timeout=timeout, auth_token=auth_token)
@@ -368,7 +371,7 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     auth_token = resolve_auth_token(None if token_file is None else str(token_file))
     explicit = params.get_as_bool("is_host")
     is_host = endpoint_is_local(host) if explicit is None else explicit
-    store: Store
+    store: TCPStore
     if is_host:
         try:
             store = _tcp_store(host, port, True, timeout, auth_token)
@@ -380,5 +383,5 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
             store = _tcp_store(host, port, False, timeout, auth_token)
     else:
         store = _tcp_store(host, port, False, timeout, auth_token)
-    liveness = _tcp_store(host, port, False, timeout, auth_token)
+    liveness = store.clone()
     return C10dRendezvousBackend(store, params.run_id, liveness_store=liveness), store
