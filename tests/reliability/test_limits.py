@@ -23,7 +23,14 @@ from rdzv.store.server import (
     TCPStoreServer,
 )
 from rdzv.store.tcp import TCPStore
-from tests.reliability.sockets import closed_by_server, connect, eventually, pinged, served
+from tests.reliability.sockets import (
+    VALIDATE,
+    closed_by_server,
+    connect,
+    eventually,
+    pinged,
+    served,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -136,6 +143,22 @@ def test_complete_requests_spread_over_time_are_not_a_slow_frame(
             time.sleep(0.1)
         assert pinged(sock)
     assert server.expired_connections == 0
+
+
+def test_a_reader_that_leaves_its_replies_unread_is_dropped(
+    make_server: type[TCPStoreServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = make_server("127.0.0.1", 0, frame_timeout=0.5).start()
+    set_big = b"\x01" + encode_bytes(b"/big") + encode_bytes(b"x" * (1 << 20))
+    get_big = b"\x03" + encode_bytes(b"/big")
+    with socket.socket() as lazy, caplog.at_level(logging.WARNING):
+        lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        lazy.settimeout(15)
+        lazy.connect(("127.0.0.1", server.port))
+        lazy.sendall(VALIDATE + set_big + get_big * 16)  # 16 MiB of replies it never reads
+        assert eventually(lambda: server.expired_connections == 1)
+        assert served(server.port)
+    assert "did not read its replies" in caplog.text
 
 
 @pytest.mark.parametrize("auth", [False, True], ids=["no-auth", "auth"])

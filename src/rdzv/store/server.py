@@ -37,7 +37,9 @@ first), so a peer that vanished without a FIN (half-open) is found even while
 it is blocked in a long ``WAIT``. One sweeper task checks every connection
 periodically: a request whose first byte arrived more than ``frame_timeout``
 seconds ago and is still incomplete (a slow writer, one byte a second) ends
-the connection, as does a handshake not finished within ``frame_timeout``;
+the connection, as do a handshake not finished within ``frame_timeout`` and
+a peer that leaves its replies unread that long (a slow reader: its writes
+stay paused, and with them its reads);
 with ``idle_timeout`` set, a connection that has no request pending, no
 partial frame buffered and no blocked request of its own for that long is
 closed too. A connection blocked in a ``WAIT``/``WATCH``/``BARRIER`` it asked
@@ -294,6 +296,7 @@ class _Connection(asyncio.Protocol):
         self.opened_at = time.monotonic()
         self.last_activity = self.opened_at
         self.frame_started: float | None = None
+        self.write_blocked_since: float | None = None
 
     # -- asyncio callbacks -------------------------------------------------
 
@@ -335,10 +338,12 @@ class _Connection(asyncio.Protocol):
         self.transport = None
 
     def pause_writing(self) -> None:
+        self.write_blocked_since = time.monotonic()
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        self.write_blocked_since = None
         if self.transport is not None:
             self.transport.resume_reading()
 
@@ -388,6 +393,13 @@ class _Connection(asyncio.Protocol):
             return (
                 f"a request was still incomplete after {server.frame_timeout:g} s "
                 f"(frame_timeout; {self.parser.pending} bytes buffered)"
+            )
+        blocked = self.write_blocked_since
+        if blocked is not None and now - blocked > server.frame_timeout:
+            return (
+                f"it did not read its replies for {server.frame_timeout:g} s "
+                f"(frame_timeout; {self.transport.get_write_buffer_size() if self.transport else 0}"
+                " bytes unsent)"
             )
         if self.table is not _FULL and now - self.opened_at > server.frame_timeout:
             return f"the handshake was not completed within {server.frame_timeout:g} s"
@@ -691,8 +703,9 @@ class TCPStoreServer:
         max_connections: Most client connections open at once; a connection
             past it is closed as soon as it is accepted, with a log line.
         frame_timeout: Seconds within which a request must arrive in full once
-            its first byte has, and within which a new connection must finish
-            the handshake (and authentication); a slower peer is disconnected.
+            its first byte has, within which a new connection must finish
+            the handshake (and authentication), and for which a peer may
+            leave its replies unread; a slower peer is disconnected.
         idle_timeout: Seconds after which a connection with nothing pending is
             closed; a connection blocked in a request it asked for (``WAIT``,
             ``WATCH``, ``BARRIER``...) is never idle. None (the default) keeps
