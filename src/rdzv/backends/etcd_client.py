@@ -31,7 +31,6 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import socket
 import ssl
 import threading
 import time
@@ -86,7 +85,7 @@ def _int(value: Any, what: str, endpoint: str) -> int:
 
 
 def prefix_range_end(prefix: bytes) -> bytes:
-    """Return the ``range_end`` that selects every key starting with ``prefix``.
+    r"""Return the ``range_end`` that selects every key starting with ``prefix``.
 
     Args:
         prefix: A non-empty key prefix.
@@ -278,13 +277,9 @@ class EtcdClient:
         payload = json.dumps(body).encode()
         conn = self._take(index)
         try:
-            if conn.sock is not None:
-                conn.sock.settimeout(self._read_timeout)
-            else:
-                conn.timeout = self._connect_timeout
-                conn.connect()
-                assert conn.sock is not None
-                conn.sock.settimeout(self._read_timeout)
+            if getattr(conn, "sock", None) is None:
+                conn.connect()  # bounded by the connect timeout given at creation
+            conn.sock.settimeout(self._read_timeout)
             conn.request("POST", path, payload, {"Content-Type": "application/json"})
             resp = conn.getresponse()
             data = resp.read()
@@ -623,9 +618,7 @@ class EtcdClient:
             raise ValueError(f"a lease TTL must be at least 1 second, got {ttl!r}")
         response, _, endpoint = self.call("/v3/lease/grant", {"TTL": str(ttl)})
         if response.get("error"):
-            raise RendezvousStateError(
-                f"etcd at {endpoint} refused a lease: {response['error']}"
-            )
+            raise RendezvousStateError(f"etcd at {endpoint} refused a lease: {response['error']}")
         return _int(response.get("ID"), "lease ID", endpoint), _int(
             response.get("TTL"), "TTL", endpoint
         )
@@ -718,7 +711,9 @@ class EtcdClient:
                 resp = conn.getresponse()
                 if resp.status != 200:
                     body = resp.read(4096)
-                    raise _RetryableError(f"{endpoint}: watch answered HTTP {resp.status}: {body!r}")
+                    raise _RetryableError(
+                        f"{endpoint}: watch answered HTTP {resp.status}: {body!r}"
+                    )
                 for message in self._stream(resp, conn, deadline, endpoint):
                     result = message.get("result")
                     if not isinstance(result, dict):
@@ -743,9 +738,7 @@ class EtcdClient:
             except ssl.SSLError as exc:
                 raise _tls_error(endpoint, exc) from exc
             except (OSError, http.client.HTTPException) as exc:
-                if isinstance(exc, TimeoutError | socket.timeout) and (
-                    time.monotonic() >= deadline - 0.01
-                ):
+                if isinstance(exc, TimeoutError) and (time.monotonic() >= deadline - 0.01):
                     return [], start_revision
                 raise _RetryableError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
         finally:
@@ -766,7 +759,7 @@ class EtcdClient:
                 conn.sock.settimeout(remaining)
             try:
                 line = resp.readline(_MAX_WATCH_LINE)
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 return
             if not line:
                 raise _RetryableError(f"{endpoint}: the watch stream ended")
