@@ -109,7 +109,7 @@ def test_concurrent_writers_never_lose_an_acknowledged_write(
                         acked[i].append(item)
                         break
                 else:
-                    raise AssertionError("writer starved")
+                    raise AssertionError("writer starved")  # noqa: TRY301 - recorded below
         except BaseException as exc:
             errors.append(exc)
 

@@ -35,7 +35,15 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from rdzv.backends.base import RendezvousBackend, Token
+from rdzv.backends.base import (
+    JoinQueueBackend,
+    LivenessBackend,
+    RendezvousBackend,
+    Token,
+    WatchableBackend,
+    validate_node_key,
+    validate_record,
+)
 from rdzv.backends.etcd_client import (
     DEFAULT_ETCD_PORT,
     EtcdClient,
@@ -68,12 +76,12 @@ def _valid_token(token: Token | None) -> int | None:
     """Return the revision a token stands for, 0 for None, or None if it is not ours."""
     if token is None:
         return 0
-    if isinstance(token, bool) or not isinstance(token, int) or token < 1:
+    if isinstance(token, bool) or not isinstance(token, int) or not 1 <= token < 2**63:
         return None
     return token
 
 
-class EtcdRendezvousBackend(RendezvousBackend):
+class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, LivenessBackend):
     """Keeps a run's rendezvous state in etcd v3, with compare-and-set on ``mod_revision``.
 
     Besides the backend contract it offers waiting for a state change
@@ -256,7 +264,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             ValueError: Bad round or record.
             RendezvousConnectionError: No etcd member answered.
         """
-        _check_record(round_id, record)
+        validate_record(round_id, record)
         prefix = self._queue_prefix(round_id)
         key = prefix + uuid.uuid4().hex.encode()
         result = self._client.txn(
@@ -334,7 +342,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     # -- liveness -----------------------------------------------------------
 
     def _alive_key(self, node: str) -> bytes:
-        _check_node(node)
+        validate_node_key(node)
         return self._run_prefix + f"alive/{node}".encode()
 
     def beat(self, node: str) -> None:
@@ -403,27 +411,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
         prefix = self._run_prefix + b"alive/"
         kvs, _ = self._client.range(prefix, prefix=True, keys_only=True)
         return sorted(kv.key[len(prefix) :].decode("utf-8", "replace") for kv in kvs)
-
-
-def _check_record(round_id: int, record: bytes) -> None:
-    if isinstance(round_id, bool) or not isinstance(round_id, int) or round_id < 0:
-        raise ValueError(f"round_id must be a non-negative integer, got {round_id!r}")
-    if not isinstance(record, bytes) or not 1 <= len(record) <= 4096:
-        size = len(record) if isinstance(record, bytes) else type(record).__name__
-        raise ValueError(f"a join record must be 1-4096 bytes, got {size}")
-
-
-def _check_node(node: str) -> None:
-    if (
-        not isinstance(node, str)
-        or not node
-        or len(node) > 256
-        or not node.isprintable()
-        or any(ch.isspace() for ch in node)
-    ):
-        raise ValueError(
-            f"a node key must be 1-256 printable characters without whitespace, got {node!r}"
-        )
 
 
 def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:

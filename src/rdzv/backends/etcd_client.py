@@ -206,6 +206,7 @@ class EtcdClient:
         self._read_timeout = float(read_timeout)
         self._connect_timeout = float(connect_timeout)
         self._ssl_context: ssl.SSLContext | None = None
+        self._has_client_cert = bool(ssl_cert)
         if protocol == "https":
             self._ssl_context = ssl.create_default_context(cafile=ca_cert)
             if ssl_cert and ssl_cert_key:
@@ -272,6 +273,14 @@ class EtcdClient:
 
     # -- requests -------------------------------------------------------------
 
+    def _tls_hint(self) -> str:
+        if self._ssl_context is not None and not self._has_client_cert:
+            return (
+                " (a server that requires client certificates drops connections "
+                "without one: set ssl_cert and ssl_cert_key)"
+            )
+        return ""
+
     def _request_once(self, index: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
         endpoint = self._url(index)
         payload = json.dumps(body).encode()
@@ -285,7 +294,7 @@ class EtcdClient:
             data = resp.read()
         except ssl.SSLError as exc:
             conn.close()
-            raise _tls_error(endpoint, exc) from exc
+            raise _tls_error(endpoint, exc, self._has_client_cert) from exc
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise _RetryableError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
@@ -353,6 +362,7 @@ class EtcdClient:
                 raise RendezvousConnectionError(
                     f"no etcd member answered {path} within {self._read_timeout:g} s "
                     f"({attempts} attempts); last errors: {'; '.join(errors[-count:])}"
+                    + self._tls_hint()
                 )
             time.sleep(min(backoff, remaining))
             backoff = min(backoff * 2, 0.5)
@@ -380,6 +390,7 @@ class EtcdClient:
         sort_by_create: bool = False,
         keys_only: bool = False,
         count_only: bool = False,
+        serializable: bool = False,
     ) -> dict[str, Any]:
         """Build a range request (for :meth:`range` or inside a txn).
 
@@ -390,6 +401,8 @@ class EtcdClient:
             sort_by_create: Sort by creation revision, oldest first.
             keys_only: Leave the values out.
             count_only: Return only the count.
+            serializable: Answer from the member's own copy, without asking
+                the leader (may be stale; for diagnostics).
 
         Returns:
             The request object.
@@ -406,6 +419,8 @@ class EtcdClient:
             request["keys_only"] = True
         if count_only:
             request["count_only"] = True
+        if serializable:
+            request["serializable"] = True
         return request
 
     def range(
@@ -415,6 +430,7 @@ class EtcdClient:
         limit: int = 0,
         sort_by_create: bool = False,
         keys_only: bool = False,
+        serializable: bool = False,
     ) -> tuple[list[KeyValue], int]:
         """Read a key or every key under a prefix.
 
@@ -424,6 +440,7 @@ class EtcdClient:
             limit: The most keys to return (0: no limit).
             sort_by_create: Oldest-created first.
             keys_only: Leave the values out.
+            serializable: Answer from the member's own copy (may be stale).
 
         Returns:
             ``(kvs, revision)``: the keys found and the store revision read.
@@ -432,7 +449,9 @@ class EtcdClient:
             RendezvousConnectionError: No member answered.
             RendezvousStateError: The answer is malformed.
         """
-        body = self.range_request(key, prefix, limit, sort_by_create, keys_only)
+        body = self.range_request(
+            key, prefix, limit, sort_by_create, keys_only, serializable=serializable
+        )
         response, _, endpoint = self.call("/v3/kv/range", body)
         return self._kvs(response, endpoint), self._revision(response, endpoint)
 
@@ -694,7 +713,7 @@ class EtcdClient:
             if remaining <= 0:
                 raise RendezvousConnectionError(
                     f"could not watch etcd ({', '.join(self.endpoints)}): "
-                    f"{'; '.join(errors[-count:])}"
+                    f"{'; '.join(errors[-count:])}" + self._tls_hint()
                 )
             time.sleep(min(backoff, remaining))
             backoff = min(backoff * 2, 0.5)
@@ -736,7 +755,7 @@ class EtcdClient:
                         return events, events[-1].kv.mod_revision + 1
                 return [], start_revision
             except ssl.SSLError as exc:
-                raise _tls_error(endpoint, exc) from exc
+                raise _tls_error(endpoint, exc, self._has_client_cert) from exc
             except (OSError, http.client.HTTPException) as exc:
                 if isinstance(exc, TimeoutError) and (time.monotonic() >= deadline - 0.01):
                     return [], start_revision
@@ -775,12 +794,24 @@ class EtcdClient:
                 yield message
 
 
-def _tls_error(endpoint: str, exc: ssl.SSLError) -> RendezvousConnectionError:
+def _tls_error(
+    endpoint: str, exc: ssl.SSLError, has_client_cert: bool
+) -> RendezvousConnectionError:
     reason = getattr(exc, "reason", None) or str(exc)
+    text = str(exc).upper()
     if isinstance(exc, ssl.SSLCertVerificationError):
         hint = "the server certificate did not verify against ca_cert"
-    elif "CERTIFICATE_REQUIRED" in str(exc).upper() or "certificate required" in str(exc):
-        hint = "the server requires a client certificate (set ssl_cert and ssl_cert_key)"
+    elif "ALERT" in text and ("CERTIFICATE" in text or "UNKNOWN_CA" in text):
+        hint = (
+            "the server rejected this client's certificate"
+            if has_client_cert
+            else "the server requires a client certificate; set ssl_cert and ssl_cert_key"
+        )
+    elif not has_client_cert:
+        hint = (
+            "the server ended the handshake; if it requires a client certificate, "
+            "set ssl_cert and ssl_cert_key"
+        )
     else:
         hint = "check ca_cert, ssl_cert and ssl_cert_key"
     return RendezvousConnectionError(f"TLS with etcd at {endpoint} failed ({reason}): {hint}")

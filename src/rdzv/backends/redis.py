@@ -32,7 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from rdzv.backends.base import RendezvousBackend, Token
+from rdzv.backends.base import (
+    JoinQueueBackend,
+    LivenessBackend,
+    RendezvousBackend,
+    Token,
+    WatchableBackend,
+    validate_node_key,
+    validate_record,
+)
 from rdzv.backends.redis_connection import (
     MAX_BLOCK_SECONDS,
     as_bytes,
@@ -123,28 +131,9 @@ def _token(value: Any) -> int:
     return int(as_bytes(value))
 
 
-def _check_node(node: str) -> None:
-    if (
-        not isinstance(node, str)
-        or not node
-        or len(node) > 256
-        or not node.isprintable()
-        or any(ch.isspace() for ch in node)
-    ):
-        raise ValueError(
-            f"a node key must be 1-256 printable characters without whitespace, got {node!r}"
-        )
-
-
-def _check_record(round_id: int, record: bytes) -> None:
-    if isinstance(round_id, bool) or not isinstance(round_id, int) or round_id < 0:
-        raise ValueError(f"round_id must be a non-negative integer, got {round_id!r}")
-    if not isinstance(record, bytes) or not 1 <= len(record) <= 4096:
-        size = len(record) if isinstance(record, bytes) else type(record).__name__
-        raise ValueError(f"a join record must be 1-4096 bytes, got {size}")
-
-
-class RedisRendezvousBackend(RendezvousBackend):
+class RedisRendezvousBackend(
+    RendezvousBackend, WatchableBackend, JoinQueueBackend, LivenessBackend
+):
     """Keeps a run's rendezvous state in Redis, with compare-and-set in one Lua script.
 
     Besides the backend contract it offers waiting for a state change
@@ -266,7 +255,7 @@ class RedisRendezvousBackend(RendezvousBackend):
         state = bytes(state)
         if token is None:
             expected = 0
-        elif isinstance(token, bool) or not isinstance(token, int) or token < 1:
+        elif isinstance(token, bool) or not isinstance(token, int) or not 1 <= token < 2**63:
             current = self.get_state()
             return None if current is None else (current[0], current[1], False)
         else:
@@ -334,7 +323,7 @@ class RedisRendezvousBackend(RendezvousBackend):
             ValueError: Bad round or record.
             RendezvousConnectionError: Redis could not be reached.
         """
-        _check_record(round_id, record)
+        validate_record(round_id, record)
         with redis_errors(self._endpoint, "enqueueing a join record"):
             return int(
                 self._enqueue(
@@ -398,7 +387,7 @@ class RedisRendezvousBackend(RendezvousBackend):
     # -- liveness ---------------------------------------------------------------
 
     def _alive_key(self, node: str) -> str:
-        _check_node(node)
+        validate_node_key(node)
         return f"{self._key}:alive:{node}"
 
     def beat(self, node: str) -> None:
