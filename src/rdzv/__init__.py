@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "rendezvous_handler_registry": "rdzv.registry",
     "create_handler": "rdzv.registry",
     "RendezvousBackend": "rdzv.backends.base",
+    "EtcdRendezvousBackend": "rdzv.backends.etcd",
     "Store": "rdzv.store.base",
     "HashStore": "rdzv.store.memory",
     "PrefixStore": "rdzv.store.memory",
@@ -41,6 +42,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "EtcdRendezvousBackend",
     "HashStore",
     "PrefixStore",
     "RendezvousBackend",
@@ -78,6 +80,7 @@ if TYPE_CHECKING:
         RendezvousTimeout,
     )
     from rdzv.backends.base import RendezvousBackend
+    from rdzv.backends.etcd import EtcdRendezvousBackend
     from rdzv.endpoint import parse_config, parse_endpoint
     from rdzv.errors import (
         RendezvousClosedError,

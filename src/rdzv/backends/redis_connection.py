@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.exceptions
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from rdzv.endpoint import format_endpoint, parse_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
@@ -130,6 +132,7 @@ def create_client(params: RendezvousParameters) -> redis.Redis:
         ssl_certfile=cert,
         ssl_keyfile=key,
         ssl_ca_certs=ca,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
     )
 
 
