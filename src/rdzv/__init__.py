@@ -33,16 +33,15 @@ _EXPORTS: dict[str, str] = {
     "rendezvous_handler_registry": "rdzv.registry",
     "create_handler": "rdzv.registry",
     "RendezvousBackend": "rdzv.backends.base",
-    "EtcdRendezvousBackend": "rdzv.backends.etcd",
     "Store": "rdzv.store.base",
     "HashStore": "rdzv.store.memory",
     "PrefixStore": "rdzv.store.memory",
     "parse_endpoint": "rdzv.endpoint",
     "parse_config": "rdzv.endpoint",
+    "EtcdRendezvousBackend": "rdzv.backends.etcd",
 }
 
 __all__ = [
-    "EtcdRendezvousBackend",
     "HashStore",
     "PrefixStore",
     "RendezvousBackend",
@@ -68,6 +67,7 @@ __all__ = [
     "parse_config",
     "parse_endpoint",
     "rendezvous_handler_registry",
+    "EtcdRendezvousBackend",
 ]
 
 if TYPE_CHECKING:

@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 FORBIDDEN_PORTS = frozenset({2379, 2380, 6379})
 
@@ -49,7 +50,7 @@ def free_port() -> int:
     raise RuntimeError("could not find a free loopback port")
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
+def stop_process(proc: subprocess.Popen[Any], grace: float = 5.0) -> None:
     """Stop a process by pid: SIGTERM, wait up to ``grace`` seconds, then SIGKILL."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -62,7 +63,7 @@ def stop_process(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
             proc.wait(timeout=10)
 
 
-def kill_process(proc: subprocess.Popen[bytes]) -> None:
+def kill_process(proc: subprocess.Popen[Any]) -> None:
     """SIGKILL a process by pid and reap it."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
