@@ -176,3 +176,18 @@ def test_redis_client_must_not_decode(redis_srv: RedisServer) -> None:
             RedisRendezvousBackend(client, "r")
     finally:
         client.close()
+
+
+@pytest.mark.etcd
+def test_etcd_backend_survives_losing_its_state_lease(etcd_client: EtcdClient, unique: str) -> None:
+    backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/lease/")
+    backend.set_state(b"one")
+    kv, _ = etcd_client.get(backend.key)
+    assert kv is not None
+    etcd_client.lease_revoke(kv.lease)  # deletes the state and invalidates the cached lease
+    assert backend.get_state() is None
+    result = backend.set_state(b"two")
+    assert result is not None
+    assert result[0] == b"two"
+    assert result[2] is True
+    assert backend.enqueue(0, b"rec") == 1

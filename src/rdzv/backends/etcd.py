@@ -33,7 +33,8 @@ import contextlib
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rdzv.backends.base import (
     JoinQueueBackend,
@@ -65,6 +66,8 @@ __all__ = [
     "create_client",
     "parse_endpoints",
 ]
+
+_T = TypeVar("_T")
 
 DEFAULT_KEY_PREFIX = "/rdzv/"
 DEFAULT_TTL = 7200
@@ -170,6 +173,17 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
             self._state_lease_renew_at = time.monotonic() + max(granted, 1) / 2
         return lease_id
 
+    def _with_state_lease(self, write: Callable[[int], _T]) -> _T:
+        """Run ``write(lease)``; if the server lost the cached lease, grant a new one and retry."""
+        try:
+            return write(self._state_lease_id())
+        except RendezvousStateError as exc:
+            if "lease not found" not in str(exc):
+                raise
+        with self._lock:
+            self._state_lease = 0
+        return write(self._state_lease_id())
+
     def get_state(self) -> tuple[bytes, Token] | None:
         """Read the state (see :class:`RendezvousBackend`).
 
@@ -208,8 +222,8 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
             current = self.get_state()
             return None if current is None else (current[0], current[1], False)
         value = _MAGIC + state
-        written, revision, kv, attempts = self._client.compare_and_put(
-            self._key, value, expected, lease=self._state_lease_id()
+        written, revision, kv, attempts = self._with_state_lease(
+            lambda lease: self._client.compare_and_put(self._key, value, expected, lease=lease)
         )
         if written:
             return state, revision, True
@@ -267,13 +281,19 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
         validate_record(round_id, record)
         prefix = self._queue_prefix(round_id)
         key = prefix + uuid.uuid4().hex.encode()
-        result = self._client.txn(
-            [],
-            [
-                {"request_put": EtcdClient.put_request(key, record, self._state_lease_id())},
-                {"request_range": EtcdClient.range_request(prefix, prefix=True, count_only=True)},
-            ],
-            [],
+        result = self._with_state_lease(
+            lambda lease: self._client.txn(
+                [],
+                [
+                    {"request_put": EtcdClient.put_request(key, record, lease)},
+                    {
+                        "request_range": EtcdClient.range_request(
+                            prefix, prefix=True, count_only=True
+                        )
+                    },
+                ],
+                [],
+            )
         )
         try:
             reply = result.responses[1]["response_range"]
