@@ -213,3 +213,21 @@ def test_failover_when_the_member_in_use_dies(unique: str) -> None:
             assert kv.value == b"2"
         finally:
             client.close()
+
+
+def test_failover_skips_a_member_that_hangs(etcd: EtcdCluster, unique: str) -> None:
+    """A member that accepts connections but never answers gets only its share of the budget."""
+    import socket
+
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        port = hung.getsockname()[1]
+        client = EtcdClient([("127.0.0.1", port), *parse_endpoints(etcd.endpoints)], read_timeout=6)
+        try:
+            start = time.monotonic()
+            client.put(f"/c/{unique}".encode(), b"v")
+            assert time.monotonic() - start < 6  # the hung member got its share (3 s), not all
+            assert client.get(f"/c/{unique}".encode())[0] is not None
+        finally:
+            client.close()

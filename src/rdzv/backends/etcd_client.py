@@ -240,7 +240,7 @@ class EtcdClient:
             )
         return http.client.HTTPConnection(host, port, timeout=timeout)
 
-    def _take(self, index: int) -> http.client.HTTPConnection:
+    def _take(self, index: int, timeout: float) -> http.client.HTTPConnection:
         with self._lock:
             if self._closed:
                 raise RendezvousConnectionError("the etcd client is closed")
@@ -248,7 +248,7 @@ class EtcdClient:
                 if idx == index:
                     del self._idle[i]
                     return conn
-        return self._connect(index, self._connect_timeout)
+        return self._connect(index, min(self._connect_timeout, timeout))
 
     def _give_back(self, index: int, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -281,14 +281,16 @@ class EtcdClient:
             )
         return ""
 
-    def _request_once(self, index: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _request_once(
+        self, index: int, path: str, body: dict[str, Any], timeout: float
+    ) -> dict[str, Any]:
         endpoint = self._url(index)
         payload = json.dumps(body).encode()
-        conn = self._take(index)
+        conn = self._take(index, timeout)
         try:
             if getattr(conn, "sock", None) is None:
                 conn.connect()  # bounded by the connect timeout given at creation
-            conn.sock.settimeout(self._read_timeout)
+            conn.sock.settimeout(timeout)
             conn.request("POST", path, payload, {"Content-Type": "application/json"})
             resp = conn.getresponse()
             data = resp.read()
@@ -342,14 +344,20 @@ class EtcdClient:
         attempts = 0
         backoff = 0.02
         count = len(self._endpoints)
+        # A member that accepts connections but hangs must not eat the whole
+        # budget: with several members each attempt gets a share of it.
+        per_attempt = self._read_timeout if count == 1 else max(1.0, self._read_timeout / count)
         while True:
             with self._lock:
                 start = self._current
             for step in range(count):
+                if attempts and time.monotonic() >= deadline:
+                    break
                 index = (start + step) % count
                 attempts += 1
                 try:
-                    response = self._request_once(index, path, body)
+                    remaining = max(0.05, deadline - time.monotonic())
+                    response = self._request_once(index, path, body, min(remaining, per_attempt))
                 except _RetryableError as exc:
                     errors.append(str(exc))
                     continue
