@@ -187,6 +187,18 @@ class EtcdStore(Store):
         missing, _, _ = self._missing(list(keys))
         return not missing
 
+    def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Return the values of several keys in one transaction; None for a missing key.
+
+        Args:
+            keys: The keys.
+
+        Returns:
+            The values, in the order of ``keys``.
+        """
+        _, found, _ = self._missing(list(keys))
+        return [None if kv is None else kv.value for kv in found]
+
     def delete_key(self, key: str) -> bool:  # noqa: D102
         return self._client.delete(self._k(key)) > 0
 

@@ -205,6 +205,19 @@ class RedisStore(Store):
         _, values = self._read_keys(keys)
         return all(v is not None for v in values)
 
+    def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Return the values of several keys in one script call; None for a missing key.
+
+        Args:
+            keys: The keys.
+
+        Returns:
+            The values, in the order of ``keys``.
+        """
+        if not keys:
+            return []
+        return self._read_keys(keys)[1]
+
     def delete_key(self, key: str) -> bool:  # noqa: D102
         return int(self._run(self._delete, [self._k(key)], [], f"deleting {key!r}")) > 0
 
