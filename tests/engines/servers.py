@@ -286,6 +286,7 @@ class RedisServer:
     port: int
     data_dir: Path
     proc: subprocess.Popen[bytes] | None = None
+    tls: TLSFiles | None = None
 
     @property
     def endpoint(self) -> str:
@@ -296,8 +297,22 @@ class RedisServer:
             require_binary("redis-server"),
             "--bind",
             "127.0.0.1",
-            "--port",
-            str(self.port),
+            *(
+                ["--port", str(self.port)]
+                if self.tls is None
+                else [
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    str(self.port),
+                    "--tls-cert-file",
+                    self.tls.server_cert,
+                    "--tls-key-file",
+                    self.tls.server_key,
+                    "--tls-ca-cert-file",
+                    self.tls.ca_cert,
+                ]
+            ),
             "--dir",
             str(self.data_dir),
             "--save",
@@ -320,9 +335,19 @@ class RedisServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as raw:
+                    sock = raw
+                    if self.tls is not None:
+                        import ssl
+
+                        context = ssl.create_default_context(cafile=self.tls.ca_cert)
+                        context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+                        sock = context.wrap_socket(raw, server_hostname="127.0.0.1")
                     sock.sendall(b"PING\r\n")
-                    if sock.recv(64).startswith(b"+PONG"):
+                    reply = sock.recv(64)
+                    if sock is not raw:
+                        sock.close()
+                    if reply.startswith(b"+PONG"):
                         return
             except OSError:
                 pass
@@ -336,11 +361,11 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server() -> Iterator[RedisServer]:
+def redis_server(tls: TLSFiles | None = None) -> Iterator[RedisServer]:
     """Start a private redis-server on a free loopback port; stop and delete it afterwards."""
     require_binary("redis-server")
     base = Path(tempfile.mkdtemp(prefix="rdzv-redis-"))
-    server = RedisServer(port=free_port(), data_dir=base)
+    server = RedisServer(port=free_port(), data_dir=base, tls=tls)
     try:
         server.start()
         server.wait_ready()
