@@ -203,11 +203,21 @@ def test_failover_when_the_member_in_use_dies(unique: str) -> None:
         client = EtcdClient(parse_endpoints(cluster.endpoints), read_timeout=10)
         try:
             key = f"/c/{unique}".encode()
-            client.put(key, b"1")
+            revision = client.put(key, b"1")
+            seen: list[list[WatchEvent]] = []
+            # The watch runs on member 0 (the client's current member) when it dies.
+            watcher = threading.Thread(
+                target=lambda: seen.append(client.watch(key, revision + 1, 20)[0])
+            )
+            watcher.start()
+            time.sleep(0.2)
             first = cluster.members[0]
             assert first.proc is not None
             kill_process(first.proc)
             client.put(key, b"2")
+            watcher.join(timeout=30)
+            assert not watcher.is_alive()
+            assert [e.kv.value for e in seen[0]] == [b"2"]
             kv, _ = client.get(key)
             assert kv is not None
             assert kv.value == b"2"
