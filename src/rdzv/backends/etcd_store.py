@@ -120,10 +120,13 @@ class EtcdStore(Store):
             desired = change(current)
             if desired is None:
                 return current
-            written, _, now, _ = self._client.compare_and_put(
+            written, _, now, attempts = self._client.compare_and_put(
                 full, desired, 0 if kv is None else kv.mod_revision
             )
             if written:
+                return desired
+            if attempts > 1 and now is not None and now.value == desired:
+                # The reply to our first try was lost and the retry found our write.
                 return desired
             kv = now
         raise RendezvousConnectionError(
