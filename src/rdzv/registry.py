@@ -31,7 +31,12 @@ ENTRY_POINT_GROUP = "rdzv.handlers"
 RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
 
 # name -> "module:function"; the module is imported on first use.
-_BUILTIN: dict[str, str] = {}
+_BUILTIN: dict[str, str] = {
+    "c10d": "rdzv.dynamic.handler:create_c10d_handler",
+    "p10d": "rdzv.dynamic.handler:create_c10d_handler",
+    "core": "rdzv.dynamic.handler:create_c10d_handler",
+    "tcp": "rdzv.dynamic.handler:create_c10d_handler",
+}
 
 
 def _lazy(path: str) -> RendezvousHandlerCreator:

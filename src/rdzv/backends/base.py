@@ -23,6 +23,7 @@ backend against all of it.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -94,6 +95,8 @@ class RendezvousBackend(ABC):
 # only uses them to name its records. Node keys are non-empty strings of at
 # most 256 printable characters without whitespace.
 # ---------------------------------------------------------------------------
+
+_ASCII_NODE_KEY = re.compile(r"[\x21-\x7e]{1,256}")
 
 #: The largest join record a backend must accept, in bytes.
 MAX_RECORD_SIZE = 4096
@@ -304,6 +307,8 @@ def validate_node_key(node: str) -> str:
         ValueError: It is empty, longer than 256 characters, or holds
             whitespace or non-printable characters.
     """
+    if isinstance(node, str) and _ASCII_NODE_KEY.fullmatch(node):
+        return node  # the common case, checked in one regex match
     if (
         not isinstance(node, str)
         or not node
