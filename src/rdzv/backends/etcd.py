@@ -52,17 +52,19 @@ from rdzv.backends.etcd_client import (
     KeyValue,
 )
 from rdzv.backends.etcd_store import EtcdStore
+from rdzv.dynamic.handler import create_handler
 from rdzv.endpoint import parse_endpoint
 from rdzv.errors import RendezvousStateError
 
 if TYPE_CHECKING:
-    from rdzv.api import RendezvousParameters
+    from rdzv.api import RendezvousHandler, RendezvousParameters
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
     "DEFAULT_TTL",
     "EtcdRendezvousBackend",
     "create_backend",
+    "create_etcd_handler",
     "create_client",
     "parse_endpoints",
 ]
@@ -522,3 +524,23 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     )
     store = EtcdStore(client, backend.run_prefix + b"store/")
     return backend, store
+
+
+def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build a dynamic rendezvous handler on etcd (registered as ``etcd`` and ``etcd-v2``).
+
+    The round's store is an :class:`EtcdStore` in the same cluster, so no
+    TCP store host is needed.
+
+    Args:
+        params: The rendezvous parameters (see :func:`create_backend` and
+            :func:`rdzv.dynamic.handler.create_handler` for the options).
+
+    Returns:
+        The handler.
+
+    Raises:
+        ValueError: A parameter is invalid; the message names it.
+    """
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)

@@ -50,16 +50,18 @@ from rdzv.backends.redis_connection import (
     redis_errors,
 )
 from rdzv.backends.redis_store import RedisStore
+from rdzv.dynamic.handler import create_handler
 from rdzv.errors import RendezvousStateError
 
 if TYPE_CHECKING:
-    from rdzv.api import RendezvousParameters
+    from rdzv.api import RendezvousHandler, RendezvousParameters
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
     "DEFAULT_TTL",
     "RedisRendezvousBackend",
     "create_backend",
+    "create_redis_handler",
 ]
 
 DEFAULT_KEY_PREFIX = "rdzv:"
@@ -453,3 +455,20 @@ def create_backend(params: RendezvousParameters) -> tuple[RedisRendezvousBackend
     )
     store = RedisStore(client, f"{backend.key}:store:")
     return backend, store
+
+
+def create_redis_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build a dynamic rendezvous handler on Redis (registered as ``redis``).
+
+    Args:
+        params: The rendezvous parameters (see :func:`create_backend` and
+            :func:`rdzv.dynamic.handler.create_handler` for the options).
+
+    Returns:
+        The handler.
+
+    Raises:
+        ValueError: A parameter is invalid; the message names it.
+    """
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)
