@@ -191,3 +191,34 @@ def test_etcd_backend_survives_losing_its_state_lease(etcd_client: EtcdClient, u
     assert result[0] == b"two"
     assert result[2] is True
     assert backend.enqueue(0, b"rec") == 1
+
+
+def test_engine_backends_are_registered() -> None:
+    backends = rdzv.rendezvous_handler_registry.backends()
+    for name in ("etcd", "etcd-v2", "redis"):
+        assert name in backends
+
+
+def test_redis_backend_without_redis_py_says_what_to_install() -> None:
+    import subprocess
+    import sys
+
+    from tests.procs import subprocess_env
+
+    code = (
+        "import sys; sys.modules['redis'] = None\n"
+        "import rdzv\n"
+        "try:\n"
+        "    rdzv.create_handler(rdzv.RendezvousParameters('redis', '127.0.0.1:1', 'r'))\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "pip install 'rdzv[redis]'" in out.stdout

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import redis
-
 from rdzv.backends.base import (
     JoinQueueBackend,
     LivenessBackend,
@@ -54,6 +52,8 @@ from rdzv.dynamic.handler import create_handler
 from rdzv.errors import RendezvousStateError
 
 if TYPE_CHECKING:
+    import redis
+
     from rdzv.api import RendezvousHandler, RendezvousParameters
 
 __all__ = [

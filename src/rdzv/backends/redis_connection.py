@@ -9,10 +9,15 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import redis
-import redis.exceptions
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
+try:
+    import redis
+    import redis.exceptions
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "the rdzv Redis backend needs redis-py; install it with: pip install 'rdzv[redis]'"
+    ) from exc
 
 from rdzv.endpoint import format_endpoint, parse_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError

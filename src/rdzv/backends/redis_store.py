@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
-
-import redis
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rdzv.backends.redis_connection import MAX_BLOCK_SECONDS, as_bytes, endpoint_of, redis_errors
 from rdzv.errors import RendezvousStateError, StoreTimeoutError
 from rdzv.store.base import DEFAULT_STORE_TIMEOUT, Store, Timeout, Value, to_bytes, to_seconds
+
+if TYPE_CHECKING:
+    import redis
 
 __all__ = ["RedisStore"]
 
