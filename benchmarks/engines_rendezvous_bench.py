@@ -2,9 +2,13 @@
 
 Formation: N handlers (threads of one process, min = max = N) call
 ``next_rendezvous()`` at once; the time until the last one returns.
-Recovery: 4 agent processes form a round (rdzv: keep-alive 0.2 s x 3), one is
-SIGKILLed; the time until both... every survivor completed the next round.
-Servers are private (free loopback ports). Run from the repository root:
+Recovery: 4 agent processes form a round (keep-alive 0.2 s x 3), one is
+SIGKILLed; the time until every survivor completed the next round (the
+survivors poll ``num_nodes_waiting()``, which turns positive once the dead
+member is evicted). torch's handler reports only joining nodes there, so it
+has no recovery column (benchmarks/rendezvous_bench.py measures torch's
+recovery with re-rendezvous on failure). Servers are private (free loopback
+ports). Run from the repository root:
 
     PYTHONPATH=src:. python benchmarks/engines_rendezvous_bench.py [--sizes 8,128]
 """
