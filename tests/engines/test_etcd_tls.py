@@ -35,7 +35,7 @@ def test_tls_with_client_certificate_works(tls_etcd: EtcdCluster, tls_files: TLS
         protocol="https",
         ssl_cert=tls_files.client_cert,
         ssl_cert_key=tls_files.client_key,
-        ca_cert=tls_files.ca_cert,
+        cacert=tls_files.ca_cert,  # torch's etcd handler's name for ca_cert
         read_timeout=10,
     )
     backend, store = create_backend(params)

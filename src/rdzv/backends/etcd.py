@@ -477,7 +477,8 @@ def create_client(params: RendezvousParameters) -> EtcdClient:
     """Build an :class:`EtcdClient` from rendezvous parameters.
 
     Options: ``read_timeout`` (seconds, 60), ``protocol`` (``http`` or
-    ``https``), ``ssl_cert``, ``ssl_cert_key``, ``ca_cert``.
+    ``https``), ``ssl_cert``, ``ssl_cert_key``, ``ca_cert`` (or ``cacert``,
+    the name torch's etcd handler reads).
 
     Args:
         params: The parameters; ``endpoint`` lists the members.
@@ -496,7 +497,7 @@ def create_client(params: RendezvousParameters) -> EtcdClient:
         read_timeout=read_timeout,
         ssl_cert=_option(params, "ssl_cert"),
         ssl_cert_key=_option(params, "ssl_cert_key"),
-        ca_cert=_option(params, "ca_cert"),
+        ca_cert=_option(params, "ca_cert") or _option(params, "cacert"),
     )
 
 
