@@ -20,9 +20,10 @@ import time
 import rdzv
 from rdzv.api import RendezvousParameters
 from rdzv.errors import RendezvousError
-from rdzv.store.tcp import TCPStore
+from rdzv.store.base import Store
 
 EPOCH_KEY = "chaos/epoch"
+RUN_ID = "chaos"
 
 
 def emit(**fields: object) -> None:
@@ -43,17 +44,17 @@ class _Completions(logging.Handler):
             self.round = int(event["round"])
 
 
-def read_epoch(probe: TCPStore) -> int | None:
+def read_epoch(store: Store) -> int | None:
     try:
-        return int(probe.get(EPOCH_KEY))
-    except (RendezvousError, ValueError, OSError):
+        return int(store.get(EPOCH_KEY))
+    except Exception:
         return None
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--run-id", default="chaos")
+    parser.add_argument("--backend", default="c10d")
+    parser.add_argument("--endpoint", required=True)
     parser.add_argument("--min", type=int, required=True)
     parser.add_argument("--max", type=int, required=True)
     parser.add_argument("--seed", type=int, required=True)
@@ -67,27 +68,29 @@ def main() -> int:
     logger = logging.getLogger("rdzv.dynamic")
     logger.setLevel(logging.INFO)
     logger.addHandler(completions)
+    extra: dict[str, object] = {"is_host": False} if args.backend == "c10d" else {}
     params = RendezvousParameters(
-        "c10d",
-        f"127.0.0.1:{args.port}",
-        args.run_id,
+        args.backend,
+        args.endpoint,
+        RUN_ID,
         args.min,
         args.max,
         local_addr="127.0.0.1",
-        is_host=False,
         join_timeout=args.join,
         last_call_timeout=0.3,
         keep_alive_interval=args.interval,
         keep_alive_max_attempt=args.attempts,
         read_timeout=5,
+        **extra,
     )
     try:
-        probe = TCPStore("127.0.0.1", args.port, timeout=5)
         handler = rdzv.create_handler(params)
     except RendezvousError as exc:
         emit(event="error", phase="start", error=type(exc).__name__, message=str(exc))
         return 3
     node = getattr(handler, "node", "?")
+    # The handler's own store: the epoch key lives next to the rendezvous.
+    probe: Store = handler._store  # type: ignore[attr-defined]  # test agent
     while True:
         before = read_epoch(probe)
         started = time.monotonic()

@@ -40,15 +40,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from rdzv.backends.store import C10dRendezvousBackend
-from rdzv.dynamic.state import decode_state
-from rdzv.errors import RendezvousError, RendezvousStateError
-from rdzv.store.tcp import TCPStore
-from tests.chaos.agent import EPOCH_KEY
-from tests.chaos.proxy import FaultProxy
+from rdzv.errors import RendezvousStateError
+from tests.chaos.clusters import make_cluster
 from tests.procs import subprocess_env
 
-RUN_ID = "chaos"
 READ_TIMEOUT = 5.0
 
 
@@ -58,6 +53,7 @@ class Settings:
 
     Attributes:
         seed: Drives every random choice.
+        backend: ``tcp``, ``etcd`` (one member), ``etcd3`` (three) or ``redis``.
         agents: Agents started at first (and kept running).
         min_nodes: ``min_nodes`` of the rendezvous.
         max_nodes: ``max_nodes`` of the rendezvous.
@@ -67,10 +63,12 @@ class Settings:
         interval: The agents' keep-alive interval.
         attempts: The agents' keep-alive attempts (dead after interval x attempts).
         faults: Inject faults (False: a fault-free baseline).
-        store_restarts: Allow killing the store host.
+        store_restarts: Allow the server-side fault (store host, Redis or an
+            etcd member killed).
     """
 
     seed: int
+    backend: str = "tcp"
     agents: int = 4
     min_nodes: int = 2
     max_nodes: int = 4
@@ -108,6 +106,7 @@ class Figures:
     """What a run did and found."""
 
     seed: int
+    backend: str = "tcp"
     seconds: float = 0.0
     rounds: int = 0
     round_records: int = 0
@@ -122,7 +121,8 @@ class Figures:
         """One human-readable block of the figures."""
         lines = [
             (
-                f"seed={self.seed} seconds={self.seconds:.1f} rounds={self.rounds} "
+                f"backend={self.backend} seed={self.seed} seconds={self.seconds:.1f} "
+                f"rounds={self.rounds} "
                 f"round_records={self.round_records} straddled={self.straddled}"
             ),
             f"faults={sum(self.faults.values())} {dict(sorted(self.faults.items()))}",
@@ -224,10 +224,10 @@ class _Agent:
                 sys.executable,
                 "-m",
                 "tests.chaos.agent",
-                "--port",
-                str(run.proxy.port),
-                "--run-id",
-                RUN_ID,
+                "--backend",
+                run.cluster.rdzv_backend,
+                "--endpoint",
+                run.cluster.agent_endpoint,
                 "--min",
                 str(settings.min_nodes),
                 "--max",
@@ -288,82 +288,31 @@ class ChaosRun:
     def __init__(self, settings: Settings, log: Any = None) -> None:
         self.settings = settings
         self.rng = random.Random(settings.seed)
-        self.figures = Figures(settings.seed)
+        self.figures = Figures(settings.seed, settings.backend)
         self.checker = Checker(settings, self.figures)
         self.lines: queue.Queue[tuple[_Agent, dict[str, Any]]] = queue.Queue()
         self.agents: list[_Agent] = []
         self.log = log
         self.epoch = 0
-        self.store_port = 0
-        self.store_proc: subprocess.Popen[str] | None = None
+        self.cluster = make_cluster(settings.backend)
+        self._cluster_lock = threading.Lock()
         self._monitor_stop = threading.Event()
-
-    # -- the store host ------------------------------------------------------
-
-    def _start_store(self) -> None:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rdzv.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.store_port),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=subprocess_env(),
-            text=True,
-        )
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("rdzv store listening on "):
-            proc.kill()
-            proc.wait(30)
-            proc.stdout.close()
-            raise RuntimeError(f"the store host did not start: {line!r}")
-        self.store_port = int(line.split()[4].rsplit(":", 1)[1])
-        self.store_proc = proc
-        self.epoch += 1
-        with TCPStore("127.0.0.1", self.store_port, timeout=10) as client:
-            client.set(EPOCH_KEY, str(self.epoch))
-
-    def _stop_store(self, signum: int) -> None:
-        proc, self.store_proc = self.store_proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            os.kill(proc.pid, signum)
-        proc.wait(30)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
     def _monitor(self) -> None:
         """Read and decode the stored state every half second."""
-        key = f"rdzv.backend/{RUN_ID}/state"
-        client: TCPStore | None = None
         while not self._monitor_stop.wait(0.5):
-            try:
-                if client is None:
-                    client = TCPStore("127.0.0.1", self.store_port, timeout=2)
-                if not client.check([key]):
+            with self._cluster_lock:
+                try:
+                    data = self.cluster.read_state()
+                except Exception:
                     continue
-                raw = client.get(key)
-            except (RendezvousError, OSError):
-                if client is not None:
-                    client.close()
-                client = None
+            if data is None:
                 continue
             self.figures.state_reads += 1
             try:
-                body, _token = C10dRendezvousBackend._decode(raw)
-                decode_state(body)
+                self.cluster.decode(data)
             except RendezvousStateError as exc:
                 self.checker.violation(f"the stored state does not decode: {exc}")
-        if client is not None:
-            client.close()
 
     # -- agents --------------------------------------------------------------
 
@@ -406,7 +355,7 @@ class ChaosRun:
         kinds = ["kill", "pause", "cut", "delay", "join"]
         weights = [3, 2, 2, 2, 1]
         if self.settings.store_restarts:
-            kinds.append("store")
+            kinds.append(self.cluster.server_fault)
             weights.append(1)
         kind = self.rng.choices(kinds, weights)[0]
         live = [a for a in self._live_agents() if a.paused_until is None]
@@ -428,16 +377,20 @@ class ChaosRun:
             if victim.node is not None:
                 self.checker.node_paused(victim.node, seconds + 1.0)
         elif kind == "cut":
-            self.proxy.cut()
+            for proxy in self.cluster.proxies:
+                proxy.cut()
         elif kind == "delay":
-            self.proxy.delay = self.rng.uniform(0.01, 0.15)
+            delay = self.rng.uniform(0.01, 0.15)
+            for proxy in self.cluster.proxies:
+                proxy.delay = delay
             self._delay_until = time.monotonic() + self.rng.uniform(1.0, 3.0)
         elif kind == "join":
             self._spawn()
-        elif kind == "store":
-            self._stop_store(signal.SIGKILL)
-            self._start_store()
-            self.proxy.target_port = self.store_port
+        else:
+            with self._cluster_lock:
+                if self.cluster.fault(self.rng):
+                    self.epoch += 1
+                    self.cluster.set_epoch(self.epoch)
         self._say(f"fault {kind}")
 
     def _say(self, text: str) -> None:
@@ -451,9 +404,10 @@ class ChaosRun:
         settings = self.settings
         self._t0 = time.monotonic()
         self._delay_until = 0.0
-        self._say(f"seed={settings.seed}")
-        self._start_store()
-        self.proxy = FaultProxy(self.store_port)
+        self._say(f"backend={settings.backend} seed={settings.seed}")
+        self.cluster.start()
+        self.epoch = 1
+        self.cluster.set_epoch(self.epoch)
         monitor = threading.Thread(target=self._monitor, daemon=True)
         monitor.start()
         try:
@@ -475,8 +429,11 @@ class ChaosRun:
                         agent.signal(signal.SIGCONT)
                         agent.paused_until = None
                 if self._delay_until and now >= self._delay_until:
-                    self.proxy.delay = 0.0
+                    for proxy in self.cluster.proxies:
+                        proxy.delay = 0.0
                     self._delay_until = 0.0
+                with self._cluster_lock:
+                    self.cluster.tick()
                 # Keep the population up: replace agents that died or exited.
                 while len(self._live_agents()) < settings.agents:
                     self._spawn()
@@ -493,8 +450,7 @@ class ChaosRun:
                 agent.stop()
             while not self.lines.empty():
                 self._handle(*self.lines.get_nowait())
-            self.proxy.close()
-            self._stop_store(signal.SIGTERM)
+            self.cluster.stop()
         self.checker.finish()
         self.figures.seconds = time.monotonic() - self._t0
         return self.figures

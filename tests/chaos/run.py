@@ -12,13 +12,13 @@ import sys
 
 from tests.chaos.harness import ChaosRun, Settings
 
-BACKENDS = ("tcp",)
-"""Backends the harness drives (etcd and Redis join once their engines land)."""
+BACKENDS = ("tcp", "etcd", "etcd3", "redis")
+"""Backends the harness drives: the TCP store, etcd (one and three members), Redis."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--minutes", type=float, default=1.0)
+    parser.add_argument("--minutes", type=float, default=1.0, help="per backend")
     parser.add_argument("--rounds", type=int, default=0, help="stop after this many rounds")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--agents", type=int, default=5)
@@ -26,18 +26,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
-    print(f"chaos seed={seed} backends={list(BACKENDS)} minutes={args.minutes}", flush=True)
-    settings = Settings(
-        seed=seed,
-        agents=args.agents,
-        min_nodes=2,
-        max_nodes=args.agents,
-        seconds=args.minutes * 60,
-        rounds=args.rounds,
-    )
-    figures = ChaosRun(settings, log=None if args.quiet else sys.stdout).run()
-    print(figures.summary(), flush=True)
-    return 1 if figures.violations else 0
+    backends = list(BACKENDS) if args.backend == "all" else [args.backend]
+    print(f"chaos seed={seed} backends={backends} minutes={args.minutes} each", flush=True)
+    violations = 0
+    for backend in backends:
+        settings = Settings(
+            seed=seed,
+            backend=backend,
+            agents=args.agents,
+            min_nodes=2,
+            max_nodes=args.agents,
+            seconds=args.minutes * 60,
+            rounds=args.rounds,
+        )
+        figures = ChaosRun(settings, log=None if args.quiet else sys.stdout).run()
+        print(figures.summary(), flush=True)
+        violations += len(figures.violations)
+    return 1 if violations else 0
 
 
 if __name__ == "__main__":

@@ -107,13 +107,16 @@ def test_proxy_forwards_cuts_and_delays() -> None:
         server.stop()
 
 
-@pytest.mark.timeout(120)
-def test_short_chaos_run_on_the_tcp_store_has_no_violations() -> None:
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["tcp", "etcd", "etcd3", "redis"])
+def test_short_chaos_run_has_no_violations(backend: str) -> None:
     seed = int(os.environ.get("RDZV_CHAOS_SEED", random.randrange(1 << 31)))
-    settings = Settings(seed=seed, agents=4, min_nodes=2, max_nodes=4, seconds=30.0)
+    settings = Settings(
+        seed=seed, backend=backend, agents=4, min_nodes=2, max_nodes=4, seconds=10.0
+    )
     figures = ChaosRun(settings).run()
     report = f"replay with RDZV_CHAOS_SEED={seed}\n{figures.summary()}"
     assert figures.violations == [], report
-    assert figures.rounds >= 3, report
-    assert sum(figures.faults.values()) >= 5, report
+    assert figures.rounds >= 2, report
+    assert sum(figures.faults.values()) >= 3, report
     assert figures.state_reads > 0, report
