@@ -94,6 +94,8 @@ def test_proxy_forwards_cuts_and_delays() -> None:
     try:
         with TCPStore("127.0.0.1", proxy.port, timeout=5) as client:
             client.set("k", "v")
+            # torch's SET has no reply: read it back so it is not in flight when cut.
+            assert client.get("k") == b"v"
             assert proxy.cut() >= 1
             with pytest.raises(RendezvousConnectionError):
                 client.get("k")
