@@ -108,6 +108,7 @@ def main() -> int:
             )
             return 3
         took = time.monotonic() - started
+        completed_at = time.time()  # before the epoch read, which may wait on the store
         after = read_epoch(probe)
         # The node keys of the sealed round, in rank order (info only has addresses).
         member_of = handler._member_of  # type: ignore[attr-defined]  # test agent reads the state
@@ -120,7 +121,7 @@ def main() -> int:
             world_size=info.world_size,
             participants=participants,
             epoch=after if after == before else None,
-            at=time.time(),
+            at=completed_at,
             took=took,
         )
         stint_end = time.monotonic() + rng.uniform(0.2, args.hold)
