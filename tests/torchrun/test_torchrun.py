@@ -1,0 +1,57 @@
+"""Real torchrun jobs on loopback with ``--rdzv-backend=rdzv``: two agents x two workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import uuid
+
+import pytest
+
+from tests.torchrun.conftest import Job
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun_args(
+    endpoint: str, nnodes: str, run_id: str, backend: str = "rdzv", conf: str = CONF
+) -> list[str]:
+    return [
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=2",
+        f"--rdzv-backend={backend}",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={conf}",
+        "--max-restarts=3",
+        "--monitor-interval=0.2",
+    ]
+
+
+def expected_sum(world: int) -> float:
+    return float(world * (world + 1) // 2)
+
+
+def check_results(job: Job, world: int) -> None:
+    results = sorted(job.markers("result"), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == list(range(world)), job.log_tail()
+    assert {r["world"] for r in results} == {world}
+    assert {r["sum"] for r in results} == {expected_sum(world)}
+
+
+@pytest.mark.timeout(90)
+def test_two_agents_two_workers_all_reduce(job: Job) -> None:
+    args = torchrun_args(f"127.0.0.1:{free_port()}", "2", uuid.uuid4().hex)
+    job.start_agent(args)
+    job.start_agent(args)
+    assert job.wait_agents() == [0, 0], job.log_tail()
+    check_results(job, 4)
