@@ -37,6 +37,11 @@ so torch's agent reacts as it does to its own backends: a spare's
 barrier of the current round completed), so spares exit gracefully; after a
 failure it only leaves the round, and the other nodes may re-form without
 this one (torch's own ``c10d`` backend closes the run in both cases).
+
+torch's agent calls ``next_rendezvous()`` again when its workers failed or
+nodes wait. Like torch's own handler, this one first leaves the round it is
+a member of, so the other members see it waiting (``num_nodes_waiting``)
+even when the round is full, and restart to re-form with it.
 """
 
 from __future__ import annotations
@@ -369,6 +374,7 @@ def _handler_class() -> type[torch_api.RendezvousHandler]:
             self._resources = resources
             self._round_store: TorchStore | None = None
             self._shut_down = False
+            self._joined = False
 
         @property
         def inner(self) -> RendezvousHandler:
@@ -385,10 +391,16 @@ def _handler_class() -> type[torch_api.RendezvousHandler]:
         def next_rendezvous(self) -> tr.RendezvousInfo:
             self._resources.stores.release()
             self._round_store = None
+            if self._joined:
+                # Leave the last round first, as torch's own handler does:
+                # the others then see this node waiting even when the round
+                # is full, and re-form with it.
+                self._inner.shutdown()
             with _torch_errors():
                 info = self._inner.next_rendezvous()
                 store = self._resources.stores.round_store(info)
             self._round_store = store
+            self._joined = True
             boot = info.bootstrap_store_info
             assert boot is not None  # rdzv's dynamic handler always builds it
             return tr.RendezvousInfo(

@@ -55,3 +55,34 @@ def test_two_agents_two_workers_all_reduce(job: Job) -> None:
     job.start_agent(args)
     assert job.wait_agents() == [0, 0], job.log_tail()
     check_results(job, 4)
+
+
+@pytest.mark.timeout(100)
+def test_killed_worker_is_restarted_and_the_job_finishes(job: Job) -> None:
+    gate = job.out.parent / "gate"
+    args = torchrun_args(f"127.0.0.1:{free_port()}", "2", uuid.uuid4().hex)
+    job.start_agent(args, RDZV_TEST_GATE=str(gate))
+    job.start_agent(args, RDZV_TEST_GATE=str(gate))
+    job.wait_until("four workers running", lambda: len(job.markers("started")) == 4)
+    victim = next(m for m in job.markers("started") if m["rank"] == 3)
+    gate.touch()  # workers started after the kill go straight to the all-reduce
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert job.wait_agents() == [0, 0], job.log_tail()
+    check_results(job, 4)
+    restarted = [m for m in job.markers("started") if m["restart"] >= 1]
+    assert restarted, "torch's agent did not restart the failed worker group"
+    assert victim["pid"] not in {m["pid"] for m in restarted}
+
+
+@pytest.mark.timeout(100)
+def test_third_agent_joins_at_the_next_round(job: Job) -> None:
+    args = torchrun_args(f"127.0.0.1:{free_port()}", "2:3", uuid.uuid4().hex)
+    job.start_agent(args, RDZV_TEST_WORLD="6")
+    job.start_agent(args, RDZV_TEST_WORLD="6")
+    job.wait_until(
+        "the first round's four workers running",
+        lambda: len([m for m in job.markers("started") if m["world"] == 4]) == 4,
+    )
+    job.start_agent(args, RDZV_TEST_WORLD="6")
+    assert job.wait_agents() == [0, 0, 0], job.log_tail()
+    check_results(job, 6)
