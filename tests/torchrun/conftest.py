@@ -27,7 +27,9 @@ HANDLERS = {
 
 def _installed_handlers() -> set[str]:
     return {
-        ep.name for ep in metadata.entry_points(group="torchrun.handlers") if ep.value in HANDLERS.values()
+        ep.name
+        for ep in metadata.entry_points(group="torchrun.handlers")
+        if ep.value in HANDLERS.values()
     }
 
 
@@ -102,13 +104,11 @@ class Job:
 
     def wait_agents(self, timeout: float = 60) -> list[int]:
         deadline = time.monotonic() + timeout
-        codes = []
-        for proc in self.agents:
-            try:
-                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"agent {proc.pid} did not exit within {timeout} s\n{self.log_tail()}")
-        return codes
+        while any(proc.poll() is None for proc in self.agents):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the agents did not exit within {timeout} s\n{self.log_tail()}")
+            time.sleep(0.1)
+        return [proc.returncode for proc in self.agents]
 
     def log_tail(self, lines: int = 40) -> str:
         parts = []
