@@ -164,8 +164,10 @@ def test_a_round_gives_torch_a_real_store_of_a_server_in_a_child_process(
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
     host, client = make_handler(endpoint, run_id, 2), make_handler(endpoint, run_id, 2)
     assert isinstance(host, torch_api.RendezvousHandler)
-    assert host._resources.server is not None and client._resources.server is None
-    assert host.get_backend() == "rdzv" and host.get_run_id() == run_id
+    assert host._resources.server is not None
+    assert client._resources.server is None
+    assert host.get_backend() == "rdzv"
+    assert host.get_run_id() == run_id
     assert host.use_agent_store is False
     first = rendezvous_all([host, client])
     assert sorted(info.rank for info in first) == [0, 1]
@@ -186,8 +188,10 @@ def test_a_round_gives_torch_a_real_store_of_a_server_in_a_child_process(
     assert store1.multi_get(["a", "b"]) == [b"1", b"2"]
     assert store1.add("n", 2) == 2
     store1.wait(["a"])
-    assert store0.check(["a"]) and not store0.check(["missing"])
-    assert host.num_nodes_waiting() == 0 and not host.is_closed()
+    assert store0.check(["a"])
+    assert not store0.check(["missing"])
+    assert host.num_nodes_waiting() == 0
+    assert not host.is_closed()
     second = rendezvous_all([host, client])
     assert not second[0].store.check(["a"]), "a new round must not see the last round's keys"
 
