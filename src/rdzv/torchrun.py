@@ -30,8 +30,13 @@ agent of group rank 0 picks a free port each round, and the worker of global
 rank 0 hosts a fresh store there, so a round never sees a former round's keys.
 
 rdzv's errors become torch's errors of the same meaning (``raise ... from``),
-so torch's agent reacts as it does to its own backends: a spare's
-``RendezvousGracefulExitError`` ends the agent with status 0.
+so torch's agent reacts as it does to its own backends. One exception: a
+spare's graceful exit. torch 2.13's agent catches its
+``RendezvousGracefulExitError`` and returns None, on which torch's launcher
+then fails (``'NoneType' object has no attribute 'is_failed'``, exit status
+1); so by default (``spare_exit=exit0``) the handler raises
+``SystemExit(0)`` instead, which torch's agent and launcher pass through
+after shutting down cleanly. ``spare_exit=raise`` raises torch's error.
 
 ``shutdown()`` closes the run only when the job finished (torch's exit
 barrier of the current round completed), so spares exit gracefully; after a
@@ -366,10 +371,14 @@ def _handler_class() -> type[torch_api.RendezvousHandler]:
             name: The name torchrun knows the backend by (``rdzv``, ...).
             inner: The rdzv handler.
             resources: The stores and server this handler owns.
+            spare_exit: ``exit0`` or ``raise`` (see :func:`create_rdzv_handler`).
         """
 
-        def __init__(self, name: str, inner: RendezvousHandler, resources: _Resources) -> None:
+        def __init__(
+            self, name: str, inner: RendezvousHandler, resources: _Resources, spare_exit: str
+        ) -> None:
             self._name = name
+            self._spare_exit = spare_exit
             self._inner = inner
             self._resources = resources
             self._round_store: TorchStore | None = None
@@ -396,9 +405,15 @@ def _handler_class() -> type[torch_api.RendezvousHandler]:
                 # the others then see this node waiting even when the round
                 # is full, and re-form with it.
                 self._inner.shutdown()
-            with _torch_errors():
-                info = self._inner.next_rendezvous()
-                store = self._resources.stores.round_store(info)
+            try:
+                with _torch_errors():
+                    info = self._inner.next_rendezvous()
+                    store = self._resources.stores.round_store(info)
+            except tr.RendezvousGracefulExitError as exc:
+                if self._spare_exit == "raise":
+                    raise
+                LOGGER.warning("rdzv: %s; this agent is not needed and exits with status 0", exc)
+                raise SystemExit(0) from exc
             self._round_store = store
             self._joined = True
             boot = info.bootstrap_store_info
@@ -452,11 +467,18 @@ def _handler_class() -> type[torch_api.RendezvousHandler]:
     return TorchrunRendezvousHandler
 
 
+def _spare_exit(params: RendezvousParameters) -> str:
+    value = str(params.get("spare_exit", "exit0")).strip().lower()
+    if value not in ("exit0", "raise"):
+        raise ValueError(f"spare_exit must be 'exit0' or 'raise', got {params.get('spare_exit')!r}")
+    return value
+
+
 def _wrap(
-    name: str, inner: RendezvousHandler, resources: _Resources
+    name: str, inner: RendezvousHandler, resources: _Resources, spare_exit: str
 ) -> torch_api.RendezvousHandler:
     cls: Any = _handler_class()
-    handler: torch_api.RendezvousHandler = cls(name, inner, resources)
+    handler: torch_api.RendezvousHandler = cls(name, inner, resources, spare_exit)
     return handler
 
 
@@ -469,6 +491,12 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
     The node whose address matches the endpoint host (or that sets
     ``is_host=1``) runs the store server in a child process; if the port is
     taken (another local agent hosts it), it connects as a client.
+
+    ``--rdzv-conf`` keys: those of rdzv's dynamic rendezvous (``join_timeout``,
+    ``last_call_timeout``, ``close_timeout``, ``heartbeat``,
+    ``keep_alive_interval``, ``keep_alive_max_attempt``), of its store
+    backend (``read_timeout``, ``is_host``), and ``spare_exit`` (``exit0``,
+    the default, or ``raise``: see the module documentation).
 
     Args:
         params: torch's parameters (``--rdzv-endpoint``, ``--nnodes``,
@@ -483,6 +511,7 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
             store could not be hosted or reached.
     """
     rdzv_params = to_rdzv_parameters(params, "c10d")
+    spare_exit = _spare_exit(rdzv_params)
     host, port = parse_endpoint(rdzv_params.endpoint)
     timeout = rdzv_params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
     explicit = rdzv_params.get_as_bool("is_host")
@@ -506,7 +535,7 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
     resources = _Resources(
         _SharedServerStores(host, port, timeout), (backend.close, store.close), server
     )
-    return _wrap(params.backend, inner, resources)
+    return _wrap(params.backend, inner, resources, spare_exit)
 
 
 def _create_from_registry(
@@ -520,10 +549,11 @@ def _create_from_registry(
             f"{', '.join(known)})"
         )
     rdzv_params = to_rdzv_parameters(params, backend)
+    spare_exit = _spare_exit(rdzv_params)
     timeout = rdzv_params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
     with _torch_errors():
         inner = rendezvous_handler_registry.create_handler(rdzv_params)
-    return _wrap(params.backend, inner, _Resources(_RankZeroStores(timeout)))
+    return _wrap(params.backend, inner, _Resources(_RankZeroStores(timeout)), spare_exit)
 
 
 def create_rdzv_etcd_handler(

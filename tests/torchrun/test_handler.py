@@ -231,3 +231,8 @@ def test_is_host_with_a_taken_port_is_a_connection_error() -> None:
         params = torch_params("rdzv", f"127.0.0.1:{port}", "job", is_host="1")
         with pytest.raises(torch_api.RendezvousConnectionError, match=str(port)):
             torchrun.create_rdzv_handler(params)
+
+
+def test_a_bad_spare_exit_is_named() -> None:
+    with pytest.raises(ValueError, match="'bogus'"):
+        torchrun.create_rdzv_handler(torch_params(spare_exit="bogus"))

@@ -86,3 +86,34 @@ def test_third_agent_joins_at_the_next_round(job: Job) -> None:
     job.start_agent(args, RDZV_TEST_WORLD="6")
     assert job.wait_agents() == [0, 0, 0], job.log_tail()
     check_results(job, 6)
+
+
+def spare_enqueued(endpoint: str, run_id: str) -> bool:
+    """Ask the rendezvous, as a non-member, whether a node waits for the next round."""
+    from rdzv.api import RendezvousParameters
+    from rdzv.backends.store import create_backend
+    from rdzv.dynamic.handler import create_handler
+
+    params = RendezvousParameters("c10d", endpoint, run_id, 2, 2, config={"is_host": False})
+    backend, store = create_backend(params)
+    try:
+        return create_handler(store, backend, params).num_nodes_waiting() > 0
+    finally:
+        backend.close()
+        store.close()
+
+
+@pytest.mark.timeout(100)
+def test_a_spare_agent_exits_when_the_job_finishes(job: Job) -> None:
+    gate = job.out.parent / "gate"
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
+    args = torchrun_args(endpoint, "2", run_id)
+    for _ in range(3):
+        job.start_agent(args, RDZV_TEST_GATE=str(gate))
+    job.wait_until("four workers running", lambda: len(job.markers("started")) == 4)
+    job.wait_until("the spare waiting", lambda: spare_enqueued(endpoint, run_id))
+    gate.touch()
+    codes = job.wait_agents()
+    check_results(job, 4)
+    assert codes == [0, 0, 0], job.log_tail()
+    assert "is a spare of the closed run" in job.log_tail(200)
