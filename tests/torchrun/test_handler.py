@@ -236,3 +236,32 @@ def test_is_host_with_a_taken_port_is_a_connection_error() -> None:
 def test_a_bad_spare_exit_is_named() -> None:
     with pytest.raises(ValueError, match="'bogus'"):
         torchrun.create_rdzv_handler(torch_params(spare_exit="bogus"))
+
+
+@pytest.mark.timeout(60)
+def test_engine_backends_get_a_store_hosted_by_group_rank_zero() -> None:
+    # The stores rdzv-etcd/rdzv-redis hand out, over the backend every install has.
+    from rdzv.backends.store import create_backend
+    from rdzv.dynamic.handler import create_handler
+
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
+    handlers = []
+    for _ in range(2):
+        params = torchrun.to_rdzv_parameters(
+            torch_params("rdzv-etcd", endpoint, run_id, 2, 2, **FAST), "c10d"
+        )
+        backend, store = create_backend(params)
+        resources = torchrun._Resources(torchrun._RankZeroStores(20), (backend.close, store.close))
+        inner = create_handler(store, backend, params)
+        handlers.append(torchrun._wrap("rdzv-etcd", inner, resources, "raise"))
+    try:
+        first = sorted(rendezvous_all(handlers), key=lambda info: info.rank)
+        first[0].store.set("k", "v")
+        assert first[1].store.get("k") == b"v"
+        second = sorted(rendezvous_all(handlers), key=lambda info: info.rank)
+        assert not second[1].store.check(["k"]), "each round gets a fresh store"
+        second[1].store.set("k2", "v2")
+        assert second[0].store.get("k2") == b"v2"
+    finally:
+        for handler in reversed(handlers):  # the in-process server's host last
+            handler.shutdown()
