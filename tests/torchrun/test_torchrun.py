@@ -6,9 +6,11 @@ import os
 import signal
 import socket
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
+from rdzv.registry import rendezvous_handler_registry
 from tests.torchrun.conftest import Job
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
@@ -117,3 +119,23 @@ def test_a_spare_agent_exits_when_the_job_finishes(job: Job) -> None:
     check_results(job, 4)
     assert codes == [0, 0, 0], job.log_tail()
     assert "is a spare of the closed run" in job.log_tail(200)
+
+
+@pytest.fixture
+def etcd_endpoint() -> Iterator[str]:
+    """A private etcd on free loopback ports (the engines suite's helper)."""
+    if "etcd" not in rendezvous_handler_registry.backends():
+        pytest.skip("rdzv's etcd backend is not in this tree")
+    servers = pytest.importorskip("tests.engines.servers")
+    with servers.etcd_cluster() as cluster:
+        yield cluster.endpoint
+
+
+@pytest.mark.etcd
+@pytest.mark.timeout(100)
+def test_two_agents_two_workers_all_reduce_with_rdzv_etcd(job: Job, etcd_endpoint: str) -> None:
+    args = torchrun_args(etcd_endpoint, "2", uuid.uuid4().hex, backend="rdzv-etcd")
+    job.start_agent(args)
+    job.start_agent(args)
+    assert job.wait_agents() == [0, 0], job.log_tail()
+    check_results(job, 4)
