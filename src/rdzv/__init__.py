@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "PrefixStore": "rdzv.store.memory",
     "parse_endpoint": "rdzv.endpoint",
     "parse_config": "rdzv.endpoint",
+    "EtcdRendezvousBackend": "rdzv.backends.etcd",
 }
 
 __all__ = [
@@ -80,6 +81,7 @@ __all__ = [
     "parse_config",
     "parse_endpoint",
     "rendezvous_handler_registry",
+    "EtcdRendezvousBackend",
 ]
 
 if TYPE_CHECKING:
@@ -92,6 +94,7 @@ if TYPE_CHECKING:
         RendezvousTimeout,
     )
     from rdzv.backends.base import RendezvousBackend
+    from rdzv.backends.etcd import EtcdRendezvousBackend
     from rdzv.backends.store import (
         C10dRendezvousBackend,
         P10dRendezvousBackend,
