@@ -121,20 +121,24 @@ def test_a_spare_agent_exits_when_the_job_finishes(job: Job) -> None:
     assert "is a spare of the closed run" in job.log_tail(200)
 
 
-@pytest.fixture
-def etcd_endpoint() -> Iterator[str]:
-    """A private etcd on free loopback ports (the engines suite's helper)."""
-    if "etcd" not in rendezvous_handler_registry.backends():
-        pytest.skip("rdzv's etcd backend is not in this tree")
+@pytest.fixture(params=["etcd", "redis"])
+def engine(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """``(torchrun backend, endpoint)`` of a private etcd or Redis on free loopback ports."""
+    name = request.param
+    if name not in rendezvous_handler_registry.backends():
+        pytest.skip(f"rdzv's {name} backend is not in this tree")
     servers = pytest.importorskip("tests.engines.servers")
-    with servers.etcd_cluster() as cluster:
-        yield cluster.endpoint
+    start = servers.etcd_cluster if name == "etcd" else servers.redis_server
+    with start() as server:
+        yield f"rdzv-{name}", server.endpoint
 
 
 @pytest.mark.etcd
+@pytest.mark.redis
 @pytest.mark.timeout(100)
-def test_two_agents_two_workers_all_reduce_with_rdzv_etcd(job: Job, etcd_endpoint: str) -> None:
-    args = torchrun_args(etcd_endpoint, "2", uuid.uuid4().hex, backend="rdzv-etcd")
+def test_two_agents_two_workers_all_reduce_on_an_engine(job: Job, engine: tuple[str, str]) -> None:
+    backend, endpoint = engine
+    args = torchrun_args(endpoint, "2", uuid.uuid4().hex, backend=backend)
     job.start_agent(args)
     job.start_agent(args)
     assert job.wait_agents() == [0, 0], job.log_tail()
