@@ -524,17 +524,15 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
                     f"could not host the rdzv store on port {port} (is_host=1): the port is taken"
                 )
     rdzv_params.config["is_host"] = False
+    resources = _Resources(_SharedServerStores(host, port, timeout), server=server)
     try:
         with _torch_errors():
             backend, store = create_backend(rdzv_params)
+        resources.closers = (backend.close, store.close)
+        inner = create_handler(store, backend, rdzv_params)
     except BaseException:
-        if server is not None:
-            server.stop()
+        resources.close()
         raise
-    inner = create_handler(store, backend, rdzv_params)
-    resources = _Resources(
-        _SharedServerStores(host, port, timeout), (backend.close, store.close), server
-    )
     return _wrap(params.backend, inner, resources, spare_exit)
 
 

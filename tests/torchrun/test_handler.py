@@ -267,3 +267,15 @@ def test_engine_backends_get_a_store_hosted_by_group_rank_zero() -> None:
     finally:
         for handler in reversed(handlers):  # the in-process server's host last
             handler.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_rendezvous_option_stops_the_server_child() -> None:
+    port = free_port()
+    with pytest.raises(ValueError, match="keep_alive_max_attempt"):
+        torchrun.create_rdzv_handler(
+            torch_params("rdzv", f"127.0.0.1:{port}", "job", keep_alive_max_attempt="many")
+        )
+    # The child that served the port is gone: the port can be bound again.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
