@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "PrefixStore": "rdzv.store.memory",
     "parse_endpoint": "rdzv.endpoint",
     "parse_config": "rdzv.endpoint",
+    "StaticTCPRendezvous": "rdzv.static",
 }
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "RendezvousStoreInfo",
     "RendezvousTimeout",
     "RendezvousTimeoutError",
+    "StaticTCPRendezvous",
     "Store",
     "StoreTimeoutError",
     "__version__",
@@ -95,6 +97,7 @@ if TYPE_CHECKING:
         create_handler,
         rendezvous_handler_registry,
     )
+    from rdzv.static import StaticTCPRendezvous
     from rdzv.store.base import Store
     from rdzv.store.memory import HashStore, PrefixStore
 

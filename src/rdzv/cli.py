@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 import rdzv
+from rdzv.launch.run import add_run_arguments
 from rdzv.registry import rendezvous_handler_registry
 
 __all__ = ["main"]
@@ -25,6 +26,12 @@ def _cmd_backends(_args: argparse.Namespace) -> int:
     for name, origin in backends.items():
         print(f"{name:<{width}}  {origin}")
     return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from rdzv.launch.run import run_command  # noqa: PLC0415 - keep other commands light
+
+    return run_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
         "backends", help="list the registered rendezvous backends and where each came from"
     )
     backends.set_defaults(func=_cmd_backends)
+    run = commands.add_parser(
+        "run",
+        help="start this node's workers of an elastic job (torchrun-compatible options)",
+        description="Start this node's workers and keep them in one group with the other "
+        "nodes: rdzv run [options] script.py args... | -m module args...",
+    )
+    add_run_arguments(run)
+    run.set_defaults(func=_cmd_run)
     return parser
 
 

@@ -31,7 +31,9 @@ ENTRY_POINT_GROUP = "rdzv.handlers"
 RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
 
 # name -> "module:function"; the module is imported on first use.
-_BUILTIN: dict[str, str] = {}
+_BUILTIN: dict[str, str] = {
+    "static": "rdzv.static:create_rdzv_handler",
+}
 
 
 def _lazy(path: str) -> RendezvousHandlerCreator:
