@@ -8,22 +8,26 @@ never interleave and no partial line is lost (a last line without a newline
 gets one). With a log directory each worker also gets one file per attempt
 holding its unprefixed output. Stopping sends SIGTERM to every worker's
 process group, waits a grace period, then sends SIGKILL to the groups still
-alive; the pump threads end when the pipes close and are joined.
+alive; the pump threads end when the pipes close and are joined. On Linux
+each worker also asks the kernel for SIGKILL when the agent dies
+(``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves no orphan workers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 __all__ = ["OutputSink", "WorkerExit", "WorkerGroup", "WorkerSpec", "describe_returncode"]
 
@@ -89,6 +93,29 @@ class WorkerExit:
         if self.log_path is not None:
             text += f"; log: {self.log_path}"
         return text
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _death_signal_setter() -> Callable[[], None] | None:
+    """Return a ``preexec_fn`` that makes the child die with its parent, if the OS can."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc: Any = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def set_death_signal() -> None:
+        # Runs in the child between fork and exec: no allocation-heavy work here.
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+    return set_death_signal
+
+
+_SET_DEATH_SIGNAL = _death_signal_setter()
 
 
 class OutputSink:
@@ -190,6 +217,7 @@ class WorkerGroup:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                preexec_fn=_SET_DEATH_SIGNAL,  # noqa: PLW1509 - only calls prctl
             )
         except BaseException:
             if log_file is not None:
