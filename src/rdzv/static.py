@@ -21,6 +21,7 @@ from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters, Re
 from rdzv.endpoint import DEFAULT_PORT, parse_endpoint
 from rdzv.errors import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousStateError,
     RendezvousTimeoutError,
     StoreTimeoutError,
@@ -152,10 +153,19 @@ class StaticTCPRendezvous(RendezvousHandler):
         try:
             round_store.wait(["complete"], timeout=self._timeout)
         except StoreTimeoutError:
-            missing = [r for r in range(self._world_size) if not round_store.check([f"node/{r}"])]
+            head = (
+                f"the static rendezvous of run {self._run_id!r} timed out after {self._timeout:g} s"
+            )
+            try:
+                missing = [
+                    r for r in range(self._world_size) if not round_store.check([f"node/{r}"])
+                ]
+            except RendezvousConnectionError:
+                raise RendezvousTimeoutError(
+                    f"{head}, and the store of node rank 0 is gone, so who is missing is unknown"
+                ) from None
             raise RendezvousTimeoutError(
-                f"the static rendezvous of run {self._run_id!r} timed out after "
-                f"{self._timeout:g} s: node rank(s) {missing} of {self._world_size} did not arrive"
+                f"{head}: node rank(s) {missing} of {self._world_size} did not arrive"
             ) from None
         bootstrap = RendezvousStoreInfo.build(
             self._rank,

@@ -110,6 +110,7 @@ def test_two_nodes_two_workers_get_a_consistent_environment(tmp_path: Path) -> N
     assert nodes[0].servers.servers[0].closed
     # the run is closed only after success, and every agent left the rendezvous
     assert group.closed
+    assert sum(n.handler.closes for n in nodes) == 1
     assert [n.handler.shutdowns for n in nodes] == [1, 1]
 
 

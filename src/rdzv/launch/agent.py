@@ -13,8 +13,8 @@ Theory of operation. One agent runs per node and drives any
    handler whether nodes are waiting:
 
    * all workers exited 0: wait at an exit barrier for the other agents of
-     the round (so the bootstrap store outlives every worker), close the run
-     and exit 0;
+     the round (so the bootstrap store outlives every worker); the last to
+     arrive closes the run; exit 0;
    * a worker failed: stop the others and, while the restart budget lasts,
      go back to 1 (the restart is counted); when it is spent, close the run
      and exit :data:`EXIT_WORKER_FAILED` naming the failed rank;
@@ -362,7 +362,6 @@ class ElasticAgent:
         attempt.workers.close()
         self._exit_barrier(attempt)
         self._end_attempt()
-        self._close_run()
         return AgentResult(
             EXIT_OK,
             f"all {attempt.ranks.local_world_size} worker(s) of node "
@@ -371,10 +370,14 @@ class ElasticAgent:
         )
 
     def _exit_barrier(self, attempt: _Attempt) -> None:
+        # The last agent to arrive knows that every node of the group
+        # succeeded: it alone closes the run, before releasing the others, so
+        # nobody writes to a store whose host may already be gone.
         store = attempt.info.store
         total = attempt.ranks.group_world_size
         try:
             if store.add(f"{KEY_PREFIX}/exit/count", 1) >= total:
+                self._close_run()
                 store.set(f"{KEY_PREFIX}/exit/done", "1")
             store.wait([f"{KEY_PREFIX}/exit/done"], timeout=self._config.exit_barrier_timeout)
         except RendezvousError as exc:

@@ -37,13 +37,14 @@ BootstrapFactory = Callable[[], BootstrapServer]
 
 
 def tcp_store_server() -> BootstrapServer:
-    """Start an rdzv TCP store server on a free port (all interfaces).
+    """Start an rdzv TCP store server on a free port (listening on every address).
 
     Returns:
         The running server (an ``rdzv.TCPStore`` hosting it).
     """
     rdzv = importlib.import_module("rdzv")
-    server: BootstrapServer = rdzv.TCPStore("0.0.0.0", 0, is_master=True)  # noqa: S104 - workers on other nodes connect
+    # The hosted server listens on every address; the agent itself connects over loopback.
+    server: BootstrapServer = rdzv.TCPStore("127.0.0.1", 0, is_master=True)
     return server
 
 
