@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from rdzv import PrefixStore, RendezvousInfo
 from rdzv.launch import AgentConfig, AgentResult, ElasticAgent, OutputSink
 from rdzv.launch.agent import EXIT_OK, EXIT_RENDEZVOUS, EXIT_WORKER_FAILED
 from tests.launch.fakes import FakeGroup, FakeHandler, ServerFactory
@@ -248,3 +249,32 @@ def test_agent_config_rejects_bad_values() -> None:
 
 def test_python_is_the_running_interpreter() -> None:
     assert AgentConfig(entrypoint=["x.py"]).python == sys.executable
+
+
+class _PeerDiesDuringSetup(FakeHandler):
+    """Round 0 claims a second node that never shows up; then a 1-node round."""
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self.joins += 1
+        store = PrefixStore(f"round/{self.round}", self.group.store)
+        self.round += 1
+        if self.round == 1:
+            # the missing member is evicted a little later: nodes are "waiting"
+            self.timer = threading.Timer(0.3, lambda: setattr(self.group, "waiting", 1))
+            self.timer.start()
+            return RendezvousInfo(store, 1, 2)
+        self.group.waiting = 0
+        return RendezvousInfo(store, 0, 1)
+
+
+def test_member_lost_during_setup_sends_everyone_back_uncounted(tmp_path: Path) -> None:
+    group = FakeGroup()
+    handler = _PeerDiesDuringSetup(group, 0)
+    node = Node(handler, tmp_path, ["ok"], nproc=1)
+    result = node.run()
+    handler.timer.join()
+    assert result.exit_code == EXIT_OK, result.reason
+    assert result.restarts == 0
+    assert handler.joins == 2
+    assert any("changed while the workers were being set up" in m for m in node.messages)
+    assert [e["WORLD_SIZE"] for e in envs(tmp_path)] == ["1"]

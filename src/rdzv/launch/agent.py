@@ -44,6 +44,7 @@ from rdzv.errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
+    StoreTimeoutError,
 )
 from rdzv.launch.bootstrap import (
     BootstrapFactory,
@@ -53,6 +54,7 @@ from rdzv.launch.bootstrap import (
 )
 from rdzv.launch.ranks import KEY_PREFIX, NodeRanks, assign_ranks, worker_environment
 from rdzv.launch.workers import OutputSink, WorkerExit, WorkerGroup, WorkerSpec
+from rdzv.store.base import Store
 
 __all__ = [
     "EXIT_OK",
@@ -145,6 +147,13 @@ class AgentInterrupted(Exception):  # noqa: N818 - a signal, not an error
     def __init__(self, signum: int) -> None:
         self.signum = signum
         super().__init__(signal.Signals(signum).name)
+
+
+_PEER_WAIT_SLICE = 1.0
+
+
+class _GroupChanged(Exception):  # noqa: N818 - control flow, not an error
+    """A node joined or left while this node was setting up its workers."""
 
 
 @dataclass
@@ -258,6 +267,13 @@ class ElasticAgent:
                 )
             try:
                 self._start_attempt(info)
+            except _GroupChanged:
+                self._log(
+                    "the group changed while the workers were being set up: re-rendezvous "
+                    "(not counted as a restart)"
+                )
+                self._end_attempt()
+                continue
             except RendezvousError as exc:
                 return AgentResult(
                     EXIT_RENDEZVOUS,
@@ -269,11 +285,35 @@ class ElasticAgent:
             if result is not None:
                 return result
 
+    def _wait_for_peers(self, store: Store, keys: Sequence[str]) -> None:
+        # Wait in short slices so that a member dying during set-up (its
+        # record never comes) sends everyone back to the rendezvous instead
+        # of hanging until the store timeout.
+        budget = store.timeout.total_seconds()
+        deadline = time.monotonic() + budget
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                store.wait(keys, timeout=max(min(_PEER_WAIT_SLICE, remaining), 0.0))
+                return
+            except StoreTimeoutError:
+                if remaining <= _PEER_WAIT_SLICE:
+                    raise
+            if self._handler.num_nodes_waiting() > 0:
+                raise _GroupChanged
+
     def _start_attempt(self, info: RendezvousInfo) -> None:
         cfg = self._config
-        ranks = assign_ranks(info.store, info.rank, info.world_size, cfg.nproc_per_node, cfg.role)
+        ranks = assign_ranks(
+            info.store,
+            info.rank,
+            info.world_size,
+            cfg.nproc_per_node,
+            cfg.role,
+            self._wait_for_peers,
+        )
         master, server = exchange_bootstrap(
-            info.store, info.rank, self._bootstrap_factory, cfg.local_addr
+            info.store, info.rank, self._bootstrap_factory, cfg.local_addr, self._wait_for_peers
         )
         base_env = dict(os.environ if cfg.env is None else cfg.env)
         specs = [

@@ -11,11 +11,11 @@ address (the old rank 0 may be gone).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from rdzv.api import RendezvousStoreInfo
-from rdzv.launch.ranks import KEY_PREFIX
+from rdzv.launch.ranks import KEY_PREFIX, wait_for_keys
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 
@@ -53,6 +53,7 @@ def exchange_bootstrap(
     group_rank: int,
     factory: BootstrapFactory,
     local_addr: str | None,
+    wait: Callable[[Store, Sequence[str]], None] = wait_for_keys,
 ) -> tuple[RendezvousStoreInfo, BootstrapServer | None]:
     """Start (group rank 0) or find (other ranks) this attempt's bootstrap store.
 
@@ -61,6 +62,7 @@ def exchange_bootstrap(
         group_rank: This node's rank in the round.
         factory: Starts a store server (called on group rank 0 only).
         local_addr: The address rank 0 publishes; found with ``getaddrinfo`` when None.
+        wait: Waits (on other ranks) until rank 0 published the address.
 
     Returns:
         The store's address and, on group rank 0, the server to close when
@@ -68,6 +70,7 @@ def exchange_bootstrap(
     """
     store = PrefixStore(f"{KEY_PREFIX}/bootstrap", round_store)
     if group_rank != 0:
+        wait(store, ["MASTER_ADDR", "MASTER_PORT"])
         return RendezvousStoreInfo.build(group_rank, store), None
     server = factory()
     try:

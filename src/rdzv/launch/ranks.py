@@ -12,7 +12,7 @@ among the nodes that run the same role.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rdzv.api import RendezvousStoreInfo
@@ -66,8 +66,23 @@ def _decode_node(raw: bytes, group_rank: int) -> tuple[str, int]:
     return role, nproc
 
 
+def wait_for_keys(store: Store, keys: Sequence[str]) -> None:
+    """Wait for keys up to the store's timeout (the default way to wait for peers).
+
+    Args:
+        store: The store.
+        keys: The keys.
+    """
+    store.wait(keys)
+
+
 def assign_ranks(
-    store: Store, group_rank: int, group_world_size: int, local_world_size: int, role: str
+    store: Store,
+    group_rank: int,
+    group_world_size: int,
+    local_world_size: int,
+    role: str,
+    wait: Callable[[Store, Sequence[str]], None] = wait_for_keys,
 ) -> NodeRanks:
     """Exchange local world sizes through the round's store and number the workers.
 
@@ -77,6 +92,8 @@ def assign_ranks(
         group_world_size: The number of nodes in the round.
         local_world_size: Workers on this node.
         role: This node's role.
+        wait: Waits until the other nodes' records exist (it may give up by
+            raising).
 
     Returns:
         This node's place in the job.
@@ -87,7 +104,9 @@ def assign_ranks(
     """
     record = json.dumps({"role": role, "nproc": local_world_size})
     store.set(f"{KEY_PREFIX}/node/{group_rank}", record)
-    raws = store.multi_get([f"{KEY_PREFIX}/node/{r}" for r in range(group_world_size)])
+    keys = [f"{KEY_PREFIX}/node/{r}" for r in range(group_world_size)]
+    wait(store, keys)
+    raws = store.multi_get(keys)
     nodes = [_decode_node(raw, r) for r, raw in enumerate(raws)]
     base_rank = sum(n for _, n in nodes[:group_rank])
     role_base = sum(n for r, n in nodes[:group_rank] if r == role)
