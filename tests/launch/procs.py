@@ -31,15 +31,18 @@ class Agents:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[str]] = []
 
-    def start(self, args: Sequence[str], **env: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rdzv.cli", "run", *args],
-            cwd=ROOT,
-            env=subprocess_env(**env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    def start(self, args: Sequence[str], stderr_path: Path | None = None) -> subprocess.Popen[str]:
+        """Start ``rdzv run``; its stderr goes to ``stderr_path`` when given."""
+        with contextlib.ExitStack() as stack:
+            err = stack.enter_context(stderr_path.open("w")) if stderr_path else subprocess.PIPE
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rdzv.cli", "run", *args],
+                cwd=ROOT,
+                env=subprocess_env(),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
         self.procs.append(proc)
         return proc
 
@@ -75,11 +78,16 @@ def wait_for(predicate: object, timeout: float = 30, what: str = "a condition") 
 
 
 def alive(pid: int) -> bool:
+    """Tell whether a process runs (a zombie waiting to be reaped does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def kill_pids(pids: Sequence[int]) -> None:

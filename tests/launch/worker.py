@@ -11,6 +11,7 @@ Every mode first records the worker's environment in
 * ``sleep``: sleep until stopped.
 * ``sleep-once``: sleep until stopped the first time (a marker per rank), then exit 0.
 * ``partial``: print a last line without a newline.
+* ``wait-release``: sleep until the test creates ``OUTDIR/release-<WORLD_SIZE>``, then exit 0.
 """
 
 import json
@@ -63,6 +64,14 @@ def main() -> None:
         return
     if mode == "sleep":
         sleep_forever()
+    if mode == "wait-release":
+        release = outdir / f"release-{os.environ['WORLD_SIZE']}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if release.exists():
+                return
+            time.sleep(0.05)
+        sys.exit(98)
     if mode == "sleep-once":
         marker = outdir / f"slept-{rank}"
         if not marker.exists():

@@ -8,6 +8,7 @@ replacing ``torchrun`` with ``rdzv run``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import uuid
@@ -105,6 +106,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between SIGTERM and SIGKILL when stopping workers (10)",
     )
     parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print the rendezvous events (the rdzv loggers at INFO) on stderr",
+    )
+    parser.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -178,6 +185,14 @@ def _agent_config(args: argparse.Namespace, nproc: int) -> AgentConfig:
     )
 
 
+def _print_rendezvous_events() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("rdzv run: event %(name)s %(message)s"))
+    logger = logging.getLogger("rdzv")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run ``rdzv run`` with parsed arguments.
 
@@ -205,6 +220,8 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_RENDEZVOUS
+    if args.verbose:
+        _print_rendezvous_events()
     result: AgentResult = ElasticAgent(handler, config).run()
     print(f"rdzv run: {result.reason}", file=sys.stderr, flush=True)
     return result.exit_code
