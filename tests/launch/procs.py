@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from tests.procs import ROOT, subprocess_env
 
@@ -94,3 +96,26 @@ def kill_pids(pids: Sequence[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+CONF = "is_host=false,last_call_timeout=0.5,keep_alive_interval=0.3,keep_alive_max_attempt=3"
+
+
+def envs(outdir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(outdir.glob("env-*.json"))]
+
+
+def with_world(outdir: Path, world: int) -> list[dict[str, Any]]:
+    return [e for e in envs(outdir) if e["WORLD_SIZE"] == str(world)]
+
+
+def c10d_args(endpoint: str, nnodes: str, run_id: str) -> list[str]:
+    return [
+        f"--nnodes={nnodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={CONF}",
+        "--local-addr=127.0.0.1",
+        "--monitor-interval=0.05",
+    ]

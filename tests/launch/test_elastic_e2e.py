@@ -7,61 +7,25 @@ the current world size, so the test decides when a round may finish.
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.launch.procs import ALLREDUCE, WORKER, agents, alive, finish, kill_pids, wait_for
-from tests.procs import subprocess_env
+from tests.launch.procs import (
+    ALLREDUCE,
+    WORKER,
+    agents,
+    alive,
+    c10d_args,
+    envs,
+    finish,
+    kill_pids,
+    wait_for,
+    with_world,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-CONF = "is_host=false,last_call_timeout=0.5,keep_alive_interval=0.3,keep_alive_max_attempt=3"
-
-
-@pytest.fixture
-def endpoint() -> Iterator[str]:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "rdzv.cli", "serve", "--host", "127.0.0.1", "--port", "0"],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        line = server.stdout.readline()
-        assert "listening on" in line, line
-        yield line.split()[-1]
-    finally:
-        server.terminate()
-        server.communicate(timeout=20)
-
-
-def envs(outdir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(outdir.glob("env-*.json"))]
-
-
-def with_world(outdir: Path, world: int) -> list[dict[str, Any]]:
-    return [e for e in envs(outdir) if e["WORLD_SIZE"] == str(world)]
-
-
-def c10d_args(endpoint: str, nnodes: str, run_id: str) -> list[str]:
-    return [
-        f"--nnodes={nnodes}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={run_id}",
-        f"--rdzv-conf={CONF}",
-        "--local-addr=127.0.0.1",
-        "--monitor-interval=0.05",
-    ]
 
 
 def test_a_third_agent_grows_the_group_without_a_restart(endpoint: str, tmp_path: Path) -> None:
