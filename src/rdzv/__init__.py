@@ -22,6 +22,9 @@ _EXPORTS: dict[str, str] = {
     "RendezvousGracefulExitError": "rdzv.errors",
     "RendezvousExhaustedError": "rdzv.errors",
     "StoreTimeoutError": "rdzv.errors",
+    "StoreAuthenticationError": "rdzv.errors",
+    "TCPStore": "rdzv.store.tcp",
+    "TCPStoreServer": "rdzv.store.server",
     "RendezvousTimeout": "rdzv.api",
     "RendezvousSettings": "rdzv.api",
     "RendezvousParameters": "rdzv.api",
@@ -62,7 +65,10 @@ __all__ = [
     "RendezvousTimeoutError",
     "StaticTCPRendezvous",
     "Store",
+    "StoreAuthenticationError",
     "StoreTimeoutError",
+    "TCPStore",
+    "TCPStoreServer",
     "__version__",
     "create_handler",
     "parse_config",
@@ -89,6 +95,7 @@ if TYPE_CHECKING:
         RendezvousGracefulExitError,
         RendezvousStateError,
         RendezvousTimeoutError,
+        StoreAuthenticationError,
         StoreTimeoutError,
     )
     from rdzv.registry import (
@@ -100,6 +107,8 @@ if TYPE_CHECKING:
     from rdzv.static import StaticTCPRendezvous
     from rdzv.store.base import Store
     from rdzv.store.memory import HashStore, PrefixStore
+    from rdzv.store.server import TCPStoreServer
+    from rdzv.store.tcp import TCPStore
 
 
 def __getattr__(name: str) -> Any:

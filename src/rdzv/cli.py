@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import rdzv
 from rdzv.launch.run import add_run_arguments
 from rdzv.registry import rendezvous_handler_registry
+from rdzv.store.server import serve_main
 
 __all__ = ["main"]
 
@@ -32,6 +33,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rdzv.launch.run import run_command  # noqa: PLC0415 - keep other commands light
 
     return run_command(args)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        return serve_main(
+            args.host,
+            args.port,
+            auth_token_file=args.auth_token_file,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"rdzv serve: {exc}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_arguments(run)
     run.set_defaults(func=_cmd_run)
+    serve = commands.add_parser(
+        "serve", help="run a TCP store server (torch's TCPStore protocol) until SIGTERM/SIGINT"
+    )
+    serve.add_argument(
+        "--host", default=None, help="address to listen on (default: all, dual stack)"
+    )
+    serve.add_argument("--port", type=int, default=29400, help="port (0 picks a free one)")
+    serve.add_argument("--auth-token-file", help="file holding the shared secret clients must know")
+    serve.add_argument("--tls-cert", help="PEM certificate chain (enables TLS with --tls-key)")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

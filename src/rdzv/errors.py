@@ -21,6 +21,7 @@ __all__ = [
     "RendezvousGracefulExitError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "StoreAuthenticationError",
     "StoreTimeoutError",
 ]
 
@@ -76,3 +77,11 @@ class RendezvousExhaustedError(RendezvousTimeoutError):
 
 class StoreTimeoutError(RendezvousTimeoutError):
     """Raised when a store operation (``get``, ``wait``, ...) timed out."""
+
+
+class StoreAuthenticationError(RendezvousError):
+    """Raised when a store client and server could not authenticate each other.
+
+    It is final, not retryable: the shared secret (``auth_token``) is missing,
+    wrong, or the server cannot authenticate at all (torch's server).
+    """

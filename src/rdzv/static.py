@@ -13,9 +13,7 @@ the next round with fresh keys.
 
 from __future__ import annotations
 
-import importlib
 import uuid
-from datetime import timedelta
 
 from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
 from rdzv.endpoint import DEFAULT_PORT, parse_endpoint
@@ -26,20 +24,12 @@ from rdzv.errors import (
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
-from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
+from rdzv.store.tcp import TCPStore
 
 __all__ = ["StaticTCPRendezvous", "create_rdzv_handler"]
 
 _KEY_ROOT = "rdzv.static"
-
-
-def _open_tcp_store(host: str, port: int, is_master: bool, timeout: float) -> Store:
-    rdzv = importlib.import_module("rdzv")
-    store: Store = rdzv.TCPStore(
-        host, port, is_master=is_master, timeout=timedelta(seconds=timeout)
-    )
-    return store
 
 
 class StaticTCPRendezvous(RendezvousHandler):
@@ -107,8 +97,8 @@ class StaticTCPRendezvous(RendezvousHandler):
         self._timeout = float(timeout)
         self._token = uuid.uuid4().hex
         self._round = 0
-        self._store: Store = _open_tcp_store(host, port, rank == 0, self._timeout)
-        self._port = int(getattr(self._store, "port", port))
+        self._store = TCPStore(host, port, is_master=rank == 0, timeout=self._timeout)
+        self._port = self._store.port
         self._closed_key = f"{_KEY_ROOT}/{run_id}/closed"
 
     @property

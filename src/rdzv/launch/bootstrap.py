@@ -10,7 +10,6 @@ address (the old rank 0 may be gone).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -18,6 +17,7 @@ from rdzv.api import RendezvousStoreInfo
 from rdzv.launch.ranks import KEY_PREFIX, wait_for_keys
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
+from rdzv.store.tcp import TCPStore
 
 __all__ = ["BootstrapFactory", "BootstrapServer", "exchange_bootstrap", "tcp_store_server"]
 
@@ -40,12 +40,10 @@ def tcp_store_server() -> BootstrapServer:
     """Start an rdzv TCP store server on a free port (listening on every address).
 
     Returns:
-        The running server (an ``rdzv.TCPStore`` hosting it).
+        The running server (an ``rdzv.TCPStore`` hosting it; the agent itself
+        connects over loopback).
     """
-    rdzv = importlib.import_module("rdzv")
-    # The hosted server listens on every address; the agent itself connects over loopback.
-    server: BootstrapServer = rdzv.TCPStore("127.0.0.1", 0, is_master=True)
-    return server
+    return TCPStore("127.0.0.1", 0, is_master=True)
 
 
 def exchange_bootstrap(

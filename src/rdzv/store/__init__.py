@@ -2,5 +2,7 @@
 
 from rdzv.store.base import Store
 from rdzv.store.memory import HashStore, PrefixStore
+from rdzv.store.server import TCPStoreServer
+from rdzv.store.tcp import TCPStore
 
-__all__ = ["HashStore", "PrefixStore", "Store"]
+__all__ = ["HashStore", "PrefixStore", "Store", "TCPStore", "TCPStoreServer"]

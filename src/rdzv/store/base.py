@@ -15,7 +15,10 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["DEFAULT_STORE_TIMEOUT", "Store", "Timeout", "Value", "to_bytes", "to_seconds"]
 
@@ -270,6 +273,24 @@ class Store(ABC):
             The length (0 for a queue that does not exist).
         """
 
+    def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Return the values of several keys without waiting; None for a missing key.
+
+        This default asks :meth:`check` about each key, then :meth:`multi_get`
+        for the present ones; stores that can do it in one step override it.
+        A key deleted between the two calls makes :meth:`multi_get` wait for
+        it, so prefer an override on stores whose keys get deleted.
+
+        Args:
+            keys: The keys.
+
+        Returns:
+            The values, in the order of ``keys``.
+        """
+        present = [key for key in keys if self.check([key])]
+        found = dict(zip(present, self.multi_get(present), strict=True)) if present else {}
+        return [found.get(key) for key in keys]
+
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:
         """Block until the value of ``key`` differs from ``previous``.
 
@@ -290,3 +311,9 @@ class Store(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release the store's connections; the default does nothing."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -153,6 +153,10 @@ class HashStore(Store):
         with self._changed:
             return len(self._queues.get(key, ()))
 
+    def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:  # noqa: D102
+        with self._changed:
+            return [self._data.get(k) for k in keys]
+
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:  # noqa: D102
         deadline = time.monotonic() + to_seconds(timeout)
         with self._changed:
@@ -257,6 +261,9 @@ class PrefixStore(Store):
 
     def queue_len(self, key: str) -> int:  # noqa: D102
         return self._store.queue_len(self._k(key))
+
+    def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:  # noqa: D102
+        return self._store.try_multi_get([self._k(k) for k in keys])
 
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:  # noqa: D102
         return self._store.watch(self._k(key), previous, timeout)

@@ -1,0 +1,691 @@
+"""Sans-I/O codec of torch's TCPStore wire protocol, plus rdzv's extensions.
+
+Theory of operation
+-------------------
+torch's protocol has no frame length: a request is a one-byte opcode followed
+by fields whose layout depends on the opcode. Integers are little-endian;
+strings and byte values are a ``u64`` length followed by the raw bytes; key
+lists are a ``u64`` count followed by that many strings. Replies are not
+self-describing either: the client knows what shape to expect from the
+request it sent.
+
+:class:`RequestParser` (the server side) buffers whatever bytes arrive and
+hands out complete :class:`Request` records. Each attempt parses from the
+start of the pending request; when the buffer ends too early, nothing is
+consumed and the parser waits for more bytes, so a request split anywhere
+(byte by byte even) decodes the same as one delivered whole. Lengths and
+counts are checked against the named limits as soon as they are readable,
+before anything is buffered for them, so an over-limit or garbage request
+fails fast. Every kind of bad input raises :class:`ProtocolError` and nothing
+else.
+
+:class:`ReplyReader` (the client side) is the mirror image: the client feeds
+it received bytes and asks for the next field of the shape it expects; a read
+that lacks bytes returns None and consumes nothing.
+
+rdzv's extensions use opcodes from :data:`EXTENSION_BASE` up, which torch
+never sends; torch's server closes the connection on any of them, so an rdzv
+client first learns what it talks to with a ``PING`` carrying
+:data:`PROBE_NONCE` (a value above Linux's largest pid, so a torch client,
+which pings with its pid, never sends it). torch's server echoes the nonce;
+rdzv's server answers :data:`SERVER_HELLO` with feature bits.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from enum import IntEnum
+from typing import NamedTuple
+
+__all__ = [
+    "AUTH_MAC_BYTES",
+    "AUTH_NONCE_BYTES",
+    "EXTENSION_BASE",
+    "FEATURE_AUTH_REQUIRED",
+    "MAX_KEY_BYTES",
+    "MAX_MULTI_KEYS",
+    "MAX_VALUE_BYTES",
+    "PROBE_NONCE",
+    "SERVER_HELLO",
+    "SERVER_HELLO_MASK",
+    "VALIDATE_MAGIC",
+    "AuthStatus",
+    "CheckResult",
+    "GetWaitStatus",
+    "Op",
+    "ProtocolError",
+    "ReplyReader",
+    "Request",
+    "RequestParser",
+    "WaitResult",
+    "WatchStatus",
+    "encode_bytes",
+    "encode_i64",
+    "encode_key_list",
+    "encode_request",
+    "encode_u8",
+    "encode_u32",
+]
+
+MAX_KEY_BYTES = 8 * 1024
+"""Longest key accepted, in bytes (torch's libuv server limit)."""
+MAX_VALUE_BYTES = 8 * 1024 * 1024
+"""Longest value accepted, in bytes (torch's libuv server limit)."""
+MAX_MULTI_KEYS = 128 * 1024
+"""Most keys accepted in one multi-key request (torch's libuv server limit)."""
+MAX_REPLY_ITEMS = 1 << 31
+"""Most items a client accepts in one list reply (a sanity bound for LIST_KEYS)."""
+
+VALIDATE_MAGIC = 0x3C85F7CE
+"""The magic number a client sends in ``VALIDATE`` as its first request."""
+EXTENSION_BASE = 0x40
+"""The first opcode of rdzv's extensions; torch's opcodes are all below it."""
+PROBE_NONCE = 0x72647A76
+"""The ``PING`` nonce with which an rdzv client asks "are you an rdzv server?"."""
+SERVER_HELLO = 0x52440000
+"""An rdzv server's answer to :data:`PROBE_NONCE`; the low 16 bits are features."""
+SERVER_HELLO_MASK = 0xFFFF0000
+"""The bits of a ``PING`` reply that identify an rdzv server."""
+FEATURE_AUTH_REQUIRED = 0x0001
+"""Feature bit: the server refuses every request until the client authenticates."""
+AUTH_NONCE_BYTES = 32
+"""Length of the random nonces of the authentication exchange."""
+AUTH_MAC_BYTES = 32
+"""Length of an HMAC-SHA256 tag."""
+
+
+class Op(IntEnum):
+    """Request opcodes: torch's (0-18) and rdzv's extensions (from 0x40)."""
+
+    VALIDATE = 0
+    SET = 1
+    COMPARE_SET = 2
+    GET = 3
+    ADD = 4
+    CHECK = 5
+    WAIT = 6
+    GETNUMKEYS = 7
+    DELETE_KEY = 8
+    APPEND = 9
+    MULTI_GET = 10
+    MULTI_SET = 11
+    CANCEL_WAIT = 12
+    PING = 13
+    QUEUE_PUSH = 14
+    QUEUE_POP = 15
+    QUEUE_LEN = 16
+    LIST_KEYS = 17
+    BARRIER = 18
+    # rdzv extensions, never sent by torch clients.
+    AUTH_CHALLENGE = 0x40
+    """Ask for a server nonce; reply: the nonce."""
+    AUTH_RESPONSE = 0x41
+    """Client nonce + HMAC over both nonces; reply: status, then the server's HMAC."""
+    WATCH = 0x42
+    """Key, optional previous value, timeout in ms; reply: a :class:`WatchStatus`."""
+    GET_WAIT = 0x43
+    """Key and timeout in ms: get in one round trip; reply: a :class:`GetWaitStatus`."""
+    MULTI_TRY_GET = 0x44
+    """Keys; reply: per key a presence byte, then the value when present."""
+
+
+class CheckResult(IntEnum):
+    """Reply byte of ``CHECK``."""
+
+    READY = 0
+    NOT_READY = 1
+
+
+class WaitResult(IntEnum):
+    """Reply bytes of ``WAIT``, ``BARRIER`` and ``CANCEL_WAIT``."""
+
+    STOP_WAITING = 0
+    WAIT_CANCELED = 1
+
+
+class WatchStatus(IntEnum):
+    """First reply byte of ``WATCH``."""
+
+    PRESENT = 0
+    """The value changed; the new value follows."""
+    ABSENT = 1
+    """The key was deleted (or is absent while the caller saw a value)."""
+    UNCHANGED = 2
+    """The timeout elapsed without a change."""
+
+
+class GetWaitStatus(IntEnum):
+    """First reply byte of ``GET_WAIT``."""
+
+    FOUND = 0
+    """The value follows."""
+    TIMED_OUT = 1
+    """The key did not appear in time."""
+
+
+class AuthStatus(IntEnum):
+    """First reply byte of ``AUTH_RESPONSE``."""
+
+    OK = 0
+    REFUSED = 1
+
+
+class ProtocolError(Exception):
+    """Raised for any malformed, over-limit or unknown request or reply."""
+
+
+class _IncompleteError(Exception):
+    """Internal: the buffer ends before the current request or field does."""
+
+
+class Request(NamedTuple):
+    """One decoded request.
+
+    The meaning of the fields depends on the opcode:
+
+    * ``keys``: the key(s) of the request (empty for key-less requests).
+    * ``values``: SET/APPEND/QUEUE_PUSH value; COMPARE_SET expected and
+      desired; MULTI_SET values; WATCH previous value (empty when the caller
+      saw the key absent); AUTH_RESPONSE client nonce and tag.
+    * ``number``: VALIDATE magic, PING nonce, ADD amount, BARRIER world size,
+      WATCH/GET_WAIT timeout in milliseconds; 0 otherwise.
+    """
+
+    op: int
+    keys: tuple[bytes, ...] = ()
+    values: tuple[bytes, ...] = ()
+    number: int = 0
+
+
+_Parser = Callable[[bytearray, int], tuple[Request, int]]
+
+_U8 = struct.Struct("<B")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+
+def _u32(buf: bytearray, pos: int) -> tuple[int, int]:
+    end = pos + 4
+    if end > len(buf):
+        raise _IncompleteError
+    return _U32.unpack_from(buf, pos)[0], end
+
+
+def _i64(buf: bytearray, pos: int) -> tuple[int, int]:
+    end = pos + 8
+    if end > len(buf):
+        raise _IncompleteError
+    return _I64.unpack_from(buf, pos)[0], end
+
+
+def _u8(buf: bytearray, pos: int) -> tuple[int, int]:
+    if pos >= len(buf):
+        raise _IncompleteError
+    return buf[pos], pos + 1
+
+
+def _blob(buf: bytearray, pos: int, limit: int, what: str) -> tuple[bytes, int]:
+    start = pos + 8
+    if start > len(buf):
+        raise _IncompleteError
+    size = _U64.unpack_from(buf, pos)[0]
+    if size > limit:
+        raise ProtocolError(f"{what} of {size} bytes exceeds the limit of {limit} bytes")
+    end = start + size
+    if end > len(buf):
+        raise _IncompleteError
+    return bytes(buf[start:end]), end
+
+
+def _key(buf: bytearray, pos: int) -> tuple[bytes, int]:
+    return _blob(buf, pos, MAX_KEY_BYTES, "key")
+
+
+def _value(buf: bytearray, pos: int) -> tuple[bytes, int]:
+    return _blob(buf, pos, MAX_VALUE_BYTES, "value")
+
+
+def _count(buf: bytearray, pos: int) -> tuple[int, int]:
+    end = pos + 8
+    if end > len(buf):
+        raise _IncompleteError
+    count = _U64.unpack_from(buf, pos)[0]
+    if count > MAX_MULTI_KEYS:
+        raise ProtocolError(f"{count} keys in one request exceeds the limit of {MAX_MULTI_KEYS}")
+    return count, end
+
+
+def _keys(buf: bytearray, pos: int) -> tuple[tuple[bytes, ...], int]:
+    count, pos = _count(buf, pos)
+    keys = []
+    for _ in range(count):
+        key, pos = _key(buf, pos)
+        keys.append(key)
+    return tuple(keys), pos
+
+
+# Each parser gets the buffer and the offset just past the opcode and returns
+# the request and the offset just past it.
+
+
+def _p_validate(buf: bytearray, pos: int) -> tuple[Request, int]:
+    magic, pos = _u32(buf, pos)
+    return Request(Op.VALIDATE, number=magic), pos
+
+
+def _p_ping(buf: bytearray, pos: int) -> tuple[Request, int]:
+    nonce, pos = _u32(buf, pos)
+    return Request(Op.PING, number=nonce), pos
+
+
+def _p_key(op: int) -> _Parser:
+    def parse(buf: bytearray, pos: int) -> tuple[Request, int]:
+        key, pos = _key(buf, pos)
+        return Request(op, (key,)), pos
+
+    return parse
+
+
+def _p_key_value(op: int) -> _Parser:
+    def parse(buf: bytearray, pos: int) -> tuple[Request, int]:
+        key, pos = _key(buf, pos)
+        value, pos = _value(buf, pos)
+        return Request(op, (key,), (value,)), pos
+
+    return parse
+
+
+def _p_key_number(op: int) -> _Parser:
+    def parse(buf: bytearray, pos: int) -> tuple[Request, int]:
+        key, pos = _key(buf, pos)
+        number, pos = _i64(buf, pos)
+        return Request(op, (key,), (), number), pos
+
+    return parse
+
+
+def _p_keys(op: int) -> _Parser:
+    def parse(buf: bytearray, pos: int) -> tuple[Request, int]:
+        keys, pos = _keys(buf, pos)
+        return Request(op, keys), pos
+
+    return parse
+
+
+def _p_bare(op: int) -> _Parser:
+    def parse(_buf: bytearray, pos: int) -> tuple[Request, int]:
+        return Request(op), pos
+
+    return parse
+
+
+def _p_compare_set(buf: bytearray, pos: int) -> tuple[Request, int]:
+    key, pos = _key(buf, pos)
+    expected, pos = _value(buf, pos)
+    desired, pos = _value(buf, pos)
+    return Request(Op.COMPARE_SET, (key,), (expected, desired)), pos
+
+
+def _p_multi_set(buf: bytearray, pos: int) -> tuple[Request, int]:
+    count, pos = _count(buf, pos)
+    keys = []
+    values = []
+    for _ in range(count):
+        key, pos = _key(buf, pos)
+        value, pos = _value(buf, pos)
+        keys.append(key)
+        values.append(value)
+    return Request(Op.MULTI_SET, tuple(keys), tuple(values)), pos
+
+
+def _p_auth_response(buf: bytearray, pos: int) -> tuple[Request, int]:
+    end = pos + AUTH_NONCE_BYTES + AUTH_MAC_BYTES
+    if end > len(buf):
+        raise _IncompleteError
+    nonce = bytes(buf[pos : pos + AUTH_NONCE_BYTES])
+    mac = bytes(buf[pos + AUTH_NONCE_BYTES : end])
+    return Request(Op.AUTH_RESPONSE, (), (nonce, mac)), end
+
+
+def _p_watch(buf: bytearray, pos: int) -> tuple[Request, int]:
+    key, pos = _key(buf, pos)
+    has_previous, pos = _u8(buf, pos)
+    if has_previous > 1:
+        raise ProtocolError(f"WATCH presence flag must be 0 or 1, got {has_previous}")
+    previous: tuple[bytes, ...] = ()
+    if has_previous:
+        value, pos = _value(buf, pos)
+        previous = (value,)
+    timeout_ms, pos = _i64(buf, pos)
+    if timeout_ms < 0:
+        raise ProtocolError(f"WATCH timeout must be non-negative, got {timeout_ms} ms")
+    return Request(Op.WATCH, (key,), previous, timeout_ms), pos
+
+
+def _p_get_wait(buf: bytearray, pos: int) -> tuple[Request, int]:
+    key, pos = _key(buf, pos)
+    timeout_ms, pos = _i64(buf, pos)
+    if timeout_ms < 0:
+        raise ProtocolError(f"GET_WAIT timeout must be non-negative, got {timeout_ms} ms")
+    return Request(Op.GET_WAIT, (key,), (), timeout_ms), pos
+
+
+_PARSERS = {
+    Op.VALIDATE: _p_validate,
+    Op.SET: _p_key_value(Op.SET),
+    Op.COMPARE_SET: _p_compare_set,
+    Op.GET: _p_key(Op.GET),
+    Op.ADD: _p_key_number(Op.ADD),
+    Op.CHECK: _p_keys(Op.CHECK),
+    Op.WAIT: _p_keys(Op.WAIT),
+    Op.GETNUMKEYS: _p_bare(Op.GETNUMKEYS),
+    Op.DELETE_KEY: _p_key(Op.DELETE_KEY),
+    Op.APPEND: _p_key_value(Op.APPEND),
+    Op.MULTI_GET: _p_keys(Op.MULTI_GET),
+    Op.MULTI_SET: _p_multi_set,
+    Op.CANCEL_WAIT: _p_bare(Op.CANCEL_WAIT),
+    Op.PING: _p_ping,
+    Op.QUEUE_PUSH: _p_key_value(Op.QUEUE_PUSH),
+    Op.QUEUE_POP: _p_key(Op.QUEUE_POP),
+    Op.QUEUE_LEN: _p_key(Op.QUEUE_LEN),
+    Op.LIST_KEYS: _p_bare(Op.LIST_KEYS),
+    Op.BARRIER: _p_key_number(Op.BARRIER),
+    Op.AUTH_CHALLENGE: _p_bare(Op.AUTH_CHALLENGE),
+    Op.AUTH_RESPONSE: _p_auth_response,
+    Op.WATCH: _p_watch,
+    Op.GET_WAIT: _p_get_wait,
+    Op.MULTI_TRY_GET: _p_keys(Op.MULTI_TRY_GET),
+}
+_PARSER_TABLE = {int(op): parser for op, parser in _PARSERS.items()}
+
+
+class RequestParser:
+    """Incremental decoder of a stream of requests (the server side).
+
+    Feed it bytes as they arrive with :meth:`feed`; take complete requests
+    with :meth:`next_request` until it returns None.
+    """
+
+    __slots__ = ("_buf", "_pos")
+
+    _COMPACT_AT = 64 * 1024
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+
+    def feed(self, data: bytes) -> None:
+        """Append received bytes.
+
+        Args:
+            data: The bytes, any amount, split anywhere.
+        """
+        self._buf += data
+
+    @property
+    def pending(self) -> int:
+        """The number of buffered bytes not yet decoded into a request."""
+        return len(self._buf) - self._pos
+
+    def next_request(self) -> Request | None:
+        """Decode the next complete request.
+
+        Returns:
+            The request, or None when the buffered bytes do not hold a
+            complete one yet.
+
+        Raises:
+            ProtocolError: The bytes are not a valid request.
+        """
+        buf = self._buf
+        pos = self._pos
+        if pos >= len(buf):
+            if pos:
+                buf.clear()
+                self._pos = 0
+            return None
+        parse = _PARSER_TABLE.get(buf[pos])
+        if parse is None:
+            raise ProtocolError(f"unknown opcode {buf[pos]}")
+        try:
+            request, end = parse(buf, pos + 1)
+        except _IncompleteError:
+            if pos >= self._COMPACT_AT:
+                del buf[:pos]
+                self._pos = 0
+            return None
+        self._pos = end
+        return request
+
+
+class ReplyReader:
+    """Incremental decoder of replies (the client side).
+
+    The client feeds received bytes with :meth:`feed` and reads the fields it
+    expects; every ``read_*`` method returns None, consuming nothing, when
+    the field is not complete yet.
+    """
+
+    __slots__ = ("_buf", "_pos")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+
+    def feed(self, data: bytes) -> None:
+        """Append received bytes.
+
+        Args:
+            data: The bytes.
+        """
+        if self._pos and self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        self._buf += data
+
+    def clear(self) -> None:
+        """Drop every buffered byte (after the connection was reset)."""
+        self._buf.clear()
+        self._pos = 0
+
+    @property
+    def pending(self) -> int:
+        """The number of buffered bytes not read yet."""
+        return len(self._buf) - self._pos
+
+    def _fixed(self, fmt: struct.Struct) -> int | None:
+        end = self._pos + fmt.size
+        if end > len(self._buf):
+            return None
+        value: int = fmt.unpack_from(self._buf, self._pos)[0]
+        self._pos = end
+        return value
+
+    def read_u8(self) -> int | None:
+        """Read an unsigned byte.
+
+        Returns:
+            The value, or None if incomplete.
+        """
+        return self._fixed(_U8)
+
+    def read_u32(self) -> int | None:
+        """Read a little-endian ``u32``.
+
+        Returns:
+            The value, or None if incomplete.
+        """
+        return self._fixed(_U32)
+
+    def read_i64(self) -> int | None:
+        """Read a little-endian ``i64``.
+
+        Returns:
+            The value, or None if incomplete.
+        """
+        return self._fixed(_I64)
+
+    def read_raw(self, size: int) -> bytes | None:
+        """Read exactly ``size`` bytes.
+
+        Args:
+            size: The number of bytes.
+
+        Returns:
+            The bytes, or None if incomplete.
+        """
+        end = self._pos + size
+        if end > len(self._buf):
+            return None
+        data = bytes(self._buf[self._pos : end])
+        self._pos = end
+        return data
+
+    def read_bytes(self, limit: int = MAX_VALUE_BYTES) -> bytes | None:
+        """Read a length-prefixed byte string.
+
+        Args:
+            limit: The largest acceptable length.
+
+        Returns:
+            The bytes, or None if incomplete.
+
+        Raises:
+            ProtocolError: The announced length exceeds ``limit``.
+        """
+        start = self._pos + 8
+        if start > len(self._buf):
+            return None
+        size = _U64.unpack_from(self._buf, self._pos)[0]
+        if size > limit:
+            raise ProtocolError(f"reply of {size} bytes exceeds the limit of {limit} bytes")
+        end = start + size
+        if end > len(self._buf):
+            return None
+        self._pos = end
+        return bytes(self._buf[start:end])
+
+
+def encode_u8(value: int) -> bytes:
+    """Encode an unsigned byte.
+
+    Args:
+        value: 0-255.
+
+    Returns:
+        One byte.
+    """
+    return _U8.pack(value)
+
+
+def encode_u32(value: int) -> bytes:
+    """Encode a little-endian ``u32``.
+
+    Args:
+        value: The value.
+
+    Returns:
+        Four bytes.
+    """
+    return _U32.pack(value)
+
+
+def encode_i64(value: int) -> bytes:
+    """Encode a little-endian ``i64``.
+
+    Args:
+        value: The value.
+
+    Returns:
+        Eight bytes.
+    """
+    return _I64.pack(value)
+
+
+def encode_bytes(value: bytes) -> bytes:
+    """Encode a length-prefixed byte string.
+
+    Args:
+        value: The bytes.
+
+    Returns:
+        The ``u64`` length followed by the bytes.
+    """
+    return _U64.pack(len(value)) + value
+
+
+def encode_key_list(keys: list[bytes] | tuple[bytes, ...]) -> bytes:
+    """Encode a counted list of keys.
+
+    Args:
+        keys: The keys.
+
+    Returns:
+        The ``u64`` count followed by each key.
+    """
+    return _U64.pack(len(keys)) + b"".join(_U64.pack(len(k)) + k for k in keys)
+
+
+def encode_request(request: Request) -> bytes:
+    """Encode a request, the inverse of :class:`RequestParser`.
+
+    Args:
+        request: The request; its fields must fit its opcode.
+
+    Returns:
+        The bytes to send.
+
+    Raises:
+        ProtocolError: A key, value or count exceeds the limits, or the
+            fields do not fit the opcode.
+    """
+    op, keys, values, number = request
+    for key in keys:
+        if len(key) > MAX_KEY_BYTES:
+            raise ProtocolError(f"key of {len(key)} bytes exceeds the limit of {MAX_KEY_BYTES}")
+    for value in values:
+        if len(value) > MAX_VALUE_BYTES:
+            raise ProtocolError(
+                f"value of {len(value)} bytes exceeds the limit of {MAX_VALUE_BYTES}"
+            )
+    head = _U8.pack(op)
+    try:
+        if op in (Op.VALIDATE, Op.PING):
+            return head + _U32.pack(number)
+        if op in (Op.SET, Op.APPEND, Op.QUEUE_PUSH):
+            return head + encode_bytes(keys[0]) + encode_bytes(values[0])
+        if op in (Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN):
+            return head + encode_bytes(keys[0])
+        if op in (Op.ADD, Op.BARRIER, Op.GET_WAIT):
+            return head + encode_bytes(keys[0]) + _I64.pack(number)
+        if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.MULTI_TRY_GET):
+            if len(keys) > MAX_MULTI_KEYS:
+                raise ProtocolError(f"{len(keys)} keys exceeds the limit of {MAX_MULTI_KEYS}")
+            return head + encode_key_list(keys)
+        if op in (Op.GETNUMKEYS, Op.CANCEL_WAIT, Op.LIST_KEYS, Op.AUTH_CHALLENGE):
+            return head
+        if op == Op.COMPARE_SET:
+            return head + encode_bytes(keys[0]) + encode_bytes(values[0]) + encode_bytes(values[1])
+        if op == Op.MULTI_SET:
+            if len(keys) != len(values) or len(keys) > MAX_MULTI_KEYS:
+                raise ProtocolError(
+                    f"MULTI_SET needs as many keys as values (at most {MAX_MULTI_KEYS}), "
+                    f"got {len(keys)} keys and {len(values)} values"
+                )
+            parts = [head, _I64.pack(len(keys))]
+            for key, value in zip(keys, values, strict=True):
+                parts += (encode_bytes(key), encode_bytes(value))
+            return b"".join(parts)
+        if op == Op.AUTH_RESPONSE:
+            nonce, mac = values
+            if len(nonce) != AUTH_NONCE_BYTES or len(mac) != AUTH_MAC_BYTES:
+                raise ProtocolError("AUTH_RESPONSE needs a 32-byte nonce and a 32-byte tag")
+            return head + nonce + mac
+        if op == Op.WATCH:
+            flag = _U8.pack(1) + encode_bytes(values[0]) if values else _U8.pack(0)
+            return head + encode_bytes(keys[0]) + flag + _I64.pack(number)
+    except (IndexError, ValueError, struct.error) as exc:
+        raise ProtocolError(f"request fields do not fit opcode {op}: {exc}") from exc
+    raise ProtocolError(f"unknown opcode {op}")

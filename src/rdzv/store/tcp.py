@@ -1,0 +1,677 @@
+"""The TCP store client, :class:`TCPStore`, with torch's constructor shape.
+
+Theory of operation
+-------------------
+One blocking socket per store, guarded by a lock so that threads take turns
+(the protocol allows one request in flight per connection). Each call
+encodes a request with :mod:`rdzv.store.protocol`, sends it, and reads the
+fields of the reply it expects through a
+:class:`~rdzv.store.protocol.ReplyReader`.
+
+Connecting sends torch's handshake (``VALIDATE`` with the magic, then
+``PING``); the ping nonce is :data:`~rdzv.store.protocol.PROBE_NONCE`, which
+torch's server echoes and rdzv's server answers with its hello and feature
+bits. That is how the client learns, on the same connection and without
+upsetting a torch server, whether it may use rdzv's extensions (one-round-trip
+``get``, ``watch``, ``try_multi_get``) and whether it must authenticate.
+Connecting is retried with capped exponential backoff and jitter until the
+store timeout; an authentication or certificate failure is final.
+
+A connection that breaks while a request is in flight raises
+:class:`~rdzv.errors.RendezvousConnectionError` (the socket is dropped; its
+stream position is unknown) and the next call connects again. A ``wait``
+that times out follows torch's cancel exchange: send ``CANCEL_WAIT`` and read
+up to two bytes, since the server's ``STOP_WAITING`` may have crossed the
+cancel on the wire.
+
+Keys follow torch's client: user key ``k`` is ``/k`` on the wire, so rdzv and
+torch clients on one server see each other's keys.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError, StoreTimeoutError
+from rdzv.store.base import DEFAULT_STORE_TIMEOUT, Store, Timeout, Value, to_bytes, to_seconds
+from rdzv.store.protocol import (
+    AUTH_MAC_BYTES,
+    AUTH_NONCE_BYTES,
+    FEATURE_AUTH_REQUIRED,
+    MAX_KEY_BYTES,
+    MAX_MULTI_KEYS,
+    MAX_REPLY_ITEMS,
+    MAX_VALUE_BYTES,
+    PROBE_NONCE,
+    SERVER_HELLO,
+    SERVER_HELLO_MASK,
+    VALIDATE_MAGIC,
+    AuthStatus,
+    CheckResult,
+    GetWaitStatus,
+    Op,
+    ProtocolError,
+    ReplyReader,
+    Request,
+    WaitResult,
+    WatchStatus,
+    encode_request,
+)
+from rdzv.store.server import CLIENT_AUTH_LABEL, SERVER_AUTH_LABEL, TCPStoreServer, auth_tag
+
+__all__ = ["TCPStore"]
+
+_T = TypeVar("_T")
+
+_KEY_PREFIX = b"/"
+_INIT_KEY = b"init/"
+_REPLY_GRACE = 5.0
+"""Seconds a reply to a server-timed request may lag behind its timeout."""
+_BACKOFF_FIRST = 0.01
+_BACKOFF_MAX = 1.0
+
+_shared_lock = threading.Lock()
+_shared_servers: dict[int, tuple[TCPStoreServer, int]] = {}
+
+
+def _acquire_server(
+    port: int,
+    multi_tenant: bool,
+    auth_token: str | bytes | None,
+    ssl_context: ssl.SSLContext | None,
+) -> TCPStoreServer:
+    with _shared_lock:
+        if multi_tenant and port in _shared_servers:
+            server, users = _shared_servers[port]
+            _shared_servers[port] = (server, users + 1)
+            return server
+        server = TCPStoreServer(None, port, auth_token=auth_token, ssl_context=ssl_context).start()
+        if multi_tenant:
+            _shared_servers[server.port] = (server, 1)
+        return server
+
+
+def _release_server(server: TCPStoreServer, multi_tenant: bool) -> None:
+    with _shared_lock:
+        if multi_tenant:
+            for port, (shared, users) in list(_shared_servers.items()):
+                if shared is server:
+                    if users > 1:
+                        _shared_servers[port] = (shared, users - 1)
+                        return
+                    del _shared_servers[port]
+        server.stop()
+
+
+class TCPStore(Store):
+    """A client of a TCP store server (rdzv's or torch's), optionally hosting one.
+
+    Args:
+        host_name: The server's host name or address.
+        port: The server's port; with ``is_master``, 0 picks a free port.
+        world_size: The number of clients, master included, that will
+            connect; with ``wait_for_workers`` the master waits for all.
+        is_master: Start a server in a background thread of this process.
+        timeout: The timeout of blocking operations and of connecting.
+        wait_for_workers: With ``world_size``, block in the constructor until
+            every client connected (each adds 1 to torch's ``init/`` key).
+        multi_tenant: Share one server per port among the masters of this
+            process.
+        auth_token: The shared secret of an authenticating rdzv server (and
+            of the hosted server when ``is_master``).
+        ssl_context: A client-side TLS context; connections use TLS when given.
+        server_ssl_context: The server-side TLS context of the hosted server
+            (``is_master`` only).
+
+    Raises:
+        RendezvousConnectionError: The server could not be reached in time.
+        StoreAuthenticationError: Authentication failed or was impossible.
+        StoreTimeoutError: Not every worker connected within the timeout.
+        ValueError: An argument is out of range.
+    """
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: Timeout = DEFAULT_STORE_TIMEOUT,
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        *,
+        auth_token: str | bytes | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        server_ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(timeout)
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        if port == 0 and not is_master:
+            raise ValueError("port 0 is only valid with is_master=True")
+        if world_size is not None and world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if auth_token is not None and not auth_token:
+            raise ValueError("auth_token must not be empty")
+        self._host = host_name
+        self._secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
+        self._ssl_context = ssl_context
+        self._lock = threading.RLock()
+        self._sock: socket.socket | None = None
+        self._reader = ReplyReader()
+        self._rdzv_server: bool | None = None
+        self._closed = False
+        self._multi_tenant = multi_tenant
+        self._server: TCPStoreServer | None = None
+        if is_master:
+            self._server = _acquire_server(port, multi_tenant, auth_token, server_ssl_context)
+            port = self._server.port
+        self._port = port
+        try:
+            with self._lock:
+                self._ensure_connected()
+            if world_size is not None and wait_for_workers:
+                self._join_workers(world_size, is_master)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- properties ----------------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        """The server's host name, as given."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The server's port (the one picked when constructed with port 0)."""
+        return self._port
+
+    @property
+    def server(self) -> TCPStoreServer | None:
+        """The server this store hosts (``is_master=True``), else None."""
+        return self._server
+
+    @property
+    def supports_watch(self) -> bool:
+        """True when the server is an rdzv server, which implements ``watch``."""
+        with self._lock:
+            if self._rdzv_server is None:
+                self._call(lambda: None)
+            return bool(self._rdzv_server)
+
+    # -- connection management -----------------------------------------------
+
+    def _connect_once(self, remaining: float) -> socket.socket:
+        sock = socket.create_connection((self._host, self._port), timeout=remaining)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl_context is not None:
+                sock = self._ssl_context.wrap_socket(sock, server_hostname=self._host)
+            self._sock = sock
+            self._reader.clear()
+            sock.settimeout(remaining)
+            self._handshake()
+        except BaseException:
+            self._sock = None
+            sock.close()
+            raise
+        return sock
+
+    def _handshake(self) -> None:
+        self._send(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
+        self._send(Request(Op.PING, number=PROBE_NONCE))
+        hello = self._read(self._reader.read_u32)
+        if hello == PROBE_NONCE:
+            self._rdzv_server = False
+            if self._secret is not None:
+                raise StoreAuthenticationError(
+                    f"authentication impossible: the store at {self._address} is not an rdzv "
+                    "server (torch's server cannot authenticate); drop auth_token"
+                )
+        elif hello & SERVER_HELLO_MASK == SERVER_HELLO:
+            self._rdzv_server = True
+            self._authenticate(bool(hello & FEATURE_AUTH_REQUIRED))
+        else:
+            raise ProtocolError(f"unexpected handshake reply {hello:#x}")
+
+    def _authenticate(self, required: bool) -> None:
+        if not required:
+            if self._secret is not None:
+                raise StoreAuthenticationError(
+                    f"authentication failed: the store at {self._address} does not require "
+                    "authentication, so it cannot prove it knows auth_token"
+                )
+            return
+        if self._secret is None:
+            raise StoreAuthenticationError(
+                f"authentication required: the store at {self._address} needs a shared "
+                "secret; pass auth_token"
+            )
+        self._send(Request(Op.AUTH_CHALLENGE))
+        server_nonce = self._read(lambda: self._reader.read_raw(AUTH_NONCE_BYTES))
+        client_nonce = os.urandom(AUTH_NONCE_BYTES)
+        tag = auth_tag(self._secret, CLIENT_AUTH_LABEL, server_nonce, client_nonce)
+        self._send(Request(Op.AUTH_RESPONSE, values=(client_nonce, tag)))
+        try:
+            status = self._read(self._reader.read_u8)
+        except ConnectionError:
+            status = AuthStatus.REFUSED
+        if status != AuthStatus.OK:
+            raise StoreAuthenticationError(
+                f"authentication failed: the store at {self._address} refused auth_token"
+            )
+        proof = self._read(lambda: self._reader.read_raw(AUTH_MAC_BYTES))
+        expected = auth_tag(self._secret, SERVER_AUTH_LABEL, server_nonce, client_nonce)
+        if proof != expected:
+            raise StoreAuthenticationError(
+                f"authentication failed: the store at {self._address} does not know auth_token"
+            )
+
+    @property
+    def _address(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self._port}"
+
+    def _ensure_connected(self) -> socket.socket:
+        if self._closed:
+            raise RendezvousConnectionError(f"the store client of {self._address} is closed")
+        if self._sock is not None:
+            return self._sock
+        budget = self.timeout.total_seconds()
+        deadline = time.monotonic() + budget
+        backoff = _BACKOFF_FIRST
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return self._connect_once(max(remaining, 0.001))
+            except (StoreAuthenticationError, ssl.SSLCertVerificationError) as exc:
+                if isinstance(exc, ssl.SSLCertVerificationError):
+                    raise RendezvousConnectionError(
+                        f"TLS certificate of the store at {self._address} did not verify: {exc}"
+                    ) from exc
+                raise
+            except (OSError, ProtocolError, EOFError) as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RendezvousConnectionError(
+                        f"could not connect to the store at {self._address} within "
+                        f"{budget:g} s: {exc}"
+                    ) from exc
+                pause = min(remaining, backoff / 2 + random.uniform(0, backoff / 2))
+                time.sleep(pause)
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+
+    def _drop_connection(self) -> None:
+        sock, self._sock = self._sock, None
+        self._reader.clear()
+        if sock is not None:
+            sock.close()
+
+    def _call(self, operation: Callable[[], _T]) -> _T:
+        """Run ``operation`` on a connected socket, translating transport errors."""
+        with self._lock:
+            self._ensure_connected()
+            try:
+                return operation()
+            except (OSError, EOFError, ProtocolError) as exc:
+                self._drop_connection()
+                raise RendezvousConnectionError(
+                    f"the connection to the store at {self._address} failed: {exc}"
+                ) from exc
+            except BaseException:
+                self._drop_connection()
+                raise
+
+    def _send(self, request: Request) -> None:
+        assert self._sock is not None
+        self._sock.sendall(encode_request(request))
+
+    def _read(self, field: Callable[[], _T | None], timeout: float | None = None) -> _T:
+        value = field()
+        if value is not None:
+            return value
+        sock = self._sock
+        assert sock is not None
+        sock.settimeout(self.timeout.total_seconds() if timeout is None else timeout)
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                raise EOFError("the server closed the connection")
+            self._reader.feed(data)
+            value = field()
+            if value is not None:
+                return value
+
+    def _read_bytes(self, timeout: float | None = None) -> bytes:
+        return self._read(self._reader.read_bytes, timeout)
+
+    def _read_i64(self, timeout: float | None = None) -> int:
+        return self._read(self._reader.read_i64, timeout)
+
+    def _read_u8(self, timeout: float | None = None) -> int:
+        return self._read(self._reader.read_u8, timeout)
+
+    def close(self) -> None:
+        """Close the connection and stop the hosted server, if any (idempotent)."""
+        with self._lock:
+            self._closed = True
+            self._drop_connection()
+            server, self._server = self._server, None
+        if server is not None:
+            _release_server(server, self._multi_tenant)
+
+    def _join_workers(self, world_size: int, is_master: bool) -> None:
+        self._call(lambda: self._add_raw(_INIT_KEY, 1))
+        if not is_master:
+            return
+        budget = self.timeout.total_seconds()
+        deadline = time.monotonic() + budget
+        pause = _BACKOFF_FIRST
+        while (joined := self._call(lambda: self._add_raw(_INIT_KEY, 0))) < world_size:
+            if time.monotonic() >= deadline:
+                raise StoreTimeoutError(
+                    f"only {joined} of {world_size} workers connected to the store at "
+                    f"{self._address} within {budget:g} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+    # -- encoding helpers ----------------------------------------------------
+
+    @staticmethod
+    def _wire_key(key: str) -> bytes:
+        if not isinstance(key, str):
+            raise TypeError(f"store keys must be str, not {type(key).__name__}")
+        wire = _KEY_PREFIX + key.encode("utf-8")
+        if len(wire) > MAX_KEY_BYTES:
+            raise ValueError(
+                f"key {key[:40]!r}... is {len(wire)} bytes on the wire; the limit is {MAX_KEY_BYTES}"
+            )
+        return wire
+
+    @staticmethod
+    def _value(value: Value) -> bytes:
+        data = to_bytes(value)
+        if len(data) > MAX_VALUE_BYTES:
+            raise ValueError(f"a value of {len(data)} bytes exceeds the limit of {MAX_VALUE_BYTES}")
+        return data
+
+    def _wire_keys(self, keys: Sequence[str]) -> tuple[bytes, ...]:
+        if isinstance(keys, str):
+            raise TypeError("keys must be a sequence of str, not a single str")
+        if len(keys) > MAX_MULTI_KEYS:
+            raise ValueError(f"{len(keys)} keys exceeds the limit of {MAX_MULTI_KEYS} per request")
+        return tuple(self._wire_key(k) for k in keys)
+
+    def _seconds(self, timeout: Timeout | None) -> float:
+        return self.timeout.total_seconds() if timeout is None else to_seconds(timeout)
+
+    @staticmethod
+    def _ms(seconds: float) -> int:
+        return math.ceil(seconds * 1000)
+
+    # -- raw operations (lock held, socket connected) ------------------------
+
+    def _add_raw(self, key: bytes, amount: int) -> int:
+        self._send(Request(Op.ADD, (key,), (), amount))
+        return self._read_i64()
+
+    def _wait_raw(self, request: Request, seconds: float, what: str) -> None:
+        """Send a WAIT or BARRIER and read its answer, cancelling on timeout."""
+        self._send(request)
+        try:
+            answer = self._read_u8(max(seconds, 0.0001))
+        except TimeoutError:
+            self._send(Request(Op.CANCEL_WAIT))
+            answer = self._read_u8()
+            if answer == WaitResult.STOP_WAITING:
+                # The server answered before it saw the cancel: done after all.
+                if self._read_u8() != WaitResult.WAIT_CANCELED:
+                    raise ProtocolError("expected WAIT_CANCELED after STOP_WAITING") from None
+                return
+            if answer != WaitResult.WAIT_CANCELED:
+                raise ProtocolError(f"unexpected reply {answer} to CANCEL_WAIT") from None
+            raise StoreTimeoutError(f"timed out after {seconds:g} s waiting for {what}") from None
+        if answer != WaitResult.STOP_WAITING:
+            raise ProtocolError(f"unexpected reply {answer} to {Op(request.op).name}")
+
+    # -- the Store API -------------------------------------------------------
+
+    def set(self, key: str, value: Value) -> None:  # noqa: D102 - documented on Store
+        request = Request(Op.SET, (self._wire_key(key),), (self._value(value),))
+        self._call(lambda: self._send(request))
+
+    def get(self, key: str) -> bytes:  # noqa: D102
+        wire = self._wire_key(key)
+        seconds = self.timeout.total_seconds()
+
+        def get() -> bytes:
+            if self._rdzv_server:
+                self._send(Request(Op.GET_WAIT, (wire,), (), self._ms(seconds)))
+                if self._read_u8(seconds + _REPLY_GRACE) == GetWaitStatus.TIMED_OUT:
+                    raise StoreTimeoutError(
+                        f"timed out after {seconds:g} s waiting for key {key!r}"
+                    )
+                return self._read_bytes()
+            self._wait_raw(Request(Op.WAIT, (wire,)), seconds, f"key {key!r}")
+            self._send(Request(Op.GET, (wire,)))
+            return self._read_bytes()
+
+        return self._call(get)
+
+    def add(self, key: str, amount: int) -> int:  # noqa: D102
+        wire = self._wire_key(key)
+        return self._call(lambda: self._add_raw(wire, int(amount)))
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:  # noqa: D102
+        request = Request(
+            Op.COMPARE_SET, (self._wire_key(key),), (self._value(expected), self._value(desired))
+        )
+
+        def compare_set() -> bytes:
+            self._send(request)
+            return self._read_bytes()
+
+        return self._call(compare_set)
+
+    def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:  # noqa: D102
+        wire = self._wire_keys(keys)
+        seconds = self._seconds(timeout)
+        self._call(lambda: self._wait_raw(Request(Op.WAIT, wire), seconds, f"keys {list(keys)!r}"))
+
+    def barrier(self, key: str, world_size: int, timeout: Timeout | None = None) -> None:
+        """Block until ``world_size`` callers reached the barrier named ``key``.
+
+        Args:
+            key: The barrier's name; its value counts the arrivals.
+            world_size: How many callers to wait for.
+            timeout: Overrides the store timeout for this call.
+
+        Raises:
+            StoreTimeoutError: Fewer callers arrived within the timeout.
+        """
+        request = Request(Op.BARRIER, (self._wire_key(key),), (), int(world_size))
+        seconds = self._seconds(timeout)
+        self._call(lambda: self._wait_raw(request, seconds, f"barrier {key!r}"))
+
+    def check(self, keys: Sequence[str]) -> bool:  # noqa: D102
+        request = Request(Op.CHECK, self._wire_keys(keys))
+
+        def check() -> bool:
+            self._send(request)
+            return self._read_u8() == CheckResult.READY
+
+        return self._call(check)
+
+    def delete_key(self, key: str) -> bool:  # noqa: D102
+        request = Request(Op.DELETE_KEY, (self._wire_key(key),))
+
+        def delete() -> bool:
+            self._send(request)
+            return self._read_i64() > 0
+
+        return self._call(delete)
+
+    def num_keys(self) -> int:
+        """Return the number of keys on the server (torch's ``init/`` key included)."""
+
+        def num_keys() -> int:
+            self._send(Request(Op.GETNUMKEYS))
+            return self._read_i64()
+
+        return self._call(num_keys)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # noqa: D102
+        wire = self._wire_keys(keys)
+        seconds = self.timeout.total_seconds()
+
+        def multi_get() -> list[bytes]:
+            self._wait_raw(Request(Op.WAIT, wire), seconds, f"keys {list(keys)!r}")
+            self._send(Request(Op.MULTI_GET, wire))
+            return [self._read_bytes() for _ in wire]
+
+        return self._call(multi_get)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:  # noqa: D102
+        if len(keys) != len(values):
+            raise ValueError(
+                f"multi_set got {len(keys)} keys but {len(values)} values; they must match"
+            )
+        request = Request(Op.MULTI_SET, self._wire_keys(keys), tuple(map(self._value, values)))
+        self._call(lambda: self._send(request))
+
+    def append(self, key: str, value: Value) -> None:  # noqa: D102
+        request = Request(Op.APPEND, (self._wire_key(key),), (self._value(value),))
+        self._call(lambda: self._send(request))
+
+    def list_keys(self) -> list[str]:
+        """Return every user key on the server (keys outside torch's ``/`` namespace are left out)."""
+
+        def list_keys() -> list[str]:
+            self._send(Request(Op.LIST_KEYS))
+            count = self._read_i64()
+            if not 0 <= count <= MAX_REPLY_ITEMS:
+                raise ProtocolError(f"LIST_KEYS announced {count} keys")
+            raw = [self._read(lambda: self._reader.read_bytes(MAX_KEY_BYTES)) for _ in range(count)]
+            return [
+                k[len(_KEY_PREFIX) :].decode("utf-8", "replace")
+                for k in raw
+                if k.startswith(_KEY_PREFIX)
+            ]
+
+        return self._call(list_keys)
+
+    def queue_push(self, key: str, value: Value) -> None:  # noqa: D102
+        request = Request(Op.QUEUE_PUSH, (self._wire_key(key),), (self._value(value),))
+        self._call(lambda: self._send(request))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:  # noqa: D102
+        wire = self._wire_key(key)
+        seconds = self.timeout.total_seconds()
+        deadline = time.monotonic() + seconds
+
+        def queue_pop() -> bytes:
+            while True:
+                if block:
+                    remaining = max(deadline - time.monotonic(), 0.0)
+                    self._wait_raw(Request(Op.WAIT, (wire,)), remaining, f"queue {key!r}")
+                self._send(Request(Op.QUEUE_POP, (wire,)))
+                if self._read_i64() > 0:
+                    return self._read_bytes()
+                if not block or time.monotonic() >= deadline:
+                    raise StoreTimeoutError(f"queue {key!r} is empty")
+
+        return self._call(queue_pop)
+
+    def queue_len(self, key: str) -> int:  # noqa: D102
+        request = Request(Op.QUEUE_LEN, (self._wire_key(key),))
+
+        def queue_len() -> int:
+            self._send(request)
+            return self._read_i64()
+
+        return self._call(queue_len)
+
+    def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:
+        """Block until the value of ``key`` differs from ``previous`` (rdzv servers only).
+
+        Args:
+            key: The key.
+            previous: The value the caller last saw; None means "absent".
+            timeout: How long to wait.
+
+        Returns:
+            The new value (None if the key is absent), or ``previous`` if it
+            did not change within the timeout.
+
+        Raises:
+            NotImplementedError: The server is torch's, which cannot watch.
+        """
+        wire = self._wire_key(key)
+        seconds = to_seconds(timeout)
+        values = () if previous is None else (self._value(previous),)
+        request = Request(Op.WATCH, (wire,), values, self._ms(seconds))
+
+        def watch() -> bytes | None:
+            if not self._rdzv_server:
+                raise NotImplementedError(
+                    f"the store at {self._address} is not an rdzv server and cannot watch"
+                )
+            self._send(request)
+            status = self._read_u8(seconds + _REPLY_GRACE)
+            if status == WatchStatus.PRESENT:
+                return self._read_bytes()
+            if status == WatchStatus.ABSENT:
+                return None
+            if status == WatchStatus.UNCHANGED:
+                return previous
+            raise ProtocolError(f"unexpected WATCH status {status}")
+
+        with self._lock:
+            if self._rdzv_server is None:
+                self._call(lambda: None)
+            if not self._rdzv_server:
+                raise NotImplementedError(
+                    f"the store at {self._address} is not an rdzv server and cannot watch"
+                )
+            return self._call(watch)
+
+    def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Return the values of several keys without waiting; None for a missing key.
+
+        One round trip on an rdzv server; on torch's server, the portable
+        :meth:`Store.try_multi_get`.
+
+        Args:
+            keys: The keys.
+
+        Returns:
+            The values, in the order of ``keys``.
+        """
+        wire = self._wire_keys(keys)
+
+        def try_multi_get() -> list[bytes | None] | None:
+            if not self._rdzv_server:
+                return None
+            self._send(Request(Op.MULTI_TRY_GET, wire))
+            return [self._read_bytes() if self._read_u8() else None for _ in wire]
+
+        with self._lock:
+            found = self._call(try_multi_get)
+            if found is not None:
+                return found
+            return super().try_multi_get(keys)
+
+    def __repr__(self) -> str:
+        kind = {None: "unknown", True: "rdzv", False: "torch"}[self._rdzv_server]
+        return f"TCPStore({self._address}, server={kind})"

@@ -1,0 +1,244 @@
+"""The sans-I/O codec: every request round-trips whole, in chunks and byte by byte."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rdzv.store.protocol import (
+    MAX_KEY_BYTES,
+    MAX_MULTI_KEYS,
+    MAX_VALUE_BYTES,
+    VALIDATE_MAGIC,
+    Op,
+    ProtocolError,
+    ReplyReader,
+    Request,
+    RequestParser,
+    encode_bytes,
+    encode_i64,
+    encode_request,
+    encode_u8,
+    encode_u32,
+)
+
+SAMPLES = [
+    Request(Op.VALIDATE, number=VALIDATE_MAGIC),
+    Request(Op.SET, (b"/k",), (b"value",)),
+    Request(Op.SET, (b"",), (b"",)),
+    Request(Op.COMPARE_SET, (b"/k",), (b"", b"desired")),
+    Request(Op.GET, (b"/k",)),
+    Request(Op.ADD, (b"/n",), (), -12),
+    Request(Op.CHECK, (b"/a", b"/b")),
+    Request(Op.CHECK, ()),
+    Request(Op.WAIT, (b"/a",)),
+    Request(Op.GETNUMKEYS),
+    Request(Op.DELETE_KEY, (b"/k",)),
+    Request(Op.APPEND, (b"/k",), (b"\x00\xff",)),
+    Request(Op.MULTI_GET, (b"/a", b"/b", b"/c")),
+    Request(Op.MULTI_SET, (b"/a", b"/b"), (b"1", b"2")),
+    Request(Op.CANCEL_WAIT),
+    Request(Op.PING, number=4242),
+    Request(Op.QUEUE_PUSH, (b"/q",), (b"item",)),
+    Request(Op.QUEUE_POP, (b"/q",)),
+    Request(Op.QUEUE_LEN, (b"/q",)),
+    Request(Op.LIST_KEYS),
+    Request(Op.BARRIER, (b"/bar",), (), 8),
+    Request(Op.AUTH_CHALLENGE),
+    Request(Op.AUTH_RESPONSE, (), (b"n" * 32, b"t" * 32)),
+    Request(Op.WATCH, (b"/w",), (), 1500),
+    Request(Op.WATCH, (b"/w",), (b"previous",), 0),
+    Request(Op.GET_WAIT, (b"/g",), (), 250),
+    Request(Op.MULTI_TRY_GET, (b"/a", b"/b")),
+]
+
+
+def parse_all(parser: RequestParser) -> list[Request]:
+    out = []
+    while (request := parser.next_request()) is not None:
+        out.append(request)
+    return out
+
+
+def feed_in_chunks(data: bytes, sizes: list[int]) -> list[Request]:
+    parser = RequestParser()
+    out: list[Request] = []
+    pos = 0
+    for size in sizes:
+        parser.feed(data[pos : pos + size])
+        pos += size
+        out += parse_all(parser)
+    parser.feed(data[pos:])
+    out += parse_all(parser)
+    assert parser.pending == 0
+    return out
+
+
+@pytest.mark.parametrize("request_", SAMPLES, ids=lambda r: Op(r.op).name)
+def test_each_request_round_trips_whole_chunked_and_bytewise(request_: Request) -> None:
+    data = encode_request(request_)
+    assert data[0] == request_.op
+    assert feed_in_chunks(data, []) == [request_]
+    assert feed_in_chunks(data, [1] * len(data)) == [request_]
+    rng = random.Random(len(data))
+    assert feed_in_chunks(data, [rng.randint(1, 5) for _ in range(len(data))]) == [request_]
+
+
+def test_torch_wire_layout_of_set_and_add() -> None:
+    assert encode_request(Request(Op.SET, (b"/k",), (b"v",))) == (
+        b"\x01" + struct.pack("<Q", 2) + b"/k" + struct.pack("<Q", 1) + b"v"
+    )
+    assert encode_request(Request(Op.ADD, (b"/n",), (), 3)) == (
+        b"\x04" + struct.pack("<Q", 2) + b"/n" + struct.pack("<q", 3)
+    )
+    assert encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC)) == b"\x00\xce\xf7\x85\x3c"
+
+
+def test_a_stream_of_every_request_fed_byte_by_byte() -> None:
+    stream = b"".join(encode_request(r) for r in SAMPLES)
+    assert feed_in_chunks(stream, [1] * len(stream)) == SAMPLES
+    assert feed_in_chunks(stream, []) == SAMPLES
+
+
+def test_incomplete_request_consumes_nothing() -> None:
+    data = encode_request(Request(Op.SET, (b"/key",), (b"value",)))
+    parser = RequestParser()
+    parser.feed(data[:-1])
+    assert parser.next_request() is None
+    assert parser.pending == len(data) - 1
+    parser.feed(data[-1:])
+    assert parser.next_request() == Request(Op.SET, (b"/key",), (b"value",))
+
+
+def test_key_over_the_limit_fails_as_soon_as_its_length_is_read() -> None:
+    parser = RequestParser()
+    parser.feed(b"\x03" + struct.pack("<Q", MAX_KEY_BYTES + 1))
+    with pytest.raises(ProtocolError, match="key of 8193 bytes"):
+        parser.next_request()
+
+
+def test_key_at_the_limit_is_accepted() -> None:
+    key = b"k" * MAX_KEY_BYTES
+    parser = RequestParser()
+    parser.feed(encode_request(Request(Op.GET, (key,))))
+    assert parser.next_request() == Request(Op.GET, (key,))
+
+
+def test_value_over_the_limit_fails() -> None:
+    parser = RequestParser()
+    parser.feed(b"\x01" + encode_bytes(b"/k") + struct.pack("<Q", MAX_VALUE_BYTES + 1))
+    with pytest.raises(ProtocolError, match="value of"):
+        parser.next_request()
+
+
+@pytest.mark.parametrize("op", [Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.MULTI_SET, Op.MULTI_TRY_GET])
+def test_count_over_the_limit_fails(op: Op) -> None:
+    parser = RequestParser()
+    parser.feed(bytes([op]) + struct.pack("<Q", MAX_MULTI_KEYS + 1))
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        parser.next_request()
+
+
+def test_negative_multi_set_count_fails() -> None:
+    parser = RequestParser()
+    parser.feed(b"\x0b" + struct.pack("<q", -1))
+    with pytest.raises(ProtocolError):
+        parser.next_request()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x13",
+        b"\x3f",
+        b"\xff",
+        b"\x42" + encode_bytes(b"/w") + b"\x02",
+        b"\x42" + encode_bytes(b"/w") + b"\x00" + struct.pack("<q", -5),
+        b"\x43" + encode_bytes(b"/g") + struct.pack("<q", -1),
+    ],
+    ids=["opcode-19", "opcode-63", "opcode-255", "watch-flag", "watch-timeout", "get-timeout"],
+)
+def test_malformed_requests_raise_protocol_error(data: bytes) -> None:
+    parser = RequestParser()
+    parser.feed(data)
+    with pytest.raises(ProtocolError):
+        parser.next_request()
+
+
+def test_encoder_refuses_over_limit_fields() -> None:
+    with pytest.raises(ProtocolError, match="key of"):
+        encode_request(Request(Op.GET, (b"k" * (MAX_KEY_BYTES + 1),)))
+    with pytest.raises(ProtocolError, match="value of"):
+        encode_request(Request(Op.SET, (b"k",), (b"v" * (MAX_VALUE_BYTES + 1),)))
+    with pytest.raises(ProtocolError, match="as many keys as values"):
+        encode_request(Request(Op.MULTI_SET, (b"a", b"b"), (b"1",)))
+    with pytest.raises(ProtocolError, match="do not fit"):
+        encode_request(Request(Op.SET, (b"k",), ()))
+    with pytest.raises(ProtocolError, match="unknown opcode"):
+        encode_request(Request(99))
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.binary(max_size=300), cut=st.lists(st.integers(1, 40), max_size=20))
+def test_garbage_only_ever_raises_protocol_error(data: bytes, cut: list[int]) -> None:
+    parser = RequestParser()
+    pos = 0
+    try:
+        for size in [*cut, len(data)]:
+            parser.feed(data[pos : pos + size])
+            pos += size
+            parse_all(parser)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    index=st.integers(0, len(SAMPLES) - 1),
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+)
+def test_mutated_valid_requests_only_raise_protocol_error(
+    index: int, flips: list[tuple[int, int]]
+) -> None:
+    data = bytearray(encode_request(SAMPLES[index]) * 2)
+    for where, byte in flips:
+        data[where % len(data)] = byte
+    parser = RequestParser()
+    for i in range(len(data)):
+        parser.feed(bytes(data[i : i + 1]))
+        try:
+            parse_all(parser)
+        except ProtocolError:
+            return
+
+
+def test_reply_reader_fields_byte_by_byte() -> None:
+    stream = encode_u8(7) + encode_u32(0xDEADBEEF) + encode_i64(-3) + encode_bytes(b"val") + b"xy"
+    reader = ReplyReader()
+    readers = [
+        reader.read_u8,
+        reader.read_u32,
+        reader.read_i64,
+        reader.read_bytes,
+        lambda: reader.read_raw(2),
+    ]
+    results = []
+    position = 0
+    for read in readers:
+        while (value := read()) is None:
+            reader.feed(stream[position : position + 1])
+            position += 1
+        results.append(value)
+    assert results == [7, 0xDEADBEEF, -3, b"val", b"xy"]
+    assert reader.pending == 0
+
+
+def test_reply_reader_refuses_an_over_limit_length() -> None:
+    reader = ReplyReader()
+    reader.feed(struct.pack("<Q", 100))
+    with pytest.raises(ProtocolError, match="100 bytes"):
+        reader.read_bytes(limit=10)

@@ -1,0 +1,339 @@
+"""The TCPStore client: hosting, reconnecting, threads, auth and TLS."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import rdzv
+from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError, StoreTimeoutError
+from rdzv.store.protocol import (
+    FEATURE_AUTH_REQUIRED,
+    PROBE_NONCE,
+    SERVER_HELLO,
+    VALIDATE_MAGIC,
+    Op,
+    Request,
+    encode_request,
+)
+from rdzv.store.server import TCPStoreServer
+from rdzv.store.tcp import TCPStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_public_names() -> None:
+    assert rdzv.TCPStore is TCPStore
+    assert rdzv.TCPStoreServer is TCPStoreServer
+    assert issubclass(rdzv.StoreAuthenticationError, rdzv.RendezvousError)
+
+
+def test_master_hosts_a_server_on_a_free_port() -> None:
+    with TCPStore("127.0.0.1", 0, is_master=True, timeout=5) as master:
+        assert master.port > 0
+        assert master.host == "127.0.0.1"
+        assert master.server is not None
+        assert master.supports_watch
+        with TCPStore("127.0.0.1", master.port, timeout=5) as worker:
+            worker.set("from-worker", "hi")
+        assert master.get("from-worker") == b"hi"
+        server = master.server
+    assert not server.running
+
+
+def test_constructor_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="port 0"):
+        TCPStore("127.0.0.1", 0)
+    with pytest.raises(ValueError, match="65536"):
+        TCPStore("127.0.0.1", 65536)
+    with pytest.raises(ValueError, match="world_size"):
+        TCPStore("127.0.0.1", 0, world_size=0, is_master=True)
+
+
+def test_bad_keys_and_values_are_refused_before_sending() -> None:
+    with TCPStore("127.0.0.1", 0, is_master=True, timeout=5) as store:
+        with pytest.raises(ValueError, match="limit is 8192"):
+            store.set("k" * 9000, "v")
+        with pytest.raises(TypeError, match="str"):
+            store.set(b"bytes-key", "v")  # type: ignore[arg-type]  # deliberately wrong type
+        with pytest.raises(TypeError, match="not a single str"):
+            store.wait("abc")
+        store.set("still", "fine")
+        assert store.get("still") == b"fine"
+
+
+def test_world_size_waits_for_every_worker() -> None:
+    port = free_port()
+    errors: list[BaseException] = []
+    workers: list[TCPStore] = []
+
+    def worker() -> None:
+        try:
+            workers.append(TCPStore("127.0.0.1", port, world_size=3, timeout=10))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        with TCPStore("127.0.0.1", port, world_size=3, is_master=True, timeout=10) as master:
+            for thread in threads:
+                thread.join(20)
+            assert errors == []
+            assert master.num_keys() == 1  # torch's raw "init/" key
+            assert master.list_keys() == []
+    finally:
+        for thread in threads:
+            thread.join(20)
+        for store in workers:
+            store.close()
+
+
+def test_world_size_times_out_when_workers_are_missing() -> None:
+    with pytest.raises(StoreTimeoutError, match="1 of 2 workers"):
+        TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=0.3)
+
+
+def test_multi_tenant_masters_share_one_server() -> None:
+    first = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=5)
+    try:
+        second = TCPStore("127.0.0.1", first.port, is_master=True, multi_tenant=True, timeout=5)
+        assert second.server is first.server
+        first.set("shared", "yes")
+        assert second.get("shared") == b"yes"
+        server = first.server
+        assert server is not None
+        first.close()
+        assert server.running
+        assert second.get("shared") == b"yes"
+        second.close()
+        assert not server.running
+    finally:
+        first.close()
+
+
+def test_connect_is_retried_until_the_server_appears() -> None:
+    port = free_port()
+    server = TCPStoreServer("127.0.0.1", port)
+    starter = threading.Timer(0.4, server.start)
+    starter.start()
+    try:
+        with TCPStore("127.0.0.1", port, timeout=10) as client:
+            client.set("late", "server")
+            assert client.get("late") == b"server"
+    finally:
+        starter.join()
+        server.stop()
+
+
+def test_connect_gives_up_after_the_timeout() -> None:
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="could not connect"):
+        TCPStore("127.0.0.1", port, timeout=0.5)
+    assert time.monotonic() - started < 10
+
+
+def test_broken_connection_raises_then_the_next_call_reconnects() -> None:
+    port = free_port()
+    server = TCPStoreServer("127.0.0.1", port).start()
+    client = TCPStore("127.0.0.1", port, timeout=10)
+    outcome: list[BaseException] = []
+
+    def blocked_wait() -> None:
+        try:
+            client.wait(["never"], 30)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=blocked_wait)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while server.waiter_count() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.stop()
+        thread.join(20)
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], RendezvousConnectionError)
+        server = TCPStoreServer("127.0.0.1", port).start()
+        client.set("again", "1")
+        assert client.get("again") == b"1"
+    finally:
+        thread.join(20)
+        client.close()
+        server.stop()
+
+
+def test_closed_client_refuses_calls() -> None:
+    with TCPStore("127.0.0.1", 0, is_master=True, timeout=5) as store:
+        pass
+    with pytest.raises(RendezvousConnectionError, match="closed"):
+        store.get("x")
+
+
+def test_threads_share_one_client_safely() -> None:
+    with TCPStore("127.0.0.1", 0, is_master=True, timeout=10) as store:
+
+        def work(index: int) -> None:
+            for i in range(100):
+                store.add("counter", 1)
+                store.set(f"t{index}", str(i))
+                assert store.get(f"t{index}") == str(i).encode()
+
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert store.get("counter") == b"800"
+
+
+# -- authentication ---------------------------------------------------------
+
+
+@pytest.fixture
+def auth_server() -> Iterator[TCPStoreServer]:
+    server = TCPStoreServer("127.0.0.1", 0, auth_token="s3cret-token").start()
+    try:
+        with TCPStore("127.0.0.1", server.port, timeout=5, auth_token="s3cret-token") as owner:
+            owner.set("private-key-name", "private-value")
+        yield server
+    finally:
+        server.stop()
+
+
+def test_right_secret_works(auth_server: TCPStoreServer) -> None:
+    with TCPStore("127.0.0.1", auth_server.port, timeout=5, auth_token=b"s3cret-token") as client:
+        assert client.get("private-key-name") == b"private-value"
+        assert client.supports_watch
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"], ids=["missing", "wrong"])
+def test_missing_or_wrong_secret_is_refused(auth_server: TCPStoreServer, token: str | None) -> None:
+    started = time.monotonic()
+    with pytest.raises(StoreAuthenticationError, match="authentication") as info:
+        TCPStore("127.0.0.1", auth_server.port, timeout=5, auth_token=token)
+    assert "private" not in str(info.value)
+    assert time.monotonic() - started < 4, "an auth failure must not be retried"
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        Request(Op.LIST_KEYS),
+        Request(Op.GET, (b"/private-key-name",)),
+        Request(Op.GETNUMKEYS),
+        Request(Op.CHECK, (b"/private-key-name",)),
+        Request(Op.SET, (b"/x",), (b"y",)),
+    ],
+    ids=lambda r: Op(r.op).name,
+)
+def test_nothing_is_served_before_authentication(
+    auth_server: TCPStoreServer, request_: Request
+) -> None:
+    with socket.create_connection(("127.0.0.1", auth_server.port), timeout=5) as sock:
+        sock.sendall(encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC)))
+        sock.sendall(encode_request(Request(Op.PING, number=PROBE_NONCE)))
+        sock.sendall(encode_request(request_))
+        received = b""
+        while chunk := sock.recv(1024):
+            received += chunk
+    (hello,) = struct.unpack("<I", received[:4])
+    assert hello == SERVER_HELLO | FEATURE_AUTH_REQUIRED
+    assert received[4:] == b""
+    with TCPStore("127.0.0.1", auth_server.port, timeout=5, auth_token="s3cret-token") as owner:
+        assert not owner.check(["x"])
+
+
+def test_forged_response_without_challenge_is_refused(auth_server: TCPStoreServer) -> None:
+    with socket.create_connection(("127.0.0.1", auth_server.port), timeout=5) as sock:
+        sock.sendall(encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC)))
+        sock.sendall(encode_request(Request(Op.AUTH_RESPONSE, (), (b"n" * 32, b"t" * 32))))
+        assert sock.recv(16) == b""
+
+
+def test_client_with_secret_refuses_a_server_without_auth() -> None:
+    with (
+        TCPStoreServer("127.0.0.1", 0) as server,
+        pytest.raises(StoreAuthenticationError, match="does not require authentication"),
+    ):
+        TCPStore("127.0.0.1", server.port, timeout=5, auth_token="s3cret-token")
+
+
+def test_master_with_secret_hosts_an_authenticating_server() -> None:
+    with TCPStore("127.0.0.1", 0, is_master=True, timeout=5, auth_token="tok") as master:
+        master.set("a", "b")
+        with pytest.raises(StoreAuthenticationError):
+            TCPStore("127.0.0.1", master.port, timeout=5)
+
+
+# -- TLS -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1, made by the openssl CLI."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+            "-keyout", str(key), "-out", str(cert), "-days", "1",
+            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+def contexts(cert: Path, key: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert, key)
+    client_context = ssl.create_default_context(cafile=str(cert))
+    return server_context, client_context
+
+
+def test_tls_round_trip(certificate: tuple[Path, Path]) -> None:
+    server_context, client_context = contexts(*certificate)
+    with TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        timeout=5,
+        ssl_context=client_context,
+        server_ssl_context=server_context,
+        auth_token="tok",
+    ) as master:
+        master.set("tls", "on")
+        with TCPStore(
+            "127.0.0.1", master.port, timeout=5, ssl_context=client_context, auth_token="tok"
+        ) as other:
+            assert other.get("tls") == b"on"
+            assert other.watch("tls", b"on", 0.05) == b"on"
+
+
+def test_tls_client_refuses_an_unknown_certificate(certificate: tuple[Path, Path]) -> None:
+    server_context, _ = contexts(*certificate)
+    with TCPStoreServer("127.0.0.1", 0, ssl_context=server_context) as server:
+        with pytest.raises(RendezvousConnectionError, match="certificate"):
+            TCPStore("127.0.0.1", server.port, timeout=5, ssl_context=ssl.create_default_context())
+        with pytest.raises(RendezvousConnectionError):
+            TCPStore("127.0.0.1", server.port, timeout=0.5)
