@@ -69,9 +69,9 @@ def test_three_processes_meet_at_the_barrier(nodes: list[subprocess.Popen[str]])
 
 def test_timeout_names_the_missing_ranks(nodes: list[subprocess.Popen[str]]) -> None:
     # the host waits longer, so its store is still there when the other one gives up
-    host = start(nodes, "127.0.0.1", 0, 0, 4, 5)
+    host = start(nodes, "127.0.0.1", 0, 0, 4, 3)
     port = host_port(host)
-    other = start(nodes, "127.0.0.1", port, 2, 4, 1.5)
+    other = start(nodes, "127.0.0.1", port, 2, 4, 1)
     for proc in (host, other):
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 3
