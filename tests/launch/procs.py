@@ -69,7 +69,7 @@ def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, 
     return proc.returncode, out, err
 
 
-def wait_for(predicate: object, timeout: float = 30, what: str = "a condition") -> None:
+def wait_for(predicate: object, timeout: float = 60, what: str = "a condition") -> None:
     assert callable(predicate)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -98,7 +98,7 @@ def kill_pids(pids: Sequence[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-CONF = "is_host=false,last_call_timeout=0.5,keep_alive_interval=0.3,keep_alive_max_attempt=3"
+CONF = "is_host=false,last_call_timeout=0.5,keep_alive_interval=0.5,keep_alive_max_attempt=4"
 
 
 def envs(outdir: Path) -> list[dict[str, Any]]:

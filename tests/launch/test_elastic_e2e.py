@@ -25,21 +25,21 @@ from tests.launch.procs import (
     with_world,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_a_third_agent_grows_the_group_without_a_restart(endpoint: str, tmp_path: Path) -> None:
     args = [*c10d_args(endpoint, "2:3", "grow"), WORKER, str(tmp_path), "wait-release"]
     with agents() as group:
         first = [group.start(args), group.start(args)]
-        wait_for(lambda: len(with_world(tmp_path, 2)) == 2, what="a round of 2 nodes")
+        wait_for(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
         third = group.start(args)
-        wait_for(lambda: len(with_world(tmp_path, 3)) == 3, what="a round of 3 nodes")
+        wait_for(lambda: len(with_world(tmp_path, 3)) >= 3, what="a round of 3 nodes")
         (tmp_path / "release-3").write_text("")
         results = [finish(p) for p in [*first, third]]
     assert [code for code, _, _ in results] == [0, 0, 0], results
     grown = with_world(tmp_path, 3)
-    assert sorted(e["RANK"] for e in grown) == ["0", "1", "2"]
+    assert {e["RANK"] for e in grown} == {"0", "1", "2"}
     assert {e["TORCHELASTIC_RESTART_COUNT"] for e in envs(tmp_path)} == {"0"}
     assert any("not counted as a restart" in err for _, _, err in results[:2])
 
@@ -50,7 +50,7 @@ def test_a_killed_agent_shrinks_the_group(endpoint: str, tmp_path: Path) -> None
     try:
         with agents() as group:
             procs = [group.start(args) for _ in range(3)]
-            wait_for(lambda: len(with_world(tmp_path, 3)) == 3, what="a round of 3 nodes")
+            wait_for(lambda: len(with_world(tmp_path, 3)) >= 3, what="a round of 3 nodes")
             victim_group = with_world(tmp_path, 3)[0]["GROUP_RANK"]
             pids = [int(e["pid"]) for e in envs(tmp_path)]
             # find the agent whose node has that group rank: its worker's parent
@@ -83,7 +83,8 @@ def test_a_spare_agent_exits_zero(endpoint: str, tmp_path: Path) -> None:
     args = [*c10d_args(endpoint, "1:2", "spare"), WORKER, str(tmp_path), "wait-release"]
     with agents() as group:
         members = [group.start(args), group.start(args)]
-        wait_for(lambda: len(with_world(tmp_path, 2)) == 2, what="a round of 2 nodes")
+        wait_for(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
+        started = len(envs(tmp_path))
         spare_log = tmp_path / "spare.err"
         spare = group.start(["--verbose", *args], stderr_path=spare_log)
         wait_for(lambda: '"action": "enqueue"' in spare_log.read_text(), what="the spare to queue")
@@ -93,7 +94,7 @@ def test_a_spare_agent_exits_zero(endpoint: str, tmp_path: Path) -> None:
         code, _, _ = finish(spare)
     err = spare_log.read_text()
     assert [c for c, _, _ in member_results] == [0, 0], member_results
-    assert len(envs(tmp_path)) == 2
+    assert len(envs(tmp_path)) == started
     assert code == 0, err
     assert "spare" in err.strip().splitlines()[-1]
 
@@ -103,14 +104,15 @@ def test_an_agent_stopped_with_sigterm_leaves_the_run_open(endpoint: str, tmp_pa
     with agents() as group:
         stays = group.start(args)
         leaves = group.start(args)
-        wait_for(lambda: len(with_world(tmp_path, 2)) == 2, what="a round of 2 nodes")
+        wait_for(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
+        before = len(with_world(tmp_path, 2))
         leaves.send_signal(signal.SIGTERM)
         code, _, err = finish(leaves)
         assert code == 128 + signal.SIGTERM, err
         # the other node goes on alone, and a new agent can still join the run
         wait_for(lambda: len(with_world(tmp_path, 1)) >= 1, what="a round of 1 node")
         group.start(args)
-        wait_for(lambda: len(with_world(tmp_path, 2)) >= 4, what="a new round of 2 nodes")
+        wait_for(lambda: len(with_world(tmp_path, 2)) >= before + 2, what="a new round of 2 nodes")
         (tmp_path / "release-2").write_text("")
         code, _, err = finish(stays)
         assert code == 0, err
