@@ -195,11 +195,6 @@ class ElasticAgent:
         self._restarts = 0
         self._cleaning_up = False
 
-    @property
-    def worker_pids(self) -> list[int]:
-        """The process ids of the current attempt's workers."""
-        return self._attempt.workers.pids if self._attempt is not None else []
-
     def run(self) -> AgentResult:
         """Run the job on this node until it finishes, fails or is interrupted.
 

@@ -182,11 +182,6 @@ class WorkerGroup:
         self._log_dir = log_dir
         self._workers: list[_Worker] = []
 
-    @property
-    def pids(self) -> list[int]:
-        """The process ids of the started workers, in local-rank order."""
-        return [w.process.pid for w in self._workers]
-
     def start(self) -> None:
         """Start every worker.
 
