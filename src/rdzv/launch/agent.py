@@ -188,7 +188,7 @@ class ElasticAgent:
         self._config = config
         self._bootstrap_factory = bootstrap_factory
         self._sink = sink or OutputSink()
-        self._log = log or _log_to_stderr
+        self._log = log or self._log_to_stderr
         self._run_id = handler.get_run_id()
         self._attempt: _Attempt | None = None
         self._attempts_started = 0
@@ -433,12 +433,12 @@ class ElasticAgent:
         if attempt.server is not None:
             attempt.server.close()
 
+    def _log_to_stderr(self, message: str) -> None:
+        # Through the sink, so that it never splits a worker's line.
+        self._sink.write_line(f"rdzv run: {message}\n".encode(), to_stderr=True)
+
     def _shutdown_handler(self) -> None:
         try:
             self._handler.shutdown()
         except RendezvousError as exc:
             self._log(f"leaving the rendezvous failed: {type(exc).__name__}: {exc}")
-
-
-def _log_to_stderr(message: str) -> None:
-    print(f"rdzv run: {message}", file=sys.stderr, flush=True)
