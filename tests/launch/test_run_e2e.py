@@ -186,3 +186,13 @@ def test_torch_gloo_allreduce_two_static_nodes() -> None:
     for rank in range(4):
         assert f"[rank {rank}]: rank {rank}/4" in out
     assert out.count("expected 10.0: ok") == 4
+
+
+def test_module_entry_point() -> None:
+    with agents() as group:
+        code, out, err = finish(
+            group.start(["--standalone", "--nproc-per-node=2", "-m", "json.tool", "--help"])
+        )
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"[rank {rank}]: usage:" in out
