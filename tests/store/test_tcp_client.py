@@ -180,6 +180,24 @@ def test_broken_connection_raises_then_the_next_call_reconnects() -> None:
         server.stop()
 
 
+def test_clone_has_its_own_connection_so_a_blocked_call_does_not_stall_it() -> None:
+    with TCPStore("127.0.0.1", 0, is_master=True, timeout=10) as store, store.clone() as other:
+        assert other.server is None
+        assert other.timeout == store.timeout
+        result: list[bytes | None] = []
+        thread = threading.Thread(target=lambda: result.append(store.watch("w", None, 10)))
+        thread.start()
+        try:
+            assert store.server is not None
+            deadline = time.monotonic() + 10
+            while store.server.waiter_count() == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            other.set("w", "changed")
+        finally:
+            thread.join(20)
+        assert result == [b"changed"]
+
+
 def test_closed_client_refuses_calls() -> None:
     with TCPStore("127.0.0.1", 0, is_master=True, timeout=5) as store:
         pass

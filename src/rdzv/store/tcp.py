@@ -35,6 +35,7 @@ import os
 import random
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,13 @@ _REPLY_GRACE = 5.0
 """Seconds a reply to a server-timed request may lag behind its timeout."""
 _BACKOFF_FIRST = 0.01
 _BACKOFF_MAX = 1.0
+
+
+def _timeval(seconds: float) -> bytes:
+    """Encode a positive timeout as a ``struct timeval`` (0 would mean "never")."""
+    micros = max(1000, math.ceil(seconds * 1_000_000))
+    return struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
+
 
 _shared_lock = threading.Lock()
 _shared_servers: dict[int, tuple[TCPStoreServer, int]] = {}
@@ -166,6 +174,7 @@ class TCPStore(Store):
         self._ssl_context = ssl_context
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
+        self._recv_timeout: float | None = None
         self._reader = ReplyReader()
         self._rdzv_server: bool | None = None
         self._closed = False
@@ -209,6 +218,25 @@ class TCPStore(Store):
                 self._call(lambda: None)
             return bool(self._rdzv_server)
 
+    def clone(self) -> TCPStore:
+        """Return a new client of the same server, with its own connection.
+
+        Blocking calls (``get``, ``wait``, ``watch``, ...) hold this client's
+        connection until they return; a thread that must not wait behind
+        them uses a clone.
+
+        Returns:
+            A connected client with the same timeout, secret and TLS context
+            (it never hosts a server).
+        """
+        return TCPStore(
+            self._host,
+            self._port,
+            timeout=self.timeout,
+            auth_token=self._secret,
+            ssl_context=self._ssl_context,
+        )
+
     # -- connection management -----------------------------------------------
 
     def _connect_once(self, remaining: float) -> socket.socket:
@@ -219,7 +247,14 @@ class TCPStore(Store):
                 sock = self._ssl_context.wrap_socket(sock, server_hostname=self._host)
             self._sock = sock
             self._reader.clear()
-            sock.settimeout(remaining)
+            self._recv_timeout = None
+            if self._ssl_context is None:
+                # Blocking mode with kernel timeouts: Python's own socket
+                # timeout polls before every send and recv, doubling the
+                # system calls of a round trip.
+                sock.settimeout(None)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(remaining))
+            self._set_recv_timeout(remaining)
             self._handshake()
         except BaseException:
             self._sock = None
@@ -336,15 +371,30 @@ class TCPStore(Store):
         assert self._sock is not None
         self._sock.sendall(encode_request(request))
 
+    def _set_recv_timeout(self, seconds: float) -> None:
+        if seconds == self._recv_timeout:
+            return
+        sock = self._sock
+        assert sock is not None
+        if self._ssl_context is None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        else:
+            sock.settimeout(seconds)
+        self._recv_timeout = seconds
+
     def _read(self, field: Callable[[], _T | None], timeout: float | None = None) -> _T:
         value = field()
         if value is not None:
             return value
         sock = self._sock
         assert sock is not None
-        sock.settimeout(self.timeout.total_seconds() if timeout is None else timeout)
+        self._set_recv_timeout(self.timeout.total_seconds() if timeout is None else timeout)
         while True:
-            data = sock.recv(65536)
+            try:
+                data = sock.recv(65536)
+            except BlockingIOError as exc:
+                # SO_RCVTIMEO elapsed on the blocking socket.
+                raise TimeoutError("timed out waiting for the server's reply") from exc
             if not data:
                 raise EOFError("the server closed the connection")
             self._reader.feed(data)

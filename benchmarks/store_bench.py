@@ -1,0 +1,190 @@
+"""Throughput of rdzv's TCP store next to torch's C++ TCPStore, side by side.
+
+Run from the repository root:
+
+    python benchmarks/store_bench.py [--duration 2] [--clients 1 8]
+
+Every server runs in its own process (torch's ``TCPStore(is_master=True)``
+and ``rdzv serve``), every client in its own process. Each client repeats
+one operation on its own key with a 100-byte value for ``--duration``
+seconds, all clients starting at the same instant; the table shows the sum
+of their operations per second (the best of ``--repeat`` interleaved runs,
+which filters out other load on the machine), and rdzv's throughput as a
+ratio of torch's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OPS = ("set", "get", "add", "compare_set")
+VALUE = b"v" * 100
+
+
+def env() -> dict[str, str]:
+    environ = dict(os.environ)
+    environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "src"), str(ROOT), environ.get("PYTHONPATH", "")]
+    )
+    return environ
+
+
+def make_client(kind: str, port: int) -> Any:
+    if kind == "torch":
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    from rdzv.store.tcp import TCPStore
+
+    return TCPStore("127.0.0.1", port, timeout=60)
+
+
+def worker(kind: str, port: int, op: str, duration: float, start_at: float, index: int) -> None:
+    store = make_client(kind, port)
+    key = f"bench/{kind}/{op}/{index}"
+    if op == "add":
+        store.set(key, "0")
+    else:
+        store.set(key, VALUE)
+    store.get(key)
+    action = {
+        "set": lambda: store.set(key, VALUE),
+        "get": lambda: store.get(key),
+        "add": lambda: store.add(key, 1),
+        "compare_set": lambda: store.compare_set(key, VALUE, VALUE),
+    }[op]
+    time.sleep(max(0.0, start_at - time.time()))
+    count = 0
+    end = time.monotonic() + duration
+    while time.monotonic() < end:
+        for _ in range(50):
+            action()
+        count += 50
+    if op == "set":
+        store.get(key)  # sets have no reply: make sure the server consumed them all
+    print(count, flush=True)
+
+
+def start_server(kind: str) -> tuple[subprocess.Popen[str], int]:
+    if kind == "torch":
+        code = (
+            "import sys, time, torch.distributed as dist\n"
+            "s = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+            "print(f'listening on 127.0.0.1:{s.port}', flush=True)\n"
+            "sys.stdin.read()\n"
+        )
+        cmd = [sys.executable, "-c", code]
+    else:
+        cmd = [sys.executable, "-m", "rdzv.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env()
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    port = int(line.strip().rsplit(":", 1)[1].split()[0])
+    return proc, port
+
+
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def measure(client: str, port: int, op: str, clients: int, duration: float) -> float:
+    start_at = time.time() + 1.0 + 0.3 * clients
+    procs = []
+    for index in range(clients):
+        argv = [client, str(port), op, str(duration), str(start_at), str(index)]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", *argv],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env(),
+            )
+        )
+    total = 0
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"a {client} client failed on {op}")
+        total += int(out.strip())
+    return total / duration
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=2.0)
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs per cell; the best one is reported"
+    )
+    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kind, port, op, duration, start_at, index = args.worker
+        worker(kind, int(port), op, float(duration), float(start_at), int(index))
+        return
+
+    import torch
+
+    setups = {
+        "torch": ("torch", "torch"),
+        "rdzv": ("rdzv", "rdzv"),
+        "torch->rdzv": ("rdzv", "torch"),
+    }
+    results: dict[tuple[str, str, int], float] = {}
+    servers = {kind: start_server(kind) for kind in ("torch", "rdzv")}
+    try:
+        # Interleave the setups cell by cell so that a change in the machine's
+        # load during the run affects every column alike.
+        for clients in args.clients:
+            for op in OPS:
+                for _ in range(args.repeat):
+                    for name, (server_kind, client_kind) in setups.items():
+                        port = servers[server_kind][1]
+                        rate = measure(client_kind, port, op, clients, args.duration)
+                        cell = (name, op, clients)
+                        results[cell] = max(results.get(cell, 0.0), rate)
+    finally:
+        for proc, _port in servers.values():
+            stop_server(proc)
+
+    print(
+        f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+        f"best of {args.repeat} runs of {args.duration:g} s per cell, 100-byte values, "
+        "ops/s summed over clients\n"
+    )
+    header = (
+        "| op | clients | torch server + torch client | rdzv server + rdzv client | ratio "
+        "| rdzv server + torch client | ratio |"
+    )
+    print(header)
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for clients in args.clients:
+        for op in OPS:
+            base = results["torch", op, clients]
+            ours = results["rdzv", op, clients]
+            mixed = results["torch->rdzv", op, clients]
+            print(
+                f"| {op} | {clients} | {base:,.0f} | {ours:,.0f} | {ours / base:.2f}x "
+                f"| {mixed:,.0f} | {mixed / base:.2f}x |"
+            )
+
+
+if __name__ == "__main__":
+    main()
