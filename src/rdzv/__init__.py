@@ -36,6 +36,10 @@ _EXPORTS: dict[str, str] = {
     "rendezvous_handler_registry": "rdzv.registry",
     "create_handler": "rdzv.registry",
     "RendezvousBackend": "rdzv.backends.base",
+    "DynamicRendezvousHandler": "rdzv.dynamic.handler",
+    "C10dRendezvousBackend": "rdzv.backends.store",
+    "P10dRendezvousBackend": "rdzv.backends.store",
+    "TpRendezvousBackend": "rdzv.backends.store",
     "Store": "rdzv.store.base",
     "HashStore": "rdzv.store.memory",
     "PrefixStore": "rdzv.store.memory",
@@ -45,7 +49,10 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "C10dRendezvousBackend",
+    "DynamicRendezvousHandler",
     "HashStore",
+    "P10dRendezvousBackend",
     "PrefixStore",
     "RendezvousBackend",
     "RendezvousClosedError",
@@ -69,6 +76,7 @@ __all__ = [
     "StoreTimeoutError",
     "TCPStore",
     "TCPStoreServer",
+    "TpRendezvousBackend",
     "__version__",
     "create_handler",
     "parse_config",
@@ -86,6 +94,12 @@ if TYPE_CHECKING:
         RendezvousTimeout,
     )
     from rdzv.backends.base import RendezvousBackend
+    from rdzv.backends.store import (
+        C10dRendezvousBackend,
+        P10dRendezvousBackend,
+        TpRendezvousBackend,
+    )
+    from rdzv.dynamic.handler import DynamicRendezvousHandler
     from rdzv.endpoint import parse_config, parse_endpoint
     from rdzv.errors import (
         RendezvousClosedError,

@@ -31,8 +31,11 @@ def rdzv_server() -> Iterator[TCPStoreServer]:
 
 @pytest.fixture(scope="session")
 def rdzv_server_process() -> Iterator[int]:
-    """An ``rdzv serve`` subprocess (torch's client holds the GIL while connecting,
-    so a torch client cannot use a server hosted in its own process); yields the port."""
+    """An ``rdzv serve`` subprocess; yields its port.
+
+    torch's client keeps the GIL during some calls (``list_keys``), so it
+    cannot use a Python server hosted in its own process.
+    """
     with serve_process() as (_proc, port):
         yield port
 

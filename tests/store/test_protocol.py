@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rdzv.store import protocol
 from rdzv.store.protocol import (
     MAX_KEY_BYTES,
     MAX_MULTI_KEYS,
@@ -140,6 +141,18 @@ def test_count_over_the_limit_fails(op: Op) -> None:
     parser = RequestParser()
     parser.feed(bytes([op]) + struct.pack("<Q", MAX_MULTI_KEYS + 1))
     with pytest.raises(ProtocolError, match="exceeds the limit"):
+        parser.next_request()
+
+
+def test_a_request_larger_than_the_total_limit_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "MAX_REQUEST_BYTES", 1000)
+    parser = RequestParser()
+    parser.feed(b"\x0b" + struct.pack("<q", 10))
+    for i in range(3):  # 9 + 3 * 319 = 966 bytes: under the limit
+        parser.feed(encode_bytes(b"/k%d" % i) + encode_bytes(b"v" * 300))
+        assert parser.next_request() is None
+    parser.feed(encode_bytes(b"/k3") + encode_bytes(b"v" * 300))
+    with pytest.raises(ProtocolError, match="exceeds 1000 bytes"):
         parser.next_request()
 
 

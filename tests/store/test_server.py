@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -81,9 +82,10 @@ def closed_by_peer(sock: socket.socket) -> bool:
 
 
 def healthy(port: int) -> bool:
+    key = f"health-{uuid.uuid4().hex}"
     with TCPStore("127.0.0.1", port, timeout=5) as client:
-        client.set("health", "ok")
-        return client.get("health") == b"ok" and client.add("health-n", 1) > 0
+        client.set(key, "ok")
+        return client.get(key) == b"ok" and client.add(f"{key}-n", 1) == 1
 
 
 @pytest.mark.parametrize(
@@ -210,16 +212,49 @@ def test_barrier_releases_at_world_size(server: TCPStoreServer) -> None:
 
 
 def test_waiters_of_a_closed_connection_are_dropped(server: TCPStoreServer) -> None:
-    socks = [raw(server.port) for _ in range(5)]
+    blocking = [
+        Request(Op.WAIT, (b"/never", b"/other")),
+        Request(Op.WAIT, (b"/never",)),
+        Request(Op.BARRIER, (b"/bar",), (), 10),
+        Request(Op.WATCH, (b"/never",), (), 60_000),
+        Request(Op.GET_WAIT, (b"/never",), (), 60_000),
+    ]
+    socks = [raw(server.port) for _ in blocking]
     try:
-        for i, sock in enumerate(socks):
-            sock.sendall(encode_request(Request(Op.WAIT, (b"/never", b"/%d" % i))))
+        for sock, request in zip(socks, blocking, strict=True):
+            sock.sendall(encode_request(request))
         assert eventually(lambda: server.waiter_count() == 5)
     finally:
         for sock in socks:
             sock.close()
     assert eventually(lambda: server.waiter_count() == 0)
     assert server.state.waiters == {}
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda s: s.set("w", "new"),
+        lambda s: s.add("w", 1),
+        lambda s: s.append("w", "+"),
+        lambda s: s.multi_set(["x", "w"], ["1", "2"]),
+        lambda s: s.compare_set("w", "5", "swapped"),
+        lambda s: s.delete_key("w"),
+    ],
+    ids=["set", "add", "append", "multi_set", "compare_set", "delete_key"],
+)
+def test_every_write_wakes_a_watcher(
+    server: TCPStoreServer, write: Callable[[TCPStore], object]
+) -> None:
+    with TCPStore("127.0.0.1", server.port, timeout=5) as writer:
+        writer.set("w", "5")
+        with raw(server.port) as sock:
+            sock.sendall(encode_request(Request(Op.WATCH, (b"/w",), (b"5",), 30_000)))
+            assert eventually(lambda: server.waiter_count() == 1)
+            write(writer)
+            status = recv_exact(sock, 1)
+            assert status in (b"\x00", b"\x01")
+        assert server.waiter_count() == 0
 
 
 def test_watch_and_get_wait_time_out_on_the_server(server: TCPStoreServer) -> None:

@@ -11,14 +11,32 @@ a fencing token:
   - token None: write only if nothing is stored yet (else as "stale").
 
 Tokens are opaque; callers only hand back what they received.
+
+Optional capabilities (below the contract) let a backend do better than
+compare-and-set on one blob: :class:`WatchableBackend` (block until the state
+changes), :class:`JoinQueueBackend` (one non-conflicting write per joining
+node) and :class:`LivenessBackend` (per-node heartbeats judged on the
+observer's clock). The handler uses each when present and degrades to
+polling and compare-and-set when not. ``rdzv.testing.conformance`` checks a
+backend against all of it.
 """
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from typing import Any
 
-__all__ = ["RendezvousBackend", "Token"]
+__all__ = [
+    "MAX_RECORD_SIZE",
+    "JoinQueueBackend",
+    "LivenessBackend",
+    "RendezvousBackend",
+    "Token",
+    "WatchableBackend",
+    "validate_node_key",
+    "validate_record",
+]
 
 Token = Any
 
@@ -61,3 +79,261 @@ class RendezvousBackend(ABC):
             RendezvousConnectionError: The backend cannot be reached.
             RendezvousStateError: The stored record is corrupt.
         """
+
+
+# ---------------------------------------------------------------------------
+# Optional capabilities.
+#
+# A backend offers a capability by also subclassing its ABC; the handler
+# checks with ``isinstance``. Every method may raise
+# ``RendezvousConnectionError`` (retryable: the backend could not be reached)
+# and nothing else on purpose, except where a method says otherwise. All
+# timeouts are in seconds, measured on the caller's monotonic clock; a
+# timeout of 0 means "look once, do not block".
+#
+# Round numbers are non-negative integers chosen by the handler; a backend
+# only uses them to name its records. Node keys are non-empty strings of at
+# most 256 printable characters without whitespace.
+# ---------------------------------------------------------------------------
+
+_ASCII_NODE_KEY = re.compile(r"[\x21-\x7e]{1,256}")
+
+#: The largest join record a backend must accept, in bytes.
+MAX_RECORD_SIZE = 4096
+
+
+class WatchableBackend(ABC):
+    """Capability: block until the state changes, instead of polling.
+
+    etcd implements it with a watch from the revision after the token;
+    Redis with a blocking read of a stream that every write appends to; the
+    store backend with ``Store.watch`` on the state key.
+    """
+
+    @abstractmethod
+    def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
+        """Wait until the stored state's token differs from ``token``.
+
+        Returns as soon as the state was written after the write that
+        produced ``token`` (``token`` None: as soon as any state exists), or
+        when ``timeout`` elapsed. Spurious early returns are allowed: callers
+        compare the token they get back.
+
+        Args:
+            token: A token from ``get_state``/``set_state``/``wait_for_state``
+                of this backend, or None.
+            timeout: The longest time to block, in seconds (>= 0).
+
+        Returns:
+            ``(state, token)`` as stored when the call returns, or None when
+            nothing is stored.
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored record is corrupt.
+        """
+
+
+class JoinQueueBackend(ABC):
+    """Capability: an append-only, per-round queue of join records.
+
+    Each joining node makes ONE non-conflicting write (:meth:`enqueue`), so a
+    formation costs a number of backend writes linear in the number of
+    nodes, with no compare-and-set storm. The queue of round ``r + 1`` while
+    round ``r`` runs is the wait list.
+
+    Rules every implementation keeps:
+
+    * :meth:`enqueue` appends atomically and returns a 1-based position;
+      the positions handed out for one round are distinct and gap-free
+      (1, 2, 3, ...). Positions decide roles (who seals), not admission.
+    * :meth:`queue_records` returns the records in the order the backend
+      serialised the appends; that order never changes (records are only
+      added at the end), and it may differ from the order of positions.
+    * Once ``enqueue`` returned ``k``, :meth:`queue_records` returns at least
+      ``k`` records, this one among them.
+    * :meth:`queue_length` is the number of appended records; it only grows
+      until :meth:`drop_queue`.
+    * ``enqueue`` is not idempotent: a retry after a lost reply may append
+      the record twice. Readers deduplicate records themselves.
+
+    etcd: a txn that increments a counter key and puts the record under
+    ``<prefix>/<round>/<position>``; Redis: ``RPUSH`` (its reply is the
+    position), ``LRANGE``, ``LLEN``, and a stream or key version for the
+    blocking wait; the store backend: ``append`` of a length-prefixed record
+    followed by ``add`` on a counter.
+    """
+
+    @abstractmethod
+    def enqueue(self, round_id: int, record: bytes) -> int:
+        """Append ``record`` to the queue of ``round_id``.
+
+        Args:
+            round_id: The round (>= 0).
+            record: The record, 1 to :data:`MAX_RECORD_SIZE` bytes.
+
+        Returns:
+            The record's 1-based position in the queue.
+
+        Raises:
+            ValueError: ``round_id`` is negative or the record is empty or
+                too large.
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+
+    @abstractmethod
+    def queue_records(self, round_id: int) -> list[bytes]:
+        """Return the records of the queue of ``round_id``, in append order.
+
+        Args:
+            round_id: The round.
+
+        Returns:
+            The records (empty when nothing was enqueued).
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored queue is corrupt.
+        """
+
+    @abstractmethod
+    def queue_length(self, round_id: int) -> int:
+        """Return how many records the queue of ``round_id`` holds, without blocking.
+
+        Args:
+            round_id: The round.
+
+        Returns:
+            The number of records.
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+
+    @abstractmethod
+    def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
+        """Wait until the queue length of ``round_id`` differs from ``known``.
+
+        Args:
+            round_id: The round.
+            known: The length the caller last saw.
+            timeout: The longest time to block, in seconds (>= 0).
+
+        Returns:
+            The length when the call returns (``known`` on timeout).
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+
+    @abstractmethod
+    def drop_queue(self, round_id: int) -> None:
+        """Delete the queue of ``round_id`` (idempotent; a round nobody reads).
+
+        Args:
+            round_id: The round.
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+
+
+class LivenessBackend(ABC):
+    """Capability: per-node heartbeats that never touch the shared state.
+
+    A node calls :meth:`beat` every keep-alive interval; it writes only that
+    node's own record. An observer reads a node's :meth:`heartbeat_mark` and
+    judges the node dead when the mark has not changed for the dead-node
+    timeout measured on the OBSERVER's monotonic clock, so wall clocks never
+    enter the decision. A backend with server-side expiry (etcd lease, Redis
+    ``PX`` key) may return None as soon as the server expired the record:
+    None means "no live record", and observers treat a None mark that stays
+    None like an unchanged mark.
+
+    Store backend: ``add(key, 1)`` on a per-node counter; etcd: a put under
+    a lease that is refreshed by the beat (the mark is the key's
+    mod_revision); Redis: ``INCR`` plus ``PEXPIRE``.
+    """
+
+    @abstractmethod
+    def beat(self, node: str) -> None:
+        """Record a heartbeat of ``node``: its mark changes.
+
+        Args:
+            node: The node key.
+
+        Raises:
+            ValueError: The node key is invalid.
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+
+    @abstractmethod
+    def heartbeat_mark(self, node: str) -> bytes | None:
+        """Return an opaque value that changes on every beat of ``node``.
+
+        Args:
+            node: The node key.
+
+        Returns:
+            The mark, or None when the node never beat (or its record expired
+            on the server, or was forgotten).
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+
+    @abstractmethod
+    def forget(self, node: str) -> None:
+        """Delete the heartbeat record of ``node`` (idempotent).
+
+        Args:
+            node: The node key.
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+
+
+def validate_node_key(node: str) -> str:
+    """Check that ``node`` is a valid node key and return it.
+
+    Args:
+        node: The node key.
+
+    Returns:
+        ``node`` unchanged.
+
+    Raises:
+        ValueError: It is empty, longer than 256 characters, or holds
+            whitespace or non-printable characters.
+    """
+    if isinstance(node, str) and _ASCII_NODE_KEY.fullmatch(node):
+        return node  # the common case, checked in one regex match
+    if (
+        not isinstance(node, str)
+        or not node
+        or len(node) > 256
+        or not node.isprintable()
+        or any(ch.isspace() for ch in node)
+    ):
+        raise ValueError(
+            f"a node key must be 1-256 printable characters without whitespace, got {node!r}"
+        )
+    return node
+
+
+def validate_record(round_id: int, record: bytes) -> None:
+    """Check the arguments of :meth:`JoinQueueBackend.enqueue`.
+
+    Args:
+        round_id: The round.
+        record: The record.
+
+    Raises:
+        ValueError: The round is negative or the record is empty or too large.
+    """
+    if isinstance(round_id, bool) or not isinstance(round_id, int) or round_id < 0:
+        raise ValueError(f"round_id must be a non-negative integer, got {round_id!r}")
+    if not isinstance(record, bytes) or not 1 <= len(record) <= MAX_RECORD_SIZE:
+        size = len(record) if isinstance(record, bytes) else type(record).__name__
+        raise ValueError(f"a join record must be 1-{MAX_RECORD_SIZE} bytes, got {size}")

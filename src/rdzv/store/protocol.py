@@ -45,6 +45,7 @@ __all__ = [
     "FEATURE_AUTH_REQUIRED",
     "MAX_KEY_BYTES",
     "MAX_MULTI_KEYS",
+    "MAX_REQUEST_BYTES",
     "MAX_VALUE_BYTES",
     "PROBE_NONCE",
     "SERVER_HELLO",
@@ -74,6 +75,9 @@ MAX_VALUE_BYTES = 8 * 1024 * 1024
 """Longest value accepted, in bytes (torch's libuv server limit)."""
 MAX_MULTI_KEYS = 128 * 1024
 """Most keys accepted in one multi-key request (torch's libuv server limit)."""
+MAX_REQUEST_BYTES = 256 * 1024 * 1024
+"""Largest request accepted as a whole, in bytes (rdzv's bound on a multi-set;
+torch sets none, but 128 Ki values of up to 8 MiB each would be 1 TiB)."""
 MAX_REPLY_ITEMS = 1 << 31
 """Most items a client accepts in one list reply (a sanity bound for LIST_KEYS)."""
 
@@ -452,6 +456,10 @@ class RequestParser:
         try:
             request, end = parse(buf, pos + 1)
         except _IncompleteError:
+            if len(buf) - pos > MAX_REQUEST_BYTES:
+                raise ProtocolError(
+                    f"request {buf[pos]} exceeds {MAX_REQUEST_BYTES} bytes and is still incomplete"
+                ) from None
             if pos >= self._COMPACT_AT:
                 del buf[:pos]
                 self._pos = 0

@@ -363,6 +363,8 @@ class TCPStore(Store):
                 raise RendezvousConnectionError(
                     f"the connection to the store at {self._address} failed: {exc}"
                 ) from exc
+            except (StoreTimeoutError, NotImplementedError):
+                raise  # answered cleanly: the connection is still in step
             except BaseException:
                 self._drop_connection()
                 raise
@@ -388,7 +390,12 @@ class TCPStore(Store):
             return value
         sock = self._sock
         assert sock is not None
-        self._set_recv_timeout(self.timeout.total_seconds() if timeout is None else timeout)
+        if timeout is None:
+            # One default for every reply, including GET_WAIT's (answered by
+            # the server within the store timeout), so that the common path
+            # never changes the socket option.
+            timeout = self.timeout.total_seconds() + _REPLY_GRACE
+        self._set_recv_timeout(timeout)
         while True:
             try:
                 data = sock.recv(65536)
@@ -508,7 +515,7 @@ class TCPStore(Store):
         def get() -> bytes:
             if self._rdzv_server:
                 self._send(Request(Op.GET_WAIT, (wire,), (), self._ms(seconds)))
-                if self._read_u8(seconds + _REPLY_GRACE) == GetWaitStatus.TIMED_OUT:
+                if self._read_u8() == GetWaitStatus.TIMED_OUT:
                     raise StoreTimeoutError(
                         f"timed out after {seconds:g} s waiting for key {key!r}"
                     )
@@ -687,14 +694,7 @@ class TCPStore(Store):
                 return previous
             raise ProtocolError(f"unexpected WATCH status {status}")
 
-        with self._lock:
-            if self._rdzv_server is None:
-                self._call(lambda: None)
-            if not self._rdzv_server:
-                raise NotImplementedError(
-                    f"the store at {self._address} is not an rdzv server and cannot watch"
-                )
-            return self._call(watch)
+        return self._call(watch)
 
     def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Return the values of several keys without waiting; None for a missing key.

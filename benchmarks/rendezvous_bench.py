@@ -1,0 +1,580 @@
+"""rdzv's DynamicRendezvousHandler side by side with torch's, on one machine.
+
+Run:  python benchmarks/rendezvous_bench.py            (full table)
+      python benchmarks/rendezvous_bench.py --quick    (smaller, faster)
+
+Each scenario runs N agents spread over several worker processes (4, or
+N/64 for large N: hundreds of threads in one process measure the GIL, not
+the rendezvous), each agent a thread with its own store connection(s), all released at the same instant
+against a store hosted by this process (rdzv's TCP store for rdzv, torch's
+TCPStore for torch). Numbers are medians over the repetitions.
+
+* formation: min = max = N; time from the common start until the last agent
+  returns from next_rendezvous; backend writes, failed compare-and-sets and
+  bytes written during it (counted by a wrapper around each agent's store).
+* last-call overhead: 3 agents, min 2, max 4, last call 1 s; formation time
+  minus the last call.
+* recovery: 3 agents in 3 processes (min 2, max 3), heartbeat expiry 3 s
+  (keep-alive 1 s x 3); one is SIGKILLed; the survivors re-rendezvous at once
+  (as an agent does when its workers fail); time from the kill until both
+  completed the new round.
+* late joiner: 2 members poll num_nodes_waiting() every 2 ms; time from a
+  third node's next_rendezvous() call until a member sees it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+# --------------------------------------------------------------------------
+# Counting wrappers
+# --------------------------------------------------------------------------
+
+
+class Counts:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.writes = 0
+        self.failed_cas = 0
+        self.bytes_written = 0
+
+    def add(self, writes: int = 0, failed: int = 0, nbytes: int = 0) -> None:
+        with self.lock:
+            self.writes += writes
+            self.failed_cas += failed
+            self.bytes_written += nbytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {"writes": self.writes, "failed_cas": self.failed_cas, "bytes": self.bytes_written}
+
+
+def _len(value: Any) -> int:
+    return len(value.encode() if isinstance(value, str) else bytes(value))
+
+
+def counting_rdzv_store(inner: Any, counts: Counts) -> Any:
+    from rdzv.store.base import Store
+
+    class CountingStore(Store):
+        """Delegates to a TCPStore and counts the writes."""
+
+        def __init__(self) -> None:
+            super().__init__(inner.timeout)
+
+        @property
+        def supports_watch(self) -> bool:
+            return bool(inner.supports_watch)
+
+        def set(self, key: str, value: Any) -> None:
+            counts.add(1, 0, _len(value))
+            inner.set(key, value)
+
+        def get(self, key: str) -> bytes:
+            return bytes(inner.get(key))
+
+        def add(self, key: str, amount: int) -> int:
+            if amount:
+                counts.add(1, 0, 8)
+            return int(inner.add(key, amount))
+
+        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+            result = bytes(inner.compare_set(key, expected, desired))
+            if expected != desired:  # equal values are rdzv's read probe
+                counts.add(1, 0 if result == bytes(desired) else 1, _len(desired))
+            return result
+
+        def wait(self, keys: Sequence[str], timeout: Any = None) -> None:
+            inner.wait(keys, timeout)
+
+        def check(self, keys: Sequence[str]) -> bool:
+            return bool(inner.check(keys))
+
+        def delete_key(self, key: str) -> bool:
+            counts.add(1)
+            return bool(inner.delete_key(key))
+
+        def num_keys(self) -> int:
+            return int(inner.num_keys())
+
+        def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+            return list(inner.multi_get(keys))
+
+        def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+            counts.add(1, 0, sum(_len(v) for v in values))
+            inner.multi_set(keys, values)
+
+        def append(self, key: str, value: Any) -> None:
+            counts.add(1, 0, _len(value))
+            inner.append(key, value)
+
+        def list_keys(self) -> list[str]:
+            return list(inner.list_keys())
+
+        def queue_push(self, key: str, value: Any) -> None:
+            counts.add(1, 0, _len(value))
+            inner.queue_push(key, value)
+
+        def queue_pop(self, key: str, block: bool = True) -> bytes:
+            return bytes(inner.queue_pop(key, block))
+
+        def queue_len(self, key: str) -> int:
+            return int(inner.queue_len(key))
+
+        def watch(self, key: str, previous: bytes | None, timeout: Any) -> bytes | None:
+            found = inner.watch(key, previous, timeout)
+            return None if found is None else bytes(found)
+
+        def close(self) -> None:
+            inner.close()
+
+    return CountingStore()
+
+
+class CountingTorchStore:
+    """What torch's C10dRendezvousBackend calls on its store: compare_set and get."""
+
+    def __init__(self, inner: Any, counts: Counts) -> None:
+        self.inner = inner
+        self.counts = counts
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        result: bytes = self.inner.compare_set(key, expected, desired)
+        self.counts.add(1, 0 if result == desired.encode() else 1, len(desired))
+        return result
+
+    def get(self, key: str) -> bytes:
+        value: bytes = self.inner.get(key)
+        return value
+
+
+# --------------------------------------------------------------------------
+# Agents (inside worker processes)
+# --------------------------------------------------------------------------
+
+
+def make_handler(impl: str, cfg: dict[str, Any], counts: Counts, addr: str) -> Any:
+    host, port, run_id = "127.0.0.1", cfg["port"], cfg["run_id"]
+    if impl == "rdzv":
+        from rdzv.api import RendezvousTimeout
+        from rdzv.backends.store import C10dRendezvousBackend
+        from rdzv.dynamic.handler import DynamicRendezvousHandler
+        from rdzv.store.tcp import TCPStore
+
+        store = counting_rdzv_store(TCPStore(host, port, timeout=120), counts)
+        live = counting_rdzv_store(TCPStore(host, port, timeout=120), counts)
+        backend = C10dRendezvousBackend(store, run_id, liveness_store=live)
+        return DynamicRendezvousHandler.from_backend(
+            run_id,
+            store,
+            backend,
+            cfg["min"],
+            cfg["max"],
+            local_addr=addr,
+            timeout=RendezvousTimeout(join=cfg["join"], last_call=cfg["last_call"]),
+            keep_alive_interval=cfg["interval"],
+            keep_alive_max_attempt=cfg["attempts"],
+        )
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend as TorchBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler as TorchHandler,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        RendezvousTimeout as TorchTimeout,
+    )
+
+    store = dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=120), wait_for_workers=False
+    )
+    backend = TorchBackend(CountingTorchStore(store, counts), run_id)  # type: ignore[arg-type]
+    return TorchHandler.from_backend(
+        run_id,
+        store,
+        backend,
+        cfg["min"],
+        cfg["max"],
+        local_addr=addr,
+        timeout=TorchTimeout(
+            join=timedelta(seconds=cfg["join"]), last_call=timedelta(seconds=cfg["last_call"])
+        ),
+        keep_alive_interval=cfg["interval"],
+        keep_alive_max_attempt=cfg["attempts"],
+    )
+
+
+def worker(impl: str, cfg: dict[str, Any]) -> None:
+    counts = Counts()
+    handlers = [
+        make_handler(impl, cfg, counts, f"127.0.{cfg['proc']}.{i + 1}")
+        for i in range(cfg["threads"])
+    ]
+    print(json.dumps({"ready": True}), flush=True)
+    line = sys.stdin.readline().split()
+    start_at = float(line[1])
+    results: list[dict[str, Any]] = [{} for _ in handlers]
+
+    def run(index: int, handler: Any) -> None:
+        time.sleep(max(0.0, start_at - time.time()))
+        try:
+            info = handler.next_rendezvous()
+            results[index] = {"done": time.time(), "rank": info.rank, "world": info.world_size}
+        except Exception as exc:
+            results[index] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    threads = [
+        threading.Thread(target=run, args=(i, h), daemon=True) for i, h in enumerate(handlers)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=cfg["join"] + 30)
+    print(json.dumps({"results": results, "counts": counts.as_dict()}), flush=True)
+    if cfg.get("rejoin"):
+        # Recovery scenario: wait for the kill time, then re-rendezvous at once.
+        line = sys.stdin.readline().split()
+        try:
+            info = handlers[0].next_rendezvous()
+            print(json.dumps({"done": time.time(), "world": info.world_size}), flush=True)
+        except Exception as exc:
+            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------
+
+
+class Host:
+    """The store server for one run, hosted in this process."""
+
+    def __init__(self, impl: str) -> None:
+        if impl == "rdzv":
+            from rdzv.store.tcp import TCPStore
+
+            self.store: Any = TCPStore("127.0.0.1", 0, is_master=True, timeout=120)
+        else:
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                is_master=True,
+                timeout=timedelta(seconds=120),
+                wait_for_workers=False,
+            )
+        self.port = int(self.store.port)
+
+    def close(self) -> None:
+        if hasattr(self.store, "close"):
+            self.store.close()
+        del self.store
+
+
+_run_counter = 0
+
+
+def spawn_agents(
+    impl: str, n: int, procs: int, **cfg: Any
+) -> tuple[list[subprocess.Popen[str]], Host]:
+    global _run_counter
+    _run_counter += 1
+    host = Host(impl)
+    workers = []
+    per = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    for index, threads in enumerate(t for t in per if t):
+        config = {
+            "port": host.port,
+            "run_id": f"bench{_run_counter}",
+            "threads": threads,
+            "proc": index,
+            **cfg,
+        }
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", impl, json.dumps(config)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            )
+        )
+    for w in workers:
+        assert w.stdout is not None
+        ready = w.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"a {impl} worker died while starting")
+    return workers, host
+
+
+def release(workers: list[subprocess.Popen[str]], delay: float = 0.3) -> float:
+    start_at = time.time() + delay
+    for w in workers:
+        assert w.stdin is not None
+        w.stdin.write(f"go {start_at}\n")
+        w.stdin.flush()
+    return start_at
+
+
+def collect(workers: list[subprocess.Popen[str]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    results: list[dict[str, Any]] = []
+    totals = {"writes": 0, "failed_cas": 0, "bytes": 0}
+    for w in workers:
+        assert w.stdout is not None
+        report = json.loads(w.stdout.readline())
+        results.extend(report["results"])
+        for key in totals:
+            totals[key] += report["counts"][key]
+    return results, totals
+
+
+def finish(workers: list[subprocess.Popen[str]], host: Host) -> None:
+    for w in workers:
+        if w.poll() is None:
+            w.kill()
+        w.wait(timeout=30)
+        for stream in (w.stdin, w.stdout):
+            if stream is not None:
+                stream.close()
+    host.close()
+
+
+def formation(
+    impl: str,
+    n: int,
+    procs: int,
+    last_call: float = 30.0,
+    min_nodes: int | None = None,
+    max_nodes: int | None = None,
+    join: float = 120.0,
+) -> dict[str, Any]:
+    workers, host = spawn_agents(
+        impl,
+        n,
+        procs,
+        min=min_nodes or n,
+        max=max_nodes or n,
+        join=join,
+        last_call=last_call,
+        interval=5.0,
+        attempts=3,
+    )
+    try:
+        start_at = release(workers)
+        results, counts = collect(workers)
+    finally:
+        finish(workers, host)
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    ranks = sorted(r["rank"] for r in results)
+    assert ranks == list(range(len(results))), f"{impl}: inconsistent ranks {ranks}"
+    return {"time": max(r["done"] for r in results) - start_at, **counts}
+
+
+def recovery(impl: str) -> dict[str, Any]:
+    workers, host = spawn_agents(
+        impl, 3, 3, min=2, max=3, join=60.0, last_call=0.1, interval=1.0, attempts=3, rejoin=True
+    )
+    try:
+        release(workers)
+        collect(workers)
+        time.sleep(0.5)
+        victim, survivors = workers[1], [workers[0], workers[2]]
+        killed_at = time.time()
+        os.kill(victim.pid, signal.SIGKILL)
+        for w in survivors:
+            assert w.stdin is not None
+            w.stdin.write("rejoin\n")
+            w.stdin.flush()
+        done = []
+        for w in survivors:
+            assert w.stdout is not None
+            report = json.loads(w.stdout.readline())
+            if "error" in report:
+                return {"error": report["error"]}
+            done.append(report["done"])
+        return {"time": max(done) - killed_at}
+    finally:
+        finish(workers, host)
+
+
+def late_joiner(impl: str) -> dict[str, Any]:
+    host = Host(impl)
+    cfg = {
+        "port": host.port,
+        "run_id": f"late{time.time_ns()}",
+        "min": 2,
+        "max": 4,
+        "join": 60.0,
+        "last_call": 0.2,
+        "interval": 5.0,
+        "attempts": 3,
+    }
+    counts = Counts()
+    try:
+        members = [make_handler(impl, cfg, counts, f"127.0.0.{i}") for i in (1, 2)]
+        threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in members]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        time.sleep(1.5)  # let any cached view go stale before the late arrival
+        late = make_handler(impl, cfg, counts, "127.0.0.9")
+        seen = threading.Event()
+        started_at: list[float] = []
+        seen_at: list[float] = []
+
+        def poll() -> None:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if started_at and members[0].num_nodes_waiting() > 0:
+                    seen_at.append(time.perf_counter())
+                    seen.set()
+                    return
+                time.sleep(0.002)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        time.sleep(0.05)
+        started_at.append(time.perf_counter())
+
+        def join_late() -> None:
+            # Ends with a connection error when the host closes after the
+            # measurement; only the visibility matters here.
+            try:
+                late.next_rendezvous()
+            except Exception:
+                return
+
+        threading.Thread(target=join_late, daemon=True).start()
+        poller.join(timeout=30)
+        if not seen_at:
+            return {"error": "never seen"}
+        return {"time": seen_at[0] - started_at[0]}
+    finally:
+        host.close()
+
+
+def median(values: list[dict[str, Any]], key: str) -> float | None:
+    good = [v[key] for v in values if "error" not in v]
+    return statistics.median(good) if good else None
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "failed"
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--procs",
+        type=int,
+        default=4,
+        help="worker processes (at least; N/64 for large N, so no process runs over 64 agents)",
+    )
+    parser.add_argument("--sizes", default="8,32,128")
+    parser.add_argument("--rdzv-only-sizes", default="1024")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], json.loads(args.worker[1]))
+        return
+    if args.quick:
+        args.repeat, args.sizes, args.rdzv_only_sizes = 1, "8,32", ""
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    big = [int(s) for s in args.rdzv_only_sizes.split(",") if s]
+    rows: list[tuple[str, str, str, str]] = []
+
+    def row(name: str, torch_v: float | None, rdzv_v: float | None, unit: str = "time") -> None:
+        if unit == "time":
+            t_s, r_s = fmt_time(torch_v), fmt_time(rdzv_v)
+        else:
+            t_s = "-" if torch_v is None else f"{torch_v:,.0f}"
+            r_s = "-" if rdzv_v is None else f"{rdzv_v:,.0f}"
+        ratio = f"{torch_v / rdzv_v:.1f}x" if torch_v and rdzv_v else "-"
+        rows.append((name, t_s, r_s, ratio))
+        print(f"  {name}: torch {t_s}, rdzv {r_s}, ratio {ratio}", file=sys.stderr, flush=True)
+
+    for n in sizes:
+        procs = max(args.procs, n // 64)
+        results = {
+            impl: [formation(impl, n, procs) for _ in range(args.repeat)]
+            for impl in ("torch", "rdzv")
+        }
+        row(f"formation N={n}", median(results["torch"], "time"), median(results["rdzv"], "time"))
+        for key, label in (
+            ("writes", "writes"),
+            ("failed_cas", "failed CAS"),
+            ("bytes", "bytes written"),
+        ):
+            row(
+                f"  N={n} {label}",
+                median(results["torch"], key),
+                median(results["rdzv"], key),
+                unit="count",
+            )
+    for n in big:
+        procs = max(args.procs, n // 64)
+        results = {"rdzv": [formation("rdzv", n, procs) for _ in range(args.repeat)]}
+        row(f"formation N={n} (rdzv only)", None, median(results["rdzv"], "time"))
+        row(f"  N={n} writes", None, median(results["rdzv"], "writes"), unit="count")
+        row(f"  N={n} bytes written", None, median(results["rdzv"], "bytes"), unit="count")
+    lc = {
+        impl: [
+            formation(impl, 3, 3, last_call=1.0, min_nodes=2, max_nodes=4)
+            for _ in range(args.repeat)
+        ]
+        for impl in ("torch", "rdzv")
+    }
+    lc_over = {
+        impl: [{"time": r["time"] - 1.0} if "time" in r else r for r in v] for impl, v in lc.items()
+    }
+    row(
+        "last-call overhead (beyond 1 s)",
+        median(lc_over["torch"], "time"),
+        median(lc_over["rdzv"], "time"),
+    )
+    rec = {impl: [recovery(impl) for _ in range(args.repeat)] for impl in ("torch", "rdzv")}
+    row(
+        "recovery after SIGKILL (3 s expiry)",
+        median(rec["torch"], "time"),
+        median(rec["rdzv"], "time"),
+    )
+    late = {impl: [late_joiner(impl) for _ in range(args.repeat)] for impl in ("torch", "rdzv")}
+    row("late joiner seen by members", median(late["torch"], "time"), median(late["rdzv"], "time"))
+
+    print(
+        f"\nmedian of {args.repeat}; max({args.procs}, N/64) worker processes; {os.cpu_count()} CPUs\n"
+    )
+    print("| scenario | torch 2.13 | rdzv | torch / rdzv |")
+    print("|---|---|---|---|")
+    for name, t_s, r_s, ratio in rows:
+        print(f"| {name} | {t_s} | {r_s} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

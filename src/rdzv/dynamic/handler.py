@@ -1,0 +1,651 @@
+"""The DynamicRendezvousHandler: the driver of the sans-I/O machine.
+
+Theory of operation
+-------------------
+``next_rendezvous`` loops: read what the machine needs (state, queue
+length), ask :func:`rdzv.dynamic.machine.decide` for the next action, apply
+it to the backend, repeat. Waiting uses the backend's watch when it has one
+(``WatchableBackend``), otherwise polling with jittered, capped backoff.
+Every wait is bounded by the join deadline, so nothing hangs.
+
+Backends without the join-queue or liveness capability get them from the
+handler's store (``StoreJoinQueue``/``StoreLiveness``): the shared state
+still goes through the backend's compare-and-set, but joins and heartbeats
+never rewrite it.
+
+A keep-alive thread starts when this node first enqueues. Every
+``keep_alive_interval`` it bumps this node's heartbeat mark; more often it
+reads the mark of its ring successor in the last round it completed (rank
+``r`` watches the next live rank), and when that mark has not changed for
+``keep_alive_interval * keep_alive_max_attempt`` seconds on THIS node's
+monotonic clock, it evicts the successor with one compare-and-set. Wall
+clocks are never read. Survivors then see ``num_nodes_waiting() > 0``. If
+this node's own heartbeats fail ``keep_alive_max_attempt`` times in a row,
+the thread stops and the next call raises ``RendezvousConnectionError``.
+
+Every transition is logged as one structured event on the ``rdzv.dynamic``
+logger (no handlers attached: the application decides where logs go).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+from rdzv.api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousSettings,
+    RendezvousStoreInfo,
+    RendezvousTimeout,
+)
+from rdzv.backends.base import (
+    JoinQueueBackend,
+    LivenessBackend,
+    RendezvousBackend,
+    Token,
+    WatchableBackend,
+)
+from rdzv.backends.store import StoreJoinQueue, StoreLiveness, create_backend, poll_backoff
+from rdzv.dynamic.machine import (
+    Complete,
+    Enqueue,
+    Fail,
+    FailReason,
+    JoinProgress,
+    Limits,
+    MarkWatch,
+    Requeue,
+    Seal,
+    Wait,
+    decide,
+    judge_marks,
+    missing_members,
+    nodes_waiting,
+    observe,
+    plan_seal,
+    start_join,
+    successor_of,
+)
+from rdzv.dynamic.state import (
+    JoinRecord,
+    RendezvousState,
+    decode_record,
+    decode_state,
+    encode_record,
+    encode_state,
+    make_node_key,
+    node_address,
+)
+from rdzv.errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousExhaustedError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+from rdzv.net import primary_address
+from rdzv.store.base import Store
+from rdzv.store.memory import PrefixStore
+
+__all__ = ["DynamicRendezvousHandler", "create_c10d_handler", "create_handler"]
+
+LOGGER = logging.getLogger("rdzv.dynamic")
+
+_STATE_WAIT_CAP = 1.0
+_QUEUE_WAIT_CAP = 0.25
+_CAS_ATTEMPTS = 64
+
+Clock = Callable[[], float]
+
+
+class DynamicRendezvousHandler(RendezvousHandler):
+    """A rendezvous handler that forms rounds through a :class:`RendezvousBackend`.
+
+    Build it with :meth:`from_backend` or :func:`create_handler`.
+
+    Args:
+        node: This handler's node key (``addr#pid#nonce``).
+        settings: The rendezvous settings.
+        backend_name: The name reported by :meth:`get_backend`.
+        store: The store members get (prefixed per run and round).
+        backend: The backend holding the shared state.
+        local_addr: The address published for this node.
+        node_rank: The rank this node asks for, or None.
+        clock: The monotonic clock (injected by tests).
+    """
+
+    def __init__(
+        self,
+        node: str,
+        settings: RendezvousSettings,
+        backend_name: str,
+        store: Store,
+        backend: RendezvousBackend,
+        local_addr: str,
+        node_rank: int | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self._node = node
+        self._settings = settings
+        self._backend_name = backend_name
+        self._store = store
+        self._backend = backend
+        self._local_addr = local_addr
+        self._node_rank = -1 if node_rank is None else node_rank
+        self._clock = clock
+        prefix = f"rdzv.handler/{settings.run_id}/"
+        self._queue: JoinQueueBackend = (
+            backend if isinstance(backend, JoinQueueBackend) else StoreJoinQueue(store, prefix)
+        )
+        self._liveness: LivenessBackend = (
+            backend if isinstance(backend, LivenessBackend) else StoreLiveness(store, prefix)
+        )
+        interval = settings.keep_alive_interval.total_seconds()
+        self._dead_after = interval * settings.keep_alive_max_attempt
+        timeout = settings.timeout
+        self._limits = Limits(
+            min_nodes=settings.min_nodes,
+            max_nodes=settings.max_nodes,
+            join_timeout=timeout.join.total_seconds(),
+            last_call=timeout.last_call.total_seconds(),
+            grace=self._dead_after,
+        )
+        self._lock = threading.Lock()
+        self._member_of: RendezvousState | None = None
+        self._keepalive: threading.Thread | None = None
+        self._keepalive_stop = threading.Event()
+        self._keepalive_error: RendezvousConnectionError | None = None
+
+    # -- construction -------------------------------------------------------
+
+    @classmethod
+    def from_backend(
+        cls,
+        run_id: str,
+        store: Store,
+        backend: RendezvousBackend,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        timeout: RendezvousTimeout | None = None,
+        keep_alive_interval: int | float | timedelta = 5,
+        keep_alive_max_attempt: int = 3,
+        *,
+        node_rank: int | None = None,
+        clock: Clock | None = None,
+    ) -> DynamicRendezvousHandler:
+        """Build a handler for one run.
+
+        Args:
+            run_id: The run identifier.
+            store: The store members get; also hosts joins and heartbeats when
+                the backend lacks those capabilities.
+            backend: The backend holding the shared state.
+            min_nodes: The fewest nodes a round needs.
+            max_nodes: The most nodes a round admits.
+            local_addr: This node's address; found with ``getaddrinfo`` (never
+                reverse DNS) when None.
+            timeout: The timeouts; defaults when None.
+            keep_alive_interval: Seconds (or a ``timedelta``) between heartbeats.
+            keep_alive_max_attempt: Missed heartbeats before a node is dead.
+            node_rank: The rank this node asks for; honoured when every node of
+                a round asks for a distinct one.
+            clock: A monotonic clock, for tests.
+
+        Returns:
+            The handler.
+
+        Raises:
+            ValueError: A setting is invalid; the message names it.
+        """
+        interval = (
+            keep_alive_interval
+            if isinstance(keep_alive_interval, timedelta)
+            else timedelta(seconds=float(keep_alive_interval))
+        )
+        settings = RendezvousSettings(
+            run_id,
+            min_nodes,
+            max_nodes,
+            timeout or RendezvousTimeout(),
+            interval,
+            keep_alive_max_attempt,
+        )
+        if node_rank is not None and (isinstance(node_rank, bool) or node_rank < 0):
+            raise ValueError(f"node_rank must be a non-negative integer, got {node_rank!r}")
+        addr = local_addr or primary_address()
+        node = make_node_key(addr, os.getpid(), secrets.token_hex(4))
+        return cls(
+            node,
+            settings,
+            backend.name,
+            store,
+            backend,
+            addr,
+            node_rank,
+            clock or time.monotonic,
+        )
+
+    # -- small helpers ------------------------------------------------------
+
+    @property
+    def settings(self) -> RendezvousSettings:
+        """The rendezvous settings."""
+        return self._settings
+
+    @property
+    def node(self) -> str:
+        """This handler's node key."""
+        return self._node
+
+    def _event(self, action: str, round_id: int, **fields: Any) -> None:
+        event = {
+            "run_id": self._settings.run_id,
+            "round": round_id,
+            "node": self._node,
+            "action": action,
+            **fields,
+        }
+        LOGGER.info("rdzv %s", json.dumps(event, sort_keys=True), extra={"rdzv_event": event})
+
+    def _read(self) -> tuple[RendezvousState | None, Token | None]:
+        found = self._backend.get_state()
+        if found is None:
+            return None, None
+        return decode_state(found[0]), found[1]
+
+    def _wait_state(
+        self, token: Token | None, timeout: float, attempt: int
+    ) -> tuple[RendezvousState | None, Token | None]:
+        if isinstance(self._backend, WatchableBackend):
+            found = self._backend.wait_for_state(token, timeout)
+            return (None, None) if found is None else (decode_state(found[0]), found[1])
+        time.sleep(min(timeout, poll_backoff(attempt)))
+        return self._read()
+
+    def _check_keepalive(self) -> None:
+        error = self._keepalive_error
+        if error is not None:
+            raise error
+
+    def _config(self) -> str:
+        s = self._settings
+        return f"run_id={s.run_id} min_nodes={s.min_nodes} max_nodes={s.max_nodes}"
+
+    # -- the RendezvousHandler API -----------------------------------------
+
+    def get_backend(self) -> str:
+        """Return the backend name (``c10d``, ``etcd``, ...)."""
+        return self._backend_name
+
+    def get_run_id(self) -> str:
+        """Return the run identifier."""
+        return self._settings.run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round and block until it completes.
+
+        Returns:
+            This node's view of the round: its store, rank, world size,
+            bootstrap store, participants and wait list.
+
+        Raises:
+            RendezvousClosedError: The run is closed.
+            RendezvousGracefulExitError: This node is a spare and the run closed.
+            RendezvousExhaustedError: ``min_nodes`` never joined within the
+                join timeout.
+            RendezvousTimeoutError: The round did not seal within the join
+                timeout although ``min_nodes`` joined.
+            RendezvousConnectionError: The backend or store cannot be reached,
+                or this node's heartbeats failed.
+            RendezvousStateError: The stored state is corrupt.
+        """
+        self._check_keepalive()
+        state, token = self._read()
+        now = self._clock()
+        progress = start_join(state, now)
+        queue_length = 0
+        attempt = 0
+        missing: list[str] = []
+        watches: dict[str, MarkWatch] = {}
+        self._event("join", progress.round_id)
+        while True:
+            progress = observe(progress, state, queue_length, self._limits, now)
+            action = decide(progress, state, queue_length, self._node, self._limits, now)
+            if isinstance(action, Complete):
+                return self._complete(state, action.rank)
+            if isinstance(action, Fail):
+                self._fail(action.reason, progress)
+            if isinstance(action, Enqueue):
+                record = encode_record(JoinRecord(self._node, self._node_rank))
+                position = self._queue.enqueue(action.round_id, record)
+                progress = replace(progress, position=position)
+                queue_length = max(queue_length, position)
+                self._start_keepalive()
+                self._event("enqueue", action.round_id, position=position)
+            elif isinstance(action, Requeue):
+                self._event("requeue", action.round_id, missed=progress.round_id)
+                progress = JoinProgress(action.round_id, progress.started_at)
+                queue_length = 0
+            elif isinstance(action, Seal):
+                state, token, progress, missing = self._seal(state, token, progress, queue_length)
+            elif isinstance(action, Wait):
+                remaining = max(0.0, action.deadline - now)
+                if action.on_queue:
+                    queue_length = self._queue.wait_queue_length(
+                        progress.round_id, queue_length, min(remaining, _QUEUE_WAIT_CAP)
+                    )
+                    if missing and state is not None:
+                        # The seal waits for members of the last round: judge
+                        # them here too, or a round whose members all died
+                        # would block the next one.
+                        marks = {n: self._liveness.heartbeat_mark(n) for n in missing}
+                        watches, dead = judge_marks(watches, marks, self._clock(), self._dead_after)
+                        if dead:
+                            self._event("dead", state.round, suspects=dead)
+                            self._evict(dead, state.round)
+                    state, token = self._read()
+                else:
+                    state, token = self._wait_state(token, min(remaining, _STATE_WAIT_CAP), attempt)
+                    attempt += 1
+                    queue_length = self._queue.queue_length(progress.round_id)
+            now = self._clock()
+
+    def _seal(
+        self,
+        state: RendezvousState | None,
+        token: Token | None,
+        progress: JoinProgress,
+        queue_length: int,
+    ) -> tuple[RendezvousState | None, Token | None, JoinProgress, list[str]]:
+        round_id = progress.round_id
+        records = [decode_record(r) for r in self._queue.queue_records(round_id)]
+        plan = plan_seal(state, round_id, records, self._limits)
+        if plan is None:
+            missing = missing_members(state, records)
+            self._event("seal-deferred", round_id, queued=len(records), missing=len(missing))
+            return state, token, replace(progress, blocked=(queue_length, state)), missing
+        result = self._backend.set_state(encode_state(plan), token)
+        if result is None:
+            return None, None, progress, []
+        new_state, new_token, written = result
+        if written:
+            self._event("sealed", round_id, world_size=len(plan.participants))
+            if round_id >= 2:
+                self._queue.drop_queue(round_id - 2)
+            return plan, new_token, progress, []
+        return decode_state(new_state), new_token, progress, []
+
+    def _fail(self, reason: FailReason, progress: JoinProgress) -> None:
+        self._event("fail", progress.round_id, reason=reason.value)
+        if reason is FailReason.CLOSED:
+            raise RendezvousClosedError(f"the rendezvous {self._settings.run_id!r} is closed")
+        if reason is FailReason.GRACEFUL_EXIT:
+            raise RendezvousGracefulExitError(
+                f"node {self._node} is a spare of the closed run {self._settings.run_id!r}"
+            )
+        join = self._limits.join_timeout
+        if reason is FailReason.EXHAUSTED:
+            raise RendezvousExhaustedError(self._config(), join)
+        raise RendezvousTimeoutError(
+            f"round {progress.round_id} of {self._config()} did not complete within the "
+            f"join timeout of {join:g} s"
+        )
+
+    def _complete(self, state: RendezvousState | None, rank: int) -> RendezvousInfo:
+        assert state is not None  # Complete is only decided on a sealed state
+        with self._lock:
+            self._member_of = state
+        self._event("complete", state.round, rank=rank, world_size=len(state.participants))
+        store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{state.round}", self._store)
+        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._local_addr)
+        waiting = [
+            node_address(decode_record(r).node) for r in self._queue.queue_records(state.next_round)
+        ]
+        return RendezvousInfo(
+            store,
+            rank,
+            len(state.participants),
+            bootstrap,
+            [node_address(n) for n in state.participants],
+            waiting,
+        )
+
+    def is_closed(self) -> bool:
+        """Tell whether the run is closed.
+
+        Returns:
+            True once any node called :meth:`set_closed`.
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+        state, _ = self._read()
+        return state is not None and state.closed
+
+    def set_closed(self) -> None:
+        """Close the run; joins fail with ``RendezvousClosedError`` afterwards.
+
+        Raises:
+            RendezvousTimeoutError: The close did not go through within the
+                close timeout.
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+        deadline = self._clock() + self._settings.timeout.close.total_seconds()
+        for attempt in range(_CAS_ATTEMPTS):
+            state, token = self._read()
+            if state is not None and state.closed:
+                return
+            closed = (state or RendezvousState()).close()
+            result = self._backend.set_state(encode_state(closed), token)
+            if result is not None and result[2]:
+                self._event("closed", closed.round)
+                return
+            if self._clock() >= deadline:
+                break
+            time.sleep(poll_backoff(attempt, cap=0.1))
+        raise RendezvousTimeoutError(
+            f"could not close the rendezvous {self._settings.run_id!r} in time"
+        )
+
+    def num_nodes_waiting(self) -> int:
+        """Return how many nodes wait for a new round (0 for a non-member).
+
+        A positive number tells a member to re-rendezvous: nodes wait and the
+        round has room, or a member died or left.
+
+        Returns:
+            The number of waiting nodes (dead or departed members count).
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached, or this
+                node's heartbeats failed ``keep_alive_max_attempt`` times.
+        """
+        self._check_keepalive()
+        state, _ = self._read()
+        if state is None:
+            return 0
+        length = self._queue.queue_length(state.next_round)
+        with self._lock:
+            member = self._member_of is not None
+        if not member:
+            return length
+        return nodes_waiting(state, length, self._node, self._limits)
+
+    def pre_shutdown(self) -> None:
+        """Stop sending heartbeats (the first half of :meth:`shutdown`)."""
+        self._stop_keepalive()
+
+    def shutdown(self) -> bool:
+        """Leave the run: stop heartbeats and remove this node from its round.
+
+        The run stays open, so the other nodes can re-form without this one.
+
+        Returns:
+            True if the node left cleanly; False if the backend could not be
+            reached (the others then detect it by its missing heartbeats).
+        """
+        self._stop_keepalive()
+        try:
+            with self._lock:
+                member = self._member_of
+                self._member_of = None
+            if member is not None:
+                self._evict([self._node], member.round)
+            self._liveness.forget(self._node)
+        except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
+            LOGGER.warning("rdzv shutdown of %s did not reach the backend: %s", self._node, exc)
+            return False
+        self._event("shutdown", -1 if member is None else member.round)
+        return True
+
+    # -- keep-alive ---------------------------------------------------------
+
+    def _evict(self, nodes: Sequence[str], round_id: int) -> bool:
+        """Remove ``nodes`` from the live members of ``round_id`` with one compare-and-set."""
+        for attempt in range(_CAS_ATTEMPTS):
+            state, token = self._read()
+            if state is None or state.round != round_id or state.closed:
+                return False
+            members = [n for n in nodes if state.rank_of(n) is not None]
+            if not members:
+                return False
+            result = self._backend.set_state(encode_state(state.evict(members)), token)
+            if result is not None and result[2]:
+                self._event("evict", round_id, evicted=members)
+                return True
+            time.sleep(poll_backoff(attempt, cap=0.1))
+        return False
+
+    def _start_keepalive(self) -> None:
+        with self._lock:
+            if self._keepalive is not None:
+                return
+            self._keepalive_stop.clear()
+            self._keepalive = threading.Thread(
+                target=self._keepalive_loop, name=f"rdzv-keepalive-{self._node}", daemon=True
+            )
+            self._keepalive.start()
+
+    def _stop_keepalive(self) -> None:
+        with self._lock:
+            thread = self._keepalive
+            self._keepalive = None
+        self._keepalive_stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _keepalive_loop(self) -> None:
+        interval = self._settings.keep_alive_interval.total_seconds()
+        check_every = min(interval, max(0.02, self._dead_after / 40))
+        failures = 0
+        # The first beat is due one interval after joining: an observer only
+        # starts judging a node when a round completes, and a round that
+        # forms within one interval needs no heartbeat traffic at all.
+        next_beat = self._clock() + interval
+        watched_round = -1
+        watches: dict[str, MarkWatch] = {}
+        while not self._keepalive_stop.is_set():
+            now = self._clock()
+            if now >= next_beat:
+                try:
+                    self._liveness.beat(self._node)
+                    failures = 0
+                except RendezvousConnectionError as exc:
+                    failures += 1
+                    self._event("keepalive-failed", -1, attempt=failures, error=str(exc))
+                    if failures >= self._settings.keep_alive_max_attempt:
+                        self._keepalive_error = RendezvousConnectionError(
+                            f"node {self._node} gave up after {failures} failed keep-alive "
+                            f"heartbeats in a row; the backend is unreachable: {exc}"
+                        )
+                        return
+                next_beat = now + interval
+            with self._lock:
+                member = self._member_of
+            successor = successor_of(member, self._node) if member is not None else None
+            if member is not None and successor is not None:
+                if member.round != watched_round:
+                    watched_round, watches = member.round, {}
+                try:
+                    marks = {successor: self._liveness.heartbeat_mark(successor)}
+                except RendezvousConnectionError as exc:
+                    self._event("watch-failed", member.round, error=str(exc))
+                else:
+                    watches, dead = judge_marks(watches, marks, now, self._dead_after)
+                    if dead:
+                        self._event("dead", member.round, suspects=dead)
+                        self._evict(dead, member.round)
+                        with self._lock:
+                            if self._member_of is member:
+                                self._member_of = member.evict(dead)
+            self._keepalive_stop.wait(check_every * (0.75 + random.random() / 2))
+
+
+def create_handler(
+    store: Store, backend: RendezvousBackend, params: RendezvousParameters
+) -> DynamicRendezvousHandler:
+    """Build a :class:`DynamicRendezvousHandler` from rendezvous parameters.
+
+    Recognised ``params.config`` keys: ``join_timeout`` (600 s),
+    ``last_call_timeout`` (30 s), ``close_timeout`` (30 s), ``heartbeat``
+    (5 s), ``keep_alive_interval`` (5 s), ``keep_alive_max_attempt`` (3).
+
+    Args:
+        store: The store members get.
+        backend: The backend holding the shared state.
+        params: The parameters (``run_id``, ``min_nodes``, ``max_nodes``,
+            ``local_addr``, ``node_rank``, config).
+
+    Returns:
+        The handler.
+
+    Raises:
+        ValueError: A parameter is invalid; the message names it.
+    """
+    interval = params.get_as_seconds("keep_alive_interval") or 5.0
+    attempts = params.get_as_int("keep_alive_max_attempt", 3)
+    assert attempts is not None
+    return DynamicRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        params.timeout,
+        interval,
+        attempts,
+        node_rank=params.node_rank,
+    )
+
+
+def create_c10d_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """Build a handler over the TCP store backend (registered as ``c10d``, ``p10d``, ``core``, ``tcp``).
+
+    The first node whose host matches the endpoint hosts the store.
+
+    Args:
+        params: The rendezvous parameters (see :func:`rdzv.backends.store.create_backend`
+            and :func:`create_handler` for the config keys).
+
+    Returns:
+        The handler.
+
+    Raises:
+        ValueError: A parameter is invalid.
+        RendezvousConnectionError: The store could not be reached or hosted.
+    """
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)

@@ -1,0 +1,404 @@
+"""The sans-I/O rendezvous state machine: pure decisions, no I/O, no clock.
+
+Theory of operation
+-------------------
+The shared state (``RendezvousState``) names the last *sealed* round ``r``
+and its participants. A node that wants to join enqueues ONE record in the
+join queue of round ``r + 1`` (a non-conflicting write; see
+``JoinQueueBackend``) and learns its 1-based *position*. While round ``r``
+runs, that queue is the wait list.
+
+Who seals round ``r + 1`` (a single compare-and-set of the state that
+publishes participants and ranks)?
+
+* the node at position ``max_nodes``, at once: the round is full;
+* the node at position ``min_nodes`` (the *last-call leader*), when the
+  last call expires on ITS monotonic clock, counted from its own arrival;
+* any other admitted node, as a backup, ``grace`` seconds later than the
+  leader would have (the leader may have died);
+* never a node beyond ``max_nodes`` (a spare): it waits for the seal, then
+  enqueues for the next round, where it is on the redundancy list.
+
+Exclusivity: round ``r + 1`` is sealed only when every live participant of
+round ``r`` has enqueued for it (so two groups never run at once); members
+re-join when :func:`nodes_waiting` says someone waits, and a dead member is
+evicted from round ``r`` by a compare-and-set that also makes survivors
+re-join. Death is judged by :func:`judge_marks` on the observer's own
+monotonic clock: a member watches its ring successor (:func:`successor_of`),
+and a node whose seal waits for members that have not re-joined
+(:func:`missing_members`) watches those, so a round whose members all died
+does not block the next one. This module decides; ``rdzv.dynamic.handler``
+acts.
+
+Every function here is pure: inputs are the state, what this node knows of
+its join (:class:`JoinProgress`), an observation of the queue, the
+settings and ``now`` from an injected monotonic clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from rdzv.dynamic.state import JoinRecord, RendezvousState, assign_ranks
+
+__all__ = [
+    "Action",
+    "Complete",
+    "Enqueue",
+    "Fail",
+    "FailReason",
+    "JoinProgress",
+    "Limits",
+    "MarkWatch",
+    "Requeue",
+    "Seal",
+    "Wait",
+    "decide",
+    "judge_marks",
+    "missing_members",
+    "nodes_waiting",
+    "observe",
+    "plan_seal",
+    "start_join",
+    "successor_of",
+]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The settings the decisions depend on, in seconds.
+
+    Attributes:
+        min_nodes: The fewest nodes a round needs.
+        max_nodes: The most nodes a round admits.
+        join_timeout: How long a join may take.
+        last_call: How long to wait for more nodes once ``min_nodes`` joined.
+        grace: How much later than a leader a backup acts (the dead-node
+            timeout).
+    """
+
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float
+    last_call: float
+    grace: float
+
+
+@dataclass(frozen=True)
+class JoinProgress:
+    """What one node knows about its own join; immutable.
+
+    Attributes:
+        round_id: The round it joins.
+        started_at: When the join began (monotonic).
+        position: Its position in the round's queue, None before enqueueing.
+        min_seen_at: When it first saw ``min_nodes`` records, if it did.
+        max_seen_at: When it first saw ``max_nodes`` records, if it did.
+        blocked: ``(queue length, state)`` at which a seal was refused because
+            members of the previous round had not re-joined yet.
+    """
+
+    round_id: int
+    started_at: float
+    position: int | None = None
+    min_seen_at: float | None = None
+    max_seen_at: float | None = None
+    blocked: tuple[int, RendezvousState | None] | None = None
+
+
+class FailReason(enum.Enum):
+    """Why a join ends without a round."""
+
+    CLOSED = "closed"
+    GRACEFUL_EXIT = "graceful-exit"
+    EXHAUSTED = "exhausted"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class Enqueue:
+    """Enqueue this node's record for ``round_id``."""
+
+    round_id: int
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """The round was sealed without this node: join ``round_id`` instead."""
+
+    round_id: int
+
+
+@dataclass(frozen=True)
+class Seal:
+    """Read the queue, plan the participants and compare-and-set the state."""
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Block until ``deadline`` or until something changes.
+
+    Attributes:
+        deadline: Monotonic time to wake up at, at the latest.
+        on_queue: Wake on queue changes too (a refused seal waits for
+            previous members to re-join), not only on state changes.
+    """
+
+    deadline: float
+    on_queue: bool = False
+
+
+@dataclass(frozen=True)
+class Complete:
+    """This node is a participant of the sealed round, at ``rank``."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The join ends without a round, for ``reason``."""
+
+    reason: FailReason
+
+
+Action = Enqueue | Requeue | Seal | Wait | Complete | Fail
+
+
+def start_join(state: RendezvousState | None, now: float) -> JoinProgress:
+    """Begin a join against the state as read now.
+
+    Args:
+        state: The stored state, or None when nothing is stored.
+        now: The monotonic time.
+
+    Returns:
+        The progress of a join of the round after the last sealed one.
+    """
+    return JoinProgress(round_id=0 if state is None else state.next_round, started_at=now)
+
+
+def observe(
+    progress: JoinProgress,
+    state: RendezvousState | None,
+    queue_length: int,
+    limits: Limits,
+    now: float,
+) -> JoinProgress:
+    """Record what the state and the queue length tell this node.
+
+    A node waiting behind a full round is on the redundancy list: it may
+    wait indefinitely, so its join clock restarts while the round stays full.
+
+    Args:
+        progress: The join so far.
+        state: The stored state, or None.
+        queue_length: The length of the round's queue, as read.
+        limits: The settings.
+        now: The monotonic time.
+
+    Returns:
+        The updated progress (the same object when nothing changed).
+    """
+    if (
+        state is not None
+        and state.next_round == progress.round_id
+        and len(state.live_participants()) >= limits.max_nodes
+        and progress.started_at != now
+    ):
+        progress = replace(progress, started_at=now)
+    if progress.min_seen_at is None and queue_length >= limits.min_nodes:
+        progress = replace(progress, min_seen_at=now)
+    if progress.max_seen_at is None and queue_length >= limits.max_nodes:
+        progress = replace(progress, max_seen_at=now)
+    return progress
+
+
+def _is_spare_in(state: RendezvousState | None, progress: JoinProgress, limits: Limits) -> bool:
+    if progress.position is not None and progress.position > limits.max_nodes:
+        return True
+    return state is not None and len(state.live_participants()) >= limits.max_nodes
+
+
+def decide(
+    progress: JoinProgress,
+    state: RendezvousState | None,
+    queue_length: int,
+    node: str,
+    limits: Limits,
+    now: float,
+) -> Action:
+    """Decide what a joining node does next.
+
+    Args:
+        progress: The join so far (after :func:`observe`).
+        state: The stored state, or None.
+        queue_length: The length of the round's queue, as read.
+        node: This node's key.
+        limits: The settings.
+        now: The monotonic time.
+
+    Returns:
+        The next action.
+    """
+    if state is not None and state.closed:
+        spare = progress.position is not None and _is_spare_in(state, progress, limits)
+        return Fail(FailReason.GRACEFUL_EXIT if spare else FailReason.CLOSED)
+    if state is not None and state.round >= progress.round_id:
+        rank = state.rank_of(node) if state.round == progress.round_id else None
+        return Complete(rank) if rank is not None else Requeue(state.next_round)
+    if progress.position is None:
+        return Enqueue(progress.round_id)
+    join_deadline = progress.started_at + limits.join_timeout
+    if now >= join_deadline:
+        exhausted = queue_length < limits.min_nodes
+        return Fail(FailReason.EXHAUSTED if exhausted else FailReason.TIMEOUT)
+    if progress.position > limits.max_nodes:
+        return Wait(join_deadline)
+    if progress.blocked is not None and progress.blocked == (queue_length, state):
+        return Wait(join_deadline, on_queue=True)
+    if queue_length >= limits.max_nodes and progress.max_seen_at is not None:
+        if progress.position == limits.max_nodes:
+            return Seal()
+        backup = progress.max_seen_at + limits.grace
+        return Seal() if now >= backup else Wait(min(backup, join_deadline))
+    if queue_length >= limits.min_nodes and progress.min_seen_at is not None:
+        expiry = progress.min_seen_at + limits.last_call
+        if progress.position != limits.min_nodes:
+            expiry += limits.grace
+        return Seal() if now >= expiry else Wait(min(expiry, join_deadline))
+    return Wait(join_deadline)
+
+
+def plan_seal(
+    state: RendezvousState | None, round_id: int, records: Sequence[JoinRecord], limits: Limits
+) -> RendezvousState | None:
+    """Plan the state that seals ``round_id``.
+
+    Args:
+        state: The stored state (its round is ``round_id - 1``), or None.
+        round_id: The round to seal.
+        records: The round's join records, in queue order.
+        limits: The settings.
+
+    Returns:
+        The sealed state, or None when the round may not be sealed yet: fewer
+        than ``min_nodes`` distinct nodes, or a live member of the previous
+        round has not re-joined.
+    """
+    if missing_members(state, records):
+        return None
+    previous = state.live_participants() if state is not None else ()
+    participants = assign_ranks(records, previous, limits.max_nodes)
+    if len(participants) < limits.min_nodes:
+        return None
+    return RendezvousState(round_id, participants)
+
+
+def nodes_waiting(
+    state: RendezvousState | None, next_queue_length: int, node: str, limits: Limits
+) -> int:
+    """Tell a member how many nodes wait for the next round.
+
+    Args:
+        state: The stored state.
+        next_queue_length: The length of the queue of ``state.next_round``.
+        node: This member's key.
+        limits: The settings.
+
+    Returns:
+        A positive number when the member should re-join: nodes wait and
+        the round has room, a member was evicted, or a newer round exists.
+        Spares waiting for a full round do not count.
+    """
+    if state is None:
+        return next_queue_length
+    if state.rank_of(node) is None:
+        return max(1, next_queue_length)
+    live = len(state.live_participants())
+    evicted = len(state.participants) - live
+    waiting = next_queue_length if live < limits.max_nodes else 0
+    return waiting + evicted
+
+
+@dataclass(frozen=True)
+class MarkWatch:
+    """When an observer last saw a node's heartbeat mark change.
+
+    Attributes:
+        mark: The mark it saw.
+        since: The observer's monotonic time when it first saw that mark.
+    """
+
+    mark: bytes | None
+    since: float
+
+
+def judge_marks(
+    watches: Mapping[str, MarkWatch],
+    marks: Mapping[str, bytes | None],
+    now: float,
+    dead_after: float,
+) -> tuple[dict[str, MarkWatch], list[str]]:
+    """Judge nodes dead or alive from their heartbeat marks, on the observer's clock.
+
+    A node is dead when its mark has not changed for ``dead_after`` seconds
+    of the observer's monotonic clock. Nobody's wall clock is involved, so
+    skewed clocks neither kill a living node nor keep a dead one alive.
+
+    Args:
+        watches: What the observer saw before, by node.
+        marks: The marks just read, by node (only these nodes are judged).
+        now: The observer's monotonic time.
+        dead_after: The dead-node timeout, in seconds.
+
+    Returns:
+        ``(watches, dead)``: the updated watches of the nodes still judged
+        alive, and the nodes judged dead.
+    """
+    updated: dict[str, MarkWatch] = {}
+    dead: list[str] = []
+    for node, mark in marks.items():
+        seen = watches.get(node)
+        if seen is None or seen.mark != mark:
+            updated[node] = MarkWatch(mark, now)
+        elif now - seen.since >= dead_after:
+            dead.append(node)
+        else:
+            updated[node] = seen
+    return updated, dead
+
+
+def successor_of(state: RendezvousState, node: str) -> str | None:
+    """Return the live participant after ``node`` in rank order, wrapping around.
+
+    Args:
+        state: The round (as this member knows it).
+        node: This member.
+
+    Returns:
+        The member ``node`` watches, or None when it is not a live member or
+        is alone.
+    """
+    live = state.live_participants()
+    if node not in live or len(live) < 2:
+        return None
+    return live[(live.index(node) + 1) % len(live)]
+
+
+def missing_members(state: RendezvousState | None, records: Sequence[JoinRecord]) -> list[str]:
+    """Return the live members of the last round that have not re-joined.
+
+    Args:
+        state: The stored state, or None.
+        records: The join records of the next round.
+
+    Returns:
+        Their node keys, in rank order.
+    """
+    if state is None:
+        return []
+    joined = {r.node for r in records}
+    return [n for n in state.live_participants() if n not in joined]

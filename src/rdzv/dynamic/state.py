@@ -1,0 +1,300 @@
+"""The shared rendezvous state, node keys, join records and their codecs.
+
+The state is small on purpose: the number of the last sealed round, its
+participants in rank order (node keys), which of them were removed since
+(evicted: dead or left), and whether the run is closed. Joins and heartbeats
+live in their own records (see ``rdzv.backends.base``), so nobody rewrites
+the state to join or to stay alive.
+
+Encoding (version 1): one version byte ``0x01`` followed by compact UTF-8
+JSON ``[round, closed, [node keys...], [evicted indices...]]``. It is never
+pickle; :func:`decode_state` validates every field and raises
+:class:`~rdzv.errors.RendezvousStateError` for anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from rdzv.backends.base import validate_node_key
+from rdzv.errors import RendezvousStateError
+
+__all__ = [
+    "STATE_VERSION",
+    "JoinRecord",
+    "RendezvousState",
+    "assign_ranks",
+    "decode_record",
+    "decode_state",
+    "encode_record",
+    "encode_state",
+    "make_node_key",
+    "natural_key",
+    "node_address",
+]
+
+STATE_VERSION = 1
+_MAX_STATE_BYTES = 64 * 1024 * 1024
+_DIGITS = re.compile(r"(\d+)")
+
+
+def make_node_key(addr: str, pid: int, nonce: str) -> str:
+    """Build the key naming one handler: ``addr#pid#nonce``.
+
+    Args:
+        addr: The node's numeric address (an IPv6 scope is dropped).
+        pid: The process id.
+        nonce: A random string telling apart handlers in one process.
+
+    Returns:
+        The node key.
+
+    Raises:
+        ValueError: The result is not a valid node key.
+    """
+    return validate_node_key(f"{addr.split('%', 1)[0]}#{pid}#{nonce}")
+
+
+def node_address(node: str) -> str:
+    """Return the address part of a node key.
+
+    Args:
+        node: A node key built by :func:`make_node_key`.
+
+    Returns:
+        The address (the whole key when it has no ``#``).
+    """
+    return node.split("#", 1)[0]
+
+
+def natural_key(text: str) -> tuple[tuple[int, int, str], ...]:
+    """Return a sort key that orders digit runs by value (``node7`` < ``node66``).
+
+    Args:
+        text: The string.
+
+    Returns:
+        A tuple that sorts naturally.
+    """
+    return tuple(
+        (0, int(part), "") if part.isdigit() else (1, 0, part)
+        for part in _DIGITS.split(text)
+        if part
+    )
+
+
+@dataclass(frozen=True)
+class RendezvousState:
+    """The state of a run.
+
+    Attributes:
+        round: The last sealed round, or -1 before the first.
+        participants: The node keys of that round, in rank order.
+        evicted: Indices into ``participants`` of members removed since.
+        closed: Whether the run is closed.
+    """
+
+    round: int = -1
+    participants: tuple[str, ...] = ()
+    evicted: frozenset[int] = frozenset()
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.round, bool) or not isinstance(self.round, int) or self.round < -1:
+            raise ValueError(f"round must be an integer >= -1, got {self.round!r}")
+        if self.round == -1 and self.participants:
+            raise ValueError("a state before the first round has no participants")
+        if len(set(self.participants)) != len(self.participants):
+            raise ValueError("participants must be distinct")
+        for index in self.evicted:
+            if not 0 <= index < len(self.participants):
+                raise ValueError(f"evicted index {index} is out of range")
+
+    @property
+    def next_round(self) -> int:
+        """The round a node joining now enqueues for."""
+        return self.round + 1
+
+    def live_participants(self) -> tuple[str, ...]:
+        """Return the participants not evicted, in rank order."""
+        return tuple(n for i, n in enumerate(self.participants) if i not in self.evicted)
+
+    def rank_of(self, node: str) -> int | None:
+        """Return the rank of a live participant.
+
+        Args:
+            node: The node key.
+
+        Returns:
+            Its rank, or None when it is not a live participant.
+        """
+        try:
+            index = self.participants.index(node)
+        except ValueError:
+            return None
+        return None if index in self.evicted else index
+
+    def evict(self, nodes: Iterable[str]) -> RendezvousState:
+        """Return the state with ``nodes`` removed from the live participants.
+
+        Args:
+            nodes: Node keys; those that are not participants are ignored.
+
+        Returns:
+            The new state.
+        """
+        positions = {n: i for i, n in enumerate(self.participants)}
+        added = {positions[n] for n in nodes if n in positions}
+        return RendezvousState(self.round, self.participants, self.evicted | added, self.closed)
+
+    def close(self) -> RendezvousState:
+        """Return the state marked closed."""
+        return RendezvousState(self.round, self.participants, self.evicted, True)
+
+
+def encode_state(state: RendezvousState) -> bytes:
+    """Encode a state (version 1).
+
+    Args:
+        state: The state.
+
+    Returns:
+        The bytes to store.
+    """
+    body = [state.round, int(state.closed), list(state.participants), sorted(state.evicted)]
+    return bytes([STATE_VERSION]) + json.dumps(body, separators=(",", ":")).encode()
+
+
+def _bad(reason: str) -> RendezvousStateError:
+    return RendezvousStateError(f"the stored rendezvous state is invalid: {reason}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def decode_state(data: bytes) -> RendezvousState:
+    """Decode and validate a stored state.
+
+    Args:
+        data: The stored bytes.
+
+    Returns:
+        The state.
+
+    Raises:
+        RendezvousStateError: The bytes are not a valid version-1 state.
+    """
+    if not isinstance(data, (bytes, bytearray)) or not data:
+        raise _bad("it is empty")
+    if len(data) > _MAX_STATE_BYTES:
+        raise _bad(f"{len(data)} bytes is more than the {_MAX_STATE_BYTES}-byte limit")
+    if data[0] != STATE_VERSION:
+        raise _bad(f"unknown version {data[0]} (this rdzv reads version {STATE_VERSION})")
+    try:
+        body = json.loads(bytes(data[1:]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _bad(f"it is not JSON ({exc})") from exc
+    if not isinstance(body, list) or len(body) != 4:
+        raise _bad("expected [round, closed, participants, evicted]")
+    round_no, closed, participants, evicted = body
+    if not _is_int(round_no) or closed not in (0, 1) or isinstance(closed, bool):
+        raise _bad(f"bad round {round_no!r} or closed flag {closed!r}")
+    if not isinstance(participants, list) or not isinstance(evicted, list):
+        raise _bad("participants and evicted must be lists")
+    if not all(_is_int(i) for i in evicted) or len(set(evicted)) != len(evicted):
+        raise _bad("evicted must hold distinct integers")
+    try:
+        nodes = tuple(validate_node_key(n) for n in participants)
+        return RendezvousState(round_no, nodes, frozenset(evicted), bool(closed))
+    except ValueError as exc:
+        raise _bad(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class JoinRecord:
+    """What a joining node enqueues.
+
+    Attributes:
+        node: Its node key.
+        node_rank: The rank it asks for, or -1 for none.
+    """
+
+    node: str
+    node_rank: int = -1
+
+
+def encode_record(record: JoinRecord) -> bytes:
+    """Encode a join record as ``b"<node key> <node rank>"``.
+
+    Args:
+        record: The record.
+
+    Returns:
+        The bytes to enqueue.
+    """
+    return f"{record.node} {record.node_rank}".encode()
+
+
+def decode_record(data: bytes) -> JoinRecord:
+    """Decode and validate a join record.
+
+    Args:
+        data: The bytes read from a join queue.
+
+    Returns:
+        The record.
+
+    Raises:
+        RendezvousStateError: The bytes are not a valid join record.
+    """
+    try:
+        node, rank_text = data.decode("utf-8").split(" ")
+        node_rank = int(rank_text)
+        validate_node_key(node)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RendezvousStateError(f"a stored join record is invalid: {data[:80]!r}") from exc
+    if node_rank < -1:
+        raise RendezvousStateError(f"a stored join record has a bad node rank: {data[:80]!r}")
+    return JoinRecord(node, node_rank)
+
+
+def assign_ranks(
+    records: Sequence[JoinRecord], previous: Sequence[str], max_nodes: int
+) -> tuple[str, ...]:
+    """Choose a round's participants from its join queue and order them by rank.
+
+    Duplicates (a retried enqueue) count once. Members of the previous round
+    are admitted first, then the others in arrival order, up to
+    ``max_nodes``. When every admitted node asked for a rank and the ranks
+    are distinct, they are honoured; otherwise previous members keep their
+    relative order and the new nodes follow, sorted naturally by address
+    (``node7`` before ``node66``).
+
+    Args:
+        records: The join records, in queue order.
+        previous: The previous round's live participants, in rank order.
+        max_nodes: The most nodes a round admits.
+
+    Returns:
+        The participants' node keys, in rank order.
+    """
+    unique: dict[str, JoinRecord] = {}
+    for record in records:
+        unique.setdefault(record.node, record)
+    survivors = [n for n in previous if n in unique]
+    survivor_set = set(survivors)
+    newcomers = [n for n in unique if n not in survivor_set]
+    admitted = (survivors + newcomers)[:max_nodes]
+    asked = [unique[n].node_rank for n in admitted]
+    if all(r >= 0 for r in asked) and len(set(asked)) == len(asked):
+        return tuple(sorted(admitted, key=lambda n: unique[n].node_rank))
+    kept = [n for n in admitted if n in survivor_set]
+    fresh = sorted(
+        (n for n in admitted if n not in survivor_set),
+        key=lambda n: (natural_key(node_address(n)), natural_key(n)),
+    )
+    return tuple(kept + fresh)

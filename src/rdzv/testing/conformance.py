@@ -1,0 +1,479 @@
+"""A reusable conformance suite for rendezvous backends.
+
+Every backend runs the same checks: the fencing-token rules of
+:class:`~rdzv.backends.base.RendezvousBackend`, concurrent writers from
+threads, corrupt stored state, and the checks of each optional capability
+the backend offers. Use it from pytest like this::
+
+    from rdzv.testing.conformance import CHECKS, BackendHarness
+
+    @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
+    def test_conformance(check, my_harness: BackendHarness) -> None:
+        check.run(my_harness)   # skips itself when a capability is missing
+
+or call :func:`run_conformance` to run every applicable check at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rdzv.backends.base import (
+    MAX_RECORD_SIZE,
+    JoinQueueBackend,
+    LivenessBackend,
+    RendezvousBackend,
+    WatchableBackend,
+)
+from rdzv.errors import RendezvousStateError
+
+__all__ = [
+    "CHECKS",
+    "BackendHarness",
+    "CapabilityMissing",
+    "Check",
+    "ConformanceError",
+    "run_conformance",
+]
+
+_THREADS = 8
+
+
+class ConformanceError(AssertionError):
+    """A backend broke its contract; the message says how."""
+
+
+class CapabilityMissing(Exception):  # noqa: N818 - a signal, not an error
+    """The check needs a capability the backend does not offer."""
+
+
+class BackendHarness(ABC):
+    """Gives the suite connections to ONE fresh run of the backend under test."""
+
+    @abstractmethod
+    def connect(self) -> RendezvousBackend:
+        """Return a new client of the harness's run (all share the same storage).
+
+        Returns:
+            A backend object; the suite may use several at once from threads.
+        """
+
+    @abstractmethod
+    def corrupt_state(self) -> None:
+        """Overwrite the stored state with a record the backend cannot decode."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """Release the harness's resources; the default does nothing."""
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConformanceError(message)
+
+
+def _need(backend: RendezvousBackend, capability: type) -> None:
+    if not isinstance(backend, capability):
+        raise CapabilityMissing(f"{type(backend).__name__} is not a {capability.__name__}")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One conformance check.
+
+    Attributes:
+        name: A short identifier.
+        capability: The capability ABC it needs, or None for the base contract.
+        body: The check; it raises :class:`ConformanceError` on a violation.
+    """
+
+    name: str
+    capability: type | None
+    body: Callable[[BackendHarness], None]
+
+    def applies_to(self, backend: RendezvousBackend) -> bool:
+        """Tell whether the backend offers what the check needs.
+
+        Args:
+            backend: A backend.
+
+        Returns:
+            True when the check applies.
+        """
+        return self.capability is None or isinstance(backend, self.capability)
+
+    def run(self, harness: BackendHarness) -> None:
+        """Run the check, skipping it under pytest when the capability is missing.
+
+        Args:
+            harness: The harness of the backend under test.
+
+        Raises:
+            ConformanceError: The backend broke its contract.
+        """
+        try:
+            self.body(harness)
+        except CapabilityMissing as exc:
+            import pytest  # noqa: PLC0415 - only under pytest
+
+            pytest.skip(str(exc))
+
+
+def _fencing_create(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    _expect(backend.get_state() is None, "get_state() on an empty run must return None")
+    created = backend.set_state(b"one")
+    _expect(created is not None, "set_state(token=None) on an empty run must write")
+    assert created is not None
+    state, token, written = created
+    _expect(written and state == b"one", f"creating must return (b'one', token, True): {created}")
+    read = backend.get_state()
+    _expect(read == (b"one", token), f"get_state() must return what was written: {read}")
+    again = backend.set_state(b"two")
+    _expect(
+        again is not None and again[:1] == (b"one",) and again[1] == token and not again[2],
+        f"set_state(token=None) over an existing state must not write: {again}",
+    )
+
+
+def _fencing_update(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    created = backend.set_state(b"a")
+    assert created is not None
+    _, token_a, _ = created
+    updated = backend.set_state(b"b", token_a)
+    _expect(
+        updated is not None and updated[0] == b"b" and updated[2],
+        f"set_state with the current token must write: {updated}",
+    )
+    assert updated is not None
+    token_b = updated[1]
+    _expect(token_b != token_a, "a write must produce a new token")
+    stale = backend.set_state(b"c", token_a)
+    _expect(
+        stale == (b"b", token_b, False),
+        f"a stale token must not write and must return the current state: {stale}",
+    )
+    same_bytes = backend.set_state(b"b", token_b)
+    _expect(
+        same_bytes is not None and same_bytes[2] and same_bytes[1] != token_b,
+        "writing identical bytes must still produce a new token (no ABA)",
+    )
+    _expect(backend.set_state(b"x", token_b) is not None, "set_state must return a tuple")
+    _expect(backend.get_state() is not None, "the state must still exist")
+
+
+def _fencing_invalid_tokens(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    created = backend.set_state(b"kept")
+    assert created is not None
+    for bad in (object(), "not-a-token", b"\x00garbage", -1, 10**30, 3.5):
+        result = backend.set_state(b"lost", bad)
+        _expect(
+            result is not None and result[0] == b"kept" and not result[2],
+            f"an invalid token {bad!r} must not write: {result}",
+        )
+    read = backend.get_state()
+    _expect(read is not None and read[0] == b"kept", f"the state must be unchanged: {read}")
+
+
+def _fencing_token_on_empty(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    other = harness.connect()
+    created = other.set_state(b"x")
+    assert created is not None
+    token = created[1]
+    empty = harness_fresh_backend(harness)
+    if empty is None:
+        return
+    result = empty.set_state(b"y", token)
+    _expect(result is None, f"a token on an empty run must not write and return None: {result}")
+    _expect(backend.get_state() is not None, "the first run must be untouched")
+
+
+def harness_fresh_backend(harness: BackendHarness) -> RendezvousBackend | None:
+    """Return a client of a second, empty run when the harness can make one.
+
+    Harnesses expose this by defining ``connect_other_run()``.
+
+    Args:
+        harness: The harness.
+
+    Returns:
+        The backend, or None when the harness cannot make a second run.
+    """
+    maker = getattr(harness, "connect_other_run", None)
+    if maker is None:
+        return None
+    backend = maker()
+    assert isinstance(backend, RendezvousBackend)
+    return backend
+
+
+def _run_threads(count: int, target: Callable[[int], None]) -> None:
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(count)
+
+    def body(index: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            target(index)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    _expect(not any(t.is_alive() for t in threads), "a concurrent writer hung for 60 s")
+    if errors:
+        raise ConformanceError(f"a concurrent writer failed: {errors[0]!r}") from errors[0]
+
+
+def _concurrent_single_winner(harness: BackendHarness) -> None:
+    backends = [harness.connect() for _ in range(_THREADS)]
+    created = backends[0].set_state(b"base")
+    assert created is not None
+    lock = threading.Lock()
+    for round_no in range(5):
+        read = backends[0].get_state()
+        assert read is not None
+        wins: list[int] = []
+
+        def write(
+            index: int, token: object = read[1], round_no: int = round_no, wins: list[int] = wins
+        ) -> None:
+            result = backends[index].set_state(f"r{round_no}w{index}".encode(), token)
+            if result is not None and result[2]:
+                with lock:
+                    wins.append(index)
+
+        _run_threads(_THREADS, write)
+        _expect(len(wins) == 1, f"exactly one writer must win per token, got {wins}")
+        final = backends[0].get_state()
+        _expect(
+            final is not None and final[0] == f"r{round_no}w{wins[0]}".encode(),
+            f"the winner's state must be stored: {final}",
+        )
+
+
+def _concurrent_no_lost_update(harness: BackendHarness) -> None:
+    backends = [harness.connect() for _ in range(4)]
+    backends[0].set_state(b"0")
+    per_thread = 15
+
+    def increment(index: int) -> None:
+        backend = backends[index]
+        done = 0
+        for _ in range(10_000):
+            read = backend.get_state()
+            assert read is not None
+            result = backend.set_state(str(int(read[0]) + 1).encode(), read[1])
+            if result is not None and result[2]:
+                done += 1
+                if done == per_thread:
+                    return
+        raise ConformanceError("a writer could not complete its increments")
+
+    _run_threads(len(backends), increment)
+    final = backends[0].get_state()
+    _expect(
+        final is not None and int(final[0]) == per_thread * len(backends),
+        f"compare-and-set lost updates: {final}",
+    )
+
+
+def _corrupt_state(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    backend.set_state(b"fine")
+    harness.corrupt_state()
+    for call in (backend.get_state, lambda: backend.set_state(b"x", None)):
+        try:
+            call()
+        except RendezvousStateError:
+            continue
+        except Exception as exc:
+            raise ConformanceError(
+                f"corrupt state must raise RendezvousStateError, not {exc!r}"
+            ) from exc
+        raise ConformanceError("corrupt state must raise RendezvousStateError")
+
+
+def _watch(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    _need(backend, WatchableBackend)
+    assert isinstance(backend, WatchableBackend)
+    _expect(backend.wait_for_state(None, 0.0) is None, "waiting on an empty run gives None")
+    writer = harness.connect()
+    created = writer.set_state(b"v1")
+    assert created is not None
+    token = created[1]
+    same = backend.wait_for_state(token, 0.05)
+    _expect(same == (b"v1", token), f"an unchanged state must come back on timeout: {same}")
+    seen: list[object] = []
+
+    def wait() -> None:
+        seen.append(backend.wait_for_state(token, 30.0))
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    updated = writer.set_state(b"v2", token)
+    assert updated is not None
+    thread.join(timeout=30)
+    _expect(not thread.is_alive(), "wait_for_state did not wake up on a write")
+    _expect(seen == [(b"v2", updated[1])], f"wait_for_state must return the new state: {seen}")
+    from_none = backend.wait_for_state(None, 0.0)
+    _expect(from_none == (b"v2", updated[1]), f"token None returns any state: {from_none}")
+
+
+def _queue_basics(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    _need(backend, JoinQueueBackend)
+    assert isinstance(backend, JoinQueueBackend)
+    _expect(backend.queue_length(0) == 0, "an unused queue is empty")
+    _expect(backend.queue_records(0) == [], "an unused queue has no records")
+    odd = b"\n\x00:|" + bytes(range(256))
+    big = b"x" * MAX_RECORD_SIZE
+    _expect(backend.enqueue(0, b"first") == 1, "the first record gets position 1")
+    _expect(backend.enqueue(0, odd) == 2, "the second record gets position 2")
+    _expect(backend.enqueue(0, big) == 3, "the third record gets position 3")
+    _expect(backend.enqueue(1, b"other") == 1, "rounds have separate queues")
+    _expect(backend.queue_length(0) == 3, "queue_length counts records")
+    records = backend.queue_records(0)
+    _expect(records == [b"first", odd, big], f"records come back exactly, in order: {records}")
+    _expect(backend.wait_queue_length(0, 3, 0.05) == 3, "an unchanged length comes back on timeout")
+    _expect(backend.wait_queue_length(0, 1, 5.0) == 3, "a changed length comes back at once")
+    for bad_round, bad_record in ((-1, b"x"), (0, b""), (0, b"x" * (MAX_RECORD_SIZE + 1))):
+        try:
+            backend.enqueue(bad_round, bad_record)
+        except ValueError:
+            continue
+        raise ConformanceError(f"enqueue({bad_round}, {len(bad_record)} bytes) must raise")
+    backend.drop_queue(0)
+    backend.drop_queue(0)
+    _expect(backend.queue_length(0) == 0, "a dropped queue is empty")
+    _expect(backend.queue_records(1) == [b"other"], "dropping one round keeps the others")
+
+
+def _queue_concurrent(harness: BackendHarness) -> None:
+    backends = [harness.connect() for _ in range(_THREADS)]
+    _need(backends[0], JoinQueueBackend)
+    positions: dict[int, int] = {}
+    lock = threading.Lock()
+    per_thread = 5
+
+    def push(index: int) -> None:
+        backend = backends[index]
+        assert isinstance(backend, JoinQueueBackend)
+        for item in range(per_thread):
+            position = backend.enqueue(7, f"n{index}-{item}".encode())
+            with lock:
+                positions[index * per_thread + item] = position
+
+    _run_threads(_THREADS, push)
+    total = _THREADS * per_thread
+    _expect(
+        sorted(positions.values()) == list(range(1, total + 1)),
+        f"positions must be distinct and gap-free: {sorted(positions.values())}",
+    )
+    reader = backends[0]
+    assert isinstance(reader, JoinQueueBackend)
+    records = reader.queue_records(7)
+    expected = sorted(f"n{i}-{j}".encode() for i in range(_THREADS) for j in range(per_thread))
+    _expect(sorted(records) == expected, f"every record must be stored exactly once: {records}")
+    for index in range(_THREADS):
+        mine = [r for r in records if r.startswith(f"n{index}-".encode())]
+        _expect(
+            mine == sorted(mine, key=lambda r: int(r.split(b"-")[1])),
+            f"one writer's records must keep their order: {mine}",
+        )
+
+
+def _queue_wait_wakes(harness: BackendHarness) -> None:
+    waiter = harness.connect()
+    writer = harness.connect()
+    _need(waiter, JoinQueueBackend)
+    assert isinstance(waiter, JoinQueueBackend)
+    assert isinstance(writer, JoinQueueBackend)
+    seen: list[int] = []
+    thread = threading.Thread(
+        target=lambda: seen.append(waiter.wait_queue_length(3, 0, 30.0)), daemon=True
+    )
+    thread.start()
+    writer.enqueue(3, b"wake")
+    thread.join(timeout=30)
+    _expect(not thread.is_alive(), "wait_queue_length did not wake up on enqueue")
+    _expect(seen == [1], f"wait_queue_length must return the new length: {seen}")
+
+
+def _liveness(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    _need(backend, LivenessBackend)
+    assert isinstance(backend, LivenessBackend)
+    other = harness.connect()
+    assert isinstance(other, LivenessBackend)
+    _expect(backend.heartbeat_mark("n1") is None, "a node that never beat has no mark")
+    backend.beat("n1")
+    first = other.heartbeat_mark("n1")
+    _expect(first is not None, "a beat must create a mark visible to other clients")
+    _expect(other.heartbeat_mark("n1") == first, "reading a mark must not change it")
+    backend.beat("n1")
+    second = other.heartbeat_mark("n1")
+    _expect(second is not None and second != first, "every beat must change the mark")
+    _expect(other.heartbeat_mark("n2") is None, "nodes have separate marks")
+    for bad in ("", "has space", "x" * 257):
+        try:
+            backend.beat(bad)
+        except ValueError:
+            continue
+        raise ConformanceError(f"beat({bad!r}) must raise ValueError")
+    backend.forget("n1")
+    backend.forget("n1")
+    _expect(other.heartbeat_mark("n1") is None, "a forgotten node has no mark")
+
+
+CHECKS: list[Check] = [
+    Check("fencing_create", None, _fencing_create),
+    Check("fencing_update", None, _fencing_update),
+    Check("fencing_invalid_tokens", None, _fencing_invalid_tokens),
+    Check("fencing_token_on_empty_run", None, _fencing_token_on_empty),
+    Check("concurrent_single_winner", None, _concurrent_single_winner),
+    Check("concurrent_no_lost_update", None, _concurrent_no_lost_update),
+    Check("corrupt_state", None, _corrupt_state),
+    Check("watch", WatchableBackend, _watch),
+    Check("queue_basics", JoinQueueBackend, _queue_basics),
+    Check("queue_concurrent", JoinQueueBackend, _queue_concurrent),
+    Check("queue_wait_wakes", JoinQueueBackend, _queue_wait_wakes),
+    Check("liveness", LivenessBackend, _liveness),
+]
+
+
+def run_conformance(factory: Callable[[], BackendHarness]) -> list[str]:
+    """Run every applicable check, each on a fresh harness.
+
+    Args:
+        factory: Builds a harness on a fresh, empty run.
+
+    Returns:
+        The names of the checks that ran.
+
+    Raises:
+        ConformanceError: A check failed; the message names it.
+    """
+    ran: list[str] = []
+    for check in CHECKS:
+        harness = factory()
+        try:
+            if not check.applies_to(harness.connect()):
+                continue
+            try:
+                check.body(harness)
+            except ConformanceError as exc:
+                raise ConformanceError(f"{check.name}: {exc}") from exc
+            ran.append(check.name)
+        finally:
+            harness.close()
+    return ran

@@ -1,0 +1,240 @@
+"""An in-memory rendezvous backend with every capability, for tests.
+
+Several :class:`InMemoryBackend` objects built on one
+:class:`InMemoryRendezvousStorage` behave like several clients of one
+server: they share the state, the join queues and the heartbeats. The
+storage counts operations and bytes, can be told to fail the next calls
+with :class:`~rdzv.errors.RendezvousConnectionError`, and can corrupt its
+state record.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from rdzv.backends.base import (
+    JoinQueueBackend,
+    LivenessBackend,
+    RendezvousBackend,
+    Token,
+    WatchableBackend,
+    validate_node_key,
+    validate_record,
+)
+from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+
+__all__ = ["InMemoryBackend", "InMemoryRendezvousStorage", "OperationCounts"]
+
+_GENERATION_BYTES = 8
+
+
+@dataclass
+class OperationCounts:
+    """Operations a storage served.
+
+    Attributes:
+        reads: Calls that only read.
+        writes: Calls that wrote (or tried to: failed compare-and-sets count).
+        failed_cas: Compare-and-sets that did not write.
+        bytes_written: Bytes of state and records written.
+        bytes_read: Bytes of state and records returned.
+    """
+
+    reads: int = 0
+    writes: int = 0
+    failed_cas: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+class InMemoryRendezvousStorage:
+    """The shared "server" side of :class:`InMemoryBackend` objects."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.record: bytes | None = None
+        self.queues: dict[int, list[bytes]] = {}
+        self.marks: dict[str, int] = {}
+        self.counts = OperationCounts()
+        self._failures = 0
+
+    def fail_next(self, calls: int) -> None:
+        """Make the next ``calls`` backend calls raise ``RendezvousConnectionError``.
+
+        Args:
+            calls: How many calls fail.
+        """
+        with self.changed:
+            self._failures = calls
+
+    def corrupt_state(self) -> None:
+        """Replace the state record by bytes that do not decode."""
+        with self.changed:
+            self.record = b"\xff"
+            self.changed.notify_all()
+
+    def check_up(self) -> None:
+        """Raise the injected failure, if one is pending (callers hold the lock)."""
+        if self._failures > 0:
+            self._failures -= 1
+            raise RendezvousConnectionError("injected failure: the in-memory backend is down")
+
+
+def _split(record: bytes) -> tuple[bytes, int]:
+    if len(record) < _GENERATION_BYTES:
+        raise RendezvousStateError(
+            f"the stored rendezvous record is corrupt: {len(record)} bytes, "
+            f"shorter than its {_GENERATION_BYTES}-byte header"
+        )
+    return record[_GENERATION_BYTES:], int.from_bytes(record[:_GENERATION_BYTES], "big")
+
+
+class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, LivenessBackend):
+    """A backend keeping everything in an :class:`InMemoryRendezvousStorage`.
+
+    Tokens are generation numbers (ints). Any other token is invalid.
+
+    Args:
+        storage: The shared storage; a new one when None.
+    """
+
+    def __init__(self, storage: InMemoryRendezvousStorage | None = None) -> None:
+        self.storage = storage if storage is not None else InMemoryRendezvousStorage()
+
+    @property
+    def name(self) -> str:
+        """Always ``memory``."""
+        return "memory"
+
+    def _current(self) -> tuple[bytes, int] | None:
+        record = self.storage.record
+        return None if record is None else _split(record)
+
+    def get_state(self) -> tuple[bytes, Token] | None:  # noqa: D102 - see RendezvousBackend
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.reads += 1
+            current = self._current()
+            if current is not None:
+                storage.counts.bytes_read += len(current[0])
+            return current
+
+    def set_state(  # noqa: D102 - see RendezvousBackend
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.writes += 1
+            current = self._current()
+            matches = (current is None and token is None) or (
+                current is not None
+                and isinstance(token, int)
+                and not isinstance(token, bool)
+                and token == current[1]
+            )
+            if not matches:
+                storage.counts.failed_cas += 1
+                return None if current is None else (current[0], current[1], False)
+            generation = 1 if current is None else current[1] + 1
+            storage.record = generation.to_bytes(_GENERATION_BYTES, "big") + bytes(state)
+            storage.counts.bytes_written += len(state)
+            storage.changed.notify_all()
+            return bytes(state), generation, True
+
+    def wait_for_state(  # noqa: D102 - see WatchableBackend
+        self, token: Token | None, timeout: float
+    ) -> tuple[bytes, Token] | None:
+        storage = self.storage
+        deadline = time.monotonic() + max(0.0, timeout)
+        with storage.changed:
+            storage.check_up()
+            storage.counts.reads += 1
+            while True:
+                current = self._current()
+                if (current is None) != (token is None) or (
+                    current is not None and current[1] != token
+                ):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                storage.changed.wait(remaining)
+            if current is not None:
+                storage.counts.bytes_read += len(current[0])
+            return current
+
+    def enqueue(self, round_id: int, record: bytes) -> int:  # noqa: D102 - see JoinQueueBackend
+        validate_record(round_id, record)
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.writes += 1
+            storage.counts.bytes_written += len(record)
+            queue = storage.queues.setdefault(round_id, [])
+            queue.append(bytes(record))
+            storage.changed.notify_all()
+            return len(queue)
+
+    def queue_records(self, round_id: int) -> list[bytes]:  # noqa: D102
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.reads += 1
+            records = list(storage.queues.get(round_id, ()))
+            storage.counts.bytes_read += sum(len(r) for r in records)
+            return records
+
+    def queue_length(self, round_id: int) -> int:  # noqa: D102
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.reads += 1
+            return len(storage.queues.get(round_id, ()))
+
+    def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:  # noqa: D102
+        storage = self.storage
+        deadline = time.monotonic() + max(0.0, timeout)
+        with storage.changed:
+            storage.check_up()
+            storage.counts.reads += 1
+            while True:
+                length = len(storage.queues.get(round_id, ()))
+                remaining = deadline - time.monotonic()
+                if length != known or remaining <= 0:
+                    return length
+                storage.changed.wait(remaining)
+
+    def drop_queue(self, round_id: int) -> None:  # noqa: D102
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.writes += 1
+            storage.queues.pop(round_id, None)
+            storage.changed.notify_all()
+
+    def beat(self, node: str) -> None:  # noqa: D102 - see LivenessBackend
+        validate_node_key(node)
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.writes += 1
+            storage.marks[node] = storage.marks.get(node, 0) + 1
+
+    def heartbeat_mark(self, node: str) -> bytes | None:  # noqa: D102
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.reads += 1
+            mark = storage.marks.get(node)
+            return None if mark is None else str(mark).encode()
+
+    def forget(self, node: str) -> None:  # noqa: D102
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.writes += 1
+            storage.marks.pop(node, None)

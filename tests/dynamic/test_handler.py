@@ -1,0 +1,305 @@
+"""The handler in one process: threads as nodes, the in-memory backend, short timeouts."""
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from rdzv.api import RendezvousInfo, RendezvousTimeout
+from rdzv.backends.base import RendezvousBackend, Token
+from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousExhaustedError,
+    RendezvousGracefulExitError,
+)
+from rdzv.store.memory import HashStore
+from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class PlainBackend(RendezvousBackend):
+    """Only the base contract: no watch, no queue, no liveness."""
+
+    def __init__(self, inner: InMemoryBackend) -> None:
+        self.inner = inner
+
+    @property
+    def name(self) -> str:
+        return "plain"
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        return self.inner.get_state()
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        return self.inner.set_state(state, token)
+
+
+class Cluster:
+    def __init__(
+        self, min_nodes: int, max_nodes: int, plain: bool = False, **timeouts: float
+    ) -> None:
+        self.store = HashStore(timeout=5)
+        self.storage = InMemoryRendezvousStorage()
+        self.min_nodes, self.max_nodes, self.plain = min_nodes, max_nodes, plain
+        self.timeout = RendezvousTimeout(
+            join=timeouts.get("join", 10), last_call=timeouts.get("last_call", 0.3)
+        )
+        self.handlers: list[DynamicRendezvousHandler] = []
+        self.pool = ThreadPoolExecutor(max_workers=16)
+
+    def handler(
+        self, addr: str, node_rank: int | None = None, clock: Callable[[], float] | None = None
+    ) -> DynamicRendezvousHandler:
+        backend: RendezvousBackend = InMemoryBackend(self.storage)
+        if self.plain:
+            backend = PlainBackend(backend)  # type: ignore[arg-type]
+        h = DynamicRendezvousHandler.from_backend(
+            "job",
+            self.store,
+            backend,
+            self.min_nodes,
+            self.max_nodes,
+            local_addr=addr,
+            timeout=self.timeout,
+            keep_alive_interval=0.2,
+            keep_alive_max_attempt=3,
+            node_rank=node_rank,
+            clock=clock,
+        )
+        self.handlers.append(h)
+        return h
+
+    def join(self, handlers: list[DynamicRendezvousHandler]):  # type: ignore[no-untyped-def]
+        return [self.pool.submit(h.next_rendezvous) for h in handlers]
+
+    def close(self) -> None:
+        for h in self.handlers:
+            h.pre_shutdown()
+        self.pool.shutdown(wait=True)
+
+
+@pytest.fixture
+def cluster_factory() -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+
+    def make(*args: object, **kwargs: object) -> Cluster:
+        c = Cluster(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()
+
+
+def _check_round(infos: list[RendezvousInfo]) -> None:
+    assert sorted(i.rank for i in infos) == list(range(len(infos)))
+    assert {i.world_size for i in infos} == {len(infos)}
+    assert len({i.participants for i in infos}) == 1
+    assert len({i.bootstrap_store_info for i in infos}) == 1
+
+
+def _until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["capable", "plain-backend"])
+def test_max_nodes_form_a_round_at_once(
+    cluster_factory: Callable[..., Cluster], plain: bool
+) -> None:
+    c = cluster_factory(2, 4, plain=plain, last_call=30)
+    handlers = [c.handler(f"node{i}") for i in (66, 7, 100, 8)]
+    infos = [f.result(timeout=10) for f in c.join(handlers)]
+    _check_round(infos)
+    assert infos[0].participants == ("node7", "node8", "node66", "node100")
+    assert infos[1].rank == 0  # node7
+    assert infos[0].bootstrap_store_info is not None
+    assert infos[0].bootstrap_store_info.master_addr == "node7"
+
+
+def test_last_call_admits_stragglers_then_seals(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(2, 4, last_call=0.5)
+    first = c.join([c.handler("a1"), c.handler("a2")])
+    time.sleep(0.1)
+    third = c.join([c.handler("a3")])
+    infos = [f.result(timeout=10) for f in first + third]
+    _check_round(infos)
+    assert infos[0].world_size == 3
+
+
+def test_explicit_distinct_node_ranks_are_honoured(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(3, 3)
+    handlers = [
+        c.handler("h1", node_rank=2),
+        c.handler("h2", node_rank=0),
+        c.handler("h3", node_rank=1),
+    ]
+    infos = [f.result(timeout=10) for f in c.join(handlers)]
+    assert [i.rank for i in infos] == [2, 0, 1]
+
+
+def test_join_timeout_without_min_is_exhausted(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(2, 2, join=0.3)
+    with pytest.raises(RendezvousExhaustedError, match="min nodes"):
+        c.handler("lonely").next_rendezvous()
+
+
+def test_late_joiner_waits_and_is_admitted_next_round(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(2, 3, last_call=0.2)
+    members = [c.handler("m1"), c.handler("m2")]
+    infos = [f.result(timeout=10) for f in c.join(members)]
+    assert infos[0].world_size == 2
+    assert members[0].num_nodes_waiting() == 0
+    late = c.join([c.handler("m3")])
+    _until(lambda: members[0].num_nodes_waiting() > 0)
+    assert not late[0].done()  # waits: no second group
+    again = [f.result(timeout=10) for f in c.join(members) + late]
+    _check_round(again)
+    assert again[0].world_size == 3
+    assert again[0].participants[:2] == infos[0].participants  # survivors keep their order
+
+
+def test_member_dead_after_completion_is_detected(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(2, 3)
+    nodes = [c.handler(f"d{i}") for i in range(3)]
+    [f.result(timeout=10) for f in c.join(nodes)]
+    time.sleep(1.3)  # two dead-node timeouts (0.2 s x 3): nobody is wrongly evicted
+    assert all(h.num_nodes_waiting() == 0 for h in nodes)
+    nodes[1].pre_shutdown()  # stops heart-beating, as a SIGKILLed node would
+    _until(lambda: nodes[0].num_nodes_waiting() > 0 and nodes[2].num_nodes_waiting() > 0)
+    again = [f.result(timeout=10) for f in c.join([nodes[0], nodes[2]])]
+    _check_round(again)
+    assert again[0].world_size == 2
+
+
+def test_clock_skew_neither_kills_the_living_nor_saves_the_dead(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(3, 3)
+    skewed = c.handler("s0", clock=lambda: time.monotonic() + 3600.0)
+    normal = [c.handler("s1"), c.handler("s2", clock=lambda: time.monotonic() - 3600.0)]
+    [f.result(timeout=10) for f in c.join([skewed, *normal])]
+    time.sleep(1.3)  # > 2 dead-node timeouts (0.2 s x 3)
+    assert all(h.num_nodes_waiting() == 0 for h in [skewed, *normal])
+    skewed.pre_shutdown()
+    _until(lambda: normal[0].num_nodes_waiting() > 0)
+
+
+def test_keep_alive_gives_up_with_a_clear_error(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(1, 1)
+    h = c.handler("k1")
+    c.join([h])[0].result(timeout=10)
+    c.storage.fail_next(10_000)
+    _until(lambda: h._keepalive_error is not None)
+    c.storage.fail_next(0)
+    with pytest.raises(RendezvousConnectionError, match="gave up after 3 failed keep-alive"):
+        h.num_nodes_waiting()
+    with pytest.raises(RendezvousConnectionError, match="gave up"):
+        h.next_rendezvous()
+
+
+def test_closed_run_rejects_joins(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(1, 2, last_call=0.1)
+    h = c.handler("c1")
+    assert not h.is_closed()
+    h.set_closed()
+    h.set_closed()  # idempotent
+    assert c.handler("c2").is_closed()
+    with pytest.raises(RendezvousClosedError, match="'job' is closed"):
+        c.handler("c3").next_rendezvous()
+
+
+def test_spares_exit_gracefully_when_the_run_closes(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(2, 2)
+    members = [c.handler("p1"), c.handler("p2")]
+    [f.result(timeout=10) for f in c.join(members)]
+    spare = c.join([c.handler("p3")])
+    time.sleep(0.2)
+    assert not spare[0].done()
+    assert members[0].num_nodes_waiting() == 0  # spares do not trigger re-rendezvous
+    members[0].set_closed()
+    with pytest.raises(RendezvousGracefulExitError):
+        spare[0].result(timeout=10)
+
+
+def test_shutdown_leaves_and_survivors_reform(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(1, 3)
+    nodes = [c.handler(f"q{i}") for i in range(3)]
+    [f.result(timeout=10) for f in c.join(nodes)]
+    assert nodes[2].shutdown()
+    assert nodes[0].num_nodes_waiting() > 0
+    assert not nodes[0].is_closed()
+    again = [f.result(timeout=10) for f in c.join(nodes[:2])]
+    assert again[0].world_size == 2
+
+
+def test_every_transition_is_one_structured_event(
+    cluster_factory: Callable[..., Cluster], caplog: pytest.LogCaptureFixture
+) -> None:
+    logger = logging.getLogger("rdzv.dynamic")
+    assert logger.handlers == []
+    c = cluster_factory(1, 1)
+    h = c.handler("e1")
+    with caplog.at_level(logging.INFO, logger="rdzv.dynamic"):
+        h.next_rendezvous()
+    events = [r.rdzv_event for r in caplog.records if hasattr(r, "rdzv_event")]  # type: ignore[attr-defined]
+    actions = [e["action"] for e in events]
+    assert actions == ["join", "enqueue", "sealed", "complete"]
+    for event in events:
+        assert event["run_id"] == "job"
+        assert event["node"] == h.node
+        assert event["round"] == 0
+
+
+def test_round_store_is_prefixed_per_round(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(1, 1)
+    h = c.handler("r1")
+    first = h.next_rendezvous()
+    first.store.set("k", "round0")
+    second = h.next_rendezvous()
+    assert second.store.check(["MASTER_ADDR"])
+    assert not second.store.check(["k"])
+
+
+def test_backend_name_and_run_id(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(1, 1)
+    h = c.handler("n1")
+    assert h.get_backend() == "memory"
+    assert h.get_run_id() == "job"
+    assert not h.use_agent_store
+    thread_count = threading.active_count()
+    h.next_rendezvous()
+    assert threading.active_count() == thread_count + 1  # the keep-alive thread
+    h.shutdown()
+    assert threading.active_count() == thread_count
+
+
+def test_a_round_whose_members_all_died_does_not_block_the_next(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(2, 2)
+    old = [c.handler("o1"), c.handler("o2")]
+    [f.result(timeout=10) for f in c.join(old)]
+    for h in old:
+        h.pre_shutdown()  # both stop heart-beating: the whole job crashed
+    fresh = [c.handler("f1"), c.handler("f2")]
+    infos = [f.result(timeout=10) for f in c.join(fresh)]
+    _check_round(infos)
+    assert infos[0].participants == ("f1", "f2")

@@ -1,0 +1,240 @@
+"""Every branch of the sans-I/O machine, driven with a fake clock."""
+
+from dataclasses import replace
+
+import pytest
+
+from rdzv.dynamic.machine import (
+    Complete,
+    Enqueue,
+    Fail,
+    FailReason,
+    JoinProgress,
+    Limits,
+    Requeue,
+    Seal,
+    Wait,
+    decide,
+    nodes_waiting,
+    observe,
+    plan_seal,
+    start_join,
+)
+from rdzv.dynamic.state import JoinRecord, RendezvousState, make_node_key
+from rdzv.testing import FakeClock
+
+LIMITS = Limits(min_nodes=2, max_nodes=4, join_timeout=100.0, last_call=10.0, grace=6.0)
+ME = make_node_key("10.0.0.1", 1, "me")
+A, B, C, D, E = (make_node_key(f"10.0.0.{i}", 1, "x") for i in range(2, 7))
+
+
+def _joined(position: int, clock: FakeClock, state: RendezvousState | None = None) -> JoinProgress:
+    progress = replace(start_join(state, clock()), position=position)
+    return observe(progress, state, position, LIMITS, clock())
+
+
+def test_start_join_targets_the_round_after_the_last_sealed() -> None:
+    assert start_join(None, 5.0).round_id == 0
+    assert start_join(RendezvousState(3, (A,)), 5.0).round_id == 4
+
+
+def test_first_action_is_enqueue() -> None:
+    clock = FakeClock()
+    progress = start_join(None, clock())
+    assert decide(progress, None, 0, ME, LIMITS, clock()) == Enqueue(0)
+
+
+def test_closed_run_fails_closed_for_a_joiner() -> None:
+    clock = FakeClock()
+    closed = RendezvousState(0, (A, B)).close()
+    progress = start_join(closed, clock())
+    assert decide(progress, closed, 0, ME, LIMITS, clock()) == Fail(FailReason.CLOSED)
+
+
+def test_closed_run_lets_spares_exit_gracefully() -> None:
+    clock = FakeClock()
+    full = RendezvousState(0, (A, B, C, D))
+    progress = _joined(1, clock, full)
+    assert decide(progress, full.close(), 1, ME, LIMITS, clock()) == Fail(FailReason.GRACEFUL_EXIT)
+    beyond_max = _joined(5, clock)
+    assert decide(beyond_max, RendezvousState().close(), 5, ME, LIMITS, clock()) == Fail(
+        FailReason.GRACEFUL_EXIT
+    )
+
+
+def test_sealed_round_with_me_completes_with_my_rank() -> None:
+    clock = FakeClock()
+    progress = _joined(2, clock)
+    sealed = RendezvousState(0, (A, ME, B))
+    assert decide(progress, sealed, 3, ME, LIMITS, clock()) == Complete(1)
+
+
+def test_sealed_round_without_me_requeues_for_the_next() -> None:
+    clock = FakeClock()
+    progress = _joined(3, clock)
+    assert decide(progress, RendezvousState(0, (A, B)), 3, ME, LIMITS, clock()) == Requeue(1)
+    evicted = RendezvousState(0, (A, ME)).evict([ME])
+    assert decide(progress, evicted, 3, ME, LIMITS, clock()) == Requeue(1)
+
+
+def test_below_min_waits_until_the_join_deadline_then_is_exhausted() -> None:
+    clock = FakeClock()
+    progress = _joined(1, clock)
+    action = decide(progress, None, 1, ME, LIMITS, clock())
+    assert action == Wait(progress.started_at + 100.0)
+    clock.advance(100.0)
+    assert decide(progress, None, 1, ME, LIMITS, clock()) == Fail(FailReason.EXHAUSTED)
+
+
+def test_join_deadline_with_min_reached_is_a_timeout() -> None:
+    clock = FakeClock()
+    progress = _joined(3, clock)
+    clock.advance(100.0)
+    progress = observe(progress, None, 3, LIMITS, clock())
+    assert decide(progress, None, 3, ME, LIMITS, clock()) == Fail(FailReason.TIMEOUT)
+
+
+def test_max_leader_seals_at_once() -> None:
+    clock = FakeClock()
+    progress = _joined(4, clock)
+    assert decide(progress, None, 4, ME, LIMITS, clock()) == Seal()
+
+
+def test_others_back_up_the_max_leader_after_grace() -> None:
+    clock = FakeClock()
+    progress = _joined(1, clock)
+    progress = observe(progress, None, 4, LIMITS, clock())
+    assert decide(progress, None, 4, ME, LIMITS, clock()) == Wait(clock() + 6.0)
+    clock.advance(6.0)
+    assert decide(progress, None, 4, ME, LIMITS, clock()) == Seal()
+
+
+def test_min_leader_runs_the_last_call_on_its_own_clock() -> None:
+    clock = FakeClock()
+    progress = _joined(2, clock)
+    assert decide(progress, None, 2, ME, LIMITS, clock()) == Wait(clock() + 10.0)
+    clock.advance(9.9)
+    assert isinstance(decide(progress, None, 3, ME, LIMITS, clock()), Wait)
+    clock.advance(0.1)
+    assert decide(progress, None, 3, ME, LIMITS, clock()) == Seal()
+
+
+def test_others_back_up_the_last_call_after_grace() -> None:
+    clock = FakeClock()
+    progress = _joined(3, clock)
+    assert decide(progress, None, 3, ME, LIMITS, clock()) == Wait(clock() + 16.0)
+    clock.advance(16.0)
+    assert decide(progress, None, 3, ME, LIMITS, clock()) == Seal()
+
+
+def test_last_call_wait_never_passes_the_join_deadline() -> None:
+    clock = FakeClock()
+    tight = replace(LIMITS, join_timeout=5.0)
+    progress = replace(start_join(None, clock()), position=2)
+    progress = observe(progress, None, 2, tight, clock())
+    assert decide(progress, None, 2, ME, tight, clock()) == Wait(clock() + 5.0)
+
+
+def test_spare_beyond_max_only_waits() -> None:
+    clock = FakeClock()
+    progress = _joined(5, clock)
+    assert decide(progress, None, 5, ME, LIMITS, clock()) == Wait(clock() + 100.0)
+
+
+def test_spare_behind_a_full_round_never_times_out() -> None:
+    clock = FakeClock()
+    full = RendezvousState(0, (A, B, C, D))
+    progress = _joined(1, clock, full)
+    clock.advance(1000.0)
+    progress = observe(progress, full, 1, LIMITS, clock())
+    assert isinstance(decide(progress, full, 1, ME, LIMITS, clock()), Wait)
+    assert progress.started_at == clock()
+
+
+def test_refused_seal_waits_on_the_queue_until_something_changes() -> None:
+    clock = FakeClock()
+    progress = _joined(4, clock)
+    progress = replace(progress, blocked=(4, None))
+    assert decide(progress, None, 4, ME, LIMITS, clock()) == Wait(
+        progress.started_at + 100.0, on_queue=True
+    )
+    assert decide(progress, None, 5, ME, LIMITS, clock()) == Seal()
+
+
+def test_plan_seal_needs_min_distinct_nodes() -> None:
+    assert plan_seal(None, 0, [JoinRecord(A), JoinRecord(A)], LIMITS) is None
+    planned = plan_seal(None, 0, [JoinRecord(A), JoinRecord(B)], LIMITS)
+    assert planned == RendezvousState(0, (A, B))
+
+
+def test_plan_seal_waits_for_every_live_previous_member() -> None:
+    previous = RendezvousState(3, (A, B, C))
+    assert plan_seal(previous, 4, [JoinRecord(A), JoinRecord(D)], LIMITS) is None
+    after_eviction = previous.evict([B, C])
+    assert plan_seal(after_eviction, 4, [JoinRecord(D), JoinRecord(A)], LIMITS) == (
+        RendezvousState(4, (A, D))
+    )
+
+
+def test_plan_seal_admits_at_most_max() -> None:
+    records = [JoinRecord(n) for n in (A, B, C, D, E)]
+    planned = plan_seal(None, 0, records, LIMITS)
+    assert planned is not None
+    assert planned.participants == (A, B, C, D)
+
+
+@pytest.mark.parametrize(
+    ("state", "queued", "expected"),
+    [
+        (None, 3, 3),
+        (RendezvousState(0, (ME, A)), 0, 0),
+        (RendezvousState(0, (ME, A)), 2, 2),
+        (RendezvousState(0, (ME, A, B, C)), 2, 0),  # full: spares do not count
+        (RendezvousState(0, (ME, A, B, C)).evict([B]), 0, 1),  # a dead member counts
+        (RendezvousState(0, (ME, A)).evict([ME]), 0, 1),  # I was evicted: re-join
+        (RendezvousState(1, (A, B)), 0, 1),  # a newer round without me
+    ],
+)
+def test_nodes_waiting(state: RendezvousState | None, queued: int, expected: int) -> None:
+    assert nodes_waiting(state, queued, ME, LIMITS) == expected
+
+
+def test_judge_marks_uses_only_the_observers_clock() -> None:
+    from rdzv.dynamic.machine import judge_marks
+
+    clock = FakeClock(start=-5000.0)  # any origin: only differences matter
+    watches, dead = judge_marks({}, {A: b"1", B: None}, clock(), 3.0)
+    assert dead == []
+    clock.advance(2.5)
+    watches, dead = judge_marks(watches, {A: b"2", B: None}, clock(), 3.0)
+    assert dead == []
+    clock.advance(0.5)
+    watches, dead = judge_marks(watches, {A: b"2", B: None}, clock(), 3.0)
+    assert dead == [B]  # B never beat for 3 s of the observer's clock
+    assert A in watches
+    assert B not in watches
+    clock.advance(2.0)
+    watches, dead = judge_marks(watches, {A: b"2"}, clock(), 3.0)
+    assert dead == []  # A changed 2.5 s ago
+    clock.advance(0.5)
+    _, dead = judge_marks(watches, {A: b"2"}, clock(), 3.0)
+    assert dead == [A]
+
+
+def test_successor_ring_skips_evicted_members() -> None:
+    from rdzv.dynamic.machine import successor_of
+
+    state = RendezvousState(0, (A, B, C))
+    assert successor_of(state, A) == B
+    assert successor_of(state, C) == A
+    assert successor_of(state.evict([B]), A) == C
+    assert successor_of(state.evict([B, C]), A) is None
+    assert successor_of(state, ME) is None
+
+
+def test_missing_members() -> None:
+    from rdzv.dynamic.machine import missing_members
+
+    state = RendezvousState(0, (A, B, C)).evict([C])
+    assert missing_members(None, [JoinRecord(A)]) == []
+    assert missing_members(state, [JoinRecord(A), JoinRecord(D)]) == [B]
