@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import rdzv
 from rdzv.launch.run import add_run_arguments
+from rdzv.launch.status import add_status_arguments
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.store.server import serve_main
 
@@ -49,6 +50,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from rdzv.launch.status import status_command  # noqa: PLC0415 - keep other commands light
+
+    return status_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of the ``rdzv`` command.
 
@@ -72,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_arguments(run)
     run.set_defaults(func=_cmd_run)
+    status = commands.add_parser(
+        "status",
+        help="show a run's round, members with ranks and heartbeat ages, and wait list",
+    )
+    add_status_arguments(status)
+    status.set_defaults(func=_cmd_status)
     serve = commands.add_parser(
         "serve", help="run a TCP store server (torch's TCPStore protocol) until SIGTERM/SIGINT"
     )
