@@ -77,6 +77,14 @@ def test_status_of_an_unknown_backend_is_a_clear_error() -> None:
     assert "cannot read the 'nosuch' backend" in done.stderr
 
 
+def test_status_of_an_unreachable_endpoint_fails_quickly() -> None:
+    from tests.launch.procs import free_port
+
+    done = status(f"127.0.0.1:{free_port()}", "x", "--rdzv-conf=read_timeout=1")
+    assert done.returncode == 3
+    assert "rdzv status: cannot reach the backend" in done.stderr
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0

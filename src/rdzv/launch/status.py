@@ -27,6 +27,7 @@ from rdzv.backends.base import JoinQueueBackend, LivenessBackend, RendezvousBack
 from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError
+from rdzv.store.base import Store
 
 __all__ = [
     "HeartbeatTracker",
@@ -134,17 +135,17 @@ class HeartbeatTracker:
 
 def open_backend(
     backend_name: str, endpoint: str, run_id: str, config: dict[str, str] | None = None
-) -> RendezvousBackend:
+) -> tuple[RendezvousBackend, Callable[[], None]]:
     """Connect to a run's backend as an observer (never hosting a store).
 
     Args:
         backend_name: The backend name (``c10d``, ...).
         endpoint: Its endpoint.
         run_id: The run.
-        config: Backend settings.
+        config: Backend settings (``read_timeout`` is 10 s unless given).
 
     Returns:
-        The backend.
+        The backend, and a function that closes its connections.
 
     Raises:
         ValueError: The backend has no status support; the message lists
@@ -159,11 +160,22 @@ def open_backend(
     module_name, _, function_name = path.partition(":")
     factory = getattr(importlib.import_module(module_name), function_name)
     params = RendezvousParameters(
-        backend_name, endpoint, run_id, config={**(config or {}), "is_host": "false"}
+        backend_name,
+        endpoint,
+        run_id,
+        config={"read_timeout": "10", **(config or {}), "is_host": "false"},
     )
     backend: RendezvousBackend
-    backend, _store = factory(params)
-    return backend
+    store: Store
+    backend, store = factory(params)
+
+    def close() -> None:
+        closer = getattr(backend, "close", None)
+        if callable(closer):
+            closer()
+        store.close()
+
+    return backend, close
 
 
 def _state_of(backend: RendezvousBackend) -> RendezvousState | None:
@@ -299,7 +311,7 @@ def status_command(args: argparse.Namespace) -> int:
         print("rdzv status: error: --sample and --watch must be positive", file=sys.stderr)
         return 2
     try:
-        backend = open_backend(
+        backend, close = open_backend(
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, parse_config(args.rdzv_conf)
         )
     except ValueError as exc:
@@ -324,3 +336,5 @@ def status_command(args: argparse.Namespace) -> int:
         return 3
     except KeyboardInterrupt:
         return 0
+    finally:
+        close()
