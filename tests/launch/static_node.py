@@ -8,6 +8,7 @@ and exits 3.
 
 import json
 import sys
+import time
 
 from rdzv import RendezvousTimeoutError, StaticTCPRendezvous
 
@@ -36,6 +37,13 @@ def main() -> int:
         if info.store.add("done", 1) == info.world_size:
             info.store.set("all-done", "1")
         info.store.wait(["all-done"])
+        # rank 0 hosts the store: it stays until the others got their reply
+        if info.rank == 0:
+            info.store.wait(["bye"], timeout=20)
+            while int(info.store.get("bye")) < info.world_size - 1:
+                time.sleep(0.01)
+        else:
+            info.store.add("bye", 1)
         boot = info.bootstrap_store_info
         print(
             json.dumps(

@@ -139,5 +139,7 @@ def test_torch_gloo_allreduce_two_agents_two_workers(tmp_path: Path) -> None:
     assert [code for code, _, _ in results] == [0, 0], results
     out = results[0][1] + results[1][1]
     assert out.count("expected 10.0: ok") == 4
+    # the agent hosting the rendezvous store waited for the other to leave
+    assert all("did not reach the backend" not in err for _, _, err in results)
     for rank in range(4):
         assert f"[rank {rank}]: rank {rank}/4" in out

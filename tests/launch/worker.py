@@ -46,6 +46,26 @@ def sleep_forever() -> None:
     sys.exit(99)
 
 
+def read_record(path: Path) -> dict[str, str] | None:
+    try:
+        record: dict[str, str] = json.loads(path.read_text())
+    except ValueError:
+        return None  # being written
+    return record
+
+
+def wait_for_peers(outdir: Path) -> None:
+    """Wait until every worker of this attempt has written its record."""
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    world = int(os.environ["WORLD_SIZE"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        records = [r for r in map(read_record, outdir.glob("env-*.json")) if r is not None]
+        if sum(r["TORCHELASTIC_RESTART_COUNT"] == restart for r in records) >= world:
+            return
+        time.sleep(0.02)
+
+
 def main() -> None:
     out, mode, *rest = sys.argv[1:]
     outdir = Path(out)
@@ -82,16 +102,17 @@ def main() -> None:
     if mode == "fail-once":
         marker = outdir / "failed-once"
         if rank == target and not marker.exists():
+            wait_for_peers(outdir)
             marker.write_text("x")
             sys.exit(int(rest[1]))
         return
     if rank != target:
         sleep_forever()
     if mode == "fail":
-        time.sleep(0.2)
+        wait_for_peers(outdir)
         sys.exit(int(rest[1]))
     if mode == "signal":
-        time.sleep(0.2)
+        wait_for_peers(outdir)
         os.kill(os.getpid(), int(rest[1]))
         sleep_forever()
     raise SystemExit(f"unknown mode {mode}")

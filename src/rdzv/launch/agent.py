@@ -14,7 +14,9 @@ Theory of operation. One agent runs per node and drives any
 
    * all workers exited 0: wait at an exit barrier for the other agents of
      the round (so the bootstrap store outlives every worker); the last to
-     arrive closes the run; exit 0;
+     arrive closes the run; every agent leaves the rendezvous and waits at a
+     second barrier until all have left (so an agent hosting the rendezvous
+     store outlives the others' last writes); exit 0;
    * a worker failed: stop the others and, while the restart budget lasts,
      go back to 1 (the restart is counted); when it is spent, close the run
      and exit :data:`EXIT_WORKER_FAILED` naming the failed rank;
@@ -42,6 +44,7 @@ from types import FrameType
 from rdzv.api import RendezvousHandler, RendezvousInfo
 from rdzv.errors import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
     StoreTimeoutError,
@@ -150,6 +153,7 @@ class AgentInterrupted(Exception):  # noqa: N818 - a signal, not an error
 
 
 _PEER_WAIT_SLICE = 1.0
+_LEAVE_BARRIER_TIMEOUT = 30.0
 
 
 class _GroupChanged(Exception):  # noqa: N818 - control flow, not an error
@@ -194,6 +198,7 @@ class ElasticAgent:
         self._attempts_started = 0
         self._restarts = 0
         self._cleaning_up = False
+        self._left = False
 
     def run(self) -> AgentResult:
         """Run the job on this node until it finishes, fails or is interrupted.
@@ -397,6 +402,8 @@ class ElasticAgent:
         attempt.workers.close()
         self._exit_barrier(attempt)
         self._end_attempt()
+        self._shutdown_handler()
+        self._leave_barrier(attempt)
         return AgentResult(
             EXIT_OK,
             f"all {attempt.ranks.local_world_size} worker(s) of node "
@@ -437,7 +444,28 @@ class ElasticAgent:
         # Through the sink, so that it never splits a worker's line.
         self._sink.write_line(f"rdzv run: {message}\n".encode(), to_stderr=True)
 
+    def _leave_barrier(self, attempt: _Attempt) -> None:
+        # Whichever agent hosts the rendezvous store must outlive the others'
+        # shutdown writes: every agent counts itself out after leaving and
+        # waits (briefly) for the rest before its process, and maybe the
+        # store, goes away.
+        store = attempt.info.store
+        total = attempt.ranks.group_world_size
+        try:
+            if store.add(f"{KEY_PREFIX}/left/count", 1) >= total:
+                store.set(f"{KEY_PREFIX}/left/done", "1")
+            store.wait([f"{KEY_PREFIX}/left/done"], timeout=_LEAVE_BARRIER_TIMEOUT)
+        except RendezvousConnectionError:
+            # The store went away after this node counted itself out: its
+            # host left as the barrier completed. Nothing is lost.
+            pass
+        except RendezvousError as exc:
+            self._log(f"not every node confirmed leaving: {type(exc).__name__}: {exc}")
+
     def _shutdown_handler(self) -> None:
+        if self._left:
+            return
+        self._left = True
         try:
             self._handler.shutdown()
         except RendezvousError as exc:
