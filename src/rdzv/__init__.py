@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "parse_endpoint": "rdzv.endpoint",
     "parse_config": "rdzv.endpoint",
     "StaticTCPRendezvous": "rdzv.static",
+    "EtcdRendezvousBackend": "rdzv.backends.etcd",
 }
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "parse_config",
     "parse_endpoint",
     "rendezvous_handler_registry",
+    "EtcdRendezvousBackend",
 ]
 
 if TYPE_CHECKING:
@@ -94,6 +96,7 @@ if TYPE_CHECKING:
         RendezvousTimeout,
     )
     from rdzv.backends.base import RendezvousBackend
+    from rdzv.backends.etcd import EtcdRendezvousBackend
     from rdzv.backends.store import (
         C10dRendezvousBackend,
         P10dRendezvousBackend,

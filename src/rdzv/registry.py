@@ -37,6 +37,9 @@ _BUILTIN: dict[str, str] = {
     "p10d": "rdzv.dynamic.handler:create_c10d_handler",
     "core": "rdzv.dynamic.handler:create_c10d_handler",
     "tcp": "rdzv.dynamic.handler:create_c10d_handler",
+    "etcd": "rdzv.backends.etcd:create_etcd_handler",
+    "etcd-v2": "rdzv.backends.etcd:create_etcd_handler",
+    "redis": "rdzv.backends.redis:create_redis_handler",
 }
 
 

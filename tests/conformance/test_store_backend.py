@@ -37,7 +37,11 @@ class StoreHarness(BackendHarness):
         return C10dRendezvousBackend(self._client(), "run2")
 
     def corrupt_state(self) -> None:
-        self.store.set("rdzv.backend/run1/state", b"\x80\x04garbage")
+        key = "rdzv.backend/run1/state"
+        self.store.set(key, b"\x80\x04garbage")
+        # torch's SET has no reply: a read on the same connection makes sure
+        # the server applied it before other connections look.
+        assert self.store.get(key) == b"\x80\x04garbage"
 
     def close(self) -> None:
         for store in self.clients:

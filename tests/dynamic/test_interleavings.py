@@ -135,7 +135,8 @@ class World:
         progress = node.progress
         length = self.backend.queue_length(progress.round_id)
         now = self.now(node)
-        if progress.blocked is not None and node.missing and state is not None:
+        leader = progress.position in (LIMITS.min_nodes, LIMITS.max_nodes)
+        if progress.blocked is not None and node.missing and leader and state is not None:
             marks = {n: self.backend.heartbeat_mark(n) for n in node.missing}
             node.seal_watches, dead = judge_marks(node.seal_watches, marks, now, DEAD)
             if dead:

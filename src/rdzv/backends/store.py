@@ -27,7 +27,7 @@ import socket
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from rdzv.api import RendezvousParameters
 from rdzv.backends.base import (
@@ -183,10 +183,9 @@ class StoreLiveness(LivenessBackend):
 
     def heartbeat_mark(self, node: str) -> bytes | None:  # noqa: D102
         key = self._beat_key(node)
-        store = self._liveness_store
-        if not _call("heartbeat_mark", lambda: store.check([key])):
-            return None
-        value = _call("heartbeat_mark", lambda: store.add(key, 0))
+        # One round trip: add(key, 0) reads the counter (0, "never beat",
+        # when the key is missing).
+        value = _call("heartbeat_mark", lambda: self._liveness_store.add(key, 0))
         return str(value).encode() if value else None
 
     def forget(self, node: str) -> None:  # noqa: D102
@@ -321,7 +320,11 @@ def endpoint_is_local(host: str) -> bool:
     return bool(found & set(local_addresses()))
 
 
-def _tcp_store(host: str, port: int, is_master: bool, timeout: float) -> Store:
+if TYPE_CHECKING:
+    from rdzv.store.tcp import TCPStore
+
+
+def _tcp_store(host: str, port: int, is_master: bool, timeout: float) -> TCPStore:
     from rdzv.store.tcp import TCPStore  # noqa: PLC0415 - imported only when used
 
     return TCPStore(host, port, is_master=is_master, timeout=timeout)
@@ -358,7 +361,7 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     timeout = params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
     explicit = params.get_as_bool("is_host")
     is_host = endpoint_is_local(host) if explicit is None else explicit
-    store: Store
+    store: TCPStore
     if is_host:
         try:
             store = _tcp_store(host, port, True, timeout)
@@ -370,5 +373,5 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
             store = _tcp_store(host, port, False, timeout)
     else:
         store = _tcp_store(host, port, False, timeout)
-    liveness = _tcp_store(host, port, False, timeout)
+    liveness = store.clone()
     return C10dRendezvousBackend(store, params.run_id, liveness_store=liveness), store

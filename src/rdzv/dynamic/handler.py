@@ -153,6 +153,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
         interval = settings.keep_alive_interval.total_seconds()
         self._dead_after = interval * settings.keep_alive_max_attempt
+        # How often observers read heartbeat marks: a small fraction of the
+        # dead-node timeout, so detection is late by at most that much.
+        self._judge_every = min(interval, max(0.02, self._dead_after / 40))
         timeout = settings.timeout
         self._limits = Limits(
             min_nodes=settings.min_nodes,
@@ -319,6 +322,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         attempt = 0
         missing: list[str] = []
         watches: dict[str, MarkWatch] = {}
+        next_judgement = now
         self._event("join", progress.round_id)
         while True:
             progress = observe(progress, state, queue_length, self._limits, now)
@@ -346,10 +350,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     queue_length = self._queue.wait_queue_length(
                         progress.round_id, queue_length, min(remaining, _QUEUE_WAIT_CAP)
                     )
-                    if missing and state is not None:
-                        # The seal waits for members of the last round: judge
-                        # them here too, or a round whose members all died
-                        # would block the next one.
+                    leader = progress.position in (self._limits.min_nodes, self._limits.max_nodes)
+                    if missing and leader and state is not None and self._clock() >= next_judgement:
+                        next_judgement = self._clock() + self._judge_every
+                        # The seal waits for members of the last round: the
+                        # leaders judge them too, or a round whose members
+                        # all died would block the next one. Only leaders:
+                        # backups doing it too would cost O(N^2) reads.
                         marks = {n: self._liveness.heartbeat_mark(n) for n in missing}
                         watches, dead = judge_marks(watches, marks, self._clock(), self._dead_after)
                         if dead:
@@ -548,7 +555,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _keepalive_loop(self) -> None:
         interval = self._settings.keep_alive_interval.total_seconds()
-        check_every = min(interval, max(0.02, self._dead_after / 40))
+        check_every = self._judge_every
         failures = 0
         # The first beat is due one interval after joining: an observer only
         # starts judging a node when a round completes, and a round that

@@ -1,0 +1,547 @@
+"""The etcd v3 rendezvous backend.
+
+Theory of operation
+-------------------
+One run keeps its state in one key, ``<key_prefix><run_id>``. The value is
+``_MAGIC`` followed by the state bytes, so a key written by something else
+is reported as corrupt instead of handed to the state decoder. The fencing
+token is the key's ``mod_revision``: a compare-and-set is one transaction
+that compares it, puts the new value on success and reads the current value
+on failure, in one round trip. Every write attaches a lease of ``ttl``
+seconds (granted once and reused for half its life), so an abandoned run's
+state expires on the server.
+
+Beside the state, a run keeps (all under ``<key_prefix><run_id>/``):
+
+* ``queue/<round>/<unique>`` -- join records; one transaction puts a record
+  and counts the round's records, so the count is the record's position
+  (etcd serialises transactions, so positions are gap-free);
+* ``alive/<node>`` -- a node's heartbeat: a put under the node's own lease,
+  whose ``mod_revision`` is the heartbeat mark; if the node dies the lease
+  expires and the server deletes the key;
+* ``store/`` -- the key-value store handed to a completed round
+  (:class:`rdzv.backends.etcd_store.EtcdStore`).
+
+Changes are waited for with watches starting at the revision after the one
+last read, so no write in between can be missed; a compacted revision just
+means "re-read".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rdzv.backends.base import (
+    JoinQueueBackend,
+    LivenessBackend,
+    RendezvousBackend,
+    Token,
+    WatchableBackend,
+    validate_node_key,
+    validate_record,
+)
+from rdzv.backends.etcd_client import (
+    DEFAULT_ETCD_PORT,
+    EtcdClient,
+    EtcdCompactedError,
+    KeyValue,
+)
+from rdzv.backends.etcd_store import EtcdStore
+from rdzv.dynamic.handler import create_handler
+from rdzv.endpoint import parse_endpoint
+from rdzv.errors import RendezvousStateError
+
+if TYPE_CHECKING:
+    from rdzv.api import RendezvousHandler, RendezvousParameters
+
+__all__ = [
+    "DEFAULT_KEY_PREFIX",
+    "DEFAULT_TTL",
+    "EtcdRendezvousBackend",
+    "create_backend",
+    "create_etcd_handler",
+    "create_client",
+    "parse_endpoints",
+]
+
+_T = TypeVar("_T")
+
+DEFAULT_KEY_PREFIX = "/rdzv/"
+DEFAULT_TTL = 7200
+DEFAULT_LIVENESS_TTL = 60
+_MAGIC = b"rdzv-state/1\n"
+
+
+def _valid_token(token: Token | None) -> int | None:
+    """Return the revision a token stands for, 0 for None, or None if it is not ours."""
+    if token is None:
+        return 0
+    if isinstance(token, bool) or not isinstance(token, int) or not 1 <= token < 2**63:
+        return None
+    return token
+
+
+class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, LivenessBackend):
+    """Keeps a run's rendezvous state in etcd v3, with compare-and-set on ``mod_revision``.
+
+    Besides the backend contract it offers waiting for a state change
+    (:meth:`wait_for_state`), an append-only join queue per round
+    (:meth:`enqueue` and friends) and server-judged liveness per node
+    (:meth:`beat`, :meth:`heartbeat_mark`, :meth:`forget`).
+
+    Args:
+        client: The etcd client.
+        run_id: The run identifier.
+        key_prefix: Prefix of every key of this backend (``/rdzv/``).
+        ttl: Seconds an unwritten state survives on the server (two hours).
+        liveness_ttl: Seconds a node's heartbeat key survives without a beat
+            (60); observers judge death on their own clocks well before.
+
+    Raises:
+        ValueError: An empty run id or prefix, or a TTL below 1 second.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        run_id: str,
+        key_prefix: str | None = None,
+        ttl: int | None = None,
+        liveness_ttl: int | None = None,
+    ) -> None:
+        if not run_id:
+            raise ValueError("the run id must be a non-empty string")
+        prefix = DEFAULT_KEY_PREFIX if key_prefix is None else key_prefix
+        if not prefix:
+            raise ValueError("the etcd key prefix must not be empty")
+        ttl = DEFAULT_TTL if ttl is None else ttl
+        liveness_ttl = DEFAULT_LIVENESS_TTL if liveness_ttl is None else liveness_ttl
+        for name, value in (("ttl", ttl), ("liveness_ttl", liveness_ttl)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number of seconds >= 1, got {value!r}")
+        self._client = client
+        self._run_id = run_id
+        self._key = f"{prefix}{run_id}".encode()
+        self._run_prefix = self._key + b"/"
+        self._ttl = ttl
+        self._liveness_ttl = liveness_ttl
+        self._lock = threading.Lock()
+        self._state_lease = 0
+        self._state_lease_renew_at = 0.0
+        self._node_leases: dict[str, int] = {}
+
+    @property
+    def name(self) -> str:
+        """``etcd-v3``."""
+        return "etcd-v3"
+
+    @property
+    def client(self) -> EtcdClient:
+        """The etcd client."""
+        return self._client
+
+    @property
+    def key(self) -> bytes:
+        """The key that holds the state."""
+        return self._key
+
+    @property
+    def run_prefix(self) -> bytes:
+        """The prefix of the run's other keys (queues, heartbeats, store)."""
+        return self._run_prefix
+
+    # -- state ------------------------------------------------------------------
+
+    def _decode(self, kv: KeyValue) -> tuple[bytes, Token]:
+        if not kv.value.startswith(_MAGIC):
+            raise RendezvousStateError(
+                f"the value of etcd key {kv.key!r} is not an rdzv rendezvous state "
+                f"(it starts with {kv.value[:16]!r}); delete the key or use another run id"
+            )
+        return kv.value[len(_MAGIC) :], kv.mod_revision
+
+    def _state_lease_id(self) -> int:
+        with self._lock:
+            if self._state_lease and time.monotonic() < self._state_lease_renew_at:
+                return self._state_lease
+        lease_id, granted = self._client.lease_grant(self._ttl)
+        with self._lock:
+            self._state_lease = lease_id
+            self._state_lease_renew_at = time.monotonic() + max(granted, 1) / 2
+        return lease_id
+
+    def _with_state_lease(self, write: Callable[[int], _T]) -> _T:
+        """Run ``write(lease)``; if the server lost the cached lease, grant a new one and retry."""
+        try:
+            return write(self._state_lease_id())
+        except RendezvousStateError as exc:
+            if "lease not found" not in str(exc):
+                raise
+        with self._lock:
+            self._state_lease = 0
+        return write(self._state_lease_id())
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """Read the state (see :class:`RendezvousBackend`).
+
+        Returns:
+            ``(state, token)`` or None.
+
+        Raises:
+            RendezvousConnectionError: No etcd member answered.
+            RendezvousStateError: The stored value is not an rdzv state.
+        """
+        kv, _ = self._client.get(self._key)
+        return None if kv is None else self._decode(kv)
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        """Write the state if ``token`` is current (see :class:`RendezvousBackend`).
+
+        A write whose first reply was lost and that is found stored on the
+        retry (same bytes) is reported as written.
+
+        Args:
+            state: The new state.
+            token: The token from the last read, or None to create.
+
+        Returns:
+            ``(state, token, written)``, or None when nothing is stored.
+
+        Raises:
+            RendezvousConnectionError: No etcd member answered.
+            RendezvousStateError: The stored value is not an rdzv state.
+        """
+        state = bytes(state)
+        expected = _valid_token(token)
+        if expected is None:
+            current = self.get_state()
+            return None if current is None else (current[0], current[1], False)
+        value = _MAGIC + state
+        written, revision, kv, attempts = self._with_state_lease(
+            lambda lease: self._client.compare_and_put(self._key, value, expected, lease=lease)
+        )
+        if written:
+            return state, revision, True
+        if kv is None:
+            return None
+        if attempts > 1 and kv.value == value:
+            return state, kv.mod_revision, True
+        current_state, current_token = self._decode(kv)
+        return current_state, current_token, False
+
+    def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
+        """Wait until the state's token differs from ``token``, by watching.
+
+        Args:
+            token: A token of this backend, or None.
+            timeout: The longest time to block, in seconds.
+
+        Returns:
+            ``(state, token)`` when the call returns, or None when nothing is
+            stored.
+
+        Raises:
+            RendezvousConnectionError: No etcd member answered.
+            RendezvousStateError: The stored value is not an rdzv state.
+        """
+        kv, revision = self._client.get(self._key)
+        current = None if kv is None else self._decode(kv)
+        if (current is None and token is not None) or (current is not None and current[1] != token):
+            return current
+        if timeout > 0:
+            # A compacted revision means something changed after our read: re-read below.
+            with contextlib.suppress(EtcdCompactedError):
+                self._client.watch(self._key, revision + 1, timeout)
+        return self.get_state()
+
+    # -- join queue -----------------------------------------------------------
+
+    def _queue_prefix(self, round_id: int) -> bytes:
+        return self._run_prefix + f"queue/{round_id}/".encode()
+
+    def enqueue(self, round_id: int, record: bytes) -> int:
+        """Append a join record to the queue of ``round_id`` in one transaction.
+
+        Args:
+            round_id: The round (>= 0).
+            record: The record (1 to 4096 bytes).
+
+        Returns:
+            The record's 1-based position.
+
+        Raises:
+            ValueError: Bad round or record.
+            RendezvousConnectionError: No etcd member answered.
+        """
+        validate_record(round_id, record)
+        prefix = self._queue_prefix(round_id)
+        key = prefix + uuid.uuid4().hex.encode()
+        result = self._with_state_lease(
+            lambda lease: self._client.txn(
+                [],
+                [
+                    {"request_put": EtcdClient.put_request(key, record, lease)},
+                    {
+                        "request_range": EtcdClient.range_request(
+                            prefix, prefix=True, count_only=True
+                        )
+                    },
+                ],
+                [],
+            )
+        )
+        try:
+            reply = result.responses[1]["response_range"]
+            return int(reply.get("count", 0))
+        except (IndexError, KeyError, TypeError, ValueError):
+            raise RendezvousStateError(
+                f"etcd answered an enqueue with an unexpected reply: {result.responses!r}"
+            ) from None
+
+    def queue_records(self, round_id: int) -> list[bytes]:
+        """Return the join records of ``round_id``, oldest first.
+
+        Args:
+            round_id: The round.
+
+        Returns:
+            The records.
+        """
+        kvs, _ = self._client.range(self._queue_prefix(round_id), prefix=True, sort_by_create=True)
+        return [kv.value for kv in kvs]
+
+    def queue_length(self, round_id: int) -> int:
+        """Return how many join records ``round_id`` has.
+
+        Args:
+            round_id: The round.
+
+        Returns:
+            The number of records.
+        """
+        return self._client.count(self._queue_prefix(round_id))
+
+    def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
+        """Wait until the queue length of ``round_id`` differs from ``known``.
+
+        Args:
+            round_id: The round.
+            known: The length the caller last saw.
+            timeout: The longest time to block, in seconds.
+
+        Returns:
+            The length when the call returns.
+        """
+        prefix = self._queue_prefix(round_id)
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            kvs, revision = self._client.range(prefix, prefix=True, keys_only=True)
+            if len(kvs) != known:
+                return len(kvs)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return known
+            try:
+                self._client.watch(prefix, revision + 1, remaining, prefix=True)
+            except EtcdCompactedError:
+                continue
+
+    def drop_queue(self, round_id: int) -> None:
+        """Delete the queue of ``round_id``.
+
+        Args:
+            round_id: The round.
+        """
+        self._client.delete(self._queue_prefix(round_id), prefix=True)
+
+    # -- liveness -----------------------------------------------------------
+
+    def _alive_key(self, node: str) -> bytes:
+        validate_node_key(node)
+        return self._run_prefix + f"alive/{node}".encode()
+
+    def beat(self, node: str) -> None:
+        """Record a heartbeat: put the node's key under its lease and refresh the lease.
+
+        Args:
+            node: The node key.
+
+        Raises:
+            ValueError: The node key is invalid.
+            RendezvousConnectionError: No etcd member answered.
+        """
+        key = self._alive_key(node)
+        for _ in range(2):
+            with self._lock:
+                lease = self._node_leases.get(node, 0)
+            if not lease:
+                lease, _ = self._client.lease_grant(self._liveness_ttl)
+                with self._lock:
+                    self._node_leases[node] = lease
+                self._client.put(key, b"alive", lease=lease)
+                return
+            if self._client.lease_keepalive(lease) > 0:
+                try:
+                    self._client.put(key, b"alive", lease=lease)
+                except RendezvousStateError as exc:
+                    if "lease not found" not in str(exc):
+                        raise
+                else:
+                    return
+            with self._lock:
+                self._node_leases.pop(node, None)
+        raise RendezvousStateError(f"etcd keeps expiring the heartbeat lease of node {node!r}")
+
+    def heartbeat_mark(self, node: str) -> bytes | None:
+        """Return the ``mod_revision`` of the node's heartbeat key, or None if it expired.
+
+        Args:
+            node: The node key.
+
+        Returns:
+            The mark, or None.
+        """
+        kv, _ = self._client.get(self._alive_key(node))
+        return None if kv is None else str(kv.mod_revision).encode()
+
+    def forget(self, node: str) -> None:
+        """Delete the node's heartbeat key and revoke its lease if this process holds it.
+
+        Args:
+            node: The node key.
+        """
+        key = self._alive_key(node)
+        with self._lock:
+            lease = self._node_leases.pop(node, 0)
+        if lease:
+            self._client.lease_revoke(lease)
+        self._client.delete(key)
+
+    def live_nodes(self) -> list[str]:
+        """Return the nodes whose heartbeat key the server still holds.
+
+        Returns:
+            The node keys, sorted.
+        """
+        prefix = self._run_prefix + b"alive/"
+        kvs, _ = self._client.range(prefix, prefix=True, keys_only=True)
+        return sorted(kv.key[len(prefix) :].decode("utf-8", "replace") for kv in kvs)
+
+
+def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
+    """Parse ``h1:2379,h2:2379,...`` (the default port is 2379).
+
+    Args:
+        endpoint: One or more comma-separated members; a ``http://`` or
+            ``https://`` scheme on a member is ignored (the protocol comes
+            from the ``protocol`` option).
+
+    Returns:
+        ``[(host, port), ...]``.
+
+    Raises:
+        ValueError: The list is empty or a member is malformed.
+    """
+    members: list[tuple[str, int]] = []
+    for item in endpoint.split(","):
+        text = item.strip()
+        for scheme in ("http://", "https://"):
+            if text.lower().startswith(scheme):
+                text = text[len(scheme) :]
+        text = text.rstrip("/")
+        if not text:
+            continue
+        members.append(parse_endpoint(text, DEFAULT_ETCD_PORT))
+    if not members:
+        raise ValueError(
+            f"the etcd endpoint {endpoint!r} names no member; expected host[:port],..."
+        )
+    return members
+
+
+def _option(params: RendezvousParameters, key: str) -> str | None:
+    value: Any = params.get(key)
+    if value is None or value == "":
+        return None
+    return str(value)
+
+
+def create_client(params: RendezvousParameters) -> EtcdClient:
+    """Build an :class:`EtcdClient` from rendezvous parameters.
+
+    Options: ``read_timeout`` (seconds, 60), ``protocol`` (``http`` or
+    ``https``), ``ssl_cert``, ``ssl_cert_key``, ``ca_cert`` (or ``cacert``,
+    the name torch's etcd handler reads).
+
+    Args:
+        params: The parameters; ``endpoint`` lists the members.
+
+    Returns:
+        The client.
+
+    Raises:
+        ValueError: An option or the endpoint is invalid; the message names it.
+    """
+    read_timeout = params.get_as_seconds("read_timeout") or 60.0
+    protocol = (_option(params, "protocol") or "http").lower()
+    return EtcdClient(
+        parse_endpoints(params.endpoint),
+        protocol=protocol,
+        read_timeout=read_timeout,
+        ssl_cert=_option(params, "ssl_cert"),
+        ssl_cert_key=_option(params, "ssl_cert_key"),
+        ca_cert=_option(params, "ca_cert") or _option(params, "cacert"),
+    )
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, EtcdStore]:
+    """Build the etcd backend and the etcd store of a run.
+
+    Options: those of :func:`create_client`, plus ``key_prefix`` (``/rdzv/``)
+    and ``ttl`` (seconds, 7200).
+
+    Args:
+        params: The rendezvous parameters.
+
+    Returns:
+        ``(backend, store)``; the store keeps its keys under the run's prefix.
+
+    Raises:
+        ValueError: An option or the endpoint is invalid.
+    """
+    client = create_client(params)
+    backend = EtcdRendezvousBackend(
+        client,
+        params.run_id,
+        key_prefix=_option(params, "key_prefix"),
+        ttl=params.get_as_int("ttl"),
+    )
+    store = EtcdStore(client, backend.run_prefix + b"store/")
+    return backend, store
+
+
+def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build a dynamic rendezvous handler on etcd (registered as ``etcd`` and ``etcd-v2``).
+
+    The round's store is an :class:`EtcdStore` in the same cluster, so no
+    TCP store host is needed.
+
+    Args:
+        params: The rendezvous parameters (see :func:`create_backend` and
+            :func:`rdzv.dynamic.handler.create_handler` for the options).
+
+    Returns:
+        The handler.
+
+    Raises:
+        ValueError: A parameter is invalid; the message names it.
+    """
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)

@@ -1,0 +1,825 @@
+"""A small etcd v3 client over etcd's JSON gateway, standard library only.
+
+Theory of operation
+-------------------
+etcd serves its gRPC API as JSON under ``/v3/...`` (the grpc-gateway). Keys
+and values travel base64-encoded, int64 fields come back as JSON strings and
+proto3 JSON omits false and zero fields (a failed txn has no ``succeeded``,
+an absent key no ``kvs``); the parsing below treats a missing field as its
+zero value.
+
+Unary calls (range, put, txn, leases) share a small pool of keep-alive
+``http.client`` connections, one per call at a time, so the client is
+thread-safe. Each call has a per-request socket timeout and an overall
+deadline; when a member is unreachable, or answers that it has no leader,
+the call moves on to the next endpoint, with capped backoff between full
+passes over the endpoint list, until the deadline. A call that was sent more
+than once reports it (``attempts``), so a caller can recognise its own write
+when the reply to the first attempt was lost.
+
+A watch runs on its own connection: ``POST /v3/watch`` answers with a stream
+of newline-delimited JSON objects. The first says ``created``; later ones
+carry events. A watch from a compacted revision is cancelled by the server
+with ``compact_revision``; :class:`EtcdCompactedError` tells the caller to
+re-read and watch again from the fresh revision. Every watch is bounded by a
+timeout: the socket timeout is the time left, and the connection is closed
+when the watch returns, so nothing can hang.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import ssl
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rdzv.endpoint import format_endpoint
+from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+
+__all__ = [
+    "DEFAULT_ETCD_PORT",
+    "EtcdClient",
+    "EtcdCompactedError",
+    "KeyValue",
+    "TxnResult",
+    "WatchEvent",
+    "prefix_range_end",
+]
+
+DEFAULT_ETCD_PORT = 2379
+
+# The most bytes one line of a watch stream may take (a guard against garbage).
+_MAX_WATCH_LINE = 64 * 1024 * 1024
+# gRPC status codes worth retrying on another member: UNAVAILABLE, DEADLINE_EXCEEDED.
+_RETRYABLE_GRPC_CODES = frozenset({4, 14})
+_RETRYABLE_MESSAGES = ("leader changed", "no leader", "timed out", "not capable", "stopped")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: Any, what: str, endpoint: str) -> bytes:
+    if text is None:
+        return b""
+    try:
+        return base64.b64decode(str(text), validate=True)
+    except ValueError:
+        raise RendezvousStateError(f"etcd at {endpoint} sent a {what} that is not base64") from None
+
+
+def _int(value: Any, what: str, endpoint: str) -> int:
+    if value is None:
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise RendezvousStateError(
+            f"etcd at {endpoint} sent a {what} that is not an integer: {value!r}"
+        ) from None
+
+
+def prefix_range_end(prefix: bytes) -> bytes:
+    r"""Return the ``range_end`` that selects every key starting with ``prefix``.
+
+    Args:
+        prefix: A non-empty key prefix.
+
+    Returns:
+        The prefix with its last byte below 0xff incremented (``b"\\0"`` if
+        every byte is 0xff, meaning "to the end of the keyspace").
+    """
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return b"\0"
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
+class EtcdCompactedError(RendezvousConnectionError):
+    """A watch asked for a revision the server has compacted away.
+
+    Args:
+        endpoint: The member that answered.
+        compact_revision: The oldest revision still available.
+    """
+
+    def __init__(self, endpoint: str, compact_revision: int) -> None:
+        self.compact_revision = compact_revision
+        super().__init__(
+            f"etcd at {endpoint} compacted the history up to revision {compact_revision}; "
+            "re-read and watch again"
+        )
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """A key and its value as etcd stores them."""
+
+    key: bytes
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    version: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change seen by a watch: ``kind`` is ``"PUT"`` or ``"DELETE"``."""
+
+    kind: str
+    kv: KeyValue
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """The outcome of a transaction.
+
+    Attributes:
+        succeeded: Whether the compare held (the success branch ran).
+        revision: The store revision after the transaction.
+        responses: The raw responses of the branch that ran.
+        attempts: How many times the request was sent (> 1 after a failover).
+    """
+
+    succeeded: bool
+    revision: int
+    responses: list[dict[str, Any]]
+    attempts: int
+
+
+class _RetryableError(Exception):
+    """A member failed in a way that another member (or a later try) may not."""
+
+
+class EtcdClient:
+    """A thread-safe etcd v3 client over the JSON gateway.
+
+    Args:
+        endpoints: ``(host, port)`` of one or more cluster members.
+        protocol: ``"http"`` or ``"https"``.
+        read_timeout: Seconds one request (and a whole call with failover)
+            may take.
+        connect_timeout: Seconds to establish a connection to one member.
+        ssl_cert: The client certificate file (PEM), for https.
+        ssl_cert_key: The client certificate's key file (PEM).
+        ca_cert: The CA bundle that verifies the servers (PEM); the system
+            trust store when None.
+
+    Raises:
+        ValueError: No endpoint, an unknown protocol, TLS files without https,
+            a certificate without its key, or a non-positive timeout.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        protocol: str = "http",
+        read_timeout: float = 60.0,
+        connect_timeout: float = 5.0,
+        ssl_cert: str | None = None,
+        ssl_cert_key: str | None = None,
+        ca_cert: str | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("the etcd client needs at least one endpoint")
+        protocol = protocol.strip().lower()
+        if protocol not in ("http", "https"):
+            raise ValueError(f"the etcd protocol must be 'http' or 'https', got {protocol!r}")
+        if protocol == "http" and (ssl_cert or ssl_cert_key or ca_cert):
+            raise ValueError(
+                "ssl_cert, ssl_cert_key and ca_cert need protocol=https; got protocol=http"
+            )
+        if bool(ssl_cert) != bool(ssl_cert_key):
+            raise ValueError("ssl_cert and ssl_cert_key must be given together")
+        if not read_timeout > 0:
+            raise ValueError(f"read_timeout must be positive, got {read_timeout!r}")
+        if not connect_timeout > 0:
+            raise ValueError(f"connect_timeout must be positive, got {connect_timeout!r}")
+        self._endpoints = [(host, int(port)) for host, port in endpoints]
+        self._protocol = protocol
+        self._read_timeout = float(read_timeout)
+        self._connect_timeout = float(connect_timeout)
+        self._ssl_context: ssl.SSLContext | None = None
+        self._has_client_cert = bool(ssl_cert)
+        if protocol == "https":
+            self._ssl_context = ssl.create_default_context(cafile=ca_cert)
+            if ssl_cert and ssl_cert_key:
+                self._ssl_context.load_cert_chain(ssl_cert, ssl_cert_key)
+        self._lock = threading.Lock()
+        self._current = 0
+        self._idle: list[tuple[int, http.client.HTTPConnection]] = []
+        self._closed = False
+
+    # -- endpoints and connections ------------------------------------------
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The members' URLs, in failover order."""
+        return [self._url(i) for i in range(len(self._endpoints))]
+
+    @property
+    def read_timeout(self) -> float:
+        """Seconds one call may take."""
+        return self._read_timeout
+
+    def _url(self, index: int) -> str:
+        host, port = self._endpoints[index]
+        return f"{self._protocol}://{format_endpoint(host, port)}"
+
+    def _connect(self, index: int, timeout: float) -> http.client.HTTPConnection:
+        host, port = self._endpoints[index]
+        if self._ssl_context is not None:
+            return http.client.HTTPSConnection(
+                host, port, timeout=timeout, context=self._ssl_context
+            )
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+
+    def _take(self, index: int, timeout: float) -> http.client.HTTPConnection:
+        with self._lock:
+            if self._closed:
+                raise RendezvousConnectionError("the etcd client is closed")
+            for i, (idx, conn) in enumerate(self._idle):
+                if idx == index:
+                    del self._idle[i]
+                    return conn
+        return self._connect(index, min(self._connect_timeout, timeout))
+
+    def _give_back(self, index: int, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < 8:
+                self._idle.append((index, conn))
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close every pooled connection; later calls raise."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for _, conn in idle:
+            conn.close()
+
+    def __enter__(self) -> EtcdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests -------------------------------------------------------------
+
+    def _tls_hint(self) -> str:
+        if self._ssl_context is not None and not self._has_client_cert:
+            return (
+                " (a server that requires client certificates drops connections "
+                "without one: set ssl_cert and ssl_cert_key)"
+            )
+        return ""
+
+    def _request_once(
+        self, index: int, path: str, body: dict[str, Any], timeout: float
+    ) -> dict[str, Any]:
+        endpoint = self._url(index)
+        payload = json.dumps(body).encode()
+        conn = self._take(index, timeout)
+        try:
+            if getattr(conn, "sock", None) is None:
+                conn.connect()  # bounded by the connect timeout given at creation
+            conn.sock.settimeout(timeout)
+            conn.request("POST", path, payload, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        except ssl.SSLError as exc:
+            conn.close()
+            raise _tls_error(endpoint, exc, self._has_client_cert) from exc
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise _RetryableError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
+        if resp.will_close:
+            conn.close()
+        else:
+            self._give_back(index, conn)
+        try:
+            decoded = json.loads(data) if data else {}
+        except ValueError:
+            raise _RetryableError(
+                f"{endpoint}: HTTP {resp.status} with a body that is not JSON: {data[:200]!r}"
+            ) from None
+        if not isinstance(decoded, dict):
+            raise RendezvousStateError(f"etcd at {endpoint} answered {path} with {decoded!r}")
+        if resp.status != 200 or "error" in decoded:
+            message = str(decoded.get("message") or decoded.get("error") or data[:200])
+            code = decoded.get("code")
+            if code in _RETRYABLE_GRPC_CODES or resp.status in (502, 503, 504):
+                raise _RetryableError(f"{endpoint}: {message}")
+            if any(text in message for text in _RETRYABLE_MESSAGES):
+                raise _RetryableError(f"{endpoint}: {message}")
+            raise RendezvousStateError(
+                f"etcd at {endpoint} rejected {path} (HTTP {resp.status}): {message}"
+            )
+        return decoded
+
+    def call(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], int, str]:
+        """Send one JSON request, failing over between members until the deadline.
+
+        Args:
+            path: The gateway path, e.g. ``/v3/kv/range``.
+            body: The request object.
+
+        Returns:
+            ``(response, attempts, endpoint)``.
+
+        Raises:
+            RendezvousConnectionError: No member answered within the read
+                timeout; the message names every member tried.
+            RendezvousStateError: A member rejected the request.
+        """
+        deadline = time.monotonic() + self._read_timeout
+        errors: list[str] = []
+        attempts = 0
+        backoff = 0.02
+        count = len(self._endpoints)
+        # A member that accepts connections but hangs must not eat the whole
+        # budget: with several members each attempt gets a share of it.
+        per_attempt = self._read_timeout if count == 1 else max(1.0, self._read_timeout / count)
+        while True:
+            with self._lock:
+                start = self._current
+            for step in range(count):
+                if attempts and time.monotonic() >= deadline:
+                    break
+                index = (start + step) % count
+                attempts += 1
+                try:
+                    remaining = max(0.05, deadline - time.monotonic())
+                    response = self._request_once(index, path, body, min(remaining, per_attempt))
+                except _RetryableError as exc:
+                    errors.append(str(exc))
+                    continue
+                if step:
+                    with self._lock:
+                        self._current = index
+                return response, attempts, self._url(index)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RendezvousConnectionError(
+                    f"no etcd member answered {path} within {self._read_timeout:g} s "
+                    f"({attempts} attempts); last errors: {'; '.join(errors[-count:])}"
+                    + self._tls_hint()
+                )
+            time.sleep(min(backoff, remaining))
+            backoff = min(backoff * 2, 0.5)
+
+    # -- KV ---------------------------------------------------------------------
+
+    def _kv(self, raw: dict[str, Any], endpoint: str) -> KeyValue:
+        return KeyValue(
+            key=_unb64(raw.get("key"), "key", endpoint),
+            value=_unb64(raw.get("value"), "value", endpoint),
+            mod_revision=_int(raw.get("mod_revision"), "mod_revision", endpoint),
+            create_revision=_int(raw.get("create_revision"), "create_revision", endpoint),
+            version=_int(raw.get("version"), "version", endpoint),
+            lease=_int(raw.get("lease"), "lease", endpoint),
+        )
+
+    def _kvs(self, response: dict[str, Any], endpoint: str) -> list[KeyValue]:
+        return [self._kv(raw, endpoint) for raw in response.get("kvs") or []]
+
+    @staticmethod
+    def range_request(
+        key: bytes,
+        prefix: bool = False,
+        limit: int = 0,
+        sort_by_create: bool = False,
+        keys_only: bool = False,
+        count_only: bool = False,
+        serializable: bool = False,
+    ) -> dict[str, Any]:
+        """Build a range request (for :meth:`range` or inside a txn).
+
+        Args:
+            key: The key, or the prefix when ``prefix`` is set.
+            prefix: Select every key starting with ``key``.
+            limit: The most keys to return (0: no limit).
+            sort_by_create: Sort by creation revision, oldest first.
+            keys_only: Leave the values out.
+            count_only: Return only the count.
+            serializable: Answer from the member's own copy, without asking
+                the leader (may be stale; for diagnostics).
+
+        Returns:
+            The request object.
+        """
+        request: dict[str, Any] = {"key": _b64(key)}
+        if prefix:
+            request["range_end"] = _b64(prefix_range_end(key))
+        if limit:
+            request["limit"] = limit
+        if sort_by_create:
+            request["sort_order"] = "ASCEND"
+            request["sort_target"] = "CREATE"
+        if keys_only:
+            request["keys_only"] = True
+        if count_only:
+            request["count_only"] = True
+        if serializable:
+            request["serializable"] = True
+        return request
+
+    def range(
+        self,
+        key: bytes,
+        prefix: bool = False,
+        limit: int = 0,
+        sort_by_create: bool = False,
+        keys_only: bool = False,
+        serializable: bool = False,
+    ) -> tuple[list[KeyValue], int]:
+        """Read a key or every key under a prefix.
+
+        Args:
+            key: The key or prefix.
+            prefix: Read every key starting with ``key``.
+            limit: The most keys to return (0: no limit).
+            sort_by_create: Oldest-created first.
+            keys_only: Leave the values out.
+            serializable: Answer from the member's own copy (may be stale).
+
+        Returns:
+            ``(kvs, revision)``: the keys found and the store revision read.
+
+        Raises:
+            RendezvousConnectionError: No member answered.
+            RendezvousStateError: The answer is malformed.
+        """
+        body = self.range_request(
+            key, prefix, limit, sort_by_create, keys_only, serializable=serializable
+        )
+        response, _, endpoint = self.call("/v3/kv/range", body)
+        return self._kvs(response, endpoint), self._revision(response, endpoint)
+
+    def count(self, prefix: bytes) -> int:
+        """Count the keys under ``prefix``.
+
+        Args:
+            prefix: The prefix.
+
+        Returns:
+            The number of keys.
+        """
+        body = self.range_request(prefix, prefix=True, count_only=True)
+        response, _, endpoint = self.call("/v3/kv/range", body)
+        return _int(response.get("count"), "count", endpoint)
+
+    def _revision(self, response: dict[str, Any], endpoint: str) -> int:
+        header = response.get("header") or {}
+        return _int(header.get("revision"), "revision", endpoint)
+
+    def get(self, key: bytes) -> tuple[KeyValue | None, int]:
+        """Read one key.
+
+        Args:
+            key: The key.
+
+        Returns:
+            ``(kv or None, revision)``.
+        """
+        kvs, revision = self.range(key)
+        return (kvs[0] if kvs else None), revision
+
+    @staticmethod
+    def put_request(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
+        """Build a put request (for :meth:`put` or inside a txn).
+
+        Args:
+            key: The key.
+            value: The value.
+            lease: A lease ID to attach (0: none).
+
+        Returns:
+            The request object.
+        """
+        request: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            request["lease"] = str(lease)
+        return request
+
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """Write a key.
+
+        Args:
+            key: The key.
+            value: The value.
+            lease: A lease ID to attach (0: none).
+
+        Returns:
+            The store revision of the write.
+        """
+        response, _, endpoint = self.call("/v3/kv/put", self.put_request(key, value, lease))
+        return self._revision(response, endpoint)
+
+    @staticmethod
+    def delete_request(key: bytes, prefix: bool = False) -> dict[str, Any]:
+        """Build a delete-range request.
+
+        Args:
+            key: The key or prefix.
+            prefix: Delete every key starting with ``key``.
+
+        Returns:
+            The request object.
+        """
+        request: dict[str, Any] = {"key": _b64(key)}
+        if prefix:
+            request["range_end"] = _b64(prefix_range_end(key))
+        return request
+
+    def delete(self, key: bytes, prefix: bool = False) -> int:
+        """Delete a key or every key under a prefix.
+
+        Args:
+            key: The key or prefix.
+            prefix: Delete every key starting with ``key``.
+
+        Returns:
+            The number of keys deleted.
+        """
+        response, _, endpoint = self.call("/v3/kv/deleterange", self.delete_request(key, prefix))
+        return _int(response.get("deleted"), "deleted", endpoint)
+
+    def txn(
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]],
+    ) -> TxnResult:
+        """Run a transaction.
+
+        Args:
+            compare: Compare objects (``key``, ``target``, ``result``, ...).
+            success: Request ops (``{"request_put": ...}``, ...) run when
+                every compare holds.
+            failure: Request ops run otherwise.
+
+        Returns:
+            The result.
+        """
+        body = {"compare": compare, "success": success, "failure": failure}
+        response, attempts, endpoint = self.call("/v3/kv/txn", body)
+        return TxnResult(
+            succeeded=bool(response.get("succeeded", False)),
+            revision=self._revision(response, endpoint),
+            responses=list(response.get("responses") or []),
+            attempts=attempts,
+        )
+
+    def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:
+        """Return the keys of the ``index``-th range response of a txn.
+
+        Args:
+            result: The txn result.
+            index: The position of the range op in the branch that ran.
+
+        Returns:
+            The keys read by that op.
+        """
+        endpoint = self.endpoints[self._current]
+        try:
+            reply = result.responses[index].get("response_range") or {}
+        except (IndexError, AttributeError):
+            raise RendezvousStateError(
+                f"etcd at {endpoint} sent a txn answer without response {index}"
+            ) from None
+        return self._kvs(reply, endpoint)
+
+    def compare_and_put(
+        self, key: bytes, value: bytes, mod_revision: int, lease: int = 0
+    ) -> tuple[bool, int, KeyValue | None, int]:
+        """Write ``key`` if its ``mod_revision`` is ``mod_revision``, in one round trip.
+
+        Args:
+            key: The key.
+            value: The new value.
+            mod_revision: The expected modification revision; 0 means
+                "the key must not exist".
+            lease: A lease ID to attach to the new value.
+
+        Returns:
+            ``(written, revision, current, attempts)``: on success the
+            revision of the write and ``current`` None; on failure the
+            stored key (None when absent) as read in the same transaction.
+        """
+        compare = [
+            {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}
+        ]
+        result = self.txn(
+            compare,
+            [{"request_put": self.put_request(key, value, lease)}],
+            [{"request_range": self.range_request(key)}],
+        )
+        if result.succeeded:
+            return True, result.revision, None, result.attempts
+        kvs = self.txn_kvs(result, 0)
+        return False, result.revision, (kvs[0] if kvs else None), result.attempts
+
+    # -- leases ---------------------------------------------------------------
+
+    def lease_grant(self, ttl: int) -> tuple[int, int]:
+        """Grant a lease.
+
+        Args:
+            ttl: The time to live, in whole seconds (at least 1).
+
+        Returns:
+            ``(lease_id, granted_ttl)``.
+
+        Raises:
+            ValueError: ``ttl`` is below 1.
+        """
+        if ttl < 1:
+            raise ValueError(f"a lease TTL must be at least 1 second, got {ttl!r}")
+        response, _, endpoint = self.call("/v3/lease/grant", {"TTL": str(ttl)})
+        if response.get("error"):
+            raise RendezvousStateError(f"etcd at {endpoint} refused a lease: {response['error']}")
+        return _int(response.get("ID"), "lease ID", endpoint), _int(
+            response.get("TTL"), "TTL", endpoint
+        )
+
+    def lease_keepalive(self, lease_id: int) -> int:
+        """Refresh a lease once.
+
+        Args:
+            lease_id: The lease.
+
+        Returns:
+            The TTL the lease now has, in seconds; 0 or less when the lease
+            has expired or does not exist.
+        """
+        response, _, endpoint = self.call("/v3/lease/keepalive", {"ID": str(lease_id)})
+        result = response.get("result") or {}
+        return _int(result.get("TTL"), "TTL", endpoint)
+
+    def lease_revoke(self, lease_id: int) -> None:
+        """Revoke a lease, deleting every key attached to it (a missing lease is ignored).
+
+        Args:
+            lease_id: The lease.
+        """
+        try:
+            self.call("/v3/kv/lease/revoke", {"ID": str(lease_id)})
+        except RendezvousStateError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    # -- watch ------------------------------------------------------------------
+
+    def watch(
+        self, key: bytes, start_revision: int, timeout: float, prefix: bool = False
+    ) -> tuple[list[WatchEvent], int]:
+        """Wait for changes of ``key`` (or a prefix) at or after ``start_revision``.
+
+        Returns as soon as one batch of events arrives, or empty when
+        ``timeout`` elapses.
+
+        Args:
+            key: The key or prefix.
+            start_revision: The first revision of interest.
+            timeout: The most seconds to wait.
+            prefix: Watch every key starting with ``key``.
+
+        Returns:
+            ``(events, next_revision)``: the events and the revision to
+            resume from.
+
+        Raises:
+            EtcdCompactedError: ``start_revision`` was compacted; re-read.
+            RendezvousConnectionError: No member could be watched.
+        """
+        deadline = time.monotonic() + max(0.0, timeout)
+        create: dict[str, Any] = {"key": _b64(key), "start_revision": str(start_revision)}
+        if prefix:
+            create["range_end"] = _b64(prefix_range_end(key))
+        payload = json.dumps({"create_request": create}).encode()
+        errors: list[str] = []
+        count = len(self._endpoints)
+        backoff = 0.02
+        while True:
+            with self._lock:
+                start = self._current
+            for step in range(count):
+                index = (start + step) % count
+                try:
+                    return self._watch_once(index, payload, start_revision, deadline)
+                except _RetryableError as exc:
+                    errors.append(str(exc))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RendezvousConnectionError(
+                    f"could not watch etcd ({', '.join(self.endpoints)}): "
+                    f"{'; '.join(errors[-count:])}" + self._tls_hint()
+                )
+            time.sleep(min(backoff, remaining))
+            backoff = min(backoff * 2, 0.5)
+
+    def _watch_once(
+        self, index: int, payload: bytes, start_revision: int, deadline: float
+    ) -> tuple[list[WatchEvent], int]:
+        endpoint = self._url(index)
+        remaining = deadline - time.monotonic()
+        conn = self._connect(index, max(0.05, min(self._connect_timeout, remaining)))
+        try:
+            try:
+                conn.request("POST", "/v3/watch", payload, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    body = resp.read(4096)
+                    raise _RetryableError(
+                        f"{endpoint}: watch answered HTTP {resp.status}: {body!r}"
+                    )
+                for message in self._stream(resp, conn, deadline, endpoint):
+                    result = message.get("result")
+                    if not isinstance(result, dict):
+                        error = message.get("error") or message
+                        raise _RetryableError(f"{endpoint}: watch failed: {error}")
+                    if result.get("canceled"):
+                        compact = _int(result.get("compact_revision"), "revision", endpoint)
+                        if compact:
+                            raise EtcdCompactedError(endpoint, compact)
+                        reason = result.get("cancel_reason", "no reason given")
+                        raise _RetryableError(f"{endpoint}: watch cancelled: {reason}")
+                    events = [
+                        WatchEvent(
+                            kind=str(raw.get("type") or "PUT"),
+                            kv=self._kv(raw.get("kv") or {}, endpoint),
+                        )
+                        for raw in result.get("events") or []
+                    ]
+                    if events:
+                        return events, events[-1].kv.mod_revision + 1
+                return [], start_revision
+            except ssl.SSLError as exc:
+                raise _tls_error(endpoint, exc, self._has_client_cert) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                if isinstance(exc, TimeoutError) and (time.monotonic() >= deadline - 0.01):
+                    return [], start_revision
+                raise _RetryableError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _stream(
+        resp: http.client.HTTPResponse,
+        conn: http.client.HTTPConnection,
+        deadline: float,
+        endpoint: str,
+    ) -> Iterator[dict[str, Any]]:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if conn.sock is not None:
+                conn.sock.settimeout(remaining)
+            try:
+                line = resp.readline(_MAX_WATCH_LINE)
+            except TimeoutError:
+                return
+            if not line:
+                raise _RetryableError(f"{endpoint}: the watch stream ended")
+            if not line.strip():
+                continue
+            try:
+                message = json.loads(line)
+            except ValueError:
+                raise _RetryableError(
+                    f"{endpoint}: the watch stream sent a line that is not JSON: {line[:200]!r}"
+                ) from None
+            if isinstance(message, dict):
+                yield message
+
+
+def _tls_error(
+    endpoint: str, exc: ssl.SSLError, has_client_cert: bool
+) -> RendezvousConnectionError:
+    reason = getattr(exc, "reason", None) or str(exc)
+    text = str(exc).upper()
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        hint = "the server certificate did not verify against ca_cert"
+    elif "ALERT" in text and ("CERTIFICATE" in text or "UNKNOWN_CA" in text):
+        hint = (
+            "the server rejected this client's certificate"
+            if has_client_cert
+            else "the server requires a client certificate; set ssl_cert and ssl_cert_key"
+        )
+    elif not has_client_cert:
+        hint = (
+            "the server ended the handshake; if it requires a client certificate, "
+            "set ssl_cert and ssl_cert_key"
+        )
+    else:
+        hint = "check ca_cert, ssl_cert and ssl_cert_key"
+    return RendezvousConnectionError(f"TLS with etcd at {endpoint} failed ({reason}): {hint}")

@@ -1,0 +1,474 @@
+"""The Redis rendezvous backend (extra ``rdzv[redis]``, needs redis-py).
+
+Theory of operation
+-------------------
+A run keeps its state in one hash, ``<key_prefix><run_id>``, with fields
+``v`` (the state) and ``rev`` (the fencing token, a decimal integer).
+Compare-and-set is one Lua script: it checks the type and fields of the hash
+(anything else is a corrupt record), compares ``rev``, writes the new value
+with ``rev + 1`` and appends the new revision to a change stream,
+``<key>:events``, all atomically; on a stale token it returns the current
+value and revision in the same round trip. A new record starts its ``rev``
+at the server's clock in microseconds, so a run whose state expired and was
+created again never hands out a token it handed out before.
+
+Waiting for a change reads the state and the stream's last entry id in one
+script, then blocks in ``XREAD BLOCK`` from that id: a write in between is
+never missed and a reader that reconnects resumes from its id (pub/sub
+would lose messages while reconnecting).
+
+Join queues are lists (``RPUSH`` returns the position) with a stream each
+for blocking waits; heartbeats are per-node counters with a ``PX`` TTL
+(``INCR`` + ``PEXPIRE``), so a dead node's key expires on the server.
+
+Redis replication is asynchronous. Run one primary: after a failover to a
+replica an acknowledged write can be lost and the token can go backwards.
+Redis Cluster is not supported (a run's keys are not hash-tagged together).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rdzv.backends.base import (
+    JoinQueueBackend,
+    LivenessBackend,
+    RendezvousBackend,
+    Token,
+    WatchableBackend,
+    validate_node_key,
+    validate_record,
+)
+from rdzv.backends.redis_connection import (
+    MAX_BLOCK_SECONDS,
+    as_bytes,
+    create_client,
+    endpoint_of,
+    option,
+    redis_errors,
+)
+from rdzv.backends.redis_store import RedisStore
+from rdzv.dynamic.handler import create_handler
+from rdzv.errors import RendezvousStateError
+
+if TYPE_CHECKING:
+    import redis
+
+    from rdzv.api import RendezvousHandler, RendezvousParameters
+
+__all__ = [
+    "DEFAULT_KEY_PREFIX",
+    "DEFAULT_TTL",
+    "RedisRendezvousBackend",
+    "create_backend",
+    "create_redis_handler",
+]
+
+DEFAULT_KEY_PREFIX = "rdzv:"
+DEFAULT_TTL = 7200
+DEFAULT_LIVENESS_TTL = 60
+_STREAM_MAXLEN = "100"
+
+_CAS = """
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind ~= 'none' and kind ~= 'hash' then return {-1, kind} end
+local v, rev = false, false
+if kind == 'hash' then
+  local cur = redis.call('HMGET', KEYS[1], 'v', 'rev')
+  v, rev = cur[1], cur[2]
+  if v == false or rev == false or tonumber(rev) == nil then return {-2} end
+  if rev ~= ARGV[1] then return {2, v, rev} end
+elseif ARGV[1] ~= '0' then
+  return {0}
+end
+local new
+if rev then
+  new = string.format('%.0f', tonumber(rev) + 1)
+else
+  local t = redis.call('TIME')
+  new = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+end
+redis.call('HSET', KEYS[1], 'v', ARGV[2], 'rev', new)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'rev', new)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {1, new}
+"""
+
+_READ = """
+local kind = redis.call('TYPE', KEYS[1]).ok
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local id = '0-0'
+if #last > 0 then id = last[1][1] end
+if kind == 'none' then return {0, id} end
+if kind ~= 'hash' then return {-1, id, kind} end
+local cur = redis.call('HMGET', KEYS[1], 'v', 'rev')
+if cur[1] == false or cur[2] == false or tonumber(cur[2]) == nil then return {-2, id} end
+return {1, id, cur[1], cur[2]}
+"""
+
+_ENQUEUE = """
+local n = redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'n', n)
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return n
+"""
+
+_QUEUE_LEN = """
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local id = '0-0'
+if #last > 0 then id = last[1][1] end
+return {redis.call('LLEN', KEYS[1]), id}
+"""
+
+_BEAT = """
+local n = redis.call('INCR', KEYS[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return n
+"""
+
+
+def _token(value: Any) -> int:
+    return int(as_bytes(value))
+
+
+class RedisRendezvousBackend(
+    RendezvousBackend, WatchableBackend, JoinQueueBackend, LivenessBackend
+):
+    """Keeps a run's rendezvous state in Redis, with compare-and-set in one Lua script.
+
+    Besides the backend contract it offers waiting for a state change
+    (:meth:`wait_for_state`), a join queue per round (:meth:`enqueue` and
+    friends) and heartbeats with server-side expiry (:meth:`beat`,
+    :meth:`heartbeat_mark`, :meth:`forget`).
+
+    Args:
+        client: A redis-py client (``decode_responses`` must be off).
+        run_id: The run identifier.
+        key_prefix: Prefix of every key of this backend (``rdzv:``).
+        ttl: Seconds an unwritten state survives on the server (two hours).
+        liveness_ttl: Seconds a heartbeat key survives without a beat (60).
+
+    Raises:
+        ValueError: An empty run id or prefix, a TTL below 1 second, or a
+            client that decodes responses.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        key_prefix: str | None = None,
+        ttl: int | None = None,
+        liveness_ttl: int | None = None,
+    ) -> None:
+        if not run_id:
+            raise ValueError("the run id must be a non-empty string")
+        prefix = DEFAULT_KEY_PREFIX if key_prefix is None else key_prefix
+        if not prefix:
+            raise ValueError("the Redis key prefix must not be empty")
+        ttl = DEFAULT_TTL if ttl is None else ttl
+        liveness_ttl = DEFAULT_LIVENESS_TTL if liveness_ttl is None else liveness_ttl
+        for name, value in (("ttl", ttl), ("liveness_ttl", liveness_ttl)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number of seconds >= 1, got {value!r}")
+        if client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("the Redis client must not decode responses (decode_responses=False)")
+        self._client = client
+        self._endpoint = endpoint_of(client)
+        self._key = f"{prefix}{run_id}"
+        self._events = f"{self._key}:events"
+        self._ttl_ms = ttl * 1000
+        self._liveness_ms = liveness_ttl * 1000
+        self._cas = client.register_script(_CAS)
+        self._read = client.register_script(_READ)
+        self._enqueue = client.register_script(_ENQUEUE)
+        self._queue_len = client.register_script(_QUEUE_LEN)
+        self._beat = client.register_script(_BEAT)
+
+    @property
+    def name(self) -> str:
+        """``redis``."""
+        return "redis"
+
+    @property
+    def client(self) -> redis.Redis:
+        """The redis-py client."""
+        return self._client
+
+    @property
+    def key(self) -> str:
+        """The key of the state hash."""
+        return self._key
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the server."""
+        return self._endpoint
+
+    def _corrupt(self, detail: str) -> RendezvousStateError:
+        return RendezvousStateError(
+            f"the Redis key {self._key!r} at {self._endpoint} is not an rdzv rendezvous state "
+            f"({detail}); delete the key or use another run id"
+        )
+
+    def _read_state(self) -> tuple[tuple[bytes, Token] | None, bytes]:
+        with redis_errors(self._endpoint, "reading the rendezvous state"):
+            reply = self._read(keys=[self._key, self._events])
+        code = int(reply[0])
+        last_id = as_bytes(reply[1])
+        if code == 0:
+            return None, last_id
+        if code == -1:
+            raise self._corrupt(f"it is a {as_bytes(reply[2]).decode()}, not a hash")
+        if code == -2:
+            raise self._corrupt("its fields v and rev are missing or rev is not an integer")
+        return (as_bytes(reply[2]), _token(reply[3])), last_id
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """Read the state (see :class:`RendezvousBackend`).
+
+        Returns:
+            ``(state, token)`` or None.
+
+        Raises:
+            RendezvousConnectionError: Redis could not be reached.
+            RendezvousStateError: The stored record is corrupt.
+        """
+        return self._read_state()[0]
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        """Write the state if ``token`` is current (see :class:`RendezvousBackend`).
+
+        Args:
+            state: The new state.
+            token: The token from the last read, or None to create.
+
+        Returns:
+            ``(state, token, written)``, or None when nothing is stored.
+
+        Raises:
+            RendezvousConnectionError: Redis could not be reached.
+            RendezvousStateError: The stored record is corrupt.
+        """
+        state = bytes(state)
+        if token is None:
+            expected = 0
+        elif isinstance(token, bool) or not isinstance(token, int) or not 1 <= token < 2**63:
+            current = self.get_state()
+            return None if current is None else (current[0], current[1], False)
+        else:
+            expected = token
+        with redis_errors(self._endpoint, "writing the rendezvous state"):
+            reply = self._cas(
+                keys=[self._key, self._events],
+                args=[str(expected), state, self._ttl_ms, _STREAM_MAXLEN],
+            )
+        code = int(reply[0])
+        if code == 1:
+            return state, _token(reply[1]), True
+        if code == 0:
+            return None
+        if code == -1:
+            raise self._corrupt(f"it is a {as_bytes(reply[1]).decode()}, not a hash")
+        if code == -2:
+            raise self._corrupt("its fields v and rev are missing or rev is not an integer")
+        return as_bytes(reply[1]), _token(reply[2]), False
+
+    def _block(self, stream: str, last_id: bytes, timeout: float) -> None:
+        """Block until ``stream`` has an entry after ``last_id`` or ``timeout`` elapses."""
+        block_ms = max(1, int(min(timeout, MAX_BLOCK_SECONDS) * 1000))
+        with redis_errors(self._endpoint, "waiting for a change"):
+            self._client.xread({stream: last_id}, count=1, block=block_ms)
+
+    def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
+        """Wait until the state's token differs from ``token``, blocking on the change stream.
+
+        Args:
+            token: A token of this backend, or None.
+            timeout: The longest time to block, in seconds.
+
+        Returns:
+            ``(state, token)`` when the call returns, or None.
+
+        Raises:
+            RendezvousConnectionError: Redis could not be reached.
+            RendezvousStateError: The stored record is corrupt.
+        """
+        current, last_id = self._read_state()
+        if (current is None and token is not None) or (current is not None and current[1] != token):
+            return current
+        if timeout > 0:
+            self._block(self._events, last_id, timeout)
+        return self.get_state()
+
+    # -- join queue -----------------------------------------------------------
+
+    def _queue_keys(self, round_id: int) -> list[str]:
+        base = f"{self._key}:queue:{round_id}"
+        return [base, f"{base}:events"]
+
+    def enqueue(self, round_id: int, record: bytes) -> int:
+        """Append a join record to the queue of ``round_id`` (``RPUSH``).
+
+        Args:
+            round_id: The round (>= 0).
+            record: The record (1 to 4096 bytes).
+
+        Returns:
+            The record's 1-based position.
+
+        Raises:
+            ValueError: Bad round or record.
+            RendezvousConnectionError: Redis could not be reached.
+        """
+        validate_record(round_id, record)
+        with redis_errors(self._endpoint, "enqueueing a join record"):
+            return int(
+                self._enqueue(
+                    keys=self._queue_keys(round_id), args=[record, self._ttl_ms, _STREAM_MAXLEN]
+                )
+            )
+
+    def queue_records(self, round_id: int) -> list[bytes]:
+        """Return the join records of ``round_id`` in position order.
+
+        Args:
+            round_id: The round.
+
+        Returns:
+            The records.
+        """
+        with redis_errors(self._endpoint, "reading a join queue"):
+            items = self._client.lrange(self._queue_keys(round_id)[0], 0, -1)
+        return [as_bytes(item) for item in items]
+
+    def queue_length(self, round_id: int) -> int:
+        """Return how many join records ``round_id`` has.
+
+        Args:
+            round_id: The round.
+
+        Returns:
+            The number of records.
+        """
+        with redis_errors(self._endpoint, "reading a join queue length"):
+            return int(self._client.llen(self._queue_keys(round_id)[0]))
+
+    def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
+        """Wait until the queue length of ``round_id`` differs from ``known``.
+
+        Args:
+            round_id: The round.
+            known: The length the caller last saw.
+            timeout: The longest time to block, in seconds.
+
+        Returns:
+            The length when the call returns.
+        """
+        keys = self._queue_keys(round_id)
+        with redis_errors(self._endpoint, "reading a join queue length"):
+            length, last_id = self._queue_len(keys=keys)
+        if int(length) != known or timeout <= 0:
+            return int(length)
+        self._block(keys[1], as_bytes(last_id), timeout)
+        return self.queue_length(round_id)
+
+    def drop_queue(self, round_id: int) -> None:
+        """Delete the queue of ``round_id``.
+
+        Args:
+            round_id: The round.
+        """
+        with redis_errors(self._endpoint, "deleting a join queue"):
+            self._client.delete(*self._queue_keys(round_id))
+
+    # -- liveness ---------------------------------------------------------------
+
+    def _alive_key(self, node: str) -> str:
+        validate_node_key(node)
+        return f"{self._key}:alive:{node}"
+
+    def beat(self, node: str) -> None:
+        """Record a heartbeat: ``INCR`` the node's key and reset its ``PX`` TTL.
+
+        Args:
+            node: The node key.
+
+        Raises:
+            ValueError: The node key is invalid.
+            RendezvousConnectionError: Redis could not be reached.
+        """
+        key = self._alive_key(node)
+        with redis_errors(self._endpoint, "recording a heartbeat"):
+            self._beat(keys=[key], args=[self._liveness_ms])
+
+    def heartbeat_mark(self, node: str) -> bytes | None:
+        """Return the node's heartbeat counter, or None once it expired.
+
+        Args:
+            node: The node key.
+
+        Returns:
+            The mark, or None.
+        """
+        key = self._alive_key(node)
+        with redis_errors(self._endpoint, "reading a heartbeat"):
+            value = self._client.get(key)
+        return None if value is None else as_bytes(value)
+
+    def forget(self, node: str) -> None:
+        """Delete the node's heartbeat key.
+
+        Args:
+            node: The node key.
+        """
+        key = self._alive_key(node)
+        with redis_errors(self._endpoint, "deleting a heartbeat"):
+            self._client.delete(key)
+
+
+def create_backend(params: RendezvousParameters) -> tuple[RedisRendezvousBackend, RedisStore]:
+    """Build the Redis backend and the Redis store of a run.
+
+    Options: those of :func:`rdzv.backends.redis_connection.create_client`, plus ``key_prefix`` (``rdzv:``)
+    and ``ttl`` (seconds, 7200).
+
+    Args:
+        params: The rendezvous parameters.
+
+    Returns:
+        ``(backend, store)``.
+
+    Raises:
+        ValueError: An option or the endpoint is invalid.
+    """
+    client = create_client(params)
+    backend = RedisRendezvousBackend(
+        client,
+        params.run_id,
+        key_prefix=option(params, "key_prefix"),
+        ttl=params.get_as_int("ttl"),
+    )
+    store = RedisStore(client, f"{backend.key}:store:")
+    return backend, store
+
+
+def create_redis_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build a dynamic rendezvous handler on Redis (registered as ``redis``).
+
+    Args:
+        params: The rendezvous parameters (see :func:`create_backend` and
+            :func:`rdzv.dynamic.handler.create_handler` for the options).
+
+    Returns:
+        The handler.
+
+    Raises:
+        ValueError: A parameter is invalid; the message names it.
+    """
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)

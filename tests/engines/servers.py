@@ -1,0 +1,459 @@
+"""Private etcd and Redis servers for tests, on free loopback ports.
+
+Every server runs in its own temporary directory, is started with fast timers,
+is waited for with a bounded health loop and is stopped by pid (SIGTERM, then
+SIGKILL) before its directory is deleted. The default ports (2379, 2380,
+6379) are never used. A missing binary is an error, not a skip: CI installs
+both with ``scripts/setup``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORBIDDEN_PORTS = frozenset({2379, 2380, 6379})
+
+
+def require_binary(name: str) -> str:
+    """Return the path of ``name`` or fail loudly (never skip)."""
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(
+            f"the {name!r} binary is not on PATH; run `bash scripts/setup` "
+            "(apt-get install etcd-server redis-server) to install it"
+        )
+    return path
+
+
+def free_port() -> int:
+    """Return a currently free TCP port on 127.0.0.1 (never a default engine port)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in FORBIDDEN_PORTS:
+            return port
+    raise RuntimeError("could not find a free loopback port")
+
+
+def stop_process(proc: subprocess.Popen[Any], grace: float = 5.0) -> None:
+    """Stop a process by pid: SIGTERM, wait up to ``grace`` seconds, then SIGKILL."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def kill_process(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL a process by pid and reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def _etcd_env() -> dict[str, str]:
+    # etcd reads every ETCD_* variable as a flag.
+    return {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+
+
+@dataclass
+class TLSFiles:
+    """Certificates for an etcd server and its clients."""
+
+    ca_cert: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+    other_ca_cert: str
+
+
+@dataclass
+class EtcdMember:
+    """One etcd process."""
+
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    scheme: str = "http"
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class EtcdCluster:
+    """One or more etcd members on loopback, started together."""
+
+    members: list[EtcdMember]
+    base_dir: Path
+    tls: TLSFiles | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def endpoints(self) -> str:
+        """The members' client endpoints, comma-separated."""
+        return ",".join(m.endpoint for m in self.members)
+
+    @property
+    def endpoint(self) -> str:
+        """The first member's client endpoint."""
+        return self.members[0].endpoint
+
+    def start_member(self, member: EtcdMember, state: str = "new") -> None:
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        args = [
+            require_binary("etcd"),
+            "--name",
+            member.name,
+            "--data-dir",
+            str(member.data_dir),
+            "--listen-client-urls",
+            member.client_url,
+            "--advertise-client-urls",
+            member.client_url,
+            "--listen-peer-urls",
+            member.peer_url,
+            "--initial-advertise-peer-urls",
+            member.peer_url,
+            "--initial-cluster",
+            initial,
+            "--initial-cluster-state",
+            state,
+            "--initial-cluster-token",
+            f"rdzv-test-{self.base_dir.name}",
+            "--heartbeat-interval",
+            "10",
+            "--election-timeout",
+            "100",
+            "--logger",
+            "zap",
+            "--log-level",
+            "warn",
+            *self.extra_args,
+        ]
+        if self.tls is not None:
+            args += [
+                "--cert-file",
+                self.tls.server_cert,
+                "--key-file",
+                self.tls.server_key,
+                "--trusted-ca-file",
+                self.tls.ca_cert,
+                "--client-cert-auth",
+            ]
+        member.log = member.data_dir.parent / f"{member.name}.log"
+        with member.log.open("ab") as log:
+            member.proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=_etcd_env()
+            )
+
+    def _healthy(self, member: EtcdMember) -> bool:
+        url = f"{member.client_url}/health"
+        context = None
+        if self.tls is not None:
+            import ssl
+
+            context = ssl.create_default_context(cafile=self.tls.ca_cert)
+            context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        try:
+            with urllib.request.urlopen(url, timeout=1.0, context=context) as resp:
+                body = json.loads(resp.read())
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+        return bool(body.get("health") == "true")
+
+    def wait_healthy(self, timeout: float = 30.0, members: list[EtcdMember] | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(members if members is not None else self.members)
+        while pending:
+            for member in list(pending):
+                if not member.alive:
+                    raise RuntimeError(f"etcd {member.name} exited: {self.log_tail(member)}")
+                if self._healthy(member):
+                    pending.remove(member)
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"etcd members {[m.name for m in pending]} not healthy after {timeout} s"
+                )
+            if pending:
+                time.sleep(0.05)
+
+    def log_tail(self, member: EtcdMember) -> str:
+        if member.log is None or not member.log.exists():
+            return ""
+        return member.log.read_text(errors="replace")[-2000:]
+
+    def leader(self) -> EtcdMember:
+        """Return the member that is the raft leader (bounded wait)."""
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            for member in self.members:
+                if not member.alive:
+                    continue
+                status = self.status(member)
+                if status is not None and status.get("leader") == status.get("header", {}).get(
+                    "member_id"
+                ):
+                    return member
+            time.sleep(0.05)
+        raise RuntimeError("no etcd leader within 15 s")
+
+    def status(self, member: EtcdMember) -> dict[str, object] | None:
+        request = urllib.request.Request(
+            f"{member.client_url}/v3/maintenance/status", data=b"{}", method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=1.0) as resp:
+                result: dict[str, object] = json.loads(resp.read())
+                return result
+        except (OSError, ValueError):
+            return None
+
+    def stop(self) -> None:
+        for member in self.members:
+            if member.proc is not None:
+                stop_process(member.proc)
+
+
+@contextlib.contextmanager
+def etcd_cluster(size: int = 1, tls: TLSFiles | None = None) -> Iterator[EtcdCluster]:
+    """Start ``size`` etcd members on free loopback ports; stop and delete them afterwards."""
+    require_binary("etcd")
+    base = Path(tempfile.mkdtemp(prefix="rdzv-etcd-"))
+    names = "abcdefg"
+    members = [
+        EtcdMember(
+            name=names[i],
+            client_port=free_port(),
+            peer_port=free_port(),
+            data_dir=base / names[i],
+            scheme="https" if tls is not None else "http",
+        )
+        for i in range(size)
+    ]
+    cluster = EtcdCluster(members=members, base_dir=base, tls=tls)
+    try:
+        for member in members:
+            cluster.start_member(member)
+        cluster.wait_healthy()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@dataclass
+class RedisServer:
+    """One private redis-server process."""
+
+    port: int
+    data_dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    tls: TLSFiles | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        args = [
+            require_binary("redis-server"),
+            "--bind",
+            "127.0.0.1",
+            *(
+                ["--port", str(self.port)]
+                if self.tls is None
+                else [
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    str(self.port),
+                    "--tls-cert-file",
+                    self.tls.server_cert,
+                    "--tls-key-file",
+                    self.tls.server_key,
+                    "--tls-ca-cert-file",
+                    self.tls.ca_cert,
+                ]
+            ),
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as raw:
+                    sock = raw
+                    if self.tls is not None:
+                        import ssl
+
+                        context = ssl.create_default_context(cafile=self.tls.ca_cert)
+                        context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+                        sock = context.wrap_socket(raw, server_hostname="127.0.0.1")
+                    sock.sendall(b"PING\r\n")
+                    reply = sock.recv(64)
+                    if sock is not raw:
+                        sock.close()
+                    if reply.startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server not ready after {timeout} s")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+
+@contextlib.contextmanager
+def redis_server(tls: TLSFiles | None = None) -> Iterator[RedisServer]:
+    """Start a private redis-server on a free loopback port; stop and delete it afterwards."""
+    require_binary("redis-server")
+    base = Path(tempfile.mkdtemp(prefix="rdzv-redis-"))
+    server = RedisServer(port=free_port(), data_dir=base, tls=tls)
+    try:
+        server.start()
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(
+        [require_binary("openssl"), *args],
+        cwd=cwd,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=60,
+    )
+
+
+def make_tls_files(directory: Path) -> TLSFiles:
+    """Create a CA, a server certificate for IP:127.0.0.1, a client certificate and a second CA."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for ca in ("ca", "other-ca"):
+        _openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            f"{ca}.key",
+            "-out",
+            f"{ca}.crt",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN=rdzv-test-{ca}",
+            cwd=directory,
+        )
+    ext = directory / "ext.cnf"
+    ext.write_text(
+        "[server]\nsubjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"
+        "[client]\nextendedKeyUsage=clientAuth\n"
+    )
+    for name, section in (("server", "server"), ("client", "client")):
+        _openssl(
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN=rdzv-test-{name}",
+            cwd=directory,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+            "-extensions",
+            section,
+            cwd=directory,
+        )
+    return TLSFiles(
+        ca_cert=str(directory / "ca.crt"),
+        server_cert=str(directory / "server.crt"),
+        server_key=str(directory / "server.key"),
+        client_cert=str(directory / "client.crt"),
+        client_key=str(directory / "client.key"),
+        other_ca_cert=str(directory / "other-ca.crt"),
+    )

@@ -1,0 +1,159 @@
+"""Multi-process rendezvous on etcd and Redis: formation, late joiners, SIGKILL recovery, close.
+
+Each test starts real agent processes (``tests.engines.rdzv_worker``) that
+use ``rdzv.create_handler`` with the ``etcd`` / ``redis`` backend against a
+private server.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.engines.servers import etcd_cluster, kill_process, stop_process
+from tests.procs import subprocess_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+class Agents:
+    """Worker processes that print one JSON line per completed round."""
+
+    def __init__(self, backend: str, endpoint: str, run_id: str) -> None:
+        self.backend, self.endpoint, self.run_id = backend, endpoint, run_id
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(
+        self, min_nodes: int, max_nodes: int, rounds: int, close: bool = False
+    ) -> subprocess.Popen[str]:
+        args = [
+            sys.executable,
+            "-m",
+            "tests.engines.rdzv_worker",
+            self.backend,
+            self.endpoint,
+            self.run_id,
+            str(min_nodes),
+            str(max_nodes),
+            str(rounds),
+        ]
+        if close:
+            args.append("--close")
+        proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
+        )
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def line(proc: subprocess.Popen[str]) -> dict[str, Any]:
+        assert proc.stdout is not None
+        text = proc.stdout.readline()
+        if not text:
+            _, err = proc.communicate(timeout=30)
+            raise AssertionError(
+                f"agent {proc.pid} exited ({proc.returncode}) without a line: {err[-3000:]}"
+            )
+        result: dict[str, Any] = json.loads(text)
+        return result
+
+    @staticmethod
+    def finish(proc: subprocess.Popen[str]) -> None:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            stop_process(proc)
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("etcd", marks=pytest.mark.etcd),
+        pytest.param("redis", marks=pytest.mark.redis),
+    ]
+)
+def agents(request: pytest.FixtureRequest, unique: str) -> Iterator[Agents]:
+    if request.param == "etcd":
+        endpoint = request.getfixturevalue("etcd").endpoints
+    else:
+        endpoint = request.getfixturevalue("redis_srv").endpoint
+    made = Agents(request.param, endpoint, unique)
+    try:
+        yield made
+    finally:
+        made.stop_all()
+
+
+def check_round(results: list[dict[str, Any]], size: int) -> None:
+    assert sorted(r["rank"] for r in results) == list(range(size))
+    assert {r["world_size"] for r in results} == {size}
+    assert len({tuple(r["participants"]) for r in results}) == 1
+
+
+def test_formation(agents: Agents) -> None:
+    procs = [agents.start(3, 3, 1) for _ in range(3)]
+    check_round([agents.line(p) for p in procs], 3)
+    for p in procs:
+        agents.finish(p)
+
+
+def test_late_joiner_triggers_a_new_round(agents: Agents) -> None:
+    first = [agents.start(2, 3, 2) for _ in range(2)]
+    check_round([agents.line(p) for p in first], 2)
+    late = agents.start(2, 3, 1)
+    results = [agents.line(p) for p in [*first, late]]
+    check_round(results, 3)
+    for p in [*first, late]:
+        agents.finish(p)
+
+
+def test_sigkill_of_a_member_is_detected_and_survivors_reform(agents: Agents) -> None:
+    procs = [agents.start(2, 3, 2) for _ in range(3)]
+    check_round([agents.line(p) for p in procs], 3)
+    victim, survivors = procs[0], procs[1:]
+    kill_process(victim)
+    results = [agents.line(p) for p in survivors]
+    check_round(results, 2)
+    for p in survivors:
+        agents.finish(p)
+
+
+def test_close_ends_the_run_for_later_joiners(agents: Agents) -> None:
+    procs = [agents.start(2, 2, 1, close=True) for _ in range(2)]
+    check_round([agents.line(p) for p in procs], 2)
+    for p in procs:
+        agents.finish(p)
+    late = agents.start(2, 2, 1)
+    result = agents.line(late)
+    assert result["closed"] is True
+    assert result["error"] in ("RendezvousClosedError", "RendezvousGracefulExitError")
+    agents.finish(late)
+
+
+@pytest.mark.etcd
+@pytest.mark.timeout(150)
+def test_rendezvous_survives_the_etcd_leader_dying(unique: str) -> None:
+    with etcd_cluster(3) as cluster:
+        run = Agents("etcd", cluster.endpoints, unique)
+        try:
+            first = [run.start(3, 4, 2) for _ in range(3)]
+            check_round([run.line(p) for p in first], 3)
+            leader = cluster.leader()
+            assert leader.proc is not None
+            kill_process(leader.proc)
+            late = run.start(3, 4, 1)
+            results = [run.line(p) for p in [*first, late]]
+            check_round(results, 4)
+            for p in [*first, late]:
+                run.finish(p)
+        finally:
+            run.stop_all()

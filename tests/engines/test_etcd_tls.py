@@ -1,0 +1,94 @@
+"""etcd over TLS with client certificates made by the test (openssl CLI)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rdzv.api import RendezvousParameters
+from rdzv.backends.etcd import create_backend, parse_endpoints
+from rdzv.backends.etcd_client import EtcdClient
+from rdzv.errors import RendezvousConnectionError
+from tests.engines.servers import EtcdCluster, TLSFiles, etcd_cluster, make_tls_files
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    return make_tls_files(Path(tmp_path_factory.mktemp("tls")))
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(tls_files: TLSFiles) -> Iterator[EtcdCluster]:
+    with etcd_cluster(1, tls=tls_files) as cluster:
+        yield cluster
+
+
+def test_tls_with_client_certificate_works(tls_etcd: EtcdCluster, tls_files: TLSFiles) -> None:
+    params = RendezvousParameters(
+        "etcd",
+        tls_etcd.endpoint,
+        "tlsrun",
+        protocol="https",
+        ssl_cert=tls_files.client_cert,
+        ssl_cert_key=tls_files.client_key,
+        cacert=tls_files.ca_cert,  # torch's etcd handler's name for ca_cert
+        read_timeout=10,
+    )
+    backend, store = create_backend(params)
+    try:
+        _, token, written = backend.set_state(b"secure")
+        assert written
+        assert backend.get_state() == (b"secure", token)
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+    finally:
+        backend.client.close()
+
+
+def test_wrong_ca_gives_a_clear_error(tls_etcd: EtcdCluster, tls_files: TLSFiles) -> None:
+    client = EtcdClient(
+        parse_endpoints(tls_etcd.endpoint),
+        protocol="https",
+        read_timeout=5,
+        ssl_cert=tls_files.client_cert,
+        ssl_cert_key=tls_files.client_key,
+        ca_cert=tls_files.other_ca_cert,
+    )
+    try:
+        with pytest.raises(
+            RendezvousConnectionError, match="did not verify against ca_cert"
+        ) as info:
+            client.get(b"/x")
+        assert tls_etcd.endpoint in str(info.value)
+    finally:
+        client.close()
+
+
+def test_missing_client_certificate_gives_a_clear_error(
+    tls_etcd: EtcdCluster, tls_files: TLSFiles
+) -> None:
+    client = EtcdClient(
+        parse_endpoints(tls_etcd.endpoint),
+        protocol="https",
+        read_timeout=5,
+        ca_cert=tls_files.ca_cert,
+    )
+    try:
+        with pytest.raises(RendezvousConnectionError, match="client certificate") as info:
+            client.get(b"/x")
+        assert tls_etcd.endpoint in str(info.value)
+    finally:
+        client.close()
+
+
+def test_plain_http_to_a_tls_server_fails_with_the_endpoint(tls_etcd: EtcdCluster) -> None:
+    client = EtcdClient(parse_endpoints(tls_etcd.endpoint), read_timeout=1, connect_timeout=0.5)
+    try:
+        with pytest.raises(RendezvousConnectionError, match=tls_etcd.endpoint):
+            client.get(b"/x")
+    finally:
+        client.close()

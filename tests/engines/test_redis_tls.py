@@ -1,0 +1,90 @@
+"""Redis over TLS (rediss) with client certificates made by the test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rdzv.api import RendezvousParameters
+from rdzv.errors import RendezvousConnectionError
+from tests.engines.servers import RedisServer, TLSFiles, make_tls_files, redis_server
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    return make_tls_files(Path(tmp_path_factory.mktemp("redis-tls")))
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tls_files: TLSFiles) -> Iterator[RedisServer]:
+    with redis_server(tls=tls_files) as server:
+        yield server
+
+
+def _params(server: RedisServer, unique: str, **tls: str) -> RendezvousParameters:
+    return RendezvousParameters(
+        "redis", server.endpoint, unique, protocol="rediss", read_timeout=5, **tls
+    )
+
+
+def test_rediss_with_client_certificate_works(
+    tls_redis: RedisServer, tls_files: TLSFiles, unique: str
+) -> None:
+    from rdzv.backends.redis import create_backend
+
+    backend, store = create_backend(
+        _params(
+            tls_redis,
+            unique,
+            ssl_cert=tls_files.client_cert,
+            ssl_cert_key=tls_files.client_key,
+            ca_cert=tls_files.ca_cert,
+        )
+    )
+    try:
+        _, token, written = backend.set_state(b"secure")
+        assert written
+        assert backend.get_state() == (b"secure", token)
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+    finally:
+        backend.client.close()
+
+
+def test_rediss_with_a_wrong_ca_names_the_endpoint(
+    tls_redis: RedisServer, tls_files: TLSFiles, unique: str
+) -> None:
+    from rdzv.backends.redis import create_backend
+
+    backend, _ = create_backend(
+        _params(
+            tls_redis,
+            unique,
+            ssl_cert=tls_files.client_cert,
+            ssl_cert_key=tls_files.client_key,
+            ca_cert=tls_files.other_ca_cert,
+        )
+    )
+    try:
+        with pytest.raises(RendezvousConnectionError, match=tls_redis.endpoint) as info:
+            backend.get_state()
+        assert "certificate" in str(info.value).lower()
+    finally:
+        backend.client.close()
+
+
+def test_rediss_without_a_client_certificate_fails(
+    tls_redis: RedisServer, tls_files: TLSFiles, unique: str
+) -> None:
+    from rdzv.backends.redis import create_backend
+
+    backend, _ = create_backend(_params(tls_redis, unique, ca_cert=tls_files.ca_cert))
+    try:
+        with pytest.raises(RendezvousConnectionError, match=tls_redis.endpoint):
+            backend.get_state()
+    finally:
+        backend.client.close()
