@@ -41,9 +41,11 @@ __all__ = [
 ]
 
 # backend name -> "module:function" building (backend, store) from parameters
-_BACKEND_FACTORIES = dict.fromkeys(
-    ("c10d", "p10d", "core", "tcp"), "rdzv.backends.store:create_backend"
-)
+_BACKEND_FACTORIES = {
+    **dict.fromkeys(("c10d", "p10d", "core", "tcp"), "rdzv.backends.store:create_backend"),
+    **dict.fromkeys(("etcd", "etcd-v2"), "rdzv.backends.etcd:create_backend"),
+    "redis": "rdzv.backends.redis:create_backend",
+}
 
 
 @dataclass(frozen=True)
