@@ -92,8 +92,10 @@ class Demo:
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.endpoint}",
                 "--rdzv-id=demo",
-                "--rdzv-conf=is_host=false,last_call_timeout=1,"
-                "keep_alive_interval=0.5,keep_alive_max_attempt=3",
+                (
+                    "--rdzv-conf=is_host=false,last_call_timeout=1,"
+                    "keep_alive_interval=0.5,keep_alive_max_attempt=3"
+                ),
                 "--local-addr=127.0.0.1",
                 __file__,
                 "--worker",
