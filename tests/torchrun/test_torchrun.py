@@ -13,6 +13,8 @@ import pytest
 from rdzv.registry import rendezvous_handler_registry
 from tests.torchrun.conftest import Job
 
+pytest.importorskip("torch.distributed.run")
+
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
