@@ -60,6 +60,7 @@ import signal
 import subprocess
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -246,13 +247,14 @@ def _serve_child(port: int) -> int:
 # -- per-round torch stores ------------------------------------------------------
 
 
-class _RoundStores:
+class _RoundStores(ABC):
     """Gives torch's agent a real torch store for each completed round."""
 
+    @abstractmethod
     def round_store(self, info: RendezvousInfo) -> TorchStore:
-        raise NotImplementedError
+        """Return torch's store for the round ``info`` describes."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Drop the stores of the last round."""
 
     def close(self) -> None:

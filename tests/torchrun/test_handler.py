@@ -279,3 +279,21 @@ def test_a_bad_rendezvous_option_stops_the_server_child() -> None:
     # The child that served the port is gone: the port can be bound again.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.timeout(60)
+def test_importing_the_plugin_does_not_import_torch(entry_points_path: str) -> None:
+    code = (
+        "import sys, rdzv, rdzv.torchrun\n"
+        "rdzv.torchrun.tcp_creator(); rdzv.torchrun.etcd_creator()\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=torchrun_env(entry_points_path),
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", out.stderr
