@@ -44,9 +44,9 @@ failure it only leaves the round, and the other nodes may re-form without
 this one (torch's own ``c10d`` backend closes the run in both cases).
 
 torch's agent calls ``next_rendezvous()`` again when its workers failed or
-nodes wait. Like torch's own handler, this one first leaves the round it is
-a member of, so the other members see it waiting (``num_nodes_waiting``)
-even when the round is full, and restart to re-form with it.
+nodes wait. rdzv's handler then first leaves the round it is a member of, so
+the other members see it waiting (``num_nodes_waiting``) even when the round
+is full, and restart to re-form with it.
 """
 
 from __future__ import annotations
@@ -385,7 +385,6 @@ def _handler_class() -> type[torch_api.RendezvousHandler]:
             self._resources = resources
             self._round_store: TorchStore | None = None
             self._shut_down = False
-            self._joined = False
 
         @property
         def inner(self) -> RendezvousHandler:
@@ -402,11 +401,6 @@ def _handler_class() -> type[torch_api.RendezvousHandler]:
         def next_rendezvous(self) -> tr.RendezvousInfo:
             self._resources.stores.release()
             self._round_store = None
-            if self._joined:
-                # Leave the last round first, as torch's own handler does:
-                # the others then see this node waiting even when the round
-                # is full, and re-form with it.
-                self._inner.shutdown()
             try:
                 with _torch_errors():
                     info = self._inner.next_rendezvous()
@@ -417,7 +411,6 @@ def _handler_class() -> type[torch_api.RendezvousHandler]:
                 LOGGER.warning("rdzv: %s; this agent is not needed and exits with status 0", exc)
                 raise SystemExit(0) from exc
             self._round_store = store
-            self._joined = True
             boot = info.bootstrap_store_info
             assert boot is not None  # rdzv's dynamic handler always builds it
             return tr.RendezvousInfo(
