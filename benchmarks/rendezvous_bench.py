@@ -605,7 +605,7 @@ class Table:
 
     def markdown(self) -> str:
         head = ["scenario", *(LABELS[b] for b in self.backends)]
-        head += [f"torch / {LABELS[b].removeprefix('rdzv ')}" for b in self.ratio_of]
+        head += [f"torch / {LABELS[b]}" for b in self.ratio_of]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(cells) + " |" for cells in self.rows]
         return "\n".join(lines)
