@@ -2,16 +2,29 @@
 
 Run:  python benchmarks/rendezvous_bench.py            (full table)
       python benchmarks/rendezvous_bench.py --quick    (smaller, faster)
+      python benchmarks/rendezvous_bench.py --backends torch,etcd
+
+Backends (columns), all by default:
+
+* torch: torch's DynamicRendezvousHandler over its c10d backend and TCPStore;
+* rdzv: rdzv's handler over its c10d backend and its own TCP store;
+* etcd: rdzv's handler over its etcd v3 backend (``rdzv.create_handler``);
+* redis: rdzv's handler over its Redis backend (``rdzv.create_handler``).
+
+The TCP stores are hosted by this process; etcd and redis-server are private
+servers started for the run on free loopback ports in temporary directories
+(``tests/engines/servers.py``) and stopped by pid at the end, also on Ctrl-C.
 
 Each scenario runs N agents spread over several worker processes (4, or
 N/64 for large N: hundreds of threads in one process measure the GIL, not
-the rendezvous), each agent a thread with its own store connection(s), all released at the same instant
-against a store hosted by this process (rdzv's TCP store for rdzv, torch's
-TCPStore for torch). Numbers are medians over the repetitions.
+the rendezvous), each agent a thread with its own store or engine
+connection(s), all released at the same instant. Numbers are medians over
+the repetitions; the ratio columns are torch's figure over each rdzv one.
 
 * formation: min = max = N; time from the common start until the last agent
-  returns from next_rendezvous; backend writes, failed compare-and-sets and
-  bytes written during it (counted by a wrapper around each agent's store).
+  returns from next_rendezvous; for the TCP-store backends also the backend
+  writes, failed compare-and-sets and bytes written during it (counted by a
+  wrapper around each agent's store; not counted on etcd and Redis).
 * last-call overhead: 3 agents, min 2, max 4, last call 1 s; formation time
   minus the last call.
 * recovery: 3 agents in 3 processes (min 2, max 3), heartbeat expiry 3 s
@@ -25,6 +38,7 @@ TCPStore for torch). Numbers are medians over the repetitions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -33,13 +47,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(1, str(ROOT))  # for tests.engines.servers (private etcd and redis-server)
+
+BACKENDS = ("torch", "rdzv", "etcd", "redis")
+LABELS = {
+    "torch": "torch 2.13 c10d",
+    "rdzv": "rdzv c10d",
+    "etcd": "rdzv etcd",
+    "redis": "rdzv redis",
+}
+ENGINES = ("etcd", "redis")
 
 # --------------------------------------------------------------------------
 # Counting wrappers
@@ -169,6 +193,23 @@ class CountingTorchStore:
 
 def make_handler(impl: str, cfg: dict[str, Any], counts: Counts, addr: str) -> Any:
     host, port, run_id = "127.0.0.1", cfg["port"], cfg["run_id"]
+    if impl in ENGINES:
+        import rdzv
+
+        params = rdzv.RendezvousParameters(
+            impl,
+            cfg["endpoint"],
+            run_id,
+            cfg["min"],
+            cfg["max"],
+            local_addr=addr,
+            join_timeout=cfg["join"],
+            last_call_timeout=cfg["last_call"],
+            keep_alive_interval=cfg["interval"],
+            keep_alive_max_attempt=cfg["attempts"],
+            read_timeout=60,
+        )
+        return rdzv.create_handler(params)
     if impl == "rdzv":
         from rdzv.api import RendezvousTimeout
         from rdzv.backends.store import C10dRendezvousBackend
@@ -263,14 +304,17 @@ def worker(impl: str, cfg: dict[str, Any]) -> None:
 
 
 class Host:
-    """The store server for one run, hosted in this process."""
+    """Where one run's agents meet: a store server hosted in this process, or an engine."""
 
-    def __init__(self, impl: str) -> None:
+    def __init__(self, impl: str, engines: dict[str, str]) -> None:
+        self.store: Any = None
+        self.port = 0
+        self.endpoint = engines.get(impl, "")
         if impl == "rdzv":
             from rdzv.store.tcp import TCPStore
 
-            self.store: Any = TCPStore("127.0.0.1", 0, is_master=True, timeout=120)
-        else:
+            self.store = TCPStore("127.0.0.1", 0, is_master=True, timeout=120)
+        elif impl == "torch":
             import torch.distributed as dist
 
             self.store = dist.TCPStore(
@@ -280,48 +324,77 @@ class Host:
                 timeout=timedelta(seconds=120),
                 wait_for_workers=False,
             )
-        self.port = int(self.store.port)
+        elif not self.endpoint:
+            raise ValueError(f"no server was started for backend {impl!r}")
+        if self.store is not None:
+            self.port = int(self.store.port)
+
+    def config(self) -> dict[str, Any]:
+        """What an agent needs to reach this host."""
+        return {"port": self.port, "endpoint": self.endpoint}
 
     def close(self) -> None:
         if hasattr(self.store, "close"):
             self.store.close()
-        del self.store
+        self.store = None
+
+
+@contextlib.contextmanager
+def engine_servers(backends: Sequence[str]) -> Iterator[dict[str, str]]:
+    """Start a private etcd and/or redis-server for the run; stop them by pid afterwards."""
+    from tests.engines.servers import etcd_cluster, redis_server
+
+    with contextlib.ExitStack() as stack:
+        endpoints: dict[str, str] = {}
+        if "etcd" in backends:
+            endpoints["etcd"] = stack.enter_context(etcd_cluster(1)).endpoints
+        if "redis" in backends:
+            endpoints["redis"] = stack.enter_context(redis_server()).endpoint
+        yield endpoints
 
 
 _run_counter = 0
 
 
 def spawn_agents(
-    impl: str, n: int, procs: int, **cfg: Any
+    impl: str, engines: dict[str, str], n: int, procs: int, **cfg: Any
 ) -> tuple[list[subprocess.Popen[str]], Host]:
     global _run_counter
     _run_counter += 1
-    host = Host(impl)
-    workers = []
+    host = Host(impl, engines)
+    workers: list[subprocess.Popen[str]] = []
     per = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
-    for index, threads in enumerate(t for t in per if t):
-        config = {
-            "port": host.port,
-            "run_id": f"bench{_run_counter}",
-            "threads": threads,
-            "proc": index,
-            **cfg,
-        }
-        workers.append(
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", impl, json.dumps(config)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    try:
+        for index, threads in enumerate(t for t in per if t):
+            config = {
+                **host.config(),
+                "run_id": f"bench{_run_counter}",
+                "threads": threads,
+                "proc": index,
+                **cfg,
+            }
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", impl, json.dumps(config)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                )
             )
-        )
+        wait_ready(impl, workers)
+    except BaseException:
+        finish(workers, host)
+        raise
+    return workers, host
+
+
+def wait_ready(impl: str, workers: list[subprocess.Popen[str]]) -> None:
+    """Wait until every worker built its handlers (each prints one line)."""
     for w in workers:
         assert w.stdout is not None
-        ready = w.stdout.readline()
-        if not ready:
+        if not w.stdout.readline():
             raise RuntimeError(f"a {impl} worker died while starting")
-    return workers, host
 
 
 def release(workers: list[subprocess.Popen[str]], delay: float = 0.3) -> float:
@@ -358,6 +431,7 @@ def finish(workers: list[subprocess.Popen[str]], host: Host) -> None:
 
 def formation(
     impl: str,
+    engines: dict[str, str],
     n: int,
     procs: int,
     last_call: float = 30.0,
@@ -367,6 +441,7 @@ def formation(
 ) -> dict[str, Any]:
     workers, host = spawn_agents(
         impl,
+        engines,
         n,
         procs,
         min=min_nodes or n,
@@ -389,9 +464,19 @@ def formation(
     return {"time": max(r["done"] for r in results) - start_at, **counts}
 
 
-def recovery(impl: str) -> dict[str, Any]:
+def recovery(impl: str, engines: dict[str, str]) -> dict[str, Any]:
     workers, host = spawn_agents(
-        impl, 3, 3, min=2, max=3, join=60.0, last_call=0.1, interval=1.0, attempts=3, rejoin=True
+        impl,
+        engines,
+        3,
+        3,
+        min=2,
+        max=3,
+        join=60.0,
+        last_call=0.1,
+        interval=1.0,
+        attempts=3,
+        rejoin=True,
     )
     try:
         release(workers)
@@ -416,10 +501,10 @@ def recovery(impl: str) -> dict[str, Any]:
         finish(workers, host)
 
 
-def late_joiner(impl: str) -> dict[str, Any]:
-    host = Host(impl)
+def late_joiner(impl: str, engines: dict[str, str]) -> dict[str, Any]:
+    host = Host(impl, engines)
     cfg = {
-        "port": host.port,
+        **host.config(),
         "run_id": f"late{time.time_ns()}",
         "min": 2,
         "max": 4,
@@ -484,11 +569,111 @@ def fmt_time(seconds: float | None) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def parse_backends(text: str) -> list[str]:
+    """The comma-separated backend names of ``--backends``, validated, in table order."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown backend(s) {unknown or text!r}; choose from {', '.join(BACKENDS)}"
+        )
+    return [name for name in BACKENDS if name in names]
+
+
+class Table:
+    """Rows of per-backend figures, with torch's figure over each rdzv one."""
+
+    def __init__(self, backends: list[str]) -> None:
+        self.backends = backends
+        self.ratio_of = [b for b in backends if b != "torch"] if "torch" in backends else []
+        self.rows: list[list[str]] = []
+
+    def row(self, name: str, values: dict[str, float | None], unit: str = "time") -> None:
+        cells = [name]
+        for impl in self.backends:
+            value = values.get(impl)
+            if unit == "time":
+                cells.append(fmt_time(value) if impl in values else "-")
+            else:
+                cells.append("-" if value is None else f"{value:,.0f}")
+        torch_v = values.get("torch")
+        for impl in self.ratio_of:
+            value = values.get(impl)
+            cells.append(f"{torch_v / value:.1f}x" if torch_v and value else "-")
+        self.rows.append(cells)
+        print("  " + " | ".join(cells), file=sys.stderr, flush=True)
+
+    def markdown(self) -> str:
+        head = ["scenario", *(LABELS[b] for b in self.backends)]
+        head += [f"torch / {LABELS[b]}" for b in self.ratio_of]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in self.rows]
+        return "\n".join(lines)
+
+
+def run_all(args: argparse.Namespace, backends: list[str], engines: dict[str, str]) -> Table:
+    """Run every scenario on every selected backend; return the table."""
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    big = [int(s) for s in args.rdzv_only_sizes.split(",") if s] if "rdzv" in backends else []
+    counted = [b for b in backends if b not in ENGINES]
+    table = Table(backends)
+
+    def repeat(scenario: Any, *extra: Any, **kwargs: Any) -> dict[str, list[dict[str, Any]]]:
+        return {
+            impl: [scenario(impl, engines, *extra, **kwargs) for _ in range(args.repeat)]
+            for impl in backends
+        }
+
+    for n in sizes:
+        procs = max(args.procs, n // 64)
+        results = repeat(formation, n, procs)
+        table.row(f"formation N={n}", {b: median(results[b], "time") for b in backends})
+        for key, label in (
+            ("writes", "writes"),
+            ("failed_cas", "failed CAS"),
+            ("bytes", "bytes written"),
+        ):
+            table.row(
+                f"  N={n} {label}",
+                {b: median(results[b], key) for b in counted},
+                unit="count",
+            )
+    for n in big:
+        procs = max(args.procs, n // 64)
+        results = {"rdzv": [formation("rdzv", engines, n, procs) for _ in range(args.repeat)]}
+        table.row(f"formation N={n} (rdzv c10d only)", {"rdzv": median(results["rdzv"], "time")})
+        for key, label in (("writes", "writes"), ("bytes", "bytes written")):
+            table.row(
+                f"  N={n} {label}",
+                {"rdzv": median(results["rdzv"], key)},
+                unit="count",
+            )
+    last_call = repeat(formation, 3, 3, last_call=1.0, min_nodes=2, max_nodes=4)
+    table.row(
+        "last-call overhead (beyond 1 s)",
+        {
+            b: median([{"time": r["time"] - 1.0} if "time" in r else r for r in v], "time")
+            for b, v in last_call.items()
+        },
+    )
+    rec = repeat(recovery)
+    table.row("recovery after SIGKILL (3 s expiry)", {b: median(rec[b], "time") for b in backends})
+    late = repeat(late_joiner)
+    table.row("late joiner seen by members", {b: median(late[b], "time") for b in backends})
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--backends",
+        type=parse_backends,
+        default=list(BACKENDS),
+        help=f"comma-separated columns to run (default: {','.join(BACKENDS)})",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
         "--procs",
@@ -505,75 +690,13 @@ def main() -> None:
         return
     if args.quick:
         args.repeat, args.sizes, args.rdzv_only_sizes = 1, "8,32", ""
-    sizes = [int(s) for s in args.sizes.split(",") if s]
-    big = [int(s) for s in args.rdzv_only_sizes.split(",") if s]
-    rows: list[tuple[str, str, str, str]] = []
-
-    def row(name: str, torch_v: float | None, rdzv_v: float | None, unit: str = "time") -> None:
-        if unit == "time":
-            t_s, r_s = fmt_time(torch_v), fmt_time(rdzv_v)
-        else:
-            t_s = "-" if torch_v is None else f"{torch_v:,.0f}"
-            r_s = "-" if rdzv_v is None else f"{rdzv_v:,.0f}"
-        ratio = f"{torch_v / rdzv_v:.1f}x" if torch_v and rdzv_v else "-"
-        rows.append((name, t_s, r_s, ratio))
-        print(f"  {name}: torch {t_s}, rdzv {r_s}, ratio {ratio}", file=sys.stderr, flush=True)
-
-    for n in sizes:
-        procs = max(args.procs, n // 64)
-        results = {
-            impl: [formation(impl, n, procs) for _ in range(args.repeat)]
-            for impl in ("torch", "rdzv")
-        }
-        row(f"formation N={n}", median(results["torch"], "time"), median(results["rdzv"], "time"))
-        for key, label in (
-            ("writes", "writes"),
-            ("failed_cas", "failed CAS"),
-            ("bytes", "bytes written"),
-        ):
-            row(
-                f"  N={n} {label}",
-                median(results["torch"], key),
-                median(results["rdzv"], key),
-                unit="count",
-            )
-    for n in big:
-        procs = max(args.procs, n // 64)
-        results = {"rdzv": [formation("rdzv", n, procs) for _ in range(args.repeat)]}
-        row(f"formation N={n} (rdzv only)", None, median(results["rdzv"], "time"))
-        row(f"  N={n} writes", None, median(results["rdzv"], "writes"), unit="count")
-        row(f"  N={n} bytes written", None, median(results["rdzv"], "bytes"), unit="count")
-    lc = {
-        impl: [
-            formation(impl, 3, 3, last_call=1.0, min_nodes=2, max_nodes=4)
-            for _ in range(args.repeat)
-        ]
-        for impl in ("torch", "rdzv")
-    }
-    lc_over = {
-        impl: [{"time": r["time"] - 1.0} if "time" in r else r for r in v] for impl, v in lc.items()
-    }
-    row(
-        "last-call overhead (beyond 1 s)",
-        median(lc_over["torch"], "time"),
-        median(lc_over["rdzv"], "time"),
-    )
-    rec = {impl: [recovery(impl) for _ in range(args.repeat)] for impl in ("torch", "rdzv")}
-    row(
-        "recovery after SIGKILL (3 s expiry)",
-        median(rec["torch"], "time"),
-        median(rec["rdzv"], "time"),
-    )
-    late = {impl: [late_joiner(impl) for _ in range(args.repeat)] for impl in ("torch", "rdzv")}
-    row("late joiner seen by members", median(late["torch"], "time"), median(late["rdzv"], "time"))
-
+    with engine_servers(args.backends) as engines:
+        table = run_all(args, args.backends, engines)
     print(
-        f"\nmedian of {args.repeat}; max({args.procs}, N/64) worker processes; {os.cpu_count()} CPUs\n"
+        f"\nmedian of {args.repeat}; max({args.procs}, N/64) worker processes; "
+        f"{os.cpu_count()} CPUs\n"
     )
-    print("| scenario | torch 2.13 | rdzv | torch / rdzv |")
-    print("|---|---|---|---|")
-    for name, t_s, r_s, ratio in rows:
-        print(f"| {name} | {t_s} | {r_s} | {ratio} |")
+    print(table.markdown())
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "PrefixStore": "rdzv.store.memory",
     "parse_endpoint": "rdzv.endpoint",
     "parse_config": "rdzv.endpoint",
+    "StaticTCPRendezvous": "rdzv.static",
     "EtcdRendezvousBackend": "rdzv.backends.etcd",
 }
 
@@ -70,6 +71,7 @@ __all__ = [
     "RendezvousStoreInfo",
     "RendezvousTimeout",
     "RendezvousTimeoutError",
+    "StaticTCPRendezvous",
     "Store",
     "StoreAuthenticationError",
     "StoreTimeoutError",
@@ -119,6 +121,7 @@ if TYPE_CHECKING:
         create_handler,
         rendezvous_handler_registry,
     )
+    from rdzv.static import StaticTCPRendezvous
     from rdzv.store.base import Store
     from rdzv.store.memory import HashStore, PrefixStore
     from rdzv.store.server import TCPStoreServer

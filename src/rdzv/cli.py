@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 
 import rdzv
+from rdzv.launch.run import add_run_arguments
+from rdzv.launch.status import add_status_arguments
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.store.server import (
     DEFAULT_FRAME_TIMEOUT,
@@ -33,6 +35,12 @@ def _cmd_backends(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from rdzv.launch.run import run_command  # noqa: PLC0415 - keep other commands light
+
+    return run_command(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         return serve_main(
@@ -50,6 +58,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from rdzv.launch.status import status_command  # noqa: PLC0415 - keep other commands light
+
+    return status_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of the ``rdzv`` command.
 
@@ -65,6 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
         "backends", help="list the registered rendezvous backends and where each came from"
     )
     backends.set_defaults(func=_cmd_backends)
+    run = commands.add_parser(
+        "run",
+        help="start this node's workers of an elastic job (torchrun-compatible options)",
+        description="Start this node's workers and keep them in one group with the other "
+        "nodes: rdzv run [options] script.py args... | -m module args...",
+    )
+    add_run_arguments(run)
+    run.set_defaults(func=_cmd_run)
+    status = commands.add_parser(
+        "status",
+        help="show a run's round, members with ranks and heartbeat ages, and wait list",
+    )
+    add_status_arguments(status)
+    status.set_defaults(func=_cmd_status)
     serve = commands.add_parser(
         "serve", help="run a TCP store server (torch's TCPStore protocol) until SIGTERM/SIGINT"
     )

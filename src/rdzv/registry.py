@@ -32,6 +32,7 @@ RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
 
 # name -> "module:function"; the module is imported on first use.
 _BUILTIN: dict[str, str] = {
+    "static": "rdzv.static:create_rdzv_handler",
     "c10d": "rdzv.dynamic.handler:create_c10d_handler",
     "p10d": "rdzv.dynamic.handler:create_c10d_handler",
     "core": "rdzv.dynamic.handler:create_c10d_handler",

@@ -239,6 +239,43 @@ def test_spares_exit_gracefully_when_the_run_closes(
         spare[0].result(timeout=10)
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["capable", "plain-backend"])
+def test_member_rejoining_a_full_round_makes_the_others_reform(
+    cluster_factory: Callable[..., Cluster], plain: bool
+) -> None:
+    # A member whose workers failed calls next_rendezvous() again while the
+    # round is full: the others must see it waiting, not take it for a spare.
+    c = cluster_factory(3, 3, plain=plain)
+    nodes = [c.handler(f"f{i}") for i in range(3)]
+    first = [f.result(timeout=10) for f in c.join(nodes)]
+    assert first[0].world_size == 3
+    assert [n.num_nodes_waiting() for n in nodes] == [0, 0, 0]
+    rejoin = c.join([nodes[1]])
+    _until(lambda: nodes[0].num_nodes_waiting() > 0 and nodes[2].num_nodes_waiting() > 0)
+    assert not rejoin[0].done()
+    again = [f.result(timeout=10) for f in c.join([nodes[0], nodes[2]]) + rejoin]
+    _check_round(again)
+    assert again[0].world_size == 3
+    assert again[0].participants == first[0].participants
+
+
+def test_many_members_rejoining_at_once_write_little(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    # Leaving before re-joining stops at the first member that left: the
+    # others already know to re-form and need not write.
+    c = cluster_factory(6, 6)
+    nodes = [c.handler(f"w{i}") for i in range(6)]
+    [f.result(timeout=10) for f in c.join(nodes)]
+    failed_before = c.storage.counts.failed_cas
+    again = [f.result(timeout=10) for f in c.join(nodes)]
+    _check_round(again)
+    assert again[0].world_size == 6
+    # Each of the other five loses at most one race before it sees that a
+    # member already left (evicting itself each would lose 5+4+3+2+1).
+    assert c.storage.counts.failed_cas - failed_before <= 5
+
+
 def test_shutdown_leaves_and_survivors_reform(cluster_factory: Callable[..., Cluster]) -> None:
     c = cluster_factory(1, 3)
     nodes = [c.handler(f"q{i}") for i in range(3)]

@@ -315,6 +315,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             RendezvousStateError: The stored state is corrupt.
         """
         self._check_keepalive()
+        self._leave_round()
         state, token = self._read()
         now = self._clock()
         progress = start_join(state, now)
@@ -519,11 +520,31 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     # -- keep-alive ---------------------------------------------------------
 
-    def _evict(self, nodes: Sequence[str], round_id: int) -> bool:
-        """Remove ``nodes`` from the live members of ``round_id`` with one compare-and-set."""
+    def _leave_round(self) -> None:
+        """Leave the round this node is a member of, before joining the next one.
+
+        A member that re-joins a full round would otherwise look like a spare
+        to the others, who would never re-form with it. Once any member has
+        left or was evicted the others re-form anyway, so no more writes are
+        needed: at most a few compare-and-sets however many members re-join.
+        """
+        with self._lock:
+            member = self._member_of
+            self._member_of = None
+        if member is not None:
+            self._evict([self._node], member.round, unless_any_evicted=True)
+
+    def _evict(self, nodes: Sequence[str], round_id: int, unless_any_evicted: bool = False) -> bool:
+        """Remove ``nodes`` from the live members of ``round_id`` with one compare-and-set.
+
+        With ``unless_any_evicted``, do nothing once any member of the round
+        is already evicted.
+        """
         for attempt in range(_CAS_ATTEMPTS):
             state, token = self._read()
             if state is None or state.round != round_id or state.closed:
+                return False
+            if unless_any_evicted and len(state.live_participants()) < len(state.participants):
                 return False
             members = [n for n in nodes if state.rank_of(n) is not None]
             if not members:

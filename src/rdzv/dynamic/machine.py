@@ -290,7 +290,9 @@ def plan_seal(
     """
     if missing_members(state, records):
         return None
-    previous = state.live_participants() if state is not None else ()
+    # Evicted members that re-join (a member leaves before it re-joins) keep
+    # their place among the survivors too.
+    previous = state.participants if state is not None else ()
     participants = assign_ranks(records, previous, limits.max_nodes)
     if len(participants) < limits.min_nodes:
         return None

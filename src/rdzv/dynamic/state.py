@@ -278,7 +278,7 @@ def assign_ranks(
 
     Args:
         records: The join records, in queue order.
-        previous: The previous round's live participants, in rank order.
+        previous: The previous round's participants, in rank order.
         max_nodes: The most nodes a round admits.
 
     Returns:

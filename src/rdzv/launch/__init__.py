@@ -1,0 +1,14 @@
+"""The elastic launcher behind ``rdzv run``: agent, worker supervision, options."""
+
+from rdzv.launch.agent import AgentConfig, AgentResult, ElasticAgent
+from rdzv.launch.workers import OutputSink, WorkerExit, WorkerGroup, WorkerSpec
+
+__all__ = [
+    "AgentConfig",
+    "AgentResult",
+    "ElasticAgent",
+    "OutputSink",
+    "WorkerExit",
+    "WorkerGroup",
+    "WorkerSpec",
+]

@@ -1,0 +1,472 @@
+"""The elastic agent: rendezvous, start workers, watch them, repeat.
+
+Theory of operation. One agent runs per node and drives any
+:class:`~rdzv.api.RendezvousHandler`:
+
+1. ``next_rendezvous()`` joins a round. A spare node told to leave
+   (``RendezvousGracefulExitError``) exits 0; any other rendezvous error
+   ends the agent with :data:`EXIT_RENDEZVOUS`.
+2. The agents of the round exchange their local world sizes through the
+   round's store to number the workers, group rank 0 starts a fresh
+   bootstrap store for this attempt, and the workers start.
+3. Every ``monitor_interval`` the agent polls its workers and asks the
+   handler whether nodes are waiting:
+
+   * all workers exited 0: wait at an exit barrier for the other agents of
+     the round (so the bootstrap store outlives every worker); the last to
+     arrive closes the run; every agent leaves the rendezvous and waits at a
+     second barrier until all have left (so an agent hosting the rendezvous
+     store outlives the others' last writes); exit 0;
+   * a worker failed: stop the others and, while the restart budget lasts,
+     go back to 1 (the restart is counted); when it is spent, close the run
+     and exit :data:`EXIT_WORKER_FAILED` naming the failed rank;
+   * nodes are waiting (a newcomer, or a member declared dead): stop the
+     workers and go back to 1 without counting a restart.
+
+SIGINT and SIGTERM raise :class:`AgentInterrupted` in the main thread; the
+agent then stops the workers (SIGTERM, grace, SIGKILL), leaves the
+rendezvous without closing it and exits ``128 + signal``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from rdzv.api import RendezvousHandler, RendezvousInfo
+from rdzv.errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    StoreTimeoutError,
+)
+from rdzv.launch.bootstrap import (
+    BootstrapFactory,
+    BootstrapServer,
+    exchange_bootstrap,
+    tcp_store_server,
+)
+from rdzv.launch.ranks import KEY_PREFIX, NodeRanks, assign_ranks, worker_environment
+from rdzv.launch.workers import OutputSink, WorkerExit, WorkerGroup, WorkerSpec
+from rdzv.store.base import Store
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_RENDEZVOUS",
+    "EXIT_WORKER_FAILED",
+    "AgentConfig",
+    "AgentInterrupted",
+    "AgentResult",
+    "ElasticAgent",
+]
+
+EXIT_OK = 0
+EXIT_WORKER_FAILED = 1
+EXIT_RENDEZVOUS = 3
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What the agent runs and how.
+
+    Args:
+        entrypoint: The worker's arguments after the interpreter:
+            ``["script.py", *args]`` or ``["-m", "module", *args]``.
+        nproc_per_node: Workers on this node.
+        max_restarts: Restarts allowed after worker failures.
+        monitor_interval: Seconds between checks of the workers.
+        role: The role name of this node's workers.
+        log_dir: A directory for per-worker, per-attempt log files, or None.
+        local_addr: The address group rank 0 publishes for the bootstrap store.
+        stop_grace: Seconds between SIGTERM and SIGKILL when stopping workers.
+        exit_barrier_timeout: Seconds to wait for the other agents after success.
+        python: The interpreter that runs the workers.
+        env: The environment workers start from (the agent's when None).
+
+    Raises:
+        ValueError: A value is out of range; the message names it.
+    """
+
+    entrypoint: Sequence[str]
+    nproc_per_node: int = 1
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    role: str = "default"
+    log_dir: Path | None = None
+    local_addr: str | None = None
+    stop_grace: float = 10.0
+    exit_barrier_timeout: float = 300.0
+    python: str = sys.executable
+    env: Mapping[str, str] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if not self.entrypoint:
+            raise ValueError("the worker entry point is empty; give a script or -m module")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node must be at least 1, got {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be non-negative, got {self.max_restarts}")
+        if not self.monitor_interval > 0:
+            raise ValueError(f"monitor_interval must be positive, got {self.monitor_interval}")
+        if self.stop_grace < 0:
+            raise ValueError(f"stop_grace must be non-negative, got {self.stop_grace}")
+        if not self.role:
+            raise ValueError("role must be a non-empty name")
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """How the agent ended.
+
+    Args:
+        exit_code: The process exit status to use.
+        reason: One line saying what happened.
+        restarts: Restarts after failures that happened.
+        failure: The worker failure that ended the run, if any.
+    """
+
+    exit_code: int
+    reason: str
+    restarts: int = 0
+    failure: WorkerExit | None = None
+
+
+class AgentInterrupted(Exception):  # noqa: N818 - a signal, not an error
+    """Raised in the agent's main thread when it receives SIGINT or SIGTERM.
+
+    Args:
+        signum: The signal number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+_PEER_WAIT_SLICE = 1.0
+_LEAVE_BARRIER_TIMEOUT = 30.0
+
+
+class _GroupChanged(Exception):  # noqa: N818 - control flow, not an error
+    """A node joined or left while this node was setting up its workers."""
+
+
+@dataclass
+class _Attempt:
+    info: RendezvousInfo
+    ranks: NodeRanks
+    workers: WorkerGroup
+    server: BootstrapServer | None
+
+
+class ElasticAgent:
+    """Runs one node's workers under a rendezvous handler.
+
+    Args:
+        handler: The rendezvous handler (any backend).
+        config: What to run.
+        bootstrap_factory: Starts the workers' store on group rank 0 (a
+            fresh ``rdzv.TCPStore`` server per attempt by default).
+        sink: Where workers' prefixed output goes (the agent's stdout/stderr).
+        log: Receives the agent's own one-line messages (stderr by default).
+    """
+
+    def __init__(
+        self,
+        handler: RendezvousHandler,
+        config: AgentConfig,
+        bootstrap_factory: BootstrapFactory = tcp_store_server,
+        sink: OutputSink | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self._handler = handler
+        self._config = config
+        self._bootstrap_factory = bootstrap_factory
+        self._sink = sink or OutputSink()
+        self._log = log or self._log_to_stderr
+        self._run_id = handler.get_run_id()
+        self._attempt: _Attempt | None = None
+        self._attempts_started = 0
+        self._restarts = 0
+        self._cleaning_up = False
+        self._left = False
+
+    def run(self) -> AgentResult:
+        """Run the job on this node until it finishes, fails or is interrupted.
+
+        Returns:
+            The exit code and a one-line reason.
+        """
+        with self._signal_handlers():
+            try:
+                return self._loop()
+            except AgentInterrupted as exc:
+                self._cleaning_up = True
+                self._end_attempt()
+                return AgentResult(
+                    128 + exc.signum,
+                    f"interrupted by {exc}: stopped the workers and left the rendezvous "
+                    f"of run {self._run_id!r} (it stays open for the other nodes)",
+                    self._restarts,
+                )
+            finally:
+                self._cleaning_up = True
+                self._end_attempt()
+                self._shutdown_handler()
+
+    @contextlib.contextmanager
+    def _signal_handlers(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            if self._cleaning_up:
+                return
+            raise AgentInterrupted(signum)
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self) -> AgentResult:
+        while True:
+            try:
+                info = self._handler.next_rendezvous()
+            except RendezvousGracefulExitError as exc:
+                return AgentResult(
+                    EXIT_OK,
+                    f"this node is a spare that run {self._run_id!r} does not need; "
+                    f"exiting cleanly ({exc})",
+                    self._restarts,
+                )
+            except RendezvousClosedError as exc:
+                return AgentResult(
+                    EXIT_RENDEZVOUS,
+                    f"the rendezvous of run {self._run_id!r} is closed (the job finished or "
+                    f"gave up): {exc}",
+                    self._restarts,
+                )
+            except RendezvousError as exc:
+                return AgentResult(
+                    EXIT_RENDEZVOUS,
+                    f"the rendezvous of run {self._run_id!r} failed: {type(exc).__name__}: {exc}",
+                    self._restarts,
+                )
+            try:
+                self._start_attempt(info)
+            except _GroupChanged:
+                self._log(
+                    "the group changed while the workers were being set up: re-rendezvous "
+                    "(not counted as a restart)"
+                )
+                self._end_attempt()
+                continue
+            except RendezvousError as exc:
+                return AgentResult(
+                    EXIT_RENDEZVOUS,
+                    f"setting up the workers of run {self._run_id!r} failed: "
+                    f"{type(exc).__name__}: {exc}",
+                    self._restarts,
+                )
+            result = self._monitor()
+            if result is not None:
+                return result
+
+    def _wait_for_peers(self, store: Store, keys: Sequence[str]) -> None:
+        # Wait in short slices so that a member dying during set-up (its
+        # record never comes) sends everyone back to the rendezvous instead
+        # of hanging until the store timeout.
+        budget = store.timeout.total_seconds()
+        deadline = time.monotonic() + budget
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                store.wait(keys, timeout=max(min(_PEER_WAIT_SLICE, remaining), 0.0))
+                return
+            except StoreTimeoutError:
+                if remaining <= _PEER_WAIT_SLICE:
+                    raise
+            if self._handler.num_nodes_waiting() > 0:
+                raise _GroupChanged
+
+    def _start_attempt(self, info: RendezvousInfo) -> None:
+        cfg = self._config
+        ranks = assign_ranks(
+            info.store,
+            info.rank,
+            info.world_size,
+            cfg.nproc_per_node,
+            cfg.role,
+            self._wait_for_peers,
+        )
+        master, server = exchange_bootstrap(
+            info.store, info.rank, self._bootstrap_factory, cfg.local_addr, self._wait_for_peers
+        )
+        base_env = dict(os.environ if cfg.env is None else cfg.env)
+        specs = [
+            WorkerSpec(
+                rank=ranks.base_rank + local_rank,
+                local_rank=local_rank,
+                argv=[cfg.python, *cfg.entrypoint],
+                env=worker_environment(
+                    base_env,
+                    ranks,
+                    local_rank,
+                    master,
+                    self._restarts,
+                    cfg.max_restarts,
+                    self._run_id,
+                ),
+            )
+            for local_rank in range(cfg.nproc_per_node)
+        ]
+        log_dir = None
+        if cfg.log_dir is not None:
+            log_dir = cfg.log_dir / self._run_id / f"attempt_{self._attempts_started}"
+        workers = WorkerGroup(specs, self._sink, log_dir)
+        self._attempt = _Attempt(info, ranks, workers, server)
+        self._attempts_started += 1
+        self._log(
+            f"node {ranks.group_rank}/{ranks.group_world_size} starting workers "
+            f"{ranks.base_rank}-{ranks.base_rank + ranks.local_world_size - 1} of "
+            f"{ranks.world_size} (restart {self._restarts}/{cfg.max_restarts}, "
+            f"MASTER_ADDR={master.master_addr} MASTER_PORT={master.master_port})"
+        )
+        try:
+            workers.start()
+        except OSError as exc:
+            raise RendezvousError(f"could not start the workers: {exc}") from exc
+
+    def _monitor(self) -> AgentResult | None:
+        attempt = self._attempt
+        assert attempt is not None
+        cfg = self._config
+        waiting_error = ""
+        while True:
+            exits = attempt.workers.poll()
+            if exits is not None:
+                if exits and exits[0].returncode != 0:
+                    return self._on_failure(exits[0])
+                return self._on_success(attempt)
+            try:
+                waiting = self._handler.num_nodes_waiting()
+                waiting_error = ""
+            except RendezvousError as exc:
+                message = f"{type(exc).__name__}: {exc}"
+                if message != waiting_error:
+                    self._log(f"cannot ask the rendezvous for waiting nodes: {message}")
+                waiting_error = message
+                waiting = 0
+            if waiting > 0:
+                self._log(
+                    f"{waiting} node(s) waiting or a member left: stopping the workers to "
+                    "re-rendezvous (not counted as a restart)"
+                )
+                self._end_attempt()
+                return None
+            time.sleep(cfg.monitor_interval)
+
+    def _on_failure(self, failure: WorkerExit) -> AgentResult | None:
+        self._end_attempt()
+        cfg = self._config
+        if self._restarts < cfg.max_restarts:
+            self._restarts += 1
+            self._log(
+                f"{failure.describe()}; restarting the group "
+                f"(restart {self._restarts}/{cfg.max_restarts})"
+            )
+            return None
+        self._close_run()
+        spent = f"after {self._restarts} restart(s)" if cfg.max_restarts else "(no restarts)"
+        return AgentResult(
+            EXIT_WORKER_FAILED,
+            f"run {self._run_id!r} failed {spent}: {failure.describe()}",
+            self._restarts,
+            failure,
+        )
+
+    def _on_success(self, attempt: _Attempt) -> AgentResult:
+        attempt.workers.close()
+        self._exit_barrier(attempt)
+        self._end_attempt()
+        self._shutdown_handler()
+        self._leave_barrier(attempt)
+        return AgentResult(
+            EXIT_OK,
+            f"all {attempt.ranks.local_world_size} worker(s) of node "
+            f"{attempt.ranks.group_rank} finished; run {self._run_id!r} succeeded",
+            self._restarts,
+        )
+
+    def _exit_barrier(self, attempt: _Attempt) -> None:
+        # The last agent to arrive knows that every node of the group
+        # succeeded: it alone closes the run, before releasing the others, so
+        # nobody writes to a store whose host may already be gone.
+        store = attempt.info.store
+        total = attempt.ranks.group_world_size
+        try:
+            if store.add(f"{KEY_PREFIX}/exit/count", 1) >= total:
+                self._close_run()
+                store.set(f"{KEY_PREFIX}/exit/done", "1")
+            store.wait([f"{KEY_PREFIX}/exit/done"], timeout=self._config.exit_barrier_timeout)
+        except RendezvousError as exc:
+            self._log(f"not every node reached the exit barrier: {type(exc).__name__}: {exc}")
+
+    def _close_run(self) -> None:
+        try:
+            self._handler.set_closed()
+        except RendezvousError as exc:
+            self._log(f"could not close run {self._run_id!r}: {type(exc).__name__}: {exc}")
+
+    def _end_attempt(self) -> None:
+        attempt = self._attempt
+        if attempt is None:
+            return
+        attempt.workers.stop(self._config.stop_grace)
+        self._attempt = None
+        if attempt.server is not None:
+            attempt.server.close()
+
+    def _log_to_stderr(self, message: str) -> None:
+        # Through the sink, so that it never splits a worker's line.
+        self._sink.write_line(f"rdzv run: {message}\n".encode(), to_stderr=True)
+
+    def _leave_barrier(self, attempt: _Attempt) -> None:
+        # Whichever agent hosts the rendezvous store must outlive the others'
+        # shutdown writes: every agent counts itself out after leaving and
+        # waits (briefly) for the rest before its process, and maybe the
+        # store, goes away.
+        store = attempt.info.store
+        total = attempt.ranks.group_world_size
+        try:
+            if store.add(f"{KEY_PREFIX}/left/count", 1) >= total:
+                store.set(f"{KEY_PREFIX}/left/done", "1")
+            store.wait([f"{KEY_PREFIX}/left/done"], timeout=_LEAVE_BARRIER_TIMEOUT)
+        except RendezvousConnectionError:
+            # The store went away after this node counted itself out: its
+            # host left as the barrier completed. Nothing is lost.
+            pass
+        except RendezvousError as exc:
+            self._log(f"not every node confirmed leaving: {type(exc).__name__}: {exc}")
+
+    def _shutdown_handler(self) -> None:
+        if self._left:
+            return
+        self._left = True
+        try:
+            self._handler.shutdown()
+        except RendezvousError as exc:
+            self._log(f"leaving the rendezvous failed: {type(exc).__name__}: {exc}")

@@ -1,0 +1,606 @@
+"""rdzv as a torchrun rendezvous backend (``--rdzv-backend=rdzv``, ``rdzv-etcd``, ``rdzv-redis``).
+
+Theory of operation
+-------------------
+torch (2.13) loads the entry points of the group ``torchrun.handlers``,
+calls each with no arguments and registers what it returns as a creator
+``(torch RendezvousParameters) -> torch RendezvousHandler``. The creators
+here translate torch's parameters into rdzv's, build an rdzv
+:class:`~rdzv.dynamic.handler.DynamicRendezvousHandler`, and wrap it in a
+subclass of torch's ``RendezvousHandler`` (defined lazily: this is the only
+rdzv module that imports torch, and only when a creator is called).
+
+torch's agent needs a real ``torch.distributed.Store`` from every round (it
+assigns worker ranks and runs its exit barrier through it):
+
+* ``rdzv`` (TCP store): a stock ``torch.distributed.TCPStore`` client
+  connected to the rdzv server, under the round's prefix
+  (``rdzv/<run_id>/round/<r>``), the same prefix rdzv's own round store
+  uses. torch's client keeps the GIL during some calls, so it must not talk
+  to a server in its own process: the node that hosts the endpoint runs the
+  rdzv server in a child process (``python -m rdzv.torchrun serve PORT``).
+  The child exits when its stdin closes (the agent shut down or died) and
+  its last client disconnected, or a few seconds later at most.
+* ``rdzv-etcd`` / ``rdzv-redis``: group rank 0 hosts a torch ``TCPStore``
+  for the round and publishes its address in rdzv's round store; the other
+  ranks connect to it. It is dropped when the next round starts.
+
+Workers never share the agent's store (``use_agent_store`` is False): the
+agent of group rank 0 picks a free port each round, and the worker of global
+rank 0 hosts a fresh store there, so a round never sees a former round's keys.
+
+rdzv's errors become torch's errors of the same meaning (``raise ... from``),
+so torch's agent reacts as it does to its own backends. One exception: a
+spare's graceful exit. torch 2.13's agent catches its
+``RendezvousGracefulExitError`` and returns None, on which torch's launcher
+then fails (``'NoneType' object has no attribute 'is_failed'``, exit status
+1); so by default (``spare_exit=exit0``) the handler raises
+``SystemExit(0)`` instead, which torch's agent and launcher pass through
+after shutting down cleanly. ``spare_exit=raise`` raises torch's error.
+
+``shutdown()`` closes the run only when the job finished (torch's exit
+barrier of the current round completed), so spares exit gracefully; after a
+failure it only leaves the round, and the other nodes may re-form without
+this one (torch's own ``c10d`` backend closes the run in both cases).
+
+torch's agent calls ``next_rendezvous()`` again when its workers failed or
+nodes wait. rdzv's handler then first leaves the round it is a member of, so
+the other members see it waiting (``num_nodes_waiting``) even when the round
+is full, and restart to re-form with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from rdzv import errors
+from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
+from rdzv.backends.store import DEFAULT_READ_TIMEOUT, create_backend, endpoint_is_local
+from rdzv.dynamic.handler import create_handler
+from rdzv.endpoint import format_endpoint, parse_endpoint
+from rdzv.registry import rendezvous_handler_registry
+from rdzv.store.memory import PrefixStore
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store as TorchStore
+    from torch.distributed.elastic.rendezvous import api as torch_api
+
+__all__ = [
+    "AGENT_STORE_KEY",
+    "create_rdzv_etcd_handler",
+    "create_rdzv_handler",
+    "create_rdzv_redis_handler",
+    "etcd_creator",
+    "redis_creator",
+    "tcp_creator",
+    "to_rdzv_parameters",
+]
+
+LOGGER = logging.getLogger("rdzv.torchrun")
+
+AGENT_STORE_KEY = "torchrun/agent_store"
+"""The round-store key under which group rank 0 publishes its torch store (etcd/Redis)."""
+
+# torch's exit barrier (torch/distributed/elastic/agent/server/api.py and
+# elastic/utils/store.py, torch 2.13): the last agent to arrive sets this key.
+_EXIT_BARRIER_DONE_KEY = "torchelastic/agent/terminal_state/last_member"
+
+_SERVER_START_TIMEOUT = 30.0
+_SERVER_LINGER = 5.0
+
+TorchCreator = Callable[["torch_api.RendezvousParameters"], "torch_api.RendezvousHandler"]
+
+
+# -- parameters ----------------------------------------------------------------
+
+
+def to_rdzv_parameters(
+    params: torch_api.RendezvousParameters, backend: str
+) -> RendezvousParameters:
+    """Translate torch's rendezvous parameters into rdzv's.
+
+    Every ``--rdzv-conf`` key is kept (as the string torchrun passes) and read
+    by rdzv's usual getters; ``rank`` (what torchrun sets from
+    ``--node-rank``) becomes ``node_rank``. torch's legacy ``timeout`` key
+    (torchrun always sets it, 900 s) is dropped, as torch's ``c10d`` backend
+    ignores it too: use ``join_timeout``.
+
+    Args:
+        params: torch's parameters.
+        backend: The rdzv backend name (``c10d``, ``etcd``, ``redis``).
+
+    Returns:
+        rdzv's parameters.
+
+    Raises:
+        ValueError: A value is invalid; the message names it.
+    """
+    config = dict(params.config)
+    config.pop("timeout", None)
+    rank = config.pop("rank", None)
+    try:
+        node_rank = 0 if rank is None else int(rank)
+    except (TypeError, ValueError):
+        raise ValueError(f"the node rank must be an integer, got {rank!r}") from None
+    return RendezvousParameters(
+        backend,
+        params.endpoint,
+        params.run_id,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        node_rank=node_rank,
+        config=config,
+    )
+
+
+# -- errors --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _torch_errors() -> Iterator[None]:
+    """Re-raise rdzv's rendezvous errors as torch's errors of the same meaning."""
+    from torch.distributed.elastic import rendezvous as tr  # noqa: PLC0415 - torch is optional
+
+    try:
+        yield
+    except errors.RendezvousGracefulExitError as exc:
+        raise tr.RendezvousGracefulExitError(str(exc)) from exc
+    except errors.RendezvousClosedError as exc:
+        raise tr.RendezvousClosedError(str(exc)) from exc
+    except errors.RendezvousTimeoutError as exc:
+        raise tr.RendezvousTimeoutError(str(exc)) from exc
+    except errors.RendezvousConnectionError as exc:
+        raise tr.RendezvousConnectionError(str(exc)) from exc
+    except errors.RendezvousStateError as exc:
+        raise tr.RendezvousStateError(str(exc)) from exc
+    except errors.RendezvousError as exc:
+        raise tr.RendezvousError(str(exc)) from exc
+
+
+# -- the server child process ----------------------------------------------------
+
+
+class _ServerProcess:
+    """An rdzv TCP store server running in a child process."""
+
+    def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
+        self._proc = proc
+        self.port = port
+
+    @classmethod
+    def start(cls, port: int) -> _ServerProcess | None:
+        """Start a server on ``port`` (every address); None when the port is taken."""
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rdzv.torchrun", "serve", str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        assert proc.stdout is not None
+        line = _read_line(proc.stdout, _SERVER_START_TIMEOUT)
+        if line.startswith("listening "):
+            return cls(proc, int(line.split()[1]))
+        cls(proc, port).stop()
+        LOGGER.info("rdzv store server not started on port %d: %s", port, line.strip())
+        return None
+
+    def stop(self) -> None:
+        """Tell the child to exit once its clients are gone, and reap it."""
+        proc = self._proc
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        try:
+            proc.wait(timeout=_SERVER_LINGER + 5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _read_line(stream: IO[str], timeout: float) -> str:
+    with selectors.DefaultSelector() as selector:
+        selector.register(stream, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            return f"no answer within {timeout:g} s"
+    return stream.readline() or "exited"
+
+
+def _serve_child(port: int) -> int:
+    """Run the server until stdin closes, then until the clients left (bounded)."""
+    from rdzv.store.server import TCPStoreServer  # noqa: PLC0415 - only in the child
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
+    server = TCPStoreServer(None, port)
+    try:
+        server.start()
+    except OSError as exc:
+        print(f"error {exc}", flush=True)
+        return 1
+    print(f"listening {server.port}", flush=True)
+    sys.stdin.read()
+    deadline = time.monotonic() + _SERVER_LINGER
+    while server.connection_count() > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop()
+    return 0
+
+
+# -- per-round torch stores ------------------------------------------------------
+
+
+class _RoundStores(ABC):
+    """Gives torch's agent a real torch store for each completed round."""
+
+    @abstractmethod
+    def round_store(self, info: RendezvousInfo) -> TorchStore:
+        """Return torch's store for the round ``info`` describes."""
+
+    def release(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """Drop the stores of the last round."""
+
+    def close(self) -> None:
+        """Release every resource."""
+        self.release()
+
+
+class _SharedServerStores(_RoundStores):
+    """A torch TCPStore client of the rdzv server, under each round's prefix."""
+
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self._host = host
+        self._port = port
+        self._timeout = timeout
+        self._client: TorchStore | None = None
+
+    def round_store(self, info: RendezvousInfo) -> TorchStore:
+        # torch.distributed re-exports these without marking them public (mypy).
+        from torch._C._distributed_c10d import PrefixStore as TorchPrefixStore  # noqa: PLC0415
+
+        if not isinstance(info.store, PrefixStore):
+            raise errors.RendezvousStateError(
+                f"expected rdzv's round store to be a PrefixStore, got {type(info.store).__name__}"
+            )
+        if self._client is None:
+            self._client = _torch_client(self._host, self._port, self._timeout)
+        return TorchPrefixStore(info.store.prefix, self._client)
+
+    def close(self) -> None:
+        self._client = None
+
+
+class _RankZeroStores(_RoundStores):
+    """A torch TCPStore hosted by group rank 0 of each round."""
+
+    def __init__(self, timeout: float) -> None:
+        self._timeout = timeout
+        self._current: TorchStore | None = None
+
+    def round_store(self, info: RendezvousInfo) -> TorchStore:
+        from torch._C._distributed_c10d import TCPStore  # noqa: PLC0415 - torch is optional
+
+        if info.rank == 0:
+            boot = info.bootstrap_store_info
+            addr = boot.master_addr if boot is not None else "127.0.0.1"
+            try:
+                server = TCPStore(
+                    addr,
+                    0,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=self._timeout),
+                )
+            except (RuntimeError, OSError) as exc:
+                raise errors.RendezvousConnectionError(
+                    f"could not host the agents' torch store: {exc}"
+                ) from exc
+            info.store.set(AGENT_STORE_KEY, format_endpoint(addr, server.port))
+            self._current = server
+            return server
+        raw = info.store.get(AGENT_STORE_KEY).decode("utf-8", "replace")
+        host, port = parse_endpoint(raw)
+        self._current = _torch_client(host, port, self._timeout)
+        return self._current
+
+    def release(self) -> None:
+        self._current = None
+
+
+def _torch_client(host: str, port: int, timeout: float) -> TorchStore:
+    from torch._C._distributed_c10d import TCPStore  # noqa: PLC0415 - torch is optional
+
+    try:
+        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    except (RuntimeError, OSError) as exc:
+        raise errors.RendezvousConnectionError(
+            f"torch's TCPStore client could not connect to {format_endpoint(host, port)}: {exc}"
+        ) from exc
+
+
+# -- the handler ---------------------------------------------------------------------
+
+
+class _Resources:
+    """What a handler owns besides the rdzv handler: clients and the server child."""
+
+    def __init__(
+        self,
+        stores: _RoundStores,
+        closers: tuple[Callable[[], None], ...] = (),
+        server: _ServerProcess | None = None,
+    ) -> None:
+        self.stores = stores
+        self.closers = closers
+        self.server = server
+
+    def close(self) -> None:
+        self.stores.close()
+        for close in self.closers:
+            with contextlib.suppress(errors.RendezvousError, OSError):
+                close()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@functools.cache
+def _handler_class() -> type[torch_api.RendezvousHandler]:
+    """Define the torch handler class (imports torch, so only on first use)."""
+    import torch.distributed.elastic.rendezvous as tr  # noqa: PLC0415 - torch is optional
+
+    class TorchrunRendezvousHandler(tr.RendezvousHandler):
+        """torch's ``RendezvousHandler`` interface over an rdzv handler.
+
+        Args:
+            name: The name torchrun knows the backend by (``rdzv``, ...).
+            inner: The rdzv handler.
+            resources: The stores and server this handler owns.
+            spare_exit: ``exit0`` or ``raise`` (see :func:`create_rdzv_handler`).
+        """
+
+        def __init__(
+            self, name: str, inner: RendezvousHandler, resources: _Resources, spare_exit: str
+        ) -> None:
+            self._name = name
+            self._spare_exit = spare_exit
+            self._inner = inner
+            self._resources = resources
+            self._round_store: TorchStore | None = None
+            self._shut_down = False
+
+        @property
+        def inner(self) -> RendezvousHandler:
+            """The rdzv handler."""
+            return self._inner
+
+        def get_backend(self) -> str:
+            return self._name
+
+        @property
+        def use_agent_store(self) -> bool:
+            return False
+
+        def next_rendezvous(self) -> tr.RendezvousInfo:
+            self._resources.stores.release()
+            self._round_store = None
+            try:
+                with _torch_errors():
+                    info = self._inner.next_rendezvous()
+                    store = self._resources.stores.round_store(info)
+            except tr.RendezvousGracefulExitError as exc:
+                if self._spare_exit == "raise":
+                    raise
+                LOGGER.warning("rdzv: %s; this agent is not needed and exits with status 0", exc)
+                raise SystemExit(0) from exc
+            self._round_store = store
+            boot = info.bootstrap_store_info
+            assert boot is not None  # rdzv's dynamic handler always builds it
+            return tr.RendezvousInfo(
+                store,
+                info.rank,
+                info.world_size,
+                tr.RendezvousStoreInfo(boot.master_addr, boot.master_port),
+            )
+
+        def is_closed(self) -> bool:
+            with _torch_errors():
+                return self._inner.is_closed()
+
+        def set_closed(self) -> None:
+            with _torch_errors():
+                self._inner.set_closed()
+
+        def num_nodes_waiting(self) -> int:
+            with _torch_errors():
+                return self._inner.num_nodes_waiting()
+
+        def get_run_id(self) -> str:
+            return self._inner.get_run_id()
+
+        def _job_finished(self) -> bool:
+            store = self._round_store
+            if store is None:
+                return False
+            try:
+                return bool(store.check([_EXIT_BARRIER_DONE_KEY]))
+            except (RuntimeError, OSError):
+                return False
+
+        def shutdown(self) -> bool:
+            if self._shut_down:
+                return True
+            self._shut_down = True
+            if self._job_finished():
+                try:
+                    self.set_closed()
+                except tr.RendezvousError as exc:
+                    LOGGER.warning("rdzv could not close the finished run: %s", exc)
+            self._round_store = None
+            try:
+                return self._inner.shutdown()
+            finally:
+                self._resources.close()
+
+    return TorchrunRendezvousHandler
+
+
+def _spare_exit(params: RendezvousParameters) -> str:
+    value = str(params.get("spare_exit", "exit0")).strip().lower()
+    if value not in ("exit0", "raise"):
+        raise ValueError(f"spare_exit must be 'exit0' or 'raise', got {params.get('spare_exit')!r}")
+    return value
+
+
+def _wrap(
+    name: str, inner: RendezvousHandler, resources: _Resources, spare_exit: str
+) -> torch_api.RendezvousHandler:
+    cls: Any = _handler_class()
+    handler: torch_api.RendezvousHandler = cls(name, inner, resources, spare_exit)
+    return handler
+
+
+# -- creators ------------------------------------------------------------------------
+
+
+def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.RendezvousHandler:
+    """Build the ``rdzv`` torchrun backend: dynamic rendezvous over rdzv's TCP store.
+
+    The node whose address matches the endpoint host (or that sets
+    ``is_host=1``) runs the store server in a child process; if the port is
+    taken (another local agent hosts it), it connects as a client.
+
+    ``--rdzv-conf`` keys: those of rdzv's dynamic rendezvous (``join_timeout``,
+    ``last_call_timeout``, ``close_timeout``, ``heartbeat``,
+    ``keep_alive_interval``, ``keep_alive_max_attempt``), of its store
+    backend (``read_timeout``, ``is_host``), and ``spare_exit`` (``exit0``,
+    the default, or ``raise``: see the module documentation).
+
+    Args:
+        params: torch's parameters (``--rdzv-endpoint``, ``--nnodes``,
+            ``--rdzv-id``, ``--rdzv-conf`` ...).
+
+    Returns:
+        A torch ``RendezvousHandler``.
+
+    Raises:
+        ValueError: A parameter is invalid.
+        torch.distributed.elastic.rendezvous.RendezvousConnectionError: The
+            store could not be hosted or reached.
+    """
+    rdzv_params = to_rdzv_parameters(params, "c10d")
+    spare_exit = _spare_exit(rdzv_params)
+    host, port = parse_endpoint(rdzv_params.endpoint)
+    timeout = rdzv_params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
+    explicit = rdzv_params.get_as_bool("is_host")
+    server: _ServerProcess | None = None
+    if explicit or (explicit is None and endpoint_is_local(host)):
+        server = _ServerProcess.start(port)
+        if server is None and explicit:
+            with _torch_errors():
+                raise errors.RendezvousConnectionError(
+                    f"could not host the rdzv store on port {port} (is_host=1): the port is taken"
+                )
+    rdzv_params.config["is_host"] = False
+    resources = _Resources(_SharedServerStores(host, port, timeout), server=server)
+    try:
+        with _torch_errors():
+            backend, store = create_backend(rdzv_params)
+        resources.closers = (backend.close, store.close)
+        inner = create_handler(store, backend, rdzv_params)
+    except BaseException:
+        resources.close()
+        raise
+    return _wrap(params.backend, inner, resources, spare_exit)
+
+
+def _create_from_registry(
+    params: torch_api.RendezvousParameters, backend: str
+) -> torch_api.RendezvousHandler:
+    known = rendezvous_handler_registry.backends()
+    if backend not in known:
+        raise ValueError(
+            f"the torchrun backend {params.backend!r} needs rdzv's {backend!r} rendezvous "
+            f"backend, which this installation of rdzv does not provide (known rdzv backends: "
+            f"{', '.join(known)})"
+        )
+    rdzv_params = to_rdzv_parameters(params, backend)
+    spare_exit = _spare_exit(rdzv_params)
+    timeout = rdzv_params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
+    with _torch_errors():
+        inner = rendezvous_handler_registry.create_handler(rdzv_params)
+    return _wrap(params.backend, inner, _Resources(_RankZeroStores(timeout)), spare_exit)
+
+
+def create_rdzv_etcd_handler(
+    params: torch_api.RendezvousParameters,
+) -> torch_api.RendezvousHandler:
+    """Build the ``rdzv-etcd`` torchrun backend: rdzv's dynamic rendezvous on etcd v3.
+
+    Args:
+        params: torch's parameters; the endpoint is the etcd cluster.
+
+    Returns:
+        A torch ``RendezvousHandler``.
+
+    Raises:
+        ValueError: rdzv's ``etcd`` backend is not available, or a parameter
+            is invalid.
+    """
+    return _create_from_registry(params, "etcd")
+
+
+def create_rdzv_redis_handler(
+    params: torch_api.RendezvousParameters,
+) -> torch_api.RendezvousHandler:
+    """Build the ``rdzv-redis`` torchrun backend: rdzv's dynamic rendezvous on Redis.
+
+    Args:
+        params: torch's parameters; the endpoint is the Redis server.
+
+    Returns:
+        A torch ``RendezvousHandler``.
+
+    Raises:
+        ValueError: rdzv's ``redis`` backend is not available, or a parameter
+            is invalid.
+    """
+    return _create_from_registry(params, "redis")
+
+
+def tcp_creator() -> TorchCreator:
+    """Entry point ``torchrun.handlers: rdzv``: return the creator torch registers."""
+    return create_rdzv_handler
+
+
+def etcd_creator() -> TorchCreator:
+    """Entry point ``torchrun.handlers: rdzv-etcd``: return the creator torch registers."""
+    return create_rdzv_etcd_handler
+
+
+def redis_creator() -> TorchCreator:
+    """Entry point ``torchrun.handlers: rdzv-redis``: return the creator torch registers."""
+    return create_rdzv_redis_handler
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "serve":
+        sys.exit("usage: python -m rdzv.torchrun serve PORT")
+    sys.exit(_serve_child(int(sys.argv[2])))

@@ -1,0 +1,121 @@
+"""Running ``rdzv run`` agents as real processes in tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.procs import ROOT, subprocess_env
+
+WORKER = str(Path(__file__).with_name("worker.py"))
+HELLO = str(ROOT / "examples" / "hello.py")
+ALLREDUCE = str(ROOT / "examples" / "allreduce.py")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Agents:
+    """Starts ``rdzv run`` processes and stops every one of them at the end."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, args: Sequence[str], stderr_path: Path | None = None) -> subprocess.Popen[str]:
+        """Start ``rdzv run``; its stderr goes to ``stderr_path`` when given."""
+        with contextlib.ExitStack() as stack:
+            err = stack.enter_context(stderr_path.open("w")) if stderr_path else subprocess.PIPE
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rdzv.cli", "run", *args],
+                cwd=ROOT,
+                env=subprocess_env(),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+@contextlib.contextmanager
+def agents() -> Iterator[Agents]:
+    group = Agents()
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def wait_for(predicate: object, timeout: float = 60, what: str = "a condition") -> None:
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    """Tell whether a process runs (a zombie waiting to be reaped does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def kill_pids(pids: Sequence[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+CONF = "is_host=false,last_call_timeout=0.5,keep_alive_interval=0.5,keep_alive_max_attempt=4"
+
+
+def envs(outdir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(outdir.glob("env-*.json"))]
+
+
+def with_world(outdir: Path, world: int) -> list[dict[str, Any]]:
+    return [e for e in envs(outdir) if e["WORLD_SIZE"] == str(world)]
+
+
+def c10d_args(endpoint: str, nnodes: str, run_id: str) -> list[str]:
+    return [
+        f"--nnodes={nnodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={CONF}",
+        "--local-addr=127.0.0.1",
+        "--monitor-interval=0.05",
+    ]

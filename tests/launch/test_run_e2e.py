@@ -1,0 +1,198 @@
+"""``rdzv run`` end to end: real agents, real workers, real TCP stores on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.launch.procs import (
+    ALLREDUCE,
+    HELLO,
+    WORKER,
+    agents,
+    alive,
+    finish,
+    free_port,
+    kill_pids,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+
+def envs(outdir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(outdir.glob("env-*.json"))]
+
+
+def last_line(err: str) -> str:
+    return err.strip().splitlines()[-1]
+
+
+def test_standalone_hello_example() -> None:
+    with agents() as group:
+        code, out, err = finish(group.start(["--standalone", "--nproc-per-node", "2", HELLO]))
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"[rank {rank}]: hello from rank {rank} of 2" in out
+        assert f"[rank {rank}]: rank {rank}: the sum across 2 ranks is 3, as expected" in out
+    assert "succeeded" in last_line(err)
+
+
+def test_two_static_nodes_with_two_workers_each(tmp_path: Path) -> None:
+    port = free_port()
+    with agents() as group:
+        procs = [
+            group.start(
+                [
+                    "--rdzv-backend=static",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--rdzv-id=job-env",
+                    "--nnodes=2",
+                    f"--node-rank={rank}",
+                    "--nproc-per-node=2",
+                    "--local-addr=127.0.0.1",
+                    WORKER,
+                    str(tmp_path),
+                    "ok",
+                ]
+            )
+            for rank in (1, 0)
+        ]
+        results = [finish(p) for p in procs]
+    assert [code for code, _, _ in results] == [0, 0], results
+    records = sorted(envs(tmp_path), key=lambda e: int(e["RANK"]))
+    assert [e["RANK"] for e in records] == ["0", "1", "2", "3"]
+    assert {e["MASTER_PORT"] for e in records} != {str(port)}
+    assert len({e["MASTER_PORT"] for e in records}) == 1
+    for e in records:
+        rank = int(e["RANK"])
+        assert (e["GROUP_RANK"], e["LOCAL_RANK"]) == (str(rank // 2), str(rank % 2))
+        assert (e["WORLD_SIZE"], e["GROUP_WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("4", "2", "2")
+        assert (e["ROLE_RANK"], e["ROLE_WORLD_SIZE"]) == (str(rank), "4")
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+        assert e["TORCHELASTIC_RUN_ID"] == "job-env"
+    node1_out = results[0][1]
+    assert "[rank 2]: line 0 from rank 2" in node1_out
+    assert "[rank 0]" not in node1_out
+
+
+def test_failed_worker_is_restarted_with_the_count_visible(tmp_path: Path) -> None:
+    args = ["--standalone", "--nproc-per-node=2", "--max-restarts=2"]
+    with agents() as group:
+        code, _, err = finish(group.start([*args, WORKER, str(tmp_path), "fail-once", "1", "4"]))
+    assert code == 0, err
+    assert "worker rank 1" in err
+    assert "exited with code 4; restarting the group (restart 1/2)" in err
+    counts = sorted((e["RANK"], e["TORCHELASTIC_RESTART_COUNT"]) for e in envs(tmp_path))
+    assert counts == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    ports = {e["TORCHELASTIC_RESTART_COUNT"]: e["MASTER_PORT"] for e in envs(tmp_path)}
+    assert ports["0"] != ports["1"]
+
+
+def test_restarts_exhausted_exit_1_naming_rank_code_and_log(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    args = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", f"--log-dir={logs}"]
+    with agents() as group:
+        code, _, err = finish(group.start([*args, WORKER, str(tmp_path), "fail", "1", "7"]))
+    assert code == 1
+    line = last_line(err)
+    assert "failed after 1 restart(s): worker rank 1" in line
+    assert "exited with code 7" in line
+    log = line.rsplit("log: ", 1)[1]
+    assert Path(log).parent.name == "attempt_1"
+    assert "line 0 from rank 1" in Path(log).read_text()
+
+
+def test_worker_killed_by_signal_is_named(tmp_path: Path) -> None:
+    with agents() as group:
+        code, _, err = finish(
+            group.start(
+                ["--standalone", "--nproc-per-node=2", WORKER, str(tmp_path), "signal", "1", "9"]
+            )
+        )
+    assert code == 1
+    assert "worker rank 1" in last_line(err)
+    assert "was killed by signal SIGKILL (9)" in last_line(err)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_agent_stops_workers(tmp_path: Path, signum: signal.Signals) -> None:
+    pids: list[int] = []
+    try:
+        with agents() as group:
+            proc = group.start(
+                [
+                    "--standalone",
+                    "--nproc-per-node=2",
+                    "--stop-grace=5",
+                    WORKER,
+                    str(tmp_path),
+                    "sleep",
+                ]
+            )
+            wait_for(lambda: len(envs(tmp_path)) == 2, what="two workers to start")
+            pids = [int(e["pid"]) for e in envs(tmp_path)]
+            assert all(alive(pid) for pid in pids)
+            proc.send_signal(signum)
+            code, _, err = finish(proc, timeout=30)
+        assert code == 128 + signum
+        assert f"interrupted by {signum.name}" in last_line(err)
+        wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10, what="workers to end")
+    finally:
+        kill_pids(pids)
+
+
+def test_sigkilled_agent_takes_its_workers_along(tmp_path: Path) -> None:
+    pids: list[int] = []
+    try:
+        with agents() as group:
+            proc = group.start(
+                ["--standalone", "--nproc-per-node=2", WORKER, str(tmp_path), "sleep"]
+            )
+            wait_for(lambda: len(envs(tmp_path)) == 2, what="two workers to start")
+            pids = [int(e["pid"]) for e in envs(tmp_path)]
+            proc.kill()
+            finish(proc)
+        wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10, what="workers to end")
+    finally:
+        kill_pids(pids)
+
+
+@pytest.mark.torch
+def test_torch_gloo_allreduce_two_static_nodes() -> None:
+    port = free_port()
+    with agents() as group:
+        procs = [
+            group.start(
+                [
+                    "--rdzv-backend=static",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--nnodes=2",
+                    f"--node-rank={rank}",
+                    "--nproc-per-node=2",
+                    "--local-addr=127.0.0.1",
+                    ALLREDUCE,
+                ]
+            )
+            for rank in (0, 1)
+        ]
+        results = [finish(p, timeout=80) for p in procs]
+    assert [code for code, _, _ in results] == [0, 0], results
+    out = results[0][1] + results[1][1]
+    for rank in range(4):
+        assert f"[rank {rank}]: rank {rank}/4" in out
+    assert out.count("expected 10.0: ok") == 4
+
+
+def test_module_entry_point() -> None:
+    with agents() as group:
+        code, out, err = finish(
+            group.start(["--standalone", "--nproc-per-node=2", "-m", "json.tool", "--help"])
+        )
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"[rank {rank}]: usage:" in out

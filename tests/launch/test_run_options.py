@@ -1,0 +1,72 @@
+"""``rdzv run`` option parsing: bad values give a clear error naming them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rdzv.cli import main
+from rdzv.launch.run import RunOptionsError, parse_nnodes
+
+WORKER = str(Path(__file__).with_name("worker.py"))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("1", (1, 1)), ("3", (3, 3)), ("1:4", (1, 4)), ("2:2", (2, 2))]
+)
+def test_parse_nnodes(text: str, expected: tuple[int, int]) -> None:
+    assert parse_nnodes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "a", "3:1", "1:2:3", "", "-1:2", "1:x"])
+def test_parse_nnodes_rejects(text: str) -> None:
+    with pytest.raises(RunOptionsError, match="--nnodes"):
+        parse_nnodes(text)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "2:1", "--rdzv-endpoint", "h:1", WORKER], "--nnodes '2:1'"),
+        (["--nproc-per-node", "zero", "--standalone", WORKER], "--nproc-per-node 'zero'"),
+        (["--nproc_per_node", "0", "--standalone", WORKER], "--nproc-per-node '0'"),
+        (["--rdzv-endpoint", "h:1", "--rdzv-conf", "a=1,b", WORKER], "--rdzv-conf 'a=1,b'"),
+        ([WORKER], "--rdzv-endpoint is required"),
+        (["--standalone", "no/such/script.py"], "'no/such/script.py' does not exist"),
+        (["--standalone", "--max-restarts", "-1", WORKER], "--max-restarts -1"),
+        (["--standalone", "--monitor-interval", "0", WORKER], "--monitor-interval 0"),
+        (["--standalone", "--nnodes", "2", WORKER], "--standalone runs one node"),
+        (
+            ["--rdzv-backend", "nosuch", "--rdzv-endpoint", "h:1", WORKER],
+            "'nosuch' is not registered",
+        ),
+        (["--rdzv-endpoint", "h:1", "--node-rank", "-2", WORKER], "--node-rank -2"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_value(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("rdzv run: error:")
+
+
+def test_underscore_and_dash_names_are_both_accepted() -> None:
+    from rdzv.cli import build_parser
+
+    parser = build_parser()
+    a = parser.parse_args(["run", "--nproc_per_node", "3", "--rdzv_backend", "x", "s.py", "--y"])
+    b = parser.parse_args(["run", "--nproc-per-node", "3", "--rdzv-backend", "x", "s.py", "--y"])
+    assert a == b
+    assert a.training_script_args == ["--y"]
+
+
+def test_module_mode_takes_the_module_and_its_args() -> None:
+    from rdzv.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--standalone", "-m", "pkg.mod", "--lr", "1"])
+    assert args.module
+    assert args.training_script == "pkg.mod"
+    assert args.training_script_args == ["--lr", "1"]

@@ -1,0 +1,122 @@
+"""A worker for launcher tests: ``worker.py OUTDIR MODE [ARGS...]``.
+
+Every mode first records the worker's environment in
+``OUTDIR/env-<RANK>-<pid>.json`` and prints a few lines. Modes:
+
+* ``ok``: exit 0.
+* ``fail-once RANK CODE``: worker RANK exits CODE the first time (a marker
+  file remembers), everyone else exits 0.
+* ``fail RANK CODE``: worker RANK always exits CODE; the others sleep until stopped.
+* ``signal RANK SIGNUM``: worker RANK kills itself with SIGNUM; the others sleep.
+* ``sleep``: sleep until stopped.
+* ``sleep-once``: sleep until stopped the first time (a marker per rank), then exit 0.
+* ``partial``: print a last line without a newline.
+* ``wait-release``: sleep until the test creates ``OUTDIR/release-<WORLD_SIZE>``, then exit 0.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+KEYS = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+]
+
+
+def sleep_forever() -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    sys.exit(99)
+
+
+def read_record(path: Path) -> dict[str, str] | None:
+    try:
+        record: dict[str, str] = json.loads(path.read_text())
+    except ValueError:
+        return None  # being written
+    return record
+
+
+def wait_for_peers(outdir: Path) -> None:
+    """Wait until every worker of this attempt has written its record."""
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    world = int(os.environ["WORLD_SIZE"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        records = [r for r in map(read_record, outdir.glob("env-*.json")) if r is not None]
+        if sum(r["TORCHELASTIC_RESTART_COUNT"] == restart for r in records) >= world:
+            return
+        time.sleep(0.02)
+
+
+def main() -> None:
+    out, mode, *rest = sys.argv[1:]
+    outdir = Path(out)
+    rank = int(os.environ["RANK"])
+    record = {key: os.environ.get(key) for key in KEYS}
+    record["pid"] = os.getpid()
+    (outdir / f"env-{rank}-{os.getpid()}.json").write_text(json.dumps(record))
+    for i in range(3):
+        print(f"line {i} from rank {rank}")
+    print(f"err line from rank {rank}", file=sys.stderr)
+    sys.stdout.flush()
+    if mode == "ok":
+        return
+    if mode == "partial":
+        sys.stdout.write("no newline at the end")
+        return
+    if mode == "sleep":
+        sleep_forever()
+    if mode == "wait-release":
+        release = outdir / f"release-{os.environ['WORLD_SIZE']}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if release.exists():
+                return
+            time.sleep(0.05)
+        sys.exit(98)
+    if mode == "sleep-once":
+        marker = outdir / f"slept-{rank}"
+        if not marker.exists():
+            marker.write_text("x")
+            sleep_forever()
+        return
+    target = int(rest[0])
+    if mode == "fail-once":
+        marker = outdir / "failed-once"
+        if rank == target and not marker.exists():
+            wait_for_peers(outdir)
+            marker.write_text("x")
+            sys.exit(int(rest[1]))
+        return
+    if rank != target:
+        sleep_forever()
+    if mode == "fail":
+        wait_for_peers(outdir)
+        sys.exit(int(rest[1]))
+    if mode == "signal":
+        wait_for_peers(outdir)
+        os.kill(os.getpid(), int(rest[1]))
+        sleep_forever()
+    raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main()
