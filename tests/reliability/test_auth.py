@@ -223,3 +223,43 @@ def test_c10d_backend_with_a_wrong_or_missing_secret_is_refused(
         config["auth_token_file"] = str(bad)
     with pytest.raises(StoreAuthenticationError, match="authentication"):
         create_backend(_params(f"127.0.0.1:{auth_server.port}", **config))
+
+
+# -- rdzv status (the launcher's tools go through the same create_backend) ----------
+
+
+def _status(
+    port: int, conf: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rdzv.cli",
+            "status",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "authjob",
+            "--rdzv-conf",
+            conf,
+        ],
+        capture_output=True,
+        text=True,
+        env=env or subprocess_env(),
+        timeout=60,
+        check=False,
+    )
+
+
+def test_rdzv_status_authenticates_from_a_conf_key_or_the_environment(token_file: Path) -> None:
+    with serve("--auth-token-file", str(token_file)) as (_pid, port):
+        by_file = _status(port, f"auth_token_file={token_file},is_host=false")
+        assert by_file.returncode == 0, by_file.stderr
+        by_env = _status(port, "is_host=false", env=subprocess_env(**{AUTH_TOKEN_ENV: SECRET}))
+        assert by_env.returncode == 0, by_env.stderr
+        missing = _status(port, "is_host=false,read_timeout=3")
+        assert missing.returncode != 0
+        assert "needs a shared secret" in missing.stderr
