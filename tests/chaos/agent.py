@@ -5,7 +5,8 @@ for a random while (leaving early when another node waits), and joins again,
 like torch's elastic agent restarting its workers. Around each
 ``next_rendezvous`` it reads the store's epoch key (written by the harness
 each time it starts the store host), so a round that straddles a store
-restart can be told apart. Lines: ``begin``, ``round``, ``error``.
+restart can be told apart. Lines: ``begin``, ``returned`` (the call returned,
+before the epoch read), ``round``, ``error``.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def main() -> int:
             return 3
         took = time.monotonic() - started
         completed_at = time.time()  # before the epoch read, which may wait on the store
+        emit(event="returned", node=node, took=took)
         after = read_epoch(probe)
         # The node keys of the sealed round, in rank order (info only has addresses).
         member_of = handler._member_of  # type: ignore[attr-defined]  # test agent reads the state

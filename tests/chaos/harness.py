@@ -329,6 +329,8 @@ class ChaosRun:
             agent.node = line["node"]
         if event == "begin":
             agent.begun = time.monotonic()
+        elif event == "returned":
+            agent.begun = None  # the call is over; the epoch read after it is not checked
         elif event == "round":
             agent.begun = None
             self.checker.round_line(line)
