@@ -52,6 +52,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "C10dRendezvousBackend",
     "DynamicRendezvousHandler",
+    "EtcdRendezvousBackend",
     "HashStore",
     "P10dRendezvousBackend",
     "PrefixStore",
@@ -78,12 +79,11 @@ __all__ = [
     "TCPStore",
     "TCPStoreServer",
     "TpRendezvousBackend",
-    "__version__",
     "create_handler",
     "parse_config",
     "parse_endpoint",
     "rendezvous_handler_registry",
-    "EtcdRendezvousBackend",
+    "__version__",
 ]
 
 if TYPE_CHECKING:

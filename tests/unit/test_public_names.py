@@ -27,14 +27,40 @@ SPEC_NAMES = [
     "RendezvousHandlerRegistry",
     "rendezvous_handler_registry",
     "create_handler",
-    # backends
+    # dynamic rendezvous and backends
     "RendezvousBackend",
+    "DynamicRendezvousHandler",
+    "C10dRendezvousBackend",
+    "P10dRendezvousBackend",
+    "TpRendezvousBackend",
+    "EtcdRendezvousBackend",
+    "StaticTCPRendezvous",
+]
+
+# The per-backend factories live in their modules, as in torch.
+BACKEND_FUNCTIONS = [
+    ("rdzv.backends.store", "create_backend"),
+    ("rdzv.backends.etcd", "create_backend"),
+    ("rdzv.backends.redis", "create_backend"),
+    ("rdzv.dynamic", "create_handler"),
+    ("rdzv.static", "create_rdzv_handler"),
 ]
 
 
 def test_all_holds_every_spec_name() -> None:
     missing = [name for name in SPEC_NAMES if name not in rdzv.__all__]
     assert missing == []
+
+
+def test_per_backend_factories_exist() -> None:
+    for module, name in BACKEND_FUNCTIONS:
+        function = getattr(importlib.import_module(module), name)
+        assert callable(function)
+        assert (function.__doc__ or "").strip(), f"{module}.{name} has no docstring"
+
+
+def test_the_store_backend_has_every_alias() -> None:
+    assert rdzv.C10dRendezvousBackend is rdzv.P10dRendezvousBackend is rdzv.TpRendezvousBackend
 
 
 def test_every_name_in_all_imports_and_is_documented() -> None:
