@@ -42,6 +42,7 @@ from rdzv.backends.base import (
     RendezvousBackend,
     Token,
     WatchableBackend,
+    check_key_settings,
     validate_node_key,
     validate_record,
 )
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
-    "DEFAULT_TTL",
     "EtcdRendezvousBackend",
     "create_backend",
     "create_etcd_handler",
@@ -72,8 +72,6 @@ __all__ = [
 _T = TypeVar("_T")
 
 DEFAULT_KEY_PREFIX = "/rdzv/"
-DEFAULT_TTL = 7200
-DEFAULT_LIVENESS_TTL = 60
 _MAGIC = b"rdzv-state/1\n"
 
 
@@ -114,16 +112,9 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
         ttl: int | None = None,
         liveness_ttl: int | None = None,
     ) -> None:
-        if not run_id:
-            raise ValueError("the run id must be a non-empty string")
-        prefix = DEFAULT_KEY_PREFIX if key_prefix is None else key_prefix
-        if not prefix:
-            raise ValueError("the etcd key prefix must not be empty")
-        ttl = DEFAULT_TTL if ttl is None else ttl
-        liveness_ttl = DEFAULT_LIVENESS_TTL if liveness_ttl is None else liveness_ttl
-        for name, value in (("ttl", ttl), ("liveness_ttl", liveness_ttl)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number of seconds >= 1, got {value!r}")
+        prefix, ttl, liveness_ttl = check_key_settings(
+            "etcd", run_id, key_prefix, DEFAULT_KEY_PREFIX, ttl, liveness_ttl
+        )
         self._client = client
         self._run_id = run_id
         self._key = f"{prefix}{run_id}".encode()

@@ -36,6 +36,7 @@ from rdzv.backends.base import (
     RendezvousBackend,
     Token,
     WatchableBackend,
+    check_key_settings,
     validate_node_key,
     validate_record,
 )
@@ -58,15 +59,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
-    "DEFAULT_TTL",
     "RedisRendezvousBackend",
     "create_backend",
     "create_redis_handler",
 ]
 
 DEFAULT_KEY_PREFIX = "rdzv:"
-DEFAULT_TTL = 7200
-DEFAULT_LIVENESS_TTL = 60
 _STREAM_MAXLEN = "100"
 
 _CAS = """
@@ -163,16 +161,9 @@ class RedisRendezvousBackend(
         ttl: int | None = None,
         liveness_ttl: int | None = None,
     ) -> None:
-        if not run_id:
-            raise ValueError("the run id must be a non-empty string")
-        prefix = DEFAULT_KEY_PREFIX if key_prefix is None else key_prefix
-        if not prefix:
-            raise ValueError("the Redis key prefix must not be empty")
-        ttl = DEFAULT_TTL if ttl is None else ttl
-        liveness_ttl = DEFAULT_LIVENESS_TTL if liveness_ttl is None else liveness_ttl
-        for name, value in (("ttl", ttl), ("liveness_ttl", liveness_ttl)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number of seconds >= 1, got {value!r}")
+        prefix, ttl, liveness_ttl = check_key_settings(
+            "Redis", run_id, key_prefix, DEFAULT_KEY_PREFIX, ttl, liveness_ttl
+        )
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("the Redis client must not decode responses (decode_responses=False)")
         self._client = client
