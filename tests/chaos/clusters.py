@@ -227,15 +227,16 @@ class EtcdChaosCluster(Cluster):
         self.cluster = self._stack.enter_context(etcd_cluster(self.size))
         self.proxies = [FaultProxy(m.client_port) for m in self.cluster.members]
 
-    def fault(self, rng: random.Random) -> None:
+    def fault(self, rng: random.Random) -> bool:
         from tests.engines.servers import kill_process
 
         running = [m for m in self.cluster.members if m.alive]
         if not running:
-            return
+            return False
         member = rng.choice(running)
         kill_process(member.proc)
         self._restarts.append((time.monotonic() + rng.uniform(1.0, 4.0), member))
+        return False  # a member restarts from its data directory: nothing is lost
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -270,13 +271,14 @@ class RedisChaosCluster(Cluster):
         self.server = self._stack.enter_context(redis_server())
         self.proxies = [FaultProxy(self.server.port)]
 
-    def fault(self, rng: random.Random) -> None:
+    def fault(self, rng: random.Random) -> bool:
         from tests.engines.servers import kill_process
 
         self._close_reader()
         kill_process(self.server.proc)
         self.server.start()
         self.server.wait_ready()
+        return True  # no persistence: the restarted server is empty
 
     def stop(self) -> None:
         self.close_proxies()

@@ -65,6 +65,7 @@ class Settings:
         faults: Inject faults (False: a fault-free baseline).
         store_restarts: Allow the server-side fault (store host, Redis or an
             etcd member killed).
+        log_dir: Each agent writes rdzv's debug log to a file here (None: no logs).
     """
 
     seed: int
@@ -79,6 +80,7 @@ class Settings:
     attempts: int = 3
     faults: bool = True
     store_restarts: bool = True
+    log_dir: str | None = None
 
     @property
     def dead_after(self) -> float:
@@ -240,6 +242,7 @@ class _Agent:
                 str(settings.interval),
                 "--attempts",
                 str(settings.attempts),
+                *self._log_option(settings, run.figures.agent_starts),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -251,6 +254,12 @@ class _Agent:
         self.paused_until: float | None = None
         self._reader = threading.Thread(target=self._read, args=(run.lines,), daemon=True)
         self._reader.start()
+
+    @staticmethod
+    def _log_option(settings: Settings, number: int) -> list[str]:
+        if settings.log_dir is None:
+            return []
+        return ["--log", os.path.join(settings.log_dir, f"agent-{number}.log")]
 
     def _read(self, lines: queue.Queue[tuple[_Agent, dict[str, Any]]]) -> None:
         assert self.proc.stdout is not None

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=5)
     parser.add_argument("--backend", choices=[*BACKENDS, "all"], default="all")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--log-dir", default=None, help="one rdzv debug log per agent here")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     backends = list(BACKENDS) if args.backend == "all" else [args.backend]
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             max_nodes=args.agents,
             seconds=args.minutes * 60,
             rounds=args.rounds,
+            log_dir=args.log_dir,
         )
         figures = ChaosRun(settings, log=None if args.quiet else sys.stdout).run()
         print(figures.summary(), flush=True)
