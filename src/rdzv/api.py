@@ -419,10 +419,6 @@ class RendezvousParameters:
         )
 
 
-_KEY_MASTER_ADDR = "MASTER_ADDR"
-_KEY_MASTER_PORT = "MASTER_PORT"
-
-
 @dataclass(frozen=True)
 class RendezvousStoreInfo:
     """Where workers find their bootstrap store.
@@ -431,6 +427,11 @@ class RendezvousStoreInfo:
         master_addr: The address of the bootstrap store.
         master_port: Its port.
     """
+
+    MASTER_ADDR_KEY: ClassVar[str] = "MASTER_ADDR"
+    """The key rank 0 publishes its address under, in the round's store."""
+    MASTER_PORT_KEY: ClassVar[str] = "MASTER_PORT"
+    """The key rank 0 publishes its port under, in the round's store."""
 
     master_addr: str
     master_port: int
@@ -470,10 +471,15 @@ class RendezvousStoreInfo:
         if rank == 0:
             addr = local_addr or primary_address()
             port = server_port if server_port is not None else _free_port()
-            store.multi_set([_KEY_MASTER_ADDR, _KEY_MASTER_PORT], [addr, str(port)])
+            store.multi_set(
+                [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY],
+                [addr, str(port)],
+            )
             return RendezvousStoreInfo(addr, port)
         try:
-            addr_b, port_b = store.multi_get([_KEY_MASTER_ADDR, _KEY_MASTER_PORT])
+            addr_b, port_b = store.multi_get(
+                [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
+            )
         except RendezvousTimeoutError as exc:
             raise RendezvousTimeoutError(
                 f"rank {rank} did not see rank 0 publish MASTER_ADDR/MASTER_PORT "

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rdzv.api import RendezvousInfo, RendezvousTimeout
+from rdzv.api import RendezvousInfo, RendezvousStoreInfo, RendezvousTimeout
 from rdzv.backends.base import RendezvousBackend, Token
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.errors import (
@@ -17,6 +17,7 @@ from rdzv.errors import (
     RendezvousExhaustedError,
     RendezvousGracefulExitError,
 )
+from rdzv.store.base import Store
 from rdzv.store.memory import HashStore
 from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
 
@@ -340,3 +341,40 @@ def test_a_round_whose_members_all_died_does_not_block_the_next(
     infos = [f.result(timeout=10) for f in c.join(fresh)]
     _check_round(infos)
     assert infos[0].participants == ("f1", "f2")
+
+
+def test_rank0_dying_before_it_publishes_does_not_hold_the_others(
+    cluster_factory: Callable[..., Cluster],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    c = cluster_factory(2, 3)
+    c.store.set_timeout(60)  # waiting out the store timeout would fail the result() bounds
+    dying = c.handler("r0", node_rank=0)
+    others = [c.handler("r1", node_rank=1), c.handler("r2", node_rank=2)]
+    build = RendezvousStoreInfo.build
+
+    def dies_at_rank0(
+        rank: int, store: Store, local_addr: str | None = None, server_port: int | None = None
+    ) -> RendezvousStoreInfo:
+        if local_addr == "r0":
+            dying.pre_shutdown()  # no more heartbeats, as if SIGKILLed right here
+            raise RuntimeError("rank 0 died before publishing its address")
+        return build(rank, store, local_addr, server_port)
+
+    monkeypatch.setattr(RendezvousStoreInfo, "build", staticmethod(dies_at_rank0))
+    with caplog.at_level(logging.INFO, logger="rdzv.dynamic"):
+        futures = c.join([dying, *others])
+        with pytest.raises(RuntimeError, match="before publishing"):
+            futures[0].result(timeout=10)
+        infos = [f.result(timeout=15) for f in futures[1:]]
+    events = [r.rdzv_event for r in caplog.records if hasattr(r, "rdzv_event")]  # type: ignore[attr-defined]
+    _check_round(infos)
+    assert infos[0].participants == ("r1", "r2")
+    broken = [e for e in events if e["action"] == "broken"]
+    assert {e["node"] for e in broken} == {others[0].node, others[1].node}
+    assert {e["round"] for e in broken} == {0}
+    completed = {
+        e["round"] for e in events if e["action"] == "complete" and e["node"] != dying.node
+    }
+    assert completed == {1}

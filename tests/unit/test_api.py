@@ -239,6 +239,12 @@ def test_store_info_build_rank0_picks_free_port_and_address() -> None:
     assert 1 <= info.master_port <= 65535
     assert info.master_addr
     assert store.get("MASTER_ADDR") == info.master_addr.encode()
+    assert store.get("MASTER_PORT") == str(info.master_port).encode()
+
+
+def test_store_info_keys_are_torchs() -> None:
+    assert RendezvousStoreInfo.MASTER_ADDR_KEY == "MASTER_ADDR"
+    assert RendezvousStoreInfo.MASTER_PORT_KEY == "MASTER_PORT"
 
 
 def test_store_info_build_times_out_without_rank0() -> None:

@@ -23,6 +23,14 @@ clocks are never read. Survivors then see ``num_nodes_waiting() > 0``. If
 this node's own heartbeats fail ``keep_alive_max_attempt`` times in a row,
 the thread stops and the next call raises ``RendezvousConnectionError``.
 
+A member of rank > 0 waits for rank 0 to publish its bootstrap address
+(``MASTER_ADDR``/``MASTER_PORT``) in short slices, checking between them
+that rank 0 is still a live member of the round. If rank 0 died after the
+seal and before publishing, its ring predecessor evicts it and this member
+joins the next round at once instead of waiting out the store timeout
+(which would also hold back everyone else's next round, since a seal
+waits for every live member to re-join).
+
 Every transition is logged as one structured event on the ``rdzv.dynamic``
 logger (no handlers attached: the application decides where logs go).
 """
@@ -105,6 +113,8 @@ LOGGER = logging.getLogger("rdzv.dynamic")
 _STATE_WAIT_CAP = 1.0
 _QUEUE_WAIT_CAP = 0.25
 _CAS_ATTEMPTS = 64
+_BOOTSTRAP_CHECK = 0.5
+"""Seconds between checks that rank 0 is still a member while waiting for its address."""
 
 Clock = Callable[[], float]
 
@@ -329,7 +339,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
             progress = observe(progress, state, queue_length, self._limits, now)
             action = decide(progress, state, queue_length, self._node, self._limits, now)
             if isinstance(action, Complete):
-                return self._complete(state, action.rank)
+                assert state is not None  # Complete is only decided on a sealed state
+                info = self._complete(state, action.rank)
+                if info is not None:
+                    return info
+                # Rank 0 left before publishing its address: join the next
+                # round, still within this call's join deadline.
+                self._leave_round()
+                state, token = self._read()
+                now = self._clock()
+                progress = replace(start_join(state, now), started_at=progress.started_at)
+                queue_length, missing = 0, []
+                self._event("join", progress.round_id)
+                continue
             if isinstance(action, Fail):
                 self._fail(action.reason, progress)
             if isinstance(action, Enqueue):
@@ -411,12 +433,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             f"join timeout of {join:g} s"
         )
 
-    def _complete(self, state: RendezvousState | None, rank: int) -> RendezvousInfo:
-        assert state is not None  # Complete is only decided on a sealed state
+    def _complete(self, state: RendezvousState, rank: int) -> RendezvousInfo | None:
+        """Become a member of the sealed round; None if it broke before rank 0 published."""
         with self._lock:
             self._member_of = state
-        self._event("complete", state.round, rank=rank, world_size=len(state.participants))
         store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{state.round}", self._store)
+        if rank != 0 and not self._await_bootstrap(state, rank, store):
+            self._event("broken", state.round, rank=rank, reason="rank 0 left before publishing")
+            return None
+        self._event("complete", state.round, rank=rank, world_size=len(state.participants))
         bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._local_addr)
         waiting = [
             node_address(decode_record(r).node) for r in self._queue.queue_records(state.next_round)
@@ -429,6 +454,37 @@ class DynamicRendezvousHandler(RendezvousHandler):
             [node_address(n) for n in state.participants],
             waiting,
         )
+
+    def _await_bootstrap(self, state: RendezvousState, rank: int, store: Store) -> bool:
+        """Wait for rank 0's bootstrap address; False once rank 0 is no live member.
+
+        Raises:
+            RendezvousTimeoutError: Rank 0 stayed a member but did not publish
+                within the store timeout.
+        """
+        rank0 = state.participants[0]
+        timeout = store.timeout.total_seconds()
+        deadline = self._clock() + timeout
+        while True:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise RendezvousTimeoutError(
+                    f"rank {rank} did not see rank 0 publish MASTER_ADDR/MASTER_PORT "
+                    f"within {timeout:g} s"
+                )
+            try:
+                store.wait(
+                    [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY],
+                    timedelta(seconds=min(remaining, _BOOTSTRAP_CHECK)),
+                )
+            except RendezvousTimeoutError:
+                current, _ = self._read()
+                if current is None or current.round != state.round or current.closed:
+                    return False
+                if current.rank_of(rank0) is None:
+                    return False
+            else:
+                return True
 
     def is_closed(self) -> bool:
         """Tell whether the run is closed.
