@@ -1,6 +1,8 @@
 """Authentication everywhere it applies: the secret comes from a file or the
 environment, the right one is accepted, a wrong or missing one is refused with
-a clear error: TCPStore, ``rdzv serve`` and the c10d rendezvous."""
+a clear error: TCPStore, ``rdzv serve`` and the c10d rendezvous; and the c10d
+rendezvous and ``rdzv status`` over TLS, refusing a certificate they cannot
+verify."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,9 +23,10 @@ from rdzv.api import RendezvousParameters
 from rdzv.auth import AUTH_TOKEN_ENV, read_token_file, resolve_auth_token
 from rdzv.backends.store import create_backend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
-from rdzv.errors import StoreAuthenticationError
+from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
+from tests.certs import self_signed_certificate
 from tests.procs import subprocess_env
 from tests.reliability.sockets import served
 
@@ -111,7 +115,7 @@ def serve(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[int, 
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert "(auth)" in line, line
+        assert "(auth" in line, line
         yield proc.pid, int(line.split()[4].rsplit(":", 1)[1])
     finally:
         if proc.poll() is None:
@@ -263,3 +267,109 @@ def test_rdzv_status_authenticates_from_a_conf_key_or_the_environment(token_file
         missing = _status(port, "is_host=false,read_timeout=3")
         assert missing.returncode != 0
         assert "needs a shared secret" in missing.stderr
+
+
+# -- TLS on the c10d rendezvous and rdzv status ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = self_signed_certificate(folder, "store")
+    other, _ = self_signed_certificate(folder, "other")
+    return {"cert": cert, "key": key, "other_ca": other}
+
+
+def _tls_conf(files: dict[str, Path], host: bool, ca: str = "cert") -> dict[str, object]:
+    conf: dict[str, object] = {"is_host": host, "ca_cert": str(files[ca])}
+    if host:
+        conf.update(ssl_cert=str(files["cert"]), ssl_cert_key=str(files["key"]))
+    return conf
+
+
+def test_c10d_rendezvous_runs_over_tls_with_a_secret(
+    tls_files: dict[str, Path], token_file: Path, handlers: list[DynamicRendezvousHandler]
+) -> None:
+    endpoint = f"127.0.0.1:{_free_port()}"
+
+    def params(host: bool) -> RendezvousParameters:
+        return RendezvousParameters(
+            "c10d",
+            endpoint,
+            "tlsjob",
+            2,
+            2,
+            local_addr="127.0.0.1",
+            read_timeout=5,
+            auth_token_file=str(token_file),
+            **_tls_conf(tls_files, host),
+        )
+
+    host = rdzv.create_handler(params(True))
+    guest = rdzv.create_handler(params(False))
+    assert isinstance(host, DynamicRendezvousHandler)
+    assert isinstance(guest, DynamicRendezvousHandler)
+    handlers += [host, guest]
+    infos: dict[str, rdzv.RendezvousInfo] = {}
+    thread = threading.Thread(target=lambda: infos.update(guest=guest.next_rendezvous()))
+    thread.start()
+    infos["host"] = host.next_rendezvous()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert sorted(info.rank for info in infos.values()) == [0, 1]
+    infos["guest"].store.set("over-tls", "yes")
+    assert infos["host"].store.get("over-tls") == b"yes"
+    # A plaintext client gets nothing from the TLS store, and fails in bounded time.
+    port = int(endpoint.rsplit(":", 1)[1])
+    with pytest.raises(RendezvousConnectionError):
+        TCPStore("127.0.0.1", port, timeout=2, auth_token=SECRET)
+
+
+def test_c10d_node_that_cannot_verify_the_store_is_refused(
+    tls_files: dict[str, Path], handlers: list[DynamicRendezvousHandler]
+) -> None:
+    endpoint = f"127.0.0.1:{_free_port()}"
+    host = rdzv.create_handler(_params(endpoint, **_tls_conf(tls_files, True)))
+    assert isinstance(host, DynamicRendezvousHandler)
+    handlers.append(host)
+    with pytest.raises(RendezvousConnectionError, match="certificate"):
+        create_backend(_params(endpoint, **_tls_conf(tls_files, False, ca="other_ca")))
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"ssl_cert": "cert"}, "ssl_cert is set without ssl_cert_key"),
+        ({"ssl_cert_key": "key"}, "ssl_cert_key is set without ssl_cert"),
+        ({"ssl_cert": "cert", "ssl_cert_key": "key"}, "without ca_cert"),
+        ({"ca_cert": "cert"}, "ca_cert is set .TLS on. but this node hosts the store"),
+        ({"cacert": "missing"}, "cacert '.*missing' cannot be loaded"),
+        ({"ca_cert": "cert", "ssl_cert": "cert", "ssl_cert_key": "missing"}, "ssl_cert_key '"),
+    ],
+    ids=["cert-alone", "key-alone", "no-ca", "host-without-cert", "missing-ca", "missing-key"],
+)
+def test_tls_settings_errors_name_the_key(
+    tls_files: dict[str, Path], tmp_path: Path, conf: dict[str, str], message: str
+) -> None:
+    paths = {"cert": str(tls_files["cert"]), "key": str(tls_files["key"])}
+    config = {k: paths.get(v, str(tmp_path / v)) for k, v in conf.items()}
+    with pytest.raises(ValueError, match=message):
+        create_backend(_params(f"127.0.0.1:{_free_port()}", is_host=True, **config))
+
+
+def test_rdzv_status_verifies_the_store_over_tls(
+    tls_files: dict[str, Path], token_file: Path
+) -> None:
+    cert, key = str(tls_files["cert"]), str(tls_files["key"])
+    with serve("--auth-token-file", str(token_file), "--tls-cert", cert, "--tls-key", key) as (
+        _pid,
+        port,
+    ):
+        verified = _status(port, f"auth_token_file={token_file},is_host=false,ca_cert={cert}")
+        assert verified.returncode == 0, verified.stderr
+        other = tls_files["other_ca"]
+        unverified = _status(
+            port, f"auth_token_file={token_file},is_host=false,ca_cert={other},read_timeout=3"
+        )
+        assert unverified.returncode != 0
+        assert "certificate" in unverified.stderr

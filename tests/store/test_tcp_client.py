@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from rdzv.store.protocol import (
 )
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
+from tests.certs import self_signed_certificate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -306,20 +306,8 @@ def test_master_with_secret_hosts_an_authenticating_server() -> None:
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1, made by the openssl CLI."""
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
-            "-keyout", str(key), "-out", str(cert), "-days", "1",
-            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )  # fmt: skip
-    return cert, key
+    """A self-signed certificate for 127.0.0.1."""
+    return self_signed_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def contexts(cert: Path, key: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:

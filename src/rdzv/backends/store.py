@@ -24,6 +24,7 @@ import ipaddress
 import random
 import secrets
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from functools import partial
@@ -325,12 +326,88 @@ if TYPE_CHECKING:
     from rdzv.store.tcp import TCPStore
 
 
+def _conf_path(params: RendezvousParameters, *keys: str) -> tuple[str, str] | None:
+    """Return ``(key, value)`` of the first of ``keys`` set to a non-empty value."""
+    for key in keys:
+        value = params.get(key)
+        if value is not None and str(value).strip():
+            return key, str(value).strip()
+    return None
+
+
+class _TLS:
+    """The store's TLS settings: ``ca_cert`` (or ``cacert``), ``ssl_cert``, ``ssl_cert_key``."""
+
+    def __init__(self, params: RendezvousParameters) -> None:
+        self.ca = _conf_path(params, "ca_cert", "cacert")
+        cert = _conf_path(params, "ssl_cert")
+        key = _conf_path(params, "ssl_cert_key")
+        if (cert is None) != (key is None):
+            given = "ssl_cert" if cert is not None else "ssl_cert_key"
+            raise ValueError(
+                f"{given} is set without {'ssl_cert_key' if cert else 'ssl_cert'}: the store "
+                "server's certificate needs both"
+            )
+        if cert is not None and self.ca is None:
+            raise ValueError(
+                "ssl_cert/ssl_cert_key are set without ca_cert: the nodes need ca_cert to verify "
+                "the store server's certificate"
+            )
+        self.server_files = None if cert is None or key is None else (cert[1], key[1])
+
+    def client_context(self) -> ssl.SSLContext | None:
+        """The context clients verify the server with; None without ``ca_cert``."""
+        if self.ca is None:
+            return None
+        try:
+            return ssl.create_default_context(cafile=self.ca[1])
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"{self.ca[0]} {self.ca[1]!r} cannot be loaded: {exc}") from exc
+
+    def server_context(self) -> ssl.SSLContext | None:
+        """The hosting node's server context; None when TLS is off.
+
+        Raises:
+            ValueError: TLS is on (``ca_cert``) but this node, which hosts the
+                store, has no certificate, or the files cannot be loaded.
+        """
+        if self.ca is None:
+            return None
+        if self.server_files is None:
+            raise ValueError(
+                f"{self.ca[0]} is set (TLS on) but this node hosts the store and has no "
+                "ssl_cert/ssl_cert_key to serve it with"
+            )
+        cert, key = self.server_files
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"ssl_cert {cert!r} / ssl_cert_key {key!r} cannot be loaded: {exc}"
+            ) from exc
+        return context
+
+
 def _tcp_store(
-    host: str, port: int, is_master: bool, timeout: float, auth_token: bytes | None
+    host: str,
+    port: int,
+    is_master: bool,
+    timeout: float,
+    auth_token: bytes | None,
+    tls: _TLS,
 ) -> TCPStore:
     from rdzv.store.tcp import TCPStore  # noqa: PLC0415 - imported only when used
 
-    return TCPStore(host, port, is_master=is_master, timeout=timeout, auth_token=auth_token)
+    return TCPStore(
+        host,
+        port,
+        is_master=is_master,
+        timeout=timeout,
+        auth_token=auth_token,
+        ssl_context=tls.client_context(),
+        server_ssl_context=tls.server_context() if is_master else None,
+    )
 
 
 def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend, Store]:
@@ -340,8 +417,12 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     one), ``read_timeout`` (60 s: the store's timeout for blocking reads),
     ``auth_token_file`` (a file holding the store's shared secret; without
     it the ``RDZV_AUTH_TOKEN`` environment variable is read, and with
-    neither the store is unauthenticated), and ``is_host`` (host the TCP
-    store server in this process). When
+    neither the store is unauthenticated), ``ca_cert`` (or ``cacert``: the
+    CA bundle every node verifies the store server's certificate with; it
+    turns TLS on), ``ssl_cert`` and ``ssl_cert_key`` (the certificate and
+    key the hosting node serves TLS with; the certificate must name the
+    endpoint host), and ``is_host`` (host the TCP store server in this
+    process). When
     ``is_host`` is absent it is inferred: this node hosts when the endpoint
     host resolves (``getaddrinfo``, IPv4 and IPv6) to one of this machine's
     addresses; if binding then fails (another local process hosts it), the
@@ -355,7 +436,8 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
         ``(backend, store)``.
 
     Raises:
-        ValueError: ``store_type`` is not ``tcp`` or another option is invalid.
+        ValueError: ``store_type`` is not ``tcp`` or another option is invalid
+            (including TLS files that cannot be loaded); the message names it.
         OSError: ``auth_token_file`` cannot be read.
         RendezvousConnectionError: The store could not be reached or hosted.
         StoreAuthenticationError: The store refused the secret, or needs one.
@@ -369,19 +451,20 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     timeout = params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
     token_file = params.get("auth_token_file")
     auth_token = resolve_auth_token(None if token_file is None else str(token_file))
+    tls = _TLS(params)
     explicit = params.get_as_bool("is_host")
     is_host = endpoint_is_local(host) if explicit is None else explicit
     store: TCPStore
     if is_host:
         try:
-            store = _tcp_store(host, port, True, timeout, auth_token)
+            store = _tcp_store(host, port, True, timeout, auth_token, tls)
         except (OSError, RendezvousConnectionError) as exc:
             if explicit:
                 raise RendezvousConnectionError(
                     f"could not host the rendezvous store on port {port}: {exc}"
                 ) from exc
-            store = _tcp_store(host, port, False, timeout, auth_token)
+            store = _tcp_store(host, port, False, timeout, auth_token, tls)
     else:
-        store = _tcp_store(host, port, False, timeout, auth_token)
+        store = _tcp_store(host, port, False, timeout, auth_token, tls)
     liveness = store.clone()
     return C10dRendezvousBackend(store, params.run_id, liveness_store=liveness), store
