@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.certs import self_signed_certificate
 from tests.launch.procs import (
     ALLREDUCE,
     HELLO,
@@ -78,6 +79,42 @@ def test_two_static_nodes_with_two_workers_each(tmp_path: Path) -> None:
     node1_out = results[0][1]
     assert "[rank 2]: line 0 from rank 2" in node1_out
     assert "[rank 0]" not in node1_out
+
+
+def test_two_c10d_agents_over_tls_with_a_secret(tmp_path: Path) -> None:
+    cert, key = self_signed_certificate(tmp_path)
+    other_ca, _ = self_signed_certificate(tmp_path, "other")
+    token = tmp_path / "token"
+    token.write_text("tls e2e secret\n")
+    host_conf = f"is_host=true,ssl_cert={cert},ssl_cert_key={key}"
+
+    def start(group: Any, port: int, conf: str, ca: Path) -> Any:
+        return group.start(
+            [
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=job-tls",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--local-addr=127.0.0.1",
+                f"--rdzv-conf={conf},ca_cert={ca},auth_token_file={token},join_timeout=30",
+                HELLO,
+            ]
+        )
+
+    port = free_port()
+    with agents() as group:
+        procs = [start(group, port, host_conf, cert), start(group, port, "is_host=false", cert)]
+        results = [finish(p) for p in procs]
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert "the sum across 2 ranks is 3, as expected" in results[0][1] + results[1][1]
+    # TLS is really on: an agent trusting another CA is refused, naming the certificate.
+    port = free_port()
+    with agents() as group:
+        start(group, port, host_conf, cert)
+        code, _, err = finish(start(group, port, "is_host=false", other_ca))
+    assert code != 0
+    assert "certificate" in err
 
 
 def test_failed_worker_is_restarted_with_the_count_visible(tmp_path: Path) -> None:
