@@ -336,6 +336,23 @@ def test_c10d_node_that_cannot_verify_the_store_is_refused(
         create_backend(_params(endpoint, **_tls_conf(tls_files, False, ca="other_ca")))
 
 
+def test_c10d_node_without_the_server_certificate_joins_as_a_client(
+    tls_files: dict[str, Path], handlers: list[DynamicRendezvousHandler]
+) -> None:
+    endpoint = f"127.0.0.1:{_free_port()}"
+    host = rdzv.create_handler(_params(endpoint, **_tls_conf(tls_files, True)))
+    assert isinstance(host, DynamicRendezvousHandler)
+    handlers.append(host)
+    # is_host is inferred: the endpoint is local, but only the host has the certificate.
+    backend, store = create_backend(_params(endpoint, ca_cert=str(tls_files["cert"])))
+    try:
+        store.set("client-over-tls", "yes")
+        assert host._store.get("client-over-tls") == b"yes"
+    finally:
+        backend.close()
+        store.close()
+
+
 @pytest.mark.parametrize(
     ("conf", "message"),
     [

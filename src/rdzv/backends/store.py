@@ -355,6 +355,11 @@ class _TLS:
             )
         self.server_files = None if cert is None or key is None else (cert[1], key[1])
 
+    @property
+    def can_host(self) -> bool:
+        """Whether this node can serve the store: TLS is off, or it has the certificate."""
+        return self.ca is None or self.server_files is not None
+
     def client_context(self) -> ssl.SSLContext | None:
         """The context clients verify the server with; None without ``ca_cert``."""
         if self.ca is None:
@@ -423,10 +428,11 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     key the hosting node serves TLS with; the certificate must name the
     endpoint host), and ``is_host`` (host the TCP store server in this
     process). When
-    ``is_host`` is absent it is inferred: this node hosts when the endpoint
-    host resolves (``getaddrinfo``, IPv4 and IPv6) to one of this machine's
-    addresses; if binding then fails (another local process hosts it), the
-    node connects as a client instead.
+    ``is_host`` is absent it is inferred: this node hosts when it can (no
+    TLS, or it has the server certificate) and the endpoint host resolves
+    (``getaddrinfo``, IPv4 and IPv6) to one of this machine's addresses; if
+    binding then fails (another local process hosts it), the node connects
+    as a client instead.
 
     Args:
         params: The parameters; ``endpoint`` is ``host[:port]`` (29400 by
@@ -453,7 +459,9 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     auth_token = resolve_auth_token(None if token_file is None else str(token_file))
     tls = _TLS(params)
     explicit = params.get_as_bool("is_host")
-    is_host = endpoint_is_local(host) if explicit is None else explicit
+    # A node without the server certificate cannot host a TLS store.
+    inferred = explicit is None and tls.can_host and endpoint_is_local(host)
+    is_host = inferred if explicit is None else explicit
     store: TCPStore
     if is_host:
         try:
