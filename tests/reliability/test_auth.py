@@ -325,24 +325,30 @@ def test_c10d_rendezvous_runs_over_tls_with_a_secret(
         TCPStore("127.0.0.1", port, timeout=2, auth_token=SECRET)
 
 
-def test_c10d_node_that_cannot_verify_the_store_is_refused(
+@pytest.fixture
+def tls_host(
     tls_files: dict[str, Path], handlers: list[DynamicRendezvousHandler]
-) -> None:
+) -> tuple[str, DynamicRendezvousHandler]:
+    """A c10d handler hosting its store over TLS; its endpoint and itself."""
     endpoint = f"127.0.0.1:{_free_port()}"
     host = rdzv.create_handler(_params(endpoint, **_tls_conf(tls_files, True)))
     assert isinstance(host, DynamicRendezvousHandler)
     handlers.append(host)
+    return endpoint, host
+
+
+def test_c10d_node_that_cannot_verify_the_store_is_refused(
+    tls_files: dict[str, Path], tls_host: tuple[str, DynamicRendezvousHandler]
+) -> None:
+    endpoint, _ = tls_host
     with pytest.raises(RendezvousConnectionError, match="certificate"):
         create_backend(_params(endpoint, **_tls_conf(tls_files, False, ca="other_ca")))
 
 
 def test_c10d_node_without_the_server_certificate_joins_as_a_client(
-    tls_files: dict[str, Path], handlers: list[DynamicRendezvousHandler]
+    tls_files: dict[str, Path], tls_host: tuple[str, DynamicRendezvousHandler]
 ) -> None:
-    endpoint = f"127.0.0.1:{_free_port()}"
-    host = rdzv.create_handler(_params(endpoint, **_tls_conf(tls_files, True)))
-    assert isinstance(host, DynamicRendezvousHandler)
-    handlers.append(host)
+    endpoint, host = tls_host
     # is_host is inferred: the endpoint is local, but only the host has the certificate.
     backend, store = create_backend(_params(endpoint, ca_cert=str(tls_files["cert"])))
     try:
