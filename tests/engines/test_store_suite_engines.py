@@ -1,8 +1,9 @@
 """The store helper's shared Store suite (tests/store) run on EtcdStore and RedisStore.
 
-The suite's tests are imported here and collected again with this module's
-``store_factory``: every client one factory makes shares the same engine
-keyspace, each with its own client connection.
+The suite's tests (and its ``store``/``uid`` fixtures) are imported here and
+collected again with this module's ``store_factory``: every client one
+factory makes shares the same engine keyspace, each with its own client
+connection.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from rdzv.store.base import Store
-from tests.store.conftest import StoreFactory
+from tests.store.conftest import SUITE_TIMEOUT, StoreFactory, closing_factory, store, uid
 from tests.store.test_store_suite import (
     test_add,
     test_add_to_a_non_integer_fails,
@@ -41,6 +42,7 @@ from tests.store.test_store_suite import (
 )
 
 __all__ = [
+    "store",
     "test_add",
     "test_add_to_a_non_integer_fails",
     "test_append",
@@ -64,9 +66,8 @@ __all__ = [
     "test_wait_timeout_accepts_seconds",
     "test_wait_timeout_and_cancel_leave_the_connection_usable",
     "test_watch",
+    "uid",
 ]
-
-SUITE_TIMEOUT = 5.0
 
 
 @pytest.fixture(
@@ -76,7 +77,6 @@ SUITE_TIMEOUT = 5.0
     ]
 )
 def store_factory(request: pytest.FixtureRequest) -> Iterator[StoreFactory]:
-    made: list[Store] = []
     prefix = uuid.uuid4().hex[:10]
     if request.param == "etcd":
         from rdzv.backends.etcd import parse_endpoints
@@ -99,23 +99,4 @@ def store_factory(request: pytest.FixtureRequest) -> Iterator[StoreFactory]:
             client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=15)
             return RedisStore(client, f"suite:{prefix}:", SUITE_TIMEOUT, owns_client=True)
 
-    def tracked() -> Store:
-        store = make()
-        made.append(store)
-        return store
-
-    try:
-        yield tracked
-    finally:
-        for store in made:
-            store.close()
-
-
-@pytest.fixture
-def store(store_factory: StoreFactory) -> Store:
-    return store_factory()
-
-
-@pytest.fixture
-def uid() -> str:
-    return uuid.uuid4().hex[:12]
+    yield from closing_factory(make)

@@ -64,7 +64,6 @@ PAIRINGS = [
 @pytest.fixture(params=PAIRINGS)
 def store_factory(request: pytest.FixtureRequest) -> Iterator[StoreFactory]:
     """Make clients of one store; every client made by one factory sees the same keys."""
-    made: list[Store] = []
     kind = request.param
     if kind == "hash":
         shared: Store = HashStore(SUITE_TIMEOUT)
@@ -91,6 +90,13 @@ def store_factory(request: pytest.FixtureRequest) -> Iterator[StoreFactory]:
 
         def make() -> Store:
             return TCPStore("127.0.0.1", port, timeout=SUITE_TIMEOUT)
+
+    yield from closing_factory(make)
+
+
+def closing_factory(make: StoreFactory) -> Iterator[StoreFactory]:
+    """Yield a factory wrapping ``make`` that closes every store it made afterwards."""
+    made: list[Store] = []
 
     def tracked() -> Store:
         store = make()
