@@ -378,3 +378,20 @@ def test_rank0_dying_before_it_publishes_does_not_hold_the_others(
         e["round"] for e in events if e["action"] == "complete" and e["node"] != dying.node
     }
     assert completed == {1}
+
+
+def test_a_store_restarted_empty_strands_nobody(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(2, 3, join=60)  # stranding would show as a result() timeout
+    members = [c.handler("w1"), c.handler("w2")]
+    [f.result(timeout=10) for f in c.join(members)]
+    joiner = c.handler("w3")
+    waiting = c.join([joiner])[0]  # queued for round 1, which waits for the members
+    _until(lambda: members[0].num_nodes_waiting() > 0)
+    c.storage.wipe()  # the backend and the store restart empty together
+    for key in c.store.list_keys():
+        c.store.delete_key(key)
+    _until(lambda: all(h.num_nodes_waiting() > 0 for h in members))  # members are told
+    infos = [f.result(timeout=15) for f in [waiting, *c.join(members)]]
+    _check_round(infos)
+    assert infos[0].world_size == 3
+    assert {h._member_of.round for h in [joiner, *members]} == {0}  # type: ignore[union-attr]

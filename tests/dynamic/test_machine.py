@@ -77,6 +77,16 @@ def test_sealed_round_without_me_requeues_for_the_next() -> None:
     assert decide(progress, evicted, 3, ME, LIMITS, clock()) == Requeue(1)
 
 
+def test_a_state_that_went_back_requeues_into_the_stored_round() -> None:
+    clock = FakeClock()
+    progress = _joined(1, clock, RendezvousState(6, (A, B)))  # waits in the queue of round 7
+    assert decide(progress, None, 0, ME, LIMITS, clock()) == Requeue(0)  # the store restarted empty
+    older = RendezvousState(2, (A, B))  # the store was restored from an older copy
+    assert decide(progress, older, 0, ME, LIMITS, clock()) == Requeue(3)
+    unchanged = RendezvousState(6, (A, B))
+    assert decide(progress, unchanged, 1, ME, LIMITS, clock()) == Wait(progress.started_at + 100.0)
+
+
 def test_below_min_waits_until_the_join_deadline_then_is_exhausted() -> None:
     clock = FakeClock()
     progress = _joined(1, clock)

@@ -524,13 +524,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
     def num_nodes_waiting(self) -> int:
-        """Return how many nodes wait for a new round (0 for a non-member).
+        """Return how many nodes wait for a new round.
 
         A positive number tells a member to re-rendezvous: nodes wait and the
-        round has room, or a member died or left.
+        round has room, a member died or left, or the store lost the round
+        (restarted empty).
 
         Returns:
-            The number of waiting nodes (dead or departed members count).
+            The number of waiting nodes (dead or departed members count); for
+            a node that is no member, the length of the next round's queue.
 
         Raises:
             RendezvousConnectionError: The backend cannot be reached, or this
@@ -538,13 +540,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """
         self._check_keepalive()
         state, _ = self._read()
-        if state is None:
-            return 0
-        length = self._queue.queue_length(state.next_round)
+        length = self._queue.queue_length(0 if state is None else state.next_round)
         with self._lock:
-            member = self._member_of is not None
-        if not member:
+            member_of = self._member_of
+        if member_of is None:
             return length
+        if state is None or state.round < member_of.round:
+            return max(1, length)  # the store was wiped or went back: the run starts over
         return nodes_waiting(state, length, self._node, self._limits)
 
     def pre_shutdown(self) -> None:

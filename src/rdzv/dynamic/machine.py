@@ -30,6 +30,13 @@ and a node whose seal waits for members that have not re-joined
 does not block the next one. This module decides; ``rdzv.dynamic.handler``
 acts.
 
+A store restarted empty (or restored from an older copy) makes the state go
+back: a joiner whose round is ahead of the stored one re-joins the stored
+round instead of waiting on a queue that no longer exists, and members
+re-join too, so the run starts over instead of stranding anyone until the
+join timeout. Rounds are then counted anew; exclusivity holds per store
+lifetime.
+
 Every function here is pure: inputs are the state, what this node knows of
 its join (:class:`JoinProgress`), an observation of the queue, the
 settings and ``now`` from an injected monotonic clock.
@@ -249,6 +256,11 @@ def decide(
     if state is not None and state.round >= progress.round_id:
         rank = state.rank_of(node) if state.round == progress.round_id else None
         return Complete(rank) if rank is not None else Requeue(state.next_round)
+    next_round = 0 if state is None else state.next_round
+    if next_round < progress.round_id:
+        # The state went back: the store was wiped or restored from an older
+        # copy, and the queue this node joined is gone. Join the store's round.
+        return Requeue(next_round)
     if progress.position is None:
         return Enqueue(progress.round_id)
     join_deadline = progress.started_at + limits.join_timeout

@@ -75,6 +75,14 @@ class InMemoryRendezvousStorage:
             self.record = b"\xff"
             self.changed.notify_all()
 
+    def wipe(self) -> None:
+        """Forget the state, the join queues and the heartbeats, as a store restarted empty."""
+        with self.changed:
+            self.record = None
+            self.queues.clear()
+            self.marks.clear()
+            self.changed.notify_all()
+
     def check_up(self) -> None:
         """Raise the injected failure, if one is pending (callers hold the lock)."""
         if self._failures > 0:
