@@ -51,6 +51,7 @@ __all__ = [
     "P10dRendezvousBackend",
     "StoreJoinQueue",
     "StoreLiveness",
+    "StoreTLS",
     "TpRendezvousBackend",
     "create_backend",
     "endpoint_is_local",
@@ -335,8 +336,16 @@ def _conf_path(params: RendezvousParameters, *keys: str) -> tuple[str, str] | No
     return None
 
 
-class _TLS:
-    """The store's TLS settings: ``ca_cert`` (or ``cacert``), ``ssl_cert``, ``ssl_cert_key``."""
+class StoreTLS:
+    """The store's TLS settings: ``ca_cert`` (or ``cacert``), ``ssl_cert``, ``ssl_cert_key``.
+
+    Args:
+        params: The rendezvous parameters holding the keys.
+
+    Raises:
+        ValueError: Only one of ``ssl_cert`` and ``ssl_cert_key`` is set, or
+            they are set without ``ca_cert``; the message names the keys.
+    """
 
     def __init__(self, params: RendezvousParameters) -> None:
         self.ca = _conf_path(params, "ca_cert", "cacert")
@@ -383,15 +392,15 @@ class _TLS:
                 f"{self.ca[0]} is set (TLS on) but this node hosts the store and has no "
                 "ssl_cert/ssl_cert_key to serve it with"
             )
+        from rdzv.store.server import server_tls_context  # noqa: PLC0415 - hosts only
+
         cert, key = self.server_files
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
-            context.load_cert_chain(cert, key)
+            return server_tls_context(cert, key)
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(
                 f"ssl_cert {cert!r} / ssl_cert_key {key!r} cannot be loaded: {exc}"
             ) from exc
-        return context
 
 
 def _tcp_store(
@@ -400,7 +409,7 @@ def _tcp_store(
     is_master: bool,
     timeout: float,
     auth_token: bytes | None,
-    tls: _TLS,
+    tls: StoreTLS,
 ) -> TCPStore:
     from rdzv.store.tcp import TCPStore  # noqa: PLC0415 - imported only when used
 
@@ -457,7 +466,7 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     timeout = params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
     token_file = params.get("auth_token_file")
     auth_token = resolve_auth_token(None if token_file is None else str(token_file))
-    tls = _TLS(params)
+    tls = StoreTLS(params)
     explicit = params.get_as_bool("is_host")
     # A node without the server certificate cannot host a TLS store.
     inferred = explicit is None and tls.can_host and endpoint_is_local(host)

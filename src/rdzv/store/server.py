@@ -940,6 +940,25 @@ def _enable_keepalive(sock: socket.socket, idle: float) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
+def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """Build the TLS context a store server serves ``cert`` with.
+
+    Args:
+        cert: A PEM certificate chain.
+        key: The PEM private key of ``cert``.
+
+    Returns:
+        A server-side context (TLS 1.2 or later, no client certificates asked).
+
+    Raises:
+        OSError: A file cannot be read.
+        ssl.SSLError: The files do not hold a matching certificate and key.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context
+
+
 def serve_main(
     host: str | None,
     port: int,
@@ -981,8 +1000,7 @@ def serve_main(
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("--tls-cert and --tls-key must be given together")
     if tls_cert is not None and tls_key is not None:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(tls_cert, tls_key)
+        context = server_tls_context(tls_cert, tls_key)
     server = TCPStoreServer(
         host,
         port,
