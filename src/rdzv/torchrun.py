@@ -21,6 +21,11 @@ assigns worker ranks and runs its exit barrier through it):
   rdzv server in a child process (``python -m rdzv.torchrun serve PORT``).
   The child exits when its stdin closes (the agent shut down or died) and
   its last client disconnected, or a few seconds later at most.
+  With a shared secret or TLS (``auth_token_file``/``$RDZV_AUTH_TOKEN``,
+  ``ca_cert``, ``ssl_cert``/``ssl_cert_key``), which torch's client cannot
+  speak, the server child gets them too and torch's agent gets rdzv's own
+  round store instead, through a ``torch.distributed.Store`` subclass
+  written in Python (torch's agent calls it from Python only).
 * ``rdzv-etcd`` / ``rdzv-redis``: group rank 0 hosts a torch ``TCPStore``
   for the round and publishes its address in rdzv's round store; the other
   ranks connect to it. It is dropped when the next round starts.
@@ -68,10 +73,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 from rdzv import errors
 from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
-from rdzv.backends.store import DEFAULT_READ_TIMEOUT, create_backend, endpoint_is_local
+from rdzv.auth import resolve_auth_token
+from rdzv.backends.store import DEFAULT_READ_TIMEOUT, StoreTLS, create_backend, endpoint_is_local
 from rdzv.dynamic.handler import create_handler
 from rdzv.endpoint import format_endpoint, parse_endpoint
 from rdzv.registry import rendezvous_handler_registry
+from rdzv.store.base import Store, Value
 from rdzv.store.memory import PrefixStore
 
 if TYPE_CHECKING:
@@ -182,13 +189,18 @@ class _ServerProcess:
         self.port = port
 
     @classmethod
-    def start(cls, port: int) -> _ServerProcess | None:
-        """Start a server on ``port`` (every address); None when the port is taken."""
+    def start(cls, port: int, options: tuple[str, ...] = ()) -> _ServerProcess | None:
+        """Start a server on ``port`` (every address); None when the port is taken.
+
+        ``options`` go to the child: ``--auth-token-file F`` and ``--tls-cert
+        C --tls-key K`` (the secret may also come from ``$RDZV_AUTH_TOKEN``,
+        which the child inherits).
+        """
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rdzv.torchrun", "serve", str(port)],
+            [sys.executable, "-m", "rdzv.torchrun", "serve", str(port), *options],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -224,15 +236,28 @@ def _read_line(stream: IO[str], timeout: float) -> str:
     return stream.readline() or "exited"
 
 
-def _serve_child(port: int) -> int:
+def _serve_child(argv: list[str]) -> int:
     """Run the server until stdin closes, then until the clients left (bounded)."""
-    from rdzv.store.server import TCPStoreServer  # noqa: PLC0415 - only in the child
+    import argparse  # noqa: PLC0415 - only in the child
 
+    from rdzv.store.server import TCPStoreServer, server_tls_context  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="python -m rdzv.torchrun serve")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--auth-token-file", default=None)
+    parser.add_argument("--tls-cert", default=None)
+    parser.add_argument("--tls-key", default=None)
+    args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
-    server = TCPStoreServer(None, port)
     try:
+        tls = None
+        if args.tls_cert is not None and args.tls_key is not None:
+            tls = server_tls_context(args.tls_cert, args.tls_key)
+        server = TCPStoreServer(
+            None, args.port, auth_token=resolve_auth_token(args.auth_token_file), ssl_context=tls
+        )
         server.start()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"error {exc}", flush=True)
         return 1
     print(f"listening {server.port}", flush=True)
@@ -285,6 +310,122 @@ class _SharedServerStores(_RoundStores):
 
     def close(self) -> None:
         self._client = None
+
+
+class _AdapterStores(_RoundStores):
+    """rdzv's own round store (authenticated, TLS), as a torch ``Store``."""
+
+    def round_store(self, info: RendezvousInfo) -> TorchStore:
+        return _store_adapter_class()(info.store)
+
+
+@functools.cache
+def _store_adapter_class() -> Callable[[Store], TorchStore]:
+    """Define the torch ``Store`` adapter class (imports torch, so only on first use)."""
+    import torch.distributed as dist  # noqa: PLC0415 - torch is optional
+    from torch._C._distributed_c10d import Store as TorchStoreBase  # noqa: PLC0415
+
+    class RdzvStoreAdapter(TorchStoreBase):
+        """A ``torch.distributed.Store`` over an rdzv :class:`~rdzv.store.base.Store`.
+
+        The calls torch's agent makes (``set``, ``get``, ``add``, ``check``,
+        ``wait``, ``multi_get``, ``multi_set``, ...) go to the rdzv store;
+        ``get`` and ``wait`` without a timeout use this store's timeout
+        (``set_timeout``), as torch's stores do. rdzv's timeouts become
+        torch's ``DistStoreError`` and its connection errors
+        ``DistNetworkError``.
+
+        Args:
+            inner: The rdzv store.
+        """
+
+        def __init__(self, inner: Store) -> None:
+            super().__init__()
+            self._inner = inner
+            self._timeout = inner.timeout
+            self.set_timeout(inner.timeout)
+
+        def set_timeout(self, timeout: timedelta) -> None:
+            super().set_timeout(timeout)
+            self._timeout = timeout
+
+        @staticmethod
+        def _torch_error(exc: errors.RendezvousError) -> Exception:
+            if isinstance(exc, errors.RendezvousTimeoutError):
+                return dist.DistStoreError(str(exc))
+            if isinstance(exc, errors.RendezvousConnectionError):
+                return dist.DistNetworkError(str(exc))
+            return dist.DistError(str(exc))
+
+        def set(self, key: str, value: Value) -> None:
+            try:
+                self._inner.set(key, value)
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+        def get(self, key: str) -> bytes:
+            try:
+                self._inner.wait([key], self._timeout)
+                return self._inner.get(key)
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+        def add(self, key: str, value: int) -> int:
+            try:
+                return self._inner.add(key, value)
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+        def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:
+            try:
+                return self._inner.compare_set(key, expected_value, desired_value)
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+        def check(self, keys: list[str]) -> bool:
+            try:
+                return self._inner.check(keys)
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+        def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+            try:
+                self._inner.wait(keys, self._timeout if timeout is None else timeout)
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+        def delete_key(self, key: str) -> bool:
+            try:
+                return self._inner.delete_key(key)
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+        def num_keys(self) -> int:
+            try:
+                return self._inner.num_keys()
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+        def append(self, key: str, value: Value) -> None:
+            try:
+                self._inner.append(key, value)
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            try:
+                self._inner.wait(keys, self._timeout)
+                return self._inner.multi_get(keys)
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+        def multi_set(self, keys: list[str], values: list[Value]) -> None:
+            try:
+                self._inner.multi_set(keys, values)
+            except errors.RendezvousError as exc:
+                raise self._torch_error(exc) from exc
+
+    return RdzvStoreAdapter
 
 
 class _RankZeroStores(_RoundStores):
@@ -490,8 +631,10 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
     ``--rdzv-conf`` keys: those of rdzv's dynamic rendezvous (``join_timeout``,
     ``last_call_timeout``, ``close_timeout``, ``heartbeat``,
     ``keep_alive_interval``, ``keep_alive_max_attempt``), of its store
-    backend (``read_timeout``, ``is_host``), and ``spare_exit`` (``exit0``,
-    the default, or ``raise``: see the module documentation).
+    backend (``read_timeout``, ``is_host``, ``auth_token_file``,
+    ``ca_cert``/``cacert``, ``ssl_cert``, ``ssl_cert_key``; the secret may
+    also come from ``$RDZV_AUTH_TOKEN``), and ``spare_exit`` (``exit0``, the
+    default, or ``raise``: see the module documentation).
 
     Args:
         params: torch's parameters (``--rdzv-endpoint``, ``--nnodes``,
@@ -501,25 +644,40 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
         A torch ``RendezvousHandler``.
 
     Raises:
-        ValueError: A parameter is invalid.
+        ValueError: A parameter is invalid (including half-given TLS settings).
+        OSError: ``auth_token_file`` cannot be read.
         torch.distributed.elastic.rendezvous.RendezvousConnectionError: The
-            store could not be hosted or reached.
+            store could not be hosted or reached, or refused the secret or
+            certificate.
     """
     rdzv_params = to_rdzv_parameters(params, "c10d")
     spare_exit = _spare_exit(rdzv_params)
     host, port = parse_endpoint(rdzv_params.endpoint)
     timeout = rdzv_params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
+    token_file = rdzv_params.get("auth_token_file")
+    token_file = None if token_file is None or str(token_file) == "" else str(token_file)
+    tls = StoreTLS(rdzv_params)
+    secured = tls.ca is not None or resolve_auth_token(token_file) is not None
+    options: tuple[str, ...] = () if token_file is None else ("--auth-token-file", token_file)
+    if tls.server_files is not None:
+        options += ("--tls-cert", tls.server_files[0], "--tls-key", tls.server_files[1])
     explicit = rdzv_params.get_as_bool("is_host")
+    if explicit and not tls.can_host:
+        raise ValueError(
+            f"{tls.ca[0] if tls.ca else 'ca_cert'} is set (TLS on) but this node hosts the "
+            "store (is_host=1) and has no ssl_cert/ssl_cert_key to serve it with"
+        )
     server: _ServerProcess | None = None
-    if explicit or (explicit is None and endpoint_is_local(host)):
-        server = _ServerProcess.start(port)
+    if explicit or (explicit is None and tls.can_host and endpoint_is_local(host)):
+        server = _ServerProcess.start(port, options)
         if server is None and explicit:
             with _torch_errors():
                 raise errors.RendezvousConnectionError(
                     f"could not host the rdzv store on port {port} (is_host=1): the port is taken"
                 )
     rdzv_params.config["is_host"] = False
-    resources = _Resources(_SharedServerStores(host, port, timeout), server=server)
+    stores: _RoundStores = _AdapterStores() if secured else _SharedServerStores(host, port, timeout)
+    resources = _Resources(stores, server=server)
     try:
         with _torch_errors():
             backend, store = create_backend(rdzv_params)
@@ -601,6 +759,6 @@ def redis_creator() -> TorchCreator:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "serve":
-        sys.exit("usage: python -m rdzv.torchrun serve PORT")
-    sys.exit(_serve_child(int(sys.argv[2])))
+    if len(sys.argv) < 3 or sys.argv[1] != "serve":
+        sys.exit("usage: python -m rdzv.torchrun serve PORT [options]")
+    sys.exit(_serve_child(sys.argv[2:]))

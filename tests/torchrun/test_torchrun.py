@@ -10,7 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from rdzv.auth import AUTH_TOKEN_ENV
 from rdzv.registry import rendezvous_handler_registry
+from tests.certs import self_signed_certificate
 from tests.torchrun.conftest import Job
 
 pytest.importorskip("torch.distributed.run")
@@ -90,6 +92,26 @@ def test_third_agent_joins_at_the_next_round(job: Job) -> None:
     job.start_agent(args, RDZV_TEST_WORLD="6")
     assert job.wait_agents() == [0, 0, 0], job.log_tail()
     check_results(job, 6)
+
+
+@pytest.mark.timeout(120)
+def test_two_agents_over_tls_with_a_secret(job: Job) -> None:
+    cert, key = self_signed_certificate(job.logs)
+    tls = f"ca_cert={cert},ssl_cert={cert},ssl_cert_key={key}"
+    args = torchrun_args(f"127.0.0.1:{free_port()}", "2", uuid.uuid4().hex, conf=f"{CONF},{tls}")
+    secret = {AUTH_TOKEN_ENV: "torchrun over tls"}
+    job.start_agent(args, **secret)
+    job.start_agent(args, **secret)
+    assert job.wait_agents() == [0, 0], job.log_tail()
+    check_results(job, 4)
+    # The store is really guarded: an agent with another secret is refused.
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
+    host = torchrun_args(endpoint, "2", run_id, conf=f"{CONF},{tls},is_host=1")
+    guest = torchrun_args(endpoint, "2", run_id, conf=f"{CONF},{tls},is_host=0")
+    job.start_agent(host, **secret)
+    intruder = job.start_agent(guest, **{AUTH_TOKEN_ENV: "not the secret"})
+    assert intruder.wait(60) != 0
+    assert "refused auth_token" in job.log_tail(200)
 
 
 def spare_enqueued(endpoint: str, run_id: str) -> bool:
