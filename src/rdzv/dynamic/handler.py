@@ -464,9 +464,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """
         rank0 = state.participants[0]
         timeout = store.timeout.total_seconds()
-        deadline = self._clock() + timeout
+        # The store's own timeout runs on real time, whatever clock the machine uses.
+        deadline = time.monotonic() + timeout
         while True:
-            remaining = deadline - self._clock()
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RendezvousTimeoutError(
                     f"rank {rank} did not see rank 0 publish MASTER_ADDR/MASTER_PORT "
