@@ -181,6 +181,10 @@ def _torch_errors() -> Iterator[None]:
 # -- the server child process ----------------------------------------------------
 
 
+class _ServerStartError(Exception):
+    """The server child could not serve; the message says why."""
+
+
 class _ServerProcess:
     """An rdzv TCP store server running in a child process."""
 
@@ -189,12 +193,16 @@ class _ServerProcess:
         self.port = port
 
     @classmethod
-    def start(cls, port: int, options: tuple[str, ...] = ()) -> _ServerProcess | None:
-        """Start a server on ``port`` (every address); None when the port is taken.
+    def start(cls, port: int, options: tuple[str, ...] = ()) -> _ServerProcess:
+        """Start a server on ``port`` (every address).
 
         ``options`` go to the child: ``--auth-token-file F`` and ``--tls-cert
         C --tls-key K`` (the secret may also come from ``$RDZV_AUTH_TOKEN``,
         which the child inherits).
+
+        Raises:
+            _ServerStartError: The child could not serve (the port is taken,
+                or a file could not be read); the message is the child's.
         """
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parent.parent)
@@ -211,8 +219,7 @@ class _ServerProcess:
         if line.startswith("listening "):
             return cls(proc, int(line.split()[1]))
         cls(proc, port).stop()
-        LOGGER.info("rdzv store server not started on port %d: %s", port, line.strip())
-        return None
+        raise _ServerStartError(line.strip().removeprefix("error "))
 
     def stop(self) -> None:
         """Tell the child to exit once its clients are gone, and reap it."""
@@ -669,12 +676,16 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
         )
     server: _ServerProcess | None = None
     if explicit or (explicit is None and tls.can_host and endpoint_is_local(host)):
-        server = _ServerProcess.start(port, options)
-        if server is None and explicit:
-            with _torch_errors():
-                raise errors.RendezvousConnectionError(
-                    f"could not host the rdzv store on port {port} (is_host=1): the port is taken"
-                )
+        tls.server_context()  # a certificate that cannot be loaded is a ValueError naming it
+        try:
+            server = _ServerProcess.start(port, options)
+        except _ServerStartError as exc:
+            if explicit:
+                with _torch_errors():
+                    raise errors.RendezvousConnectionError(
+                        f"could not host the rdzv store on port {port} (is_host=1): {exc}"
+                    ) from exc
+            LOGGER.info("rdzv store server not started on port %d (a client then): %s", port, exc)
     rdzv_params.config["is_host"] = False
     stores: _RoundStores = _AdapterStores() if secured else _SharedServerStores(host, port, timeout)
     resources = _Resources(stores, server=server)

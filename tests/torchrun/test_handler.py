@@ -231,8 +231,30 @@ def test_is_host_with_a_taken_port_is_a_connection_error() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         params = torch_params("rdzv", f"127.0.0.1:{port}", "job", is_host="1")
-        with pytest.raises(torch_api.RendezvousConnectionError, match=str(port)):
+        with pytest.raises(
+            torch_api.RendezvousConnectionError, match=rf"port {port} .*already in use"
+        ):
             torchrun.create_rdzv_handler(params)
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"ca_cert": "ca.pem", "is_host": "1"}, "no ssl_cert/ssl_cert_key"),
+        ({"ssl_cert": "c.pem"}, "ssl_cert is set without ssl_cert_key"),
+        (
+            {"ca_cert": "ca.pem", "ssl_cert": "none.pem", "ssl_cert_key": "none.key"},
+            "ssl_cert 'none.pem' / ssl_cert_key 'none.key' cannot be loaded",
+        ),
+    ],
+    ids=["host-without-cert", "cert-without-key", "unreadable-cert"],
+)
+def test_tls_settings_errors_are_named_before_anything_starts(
+    conf: dict[str, str], message: str
+) -> None:
+    params = torch_params("rdzv", f"127.0.0.1:{free_port()}", "job", **conf)
+    with pytest.raises(ValueError, match=message):
+        torchrun.create_rdzv_handler(params)
 
 
 def test_a_bad_spare_exit_is_named() -> None:
