@@ -11,6 +11,7 @@ import pytest
 from rdzv.api import RendezvousInfo, RendezvousStoreInfo, RendezvousTimeout
 from rdzv.backends.base import RendezvousBackend, Token
 from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.dynamic.state import JoinRecord, encode_record
 from rdzv.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -395,3 +396,27 @@ def test_a_store_restarted_empty_strands_nobody(cluster_factory: Callable[..., C
     _check_round(infos)
     assert infos[0].world_size == 3
     assert {h._member_of.round for h in [joiner, *members]} == {0}  # type: ignore[union-attr]
+
+
+def test_a_member_dying_while_the_others_rejoin_is_found_by_its_ring_neighbour(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(2, 4, join=60)  # waiting for the join timeout would fail result()
+    a, b, d = c.handler("a", node_rank=0), c.handler("b", node_rank=1), c.handler("d", node_rank=2)
+    [f.result(timeout=10) for f in c.join([a, b, d])]
+    a.pre_shutdown()  # a and d stop heart-beating, as if SIGKILLed
+    d.pre_shutdown()
+    again = c.join([b])[0]  # b re-joins at once: before it could judge d as a member
+    backend = InMemoryBackend(c.storage)
+    _until(lambda: backend.queue_length(1) == 1)
+    # The last-call leader (position 2 = min_nodes) dies right after enqueueing, so
+    # no leader judges the missing a and d; only b, a's and d's ring neighbour, can.
+    backend.enqueue(1, encode_record(JoinRecord("ghost#1#dead", -1)))
+    e = c.handler("e")
+    infos = [f.result(timeout=20) for f in [again, *c.join([e])]]
+    # The ghost may be in the round (it is evicted later) or, as rank 0, make it
+    # break first; either way b and e complete the same round together.
+    assert infos[0].participants == infos[1].participants
+    assert {"b", "e"} <= set(infos[0].participants) <= {"b", "e", "ghost"}
+    assert infos[0].rank != infos[1].rank
+    assert {i.world_size for i in infos} == {len(infos[0].participants)}

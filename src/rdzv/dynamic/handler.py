@@ -16,7 +16,8 @@ never rewrite it.
 A keep-alive thread starts when this node first enqueues. Every
 ``keep_alive_interval`` it bumps this node's heartbeat mark; more often it
 reads the mark of its ring successor in the last round it completed (rank
-``r`` watches the next live rank), and when that mark has not changed for
+``r`` watches the next live rank; it keeps watching while it re-joins, until
+it completes another round), and when that mark has not changed for
 ``keep_alive_interval * keep_alive_max_attempt`` seconds on THIS node's
 monotonic clock, it evicts the successor with one compare-and-set. Wall
 clocks are never read. Survivors then see ``num_nodes_waiting() > 0``. If
@@ -176,6 +177,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
         self._lock = threading.Lock()
         self._member_of: RendezvousState | None = None
+        # The last round this node completed, as this node sees it: its ring
+        # successor there is watched until the node completes another round
+        # (re-joining does not stop it), so a member that dies while the
+        # others re-join is still found by its ring predecessor.
+        self._watched: RendezvousState | None = None
         self._keepalive: threading.Thread | None = None
         self._keepalive_stop = threading.Event()
         self._keepalive_error: RendezvousConnectionError | None = None
@@ -437,6 +443,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Become a member of the sealed round; None if it broke before rank 0 published."""
         with self._lock:
             self._member_of = state
+            self._watched = state
         store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{state.round}", self._store)
         if rank != 0 and not self._await_bootstrap(state, rank, store):
             self._event("broken", state.round, rank=rank, reason="rank 0 left before publishing")
@@ -660,7 +667,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         return
                 next_beat = now + interval
             with self._lock:
-                member = self._member_of
+                member = self._watched
             successor = successor_of(member, self._node) if member is not None else None
             if member is not None and successor is not None:
                 if member.round != watched_round:
@@ -675,8 +682,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         self._event("dead", member.round, suspects=dead)
                         self._evict(dead, member.round)
                         with self._lock:
-                            if self._member_of is member:
-                                self._member_of = member.evict(dead)
+                            if self._watched is member:
+                                self._watched = member.evict(dead)
             self._keepalive_stop.wait(check_every * (0.75 + random.random() / 2))
 
 
