@@ -326,10 +326,28 @@ class _AdapterStores(_RoundStores):
         return _store_adapter_class()(info.store)
 
 
+@contextlib.contextmanager
+def _dist_errors() -> Iterator[None]:
+    """Raise rdzv's store errors as torch's.
+
+    Timeouts become ``DistStoreError``, lost connections ``DistNetworkError``
+    and the rest ``DistError``.
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - torch is optional
+
+    try:
+        yield
+    except errors.RendezvousTimeoutError as exc:
+        raise dist.DistStoreError(str(exc)) from exc
+    except errors.RendezvousConnectionError as exc:
+        raise dist.DistNetworkError(str(exc)) from exc
+    except errors.RendezvousError as exc:
+        raise dist.DistError(str(exc)) from exc
+
+
 @functools.cache
 def _store_adapter_class() -> Callable[[Store], TorchStore]:
     """Define the torch ``Store`` adapter class (imports torch, so only on first use)."""
-    import torch.distributed as dist  # noqa: PLC0415 - torch is optional
     from torch._C._distributed_c10d import Store as TorchStoreBase  # noqa: PLC0415
 
     class RdzvStoreAdapter(TorchStoreBase):
@@ -356,81 +374,51 @@ def _store_adapter_class() -> Callable[[Store], TorchStore]:
             super().set_timeout(timeout)
             self._timeout = timeout
 
-        @staticmethod
-        def _torch_error(exc: errors.RendezvousError) -> Exception:
-            if isinstance(exc, errors.RendezvousTimeoutError):
-                return dist.DistStoreError(str(exc))
-            if isinstance(exc, errors.RendezvousConnectionError):
-                return dist.DistNetworkError(str(exc))
-            return dist.DistError(str(exc))
-
         def set(self, key: str, value: Value) -> None:
-            try:
+            with _dist_errors():
                 self._inner.set(key, value)
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
         def get(self, key: str) -> bytes:
-            try:
+            with _dist_errors():
                 self._inner.wait([key], self._timeout)
                 return self._inner.get(key)
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
         def add(self, key: str, value: int) -> int:
-            try:
+            with _dist_errors():
                 return self._inner.add(key, value)
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
         def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:
-            try:
+            with _dist_errors():
                 return self._inner.compare_set(key, expected_value, desired_value)
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
         def check(self, keys: list[str]) -> bool:
-            try:
+            with _dist_errors():
                 return self._inner.check(keys)
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
         def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-            try:
+            with _dist_errors():
                 self._inner.wait(keys, self._timeout if timeout is None else timeout)
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
         def delete_key(self, key: str) -> bool:
-            try:
+            with _dist_errors():
                 return self._inner.delete_key(key)
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
         def num_keys(self) -> int:
-            try:
+            with _dist_errors():
                 return self._inner.num_keys()
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
         def append(self, key: str, value: Value) -> None:
-            try:
+            with _dist_errors():
                 self._inner.append(key, value)
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
         def multi_get(self, keys: list[str]) -> list[bytes]:
-            try:
+            with _dist_errors():
                 self._inner.wait(keys, self._timeout)
                 return self._inner.multi_get(keys)
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
         def multi_set(self, keys: list[str], values: list[Value]) -> None:
-            try:
+            with _dist_errors():
                 self._inner.multi_set(keys, values)
-            except errors.RendezvousError as exc:
-                raise self._torch_error(exc) from exc
 
     return RdzvStoreAdapter
 
