@@ -420,3 +420,20 @@ def test_a_member_dying_while_the_others_rejoin_is_found_by_its_ring_neighbour(
     assert {"b", "e"} <= set(infos[0].participants) <= {"b", "e", "ghost"}
     assert infos[0].rank != infos[1].rank
     assert {i.world_size for i in infos} == {len(infos[0].participants)}
+
+
+def test_a_queue_whose_admitted_nodes_all_died_does_not_block_the_spares(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(2, 2, join=60)  # waiting for the join timeout would fail result()
+    old = [c.handler("o1"), c.handler("o2")]
+    [f.result(timeout=10) for f in c.join(old)]
+    for h in old:
+        h.pre_shutdown()  # the whole job died: the members of round 0 ...
+    backend = InMemoryBackend(c.storage)
+    for name in ("g1", "g2"):  # ... and the two nodes admitted to round 1, right after enqueueing
+        backend.enqueue(1, encode_record(JoinRecord(f"{name}#1#dead", -1)))
+    spares = [c.handler("s1"), c.handler("s2")]  # positions 3 and 4: beyond max_nodes
+    infos = [f.result(timeout=20) for f in c.join(spares)]
+    _check_round(infos)
+    assert set(infos[0].participants) == {"s1", "s2"}

@@ -145,10 +145,20 @@ def test_last_call_wait_never_passes_the_join_deadline() -> None:
     assert decide(progress, None, 2, ME, tight, clock()) == Wait(clock() + 5.0)
 
 
-def test_spare_beyond_max_only_waits() -> None:
+def test_spare_beyond_max_waits_then_seals_only_if_the_admitted_stall() -> None:
     clock = FakeClock()
     progress = _joined(5, clock)
-    assert decide(progress, None, 5, ME, LIMITS, clock()) == Wait(clock() + 100.0)
+    stalled = progress.started_at + 10.0 + 2 * 6.0  # last call + twice the backups' grace
+    assert decide(progress, None, 5, ME, LIMITS, clock()) == Wait(stalled)
+    clock.advance(stalled - clock() - 0.01)
+    assert decide(progress, None, 5, ME, LIMITS, clock()) == Wait(stalled)
+    clock.advance(0.01)
+    assert decide(progress, None, 5, ME, LIMITS, clock()) == Seal()
+    # A refused seal (members of the last round missing) waits on the queue.
+    blocked = replace(progress, blocked=(5, None))
+    assert decide(blocked, None, 5, ME, LIMITS, clock()) == Wait(
+        progress.started_at + 100.0, on_queue=True
+    )
 
 
 def test_spare_behind_a_full_round_never_times_out() -> None:

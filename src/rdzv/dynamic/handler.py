@@ -163,6 +163,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             backend if isinstance(backend, LivenessBackend) else StoreLiveness(store, prefix)
         )
         interval = settings.keep_alive_interval.total_seconds()
+        self._interval = interval
         self._dead_after = interval * settings.keep_alive_max_attempt
         # How often observers read heartbeat marks: a small fraction of the
         # dead-node timeout, so detection is late by at most that much.
@@ -340,6 +341,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         missing: list[str] = []
         watches: dict[str, MarkWatch] = {}
         next_judgement = now
+        blocked_since: float | None = None
         self._event("join", progress.round_id)
         while True:
             progress = observe(progress, state, queue_length, self._limits, now)
@@ -355,7 +357,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 state, token = self._read()
                 now = self._clock()
                 progress = replace(start_join(state, now), started_at=progress.started_at)
-                queue_length, missing = 0, []
+                queue_length, missing, blocked_since = 0, [], None
                 self._event("join", progress.round_id)
                 continue
             if isinstance(action, Fail):
@@ -370,7 +372,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             elif isinstance(action, Requeue):
                 self._event("requeue", action.round_id, missed=progress.round_id)
                 progress = JoinProgress(action.round_id, progress.started_at)
-                queue_length = 0
+                queue_length, blocked_since = 0, None
             elif isinstance(action, Seal):
                 state, token, progress, missing = self._seal(state, token, progress, queue_length)
             elif isinstance(action, Wait):
@@ -380,12 +382,23 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         progress.round_id, queue_length, min(remaining, _QUEUE_WAIT_CAP)
                     )
                     leader = progress.position in (self._limits.min_nodes, self._limits.max_nodes)
-                    if missing and leader and state is not None and self._clock() >= next_judgement:
-                        next_judgement = self._clock() + self._judge_every
+                    if blocked_since is None:
+                        blocked_since = self._clock()
+                    stalled = self._clock() - blocked_since >= 2 * self._dead_after
+                    if (
+                        missing
+                        and (leader or stalled)
+                        and state is not None
+                        and self._clock() >= next_judgement
+                    ):
                         # The seal waits for members of the last round: the
                         # leaders judge them too, or a round whose members
-                        # all died would block the next one. Only leaders:
-                        # backups doing it too would cost O(N^2) reads.
+                        # all died would block the next one. Others only
+                        # once the seal stalled (the leaders may be dead
+                        # too), and less often: all of them judging at once
+                        # would cost O(N^2) reads.
+                        every = self._judge_every if leader else self._interval
+                        next_judgement = self._clock() + every
                         marks = {n: self._liveness.heartbeat_mark(n) for n in missing}
                         watches, dead = judge_marks(watches, marks, self._clock(), self._dead_after)
                         if dead:

@@ -16,7 +16,9 @@ publishes participants and ranks)?
   last call expires on ITS monotonic clock, counted from its own arrival;
 * any other admitted node, as a backup, ``grace`` seconds later than the
   leader would have (the leader may have died);
-* never a node beyond ``max_nodes`` (a spare): it waits for the seal, then
+* a node beyond ``max_nodes`` (a spare) only when the admitted nodes all
+  seem dead: ``last_call + 2 x grace`` after it saw the round full (the plan
+  is the same whoever seals: the first ``max_nodes`` records); it then
   enqueues for the next round, where it is on the redundancy list.
 
 Exclusivity: round ``r + 1`` is sealed only when every live participant of
@@ -26,8 +28,9 @@ evicted from round ``r`` by a compare-and-set that also makes survivors
 re-join. Death is judged by :func:`judge_marks` on the observer's own
 monotonic clock: a member watches its ring successor (:func:`successor_of`),
 and a node whose seal waits for members that have not re-joined
-(:func:`missing_members`) watches those, so a round whose members all died
-does not block the next one. This module decides; ``rdzv.dynamic.handler``
+(:func:`missing_members`) watches those (the last-call leaders at once,
+everyone else once the seal has stalled for twice the dead-node timeout),
+so a round whose members all died does not block the next one. This module decides; ``rdzv.dynamic.handler``
 acts.
 
 A store restarted empty (or restored from an older copy) makes the state go
@@ -267,10 +270,18 @@ def decide(
     if now >= join_deadline:
         exhausted = queue_length < limits.min_nodes
         return Fail(FailReason.EXHAUSTED if exhausted else FailReason.TIMEOUT)
-    if progress.position > limits.max_nodes:
-        return Wait(join_deadline)
     if progress.blocked is not None and progress.blocked == (queue_length, state):
         return Wait(join_deadline, on_queue=True)
+    if progress.position > limits.max_nodes:
+        # A spare: the admitted nodes seal. If they all died the round would
+        # never seal, so a spare seals too once they had twice a backup's
+        # grace: the same plan (the first max_nodes records), after which
+        # the spare re-joins at the front of the next queue and the dead
+        # participants are judged like any dead member.
+        if progress.max_seen_at is None:
+            return Wait(join_deadline)
+        stalled = progress.max_seen_at + limits.last_call + 2 * limits.grace
+        return Seal() if now >= stalled else Wait(min(stalled, join_deadline))
     if queue_length >= limits.max_nodes and progress.max_seen_at is not None:
         if progress.position == limits.max_nodes:
             return Seal()
