@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -18,3 +19,14 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env.update(extra)
     return env
+
+
+def require_binary(name: str) -> str:
+    """Return the path of ``name`` or fail loudly (never skip)."""
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(
+            f"the {name!r} binary is not on PATH; run `bash scripts/setup` "
+            "(it installs etcd-server, redis-server and openssl)"
+        )
+    return path

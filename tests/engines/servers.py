@@ -25,18 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.certs import TLSFiles
+from tests.procs import require_binary
+
 FORBIDDEN_PORTS = frozenset({2379, 2380, 6379})
-
-
-def require_binary(name: str) -> str:
-    """Return the path of ``name`` or fail loudly (never skip)."""
-    path = shutil.which(name)
-    if path is None:
-        raise RuntimeError(
-            f"the {name!r} binary is not on PATH; run `bash scripts/setup` "
-            "(apt-get install etcd-server redis-server) to install it"
-        )
-    return path
 
 
 def free_port() -> int:
@@ -74,18 +66,6 @@ def kill_process(proc: subprocess.Popen[Any]) -> None:
 def _etcd_env() -> dict[str, str]:
     # etcd reads every ETCD_* variable as a flag.
     return {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
-
-
-@dataclass
-class TLSFiles:
-    """Certificates for an etcd server and its clients."""
-
-    ca_cert: str
-    server_cert: str
-    server_key: str
-    client_cert: str
-    client_key: str
-    other_ca_cert: str
 
 
 @dataclass
@@ -373,87 +353,3 @@ def redis_server(tls: TLSFiles | None = None) -> Iterator[RedisServer]:
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(
-        [require_binary("openssl"), *args],
-        cwd=cwd,
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        timeout=60,
-    )
-
-
-def make_tls_files(directory: Path) -> TLSFiles:
-    """Create a CA, a server certificate for IP:127.0.0.1, a client certificate and a second CA."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for ca in ("ca", "other-ca"):
-        _openssl(
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            f"{ca}.key",
-            "-out",
-            f"{ca}.crt",
-            "-days",
-            "2",
-            "-subj",
-            f"/CN=rdzv-test-{ca}",
-            cwd=directory,
-        )
-    ext = directory / "ext.cnf"
-    ext.write_text(
-        "[server]\nsubjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"
-        "[client]\nextendedKeyUsage=clientAuth\n"
-    )
-    for name, section in (("server", "server"), ("client", "client")):
-        _openssl(
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            f"{name}.key",
-            "-out",
-            f"{name}.csr",
-            "-subj",
-            f"/CN=rdzv-test-{name}",
-            cwd=directory,
-        )
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.crt",
-            "-days",
-            "2",
-            "-extfile",
-            "ext.cnf",
-            "-extensions",
-            section,
-            cwd=directory,
-        )
-    return TLSFiles(
-        ca_cert=str(directory / "ca.crt"),
-        server_cert=str(directory / "server.crt"),
-        server_key=str(directory / "server.key"),
-        client_cert=str(directory / "client.crt"),
-        client_key=str(directory / "client.key"),
-        other_ca_cert=str(directory / "other-ca.crt"),
-    )

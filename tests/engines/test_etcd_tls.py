@@ -11,7 +11,8 @@ from rdzv.api import RendezvousParameters
 from rdzv.backends.etcd import create_backend, parse_endpoints
 from rdzv.backends.etcd_client import EtcdClient
 from rdzv.errors import RendezvousConnectionError
-from tests.engines.servers import EtcdCluster, TLSFiles, etcd_cluster, make_tls_files
+from tests.certs import TLSFiles, make_tls_files
+from tests.engines.servers import EtcdCluster, etcd_cluster
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
 

@@ -9,7 +9,8 @@ import pytest
 
 from rdzv.api import RendezvousParameters
 from rdzv.errors import RendezvousConnectionError
-from tests.engines.servers import RedisServer, TLSFiles, make_tls_files, redis_server
+from tests.certs import TLSFiles, make_tls_files
+from tests.engines.servers import RedisServer, redis_server
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.certs import self_signed_certificate
+from tests.certs import make_tls_files
 from tests.launch.procs import (
     ALLREDUCE,
     HELLO,
@@ -82,13 +82,12 @@ def test_two_static_nodes_with_two_workers_each(tmp_path: Path) -> None:
 
 
 def test_two_c10d_agents_over_tls_with_a_secret(tmp_path: Path) -> None:
-    cert, key = self_signed_certificate(tmp_path)
-    other_ca, _ = self_signed_certificate(tmp_path, "other")
+    files = make_tls_files(tmp_path / "tls")
     token = tmp_path / "token"
     token.write_text("tls e2e secret\n")
-    host_conf = f"is_host=true,ssl_cert={cert},ssl_cert_key={key}"
+    host_conf = f"is_host=true,ssl_cert={files.server_cert},ssl_cert_key={files.server_key}"
 
-    def start(group: Any, port: int, conf: str, ca: Path) -> Any:
+    def start(group: Any, port: int, conf: str, ca: str) -> Any:
         return group.start(
             [
                 "--rdzv-backend=c10d",
@@ -104,15 +103,18 @@ def test_two_c10d_agents_over_tls_with_a_secret(tmp_path: Path) -> None:
 
     port = free_port()
     with agents() as group:
-        procs = [start(group, port, host_conf, cert), start(group, port, "is_host=false", cert)]
+        procs = [
+            start(group, port, host_conf, files.ca_cert),
+            start(group, port, "is_host=false", files.ca_cert),
+        ]
         results = [finish(p) for p in procs]
     assert [code for code, _, _ in results] == [0, 0], results
     assert "the sum across 2 ranks is 3, as expected" in results[0][1] + results[1][1]
     # TLS is really on: an agent trusting another CA is refused, naming the certificate.
     port = free_port()
     with agents() as group:
-        start(group, port, host_conf, cert)
-        code, _, err = finish(start(group, port, "is_host=false", other_ca))
+        start(group, port, host_conf, files.ca_cert)
+        code, _, err = finish(start(group, port, "is_host=false", files.other_ca_cert))
     assert code != 0
     assert "certificate" in err
 

@@ -26,7 +26,7 @@ from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
-from tests.certs import self_signed_certificate
+from tests.certs import TLSFiles, make_tls_files
 from tests.procs import subprocess_env
 from tests.reliability.sockets import served
 
@@ -273,22 +273,20 @@ def test_rdzv_status_authenticates_from_a_conf_key_or_the_environment(token_file
 
 
 @pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = self_signed_certificate(folder, "store")
-    other, _ = self_signed_certificate(folder, "other")
-    return {"cert": cert, "key": key, "other_ca": other}
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
-def _tls_conf(files: dict[str, Path], host: bool, ca: str = "cert") -> dict[str, object]:
-    conf: dict[str, object] = {"is_host": host, "ca_cert": str(files[ca])}
+def _tls_conf(files: TLSFiles, host: bool, other_ca: bool = False) -> dict[str, object]:
+    ca = files.other_ca_cert if other_ca else files.ca_cert
+    conf: dict[str, object] = {"is_host": host, "ca_cert": ca}
     if host:
-        conf.update(ssl_cert=str(files["cert"]), ssl_cert_key=str(files["key"]))
+        conf.update(ssl_cert=files.server_cert, ssl_cert_key=files.server_key)
     return conf
 
 
 def test_c10d_rendezvous_runs_over_tls_with_a_secret(
-    tls_files: dict[str, Path], token_file: Path, handlers: list[DynamicRendezvousHandler]
+    tls_files: TLSFiles, token_file: Path, handlers: list[DynamicRendezvousHandler]
 ) -> None:
     endpoint = f"127.0.0.1:{_free_port()}"
 
@@ -327,7 +325,7 @@ def test_c10d_rendezvous_runs_over_tls_with_a_secret(
 
 @pytest.fixture
 def tls_host(
-    tls_files: dict[str, Path], handlers: list[DynamicRendezvousHandler]
+    tls_files: TLSFiles, handlers: list[DynamicRendezvousHandler]
 ) -> tuple[str, DynamicRendezvousHandler]:
     """A c10d handler hosting its store over TLS; its endpoint and itself."""
     endpoint = f"127.0.0.1:{_free_port()}"
@@ -338,19 +336,19 @@ def tls_host(
 
 
 def test_c10d_node_that_cannot_verify_the_store_is_refused(
-    tls_files: dict[str, Path], tls_host: tuple[str, DynamicRendezvousHandler]
+    tls_files: TLSFiles, tls_host: tuple[str, DynamicRendezvousHandler]
 ) -> None:
     endpoint, _ = tls_host
     with pytest.raises(RendezvousConnectionError, match="certificate"):
-        create_backend(_params(endpoint, **_tls_conf(tls_files, False, ca="other_ca")))
+        create_backend(_params(endpoint, **_tls_conf(tls_files, False, other_ca=True)))
 
 
 def test_c10d_node_without_the_server_certificate_joins_as_a_client(
-    tls_files: dict[str, Path], tls_host: tuple[str, DynamicRendezvousHandler]
+    tls_files: TLSFiles, tls_host: tuple[str, DynamicRendezvousHandler]
 ) -> None:
     endpoint, host = tls_host
     # is_host is inferred: the endpoint is local, but only the host has the certificate.
-    backend, store = create_backend(_params(endpoint, ca_cert=str(tls_files["cert"])))
+    backend, store = create_backend(_params(endpoint, ca_cert=tls_files.ca_cert))
     try:
         store.set("client-over-tls", "yes")
         assert host._store.get("client-over-tls") == b"yes"
@@ -365,32 +363,31 @@ def test_c10d_node_without_the_server_certificate_joins_as_a_client(
         ({"ssl_cert": "cert"}, "ssl_cert is set without ssl_cert_key"),
         ({"ssl_cert_key": "key"}, "ssl_cert_key is set without ssl_cert"),
         ({"ssl_cert": "cert", "ssl_cert_key": "key"}, "without ca_cert"),
-        ({"ca_cert": "cert"}, "ca_cert is set .TLS on. but this node hosts the store"),
+        ({"ca_cert": "ca"}, "ca_cert is set .TLS on. but this node hosts the store"),
         ({"cacert": "missing"}, "cacert '.*missing' cannot be loaded"),
-        ({"ca_cert": "cert", "ssl_cert": "cert", "ssl_cert_key": "missing"}, "ssl_cert_key '"),
+        ({"ca_cert": "ca", "ssl_cert": "cert", "ssl_cert_key": "missing"}, "ssl_cert_key '"),
     ],
     ids=["cert-alone", "key-alone", "no-ca", "host-without-cert", "missing-ca", "missing-key"],
 )
 def test_tls_settings_errors_name_the_key(
-    tls_files: dict[str, Path], tmp_path: Path, conf: dict[str, str], message: str
+    tls_files: TLSFiles, tmp_path: Path, conf: dict[str, str], message: str
 ) -> None:
-    paths = {"cert": str(tls_files["cert"]), "key": str(tls_files["key"])}
+    paths = {"ca": tls_files.ca_cert, "cert": tls_files.server_cert, "key": tls_files.server_key}
     config = {k: paths.get(v, str(tmp_path / v)) for k, v in conf.items()}
     with pytest.raises(ValueError, match=message):
         create_backend(_params(f"127.0.0.1:{_free_port()}", is_host=True, **config))
 
 
-def test_rdzv_status_verifies_the_store_over_tls(
-    tls_files: dict[str, Path], token_file: Path
-) -> None:
-    cert, key = str(tls_files["cert"]), str(tls_files["key"])
+def test_rdzv_status_verifies_the_store_over_tls(tls_files: TLSFiles, token_file: Path) -> None:
+    cert, key = tls_files.server_cert, tls_files.server_key
     with serve("--auth-token-file", str(token_file), "--tls-cert", cert, "--tls-key", key) as (
         _pid,
         port,
     ):
-        verified = _status(port, f"auth_token_file={token_file},is_host=false,ca_cert={cert}")
+        ca = tls_files.ca_cert
+        verified = _status(port, f"auth_token_file={token_file},is_host=false,ca_cert={ca}")
         assert verified.returncode == 0, verified.stderr
-        other = tls_files["other_ca"]
+        other = tls_files.other_ca_cert
         unverified = _status(
             port, f"auth_token_file={token_file},is_host=false,ca_cert={other},read_timeout=3"
         )

@@ -8,7 +8,6 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +24,7 @@ from rdzv.store.protocol import (
 )
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
-from tests.certs import self_signed_certificate
+from tests.certs import TLSFiles, make_tls_files
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -305,20 +304,20 @@ def test_master_with_secret_hosts_an_authenticating_server() -> None:
 
 
 @pytest.fixture(scope="module")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1."""
-    return self_signed_certificate(tmp_path_factory.mktemp("tls"))
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    """A CA and a server certificate for 127.0.0.1 it signed."""
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
-def contexts(cert: Path, key: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+def contexts(files: TLSFiles) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_context.load_cert_chain(cert, key)
-    client_context = ssl.create_default_context(cafile=str(cert))
+    server_context.load_cert_chain(files.server_cert, files.server_key)
+    client_context = ssl.create_default_context(cafile=files.ca_cert)
     return server_context, client_context
 
 
-def test_tls_round_trip(certificate: tuple[Path, Path]) -> None:
-    server_context, client_context = contexts(*certificate)
+def test_tls_round_trip(certificate: TLSFiles) -> None:
+    server_context, client_context = contexts(certificate)
     with TCPStore(
         "127.0.0.1",
         0,
@@ -336,8 +335,8 @@ def test_tls_round_trip(certificate: tuple[Path, Path]) -> None:
             assert other.watch("tls", b"on", 0.05) == b"on"
 
 
-def test_tls_client_refuses_an_unknown_certificate(certificate: tuple[Path, Path]) -> None:
-    server_context, _ = contexts(*certificate)
+def test_tls_client_refuses_an_unknown_certificate(certificate: TLSFiles) -> None:
+    server_context, _ = contexts(certificate)
     with TCPStoreServer("127.0.0.1", 0, ssl_context=server_context) as server:
         with pytest.raises(RendezvousConnectionError, match="certificate"):
             TCPStore("127.0.0.1", server.port, timeout=5, ssl_context=ssl.create_default_context())

@@ -12,7 +12,7 @@ import pytest
 
 from rdzv.auth import AUTH_TOKEN_ENV
 from rdzv.registry import rendezvous_handler_registry
-from tests.certs import self_signed_certificate
+from tests.certs import make_tls_files
 from tests.torchrun.conftest import Job
 
 pytest.importorskip("torch.distributed.run")
@@ -96,8 +96,8 @@ def test_third_agent_joins_at_the_next_round(job: Job) -> None:
 
 @pytest.mark.timeout(120)
 def test_two_agents_over_tls_with_a_secret(job: Job) -> None:
-    cert, key = self_signed_certificate(job.logs)
-    tls = f"ca_cert={cert},ssl_cert={cert},ssl_cert_key={key}"
+    files = make_tls_files(job.logs / "tls")
+    tls = f"ca_cert={files.ca_cert},ssl_cert={files.server_cert},ssl_cert_key={files.server_key}"
     args = torchrun_args(f"127.0.0.1:{free_port()}", "2", uuid.uuid4().hex, conf=f"{CONF},{tls}")
     secret = {AUTH_TOKEN_ENV: "torchrun over tls"}
     job.start_agent(args, **secret)
