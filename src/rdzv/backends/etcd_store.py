@@ -23,7 +23,15 @@ from typing import TypeVar
 
 from rdzv.backends.etcd_client import EtcdClient, EtcdCompactedError, KeyValue
 from rdzv.errors import RendezvousConnectionError, StoreTimeoutError
-from rdzv.store.base import DEFAULT_STORE_TIMEOUT, Store, Timeout, Value, to_bytes, to_seconds
+from rdzv.store.base import (
+    DEFAULT_STORE_TIMEOUT,
+    Store,
+    Timeout,
+    Value,
+    check_multi_set,
+    to_bytes,
+    to_seconds,
+)
 
 __all__ = ["EtcdStore"]
 
@@ -212,10 +220,7 @@ class EtcdStore(Store):
         return self._wait_all(keys, self.timeout.total_seconds())
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:  # noqa: D102
-        if len(keys) != len(values):
-            raise ValueError(
-                f"multi_set got {len(keys)} keys but {len(values)} values; they must match"
-            )
+        check_multi_set(keys, values)
         if not keys:
             return
         puts = [

@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from rdzv.backends.redis_connection import MAX_BLOCK_SECONDS, as_bytes, endpoint_of, redis_errors
 from rdzv.errors import RendezvousStateError, StoreTimeoutError
-from rdzv.store.base import DEFAULT_STORE_TIMEOUT, Store, Timeout, Value, to_bytes, to_seconds
+from rdzv.store.base import (
+    DEFAULT_STORE_TIMEOUT,
+    Store,
+    Timeout,
+    Value,
+    check_multi_set,
+    to_bytes,
+    to_seconds,
+)
 
 if TYPE_CHECKING:
     import redis
@@ -240,10 +248,7 @@ class RedisStore(Store):
         return self._until(ready, keys, self.timeout.total_seconds())
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:  # noqa: D102
-        if len(keys) != len(values):
-            raise ValueError(
-                f"multi_set got {len(keys)} keys but {len(values)} values; they must match"
-            )
+        check_multi_set(keys, values)
         if not keys:
             return
         self._run(self._set, [self._k(k) for k in keys], [to_bytes(v) for v in values], "multi_set")

@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Union
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["DEFAULT_STORE_TIMEOUT", "Store", "Timeout", "Value", "to_bytes", "to_seconds"]
+__all__ = [
+    "DEFAULT_STORE_TIMEOUT",
+    "Store",
+    "Timeout",
+    "Value",
+    "check_multi_set",
+    "to_bytes",
+    "to_seconds",
+]
 
 Value = Union[str, bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alias on 3.10
 Timeout = Union[timedelta, float, int]  # noqa: UP007 - a runtime alias on 3.10
@@ -45,6 +53,22 @@ def to_bytes(value: Value) -> bytes:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     raise TypeError(f"store values must be str or bytes, not {type(value).__name__}")
+
+
+def check_multi_set(keys: Sequence[str], values: Sequence[Value]) -> None:
+    """Check the arguments of :meth:`Store.multi_set`: as many values as keys.
+
+    Args:
+        keys: The keys.
+        values: Their values.
+
+    Raises:
+        ValueError: They differ in length; the message gives both lengths.
+    """
+    if len(keys) != len(values):
+        raise ValueError(
+            f"multi_set got {len(keys)} keys but {len(values)} values; they must match"
+        )
 
 
 def to_seconds(timeout: Timeout, name: str = "timeout") -> float:

@@ -10,7 +10,15 @@ from datetime import timedelta
 from typing import TypeVar
 
 from rdzv.errors import StoreTimeoutError
-from rdzv.store.base import DEFAULT_STORE_TIMEOUT, Store, Timeout, Value, to_bytes, to_seconds
+from rdzv.store.base import (
+    DEFAULT_STORE_TIMEOUT,
+    Store,
+    Timeout,
+    Value,
+    check_multi_set,
+    to_bytes,
+    to_seconds,
+)
 
 __all__ = ["HashStore", "PrefixStore"]
 
@@ -116,10 +124,7 @@ class HashStore(Store):
             return [self._data[k] for k in keys]
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:  # noqa: D102
-        if len(keys) != len(values):
-            raise ValueError(
-                f"multi_set got {len(keys)} keys but {len(values)} values; they must match"
-            )
+        check_multi_set(keys, values)
         encoded = [to_bytes(v) for v in values]
         with self._changed:
             self._data.update(zip(keys, encoded, strict=True))

@@ -42,7 +42,15 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError, StoreTimeoutError
-from rdzv.store.base import DEFAULT_STORE_TIMEOUT, Store, Timeout, Value, to_bytes, to_seconds
+from rdzv.store.base import (
+    DEFAULT_STORE_TIMEOUT,
+    Store,
+    Timeout,
+    Value,
+    check_multi_set,
+    to_bytes,
+    to_seconds,
+)
 from rdzv.store.protocol import (
     AUTH_MAC_BYTES,
     AUTH_NONCE_BYTES,
@@ -600,10 +608,7 @@ class TCPStore(Store):
         return self._call(multi_get)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:  # noqa: D102
-        if len(keys) != len(values):
-            raise ValueError(
-                f"multi_set got {len(keys)} keys but {len(values)} values; they must match"
-            )
+        check_multi_set(keys, values)
         request = Request(Op.MULTI_SET, self._wire_keys(keys), tuple(map(self._value, values)))
         self._call(lambda: self._send(request))
 
