@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -30,3 +31,10 @@ def require_binary(name: str) -> str:
             "(it installs etcd-server, redis-server and openssl)"
         )
     return path
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

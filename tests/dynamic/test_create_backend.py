@@ -1,7 +1,6 @@
 """create_backend / the registry entries for the store backend."""
 
 import socket
-from collections.abc import Iterator
 
 import pytest
 
@@ -9,6 +8,7 @@ import rdzv
 from rdzv.api import RendezvousParameters
 from rdzv.backends.store import C10dRendezvousBackend, create_backend, endpoint_is_local
 from rdzv.dynamic.handler import DynamicRendezvousHandler
+from tests.procs import free_port
 
 
 def test_loopback_and_local_names_are_local() -> None:
@@ -35,28 +35,9 @@ def test_builtin_names_are_registered() -> None:
         assert name in backends
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture
-def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
-    made: list[DynamicRendezvousHandler] = []
-    try:
-        yield made
-    finally:
-        for handler in made:
-            handler.pre_shutdown()
-        for handler in made:
-            handler._backend.close()  # type: ignore[attr-defined]
-            handler._store.close()
-
-
 @pytest.mark.timeout(30)
 def test_create_handler_just_works(handlers: list[DynamicRendezvousHandler]) -> None:
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     params = RendezvousParameters(
         "c10d", endpoint, "job", 1, 1, local_addr="127.0.0.1", read_timeout=5
     )
@@ -77,7 +58,7 @@ def test_explicit_host_that_cannot_bind_is_an_error(
 ) -> None:
     from rdzv.errors import RendezvousConnectionError
 
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     first = RendezvousParameters("c10d", endpoint, "job", 1, 1, is_host=True, read_timeout=5)
     backend, store = create_backend(first)
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import Agent
-from tests.procs import subprocess_env
+from tests.procs import free_port, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -188,14 +187,8 @@ def test_spare_exits_gracefully_when_the_run_closes(
     assert spare.proc.returncode == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_store_host_going_away_is_a_connection_error(agents: Callable[..., Agent]) -> None:
-    port = _free_port()
+    port = free_port()
     host = subprocess.Popen(
         [
             sys.executable,
@@ -228,7 +221,7 @@ def test_store_host_going_away_is_a_connection_error(agents: Callable[..., Agent
 
 
 def test_first_local_node_hosts_the_store(agents: Callable[..., Agent]) -> None:
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     common = ("--endpoint", endpoint, "--min", "2", "--max", "2", "--hold", "1")
     nodes = [agents(*common), agents(*common)]  # both infer is_host; one binds, one falls back
     _same_round([_round(a, 2) for a in nodes])

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,6 @@ from tests.procs import ROOT, subprocess_env
 WORKER = str(Path(__file__).with_name("worker.py"))
 HELLO = str(ROOT / "examples" / "hello.py")
 ALLREDUCE = str(ROOT / "examples" / "allreduce.py")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Agents:

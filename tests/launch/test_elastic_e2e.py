@@ -24,6 +24,7 @@ from tests.launch.procs import (
     wait_for,
     with_world,
 )
+from tests.procs import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -121,8 +122,6 @@ def test_an_agent_stopped_with_sigterm_leaves_the_run_open(endpoint: str, tmp_pa
 @pytest.mark.torch
 def test_torch_gloo_allreduce_two_agents_two_workers(tmp_path: Path) -> None:
     # the first agent hosts the c10d store itself (endpoint on this machine)
-    from tests.launch.procs import free_port
-
     endpoint = f"127.0.0.1:{free_port()}"
     args = [
         "--nnodes=2",

@@ -17,10 +17,10 @@ from tests.launch.procs import (
     agents,
     alive,
     finish,
-    free_port,
     kill_pids,
     wait_for,
 )
+from tests.procs import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

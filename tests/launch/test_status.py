@@ -12,7 +12,7 @@ import pytest
 
 from rdzv.launch.status import HeartbeatTracker, MemberStatus, RunStatus, format_status
 from tests.launch.procs import WORKER, agents, c10d_args, finish, wait_for, with_world
-from tests.procs import subprocess_env
+from tests.procs import free_port, subprocess_env
 
 
 def status(endpoint: str, run_id: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -78,8 +78,6 @@ def test_status_of_an_unknown_backend_is_a_clear_error() -> None:
 
 
 def test_status_of_an_unreachable_endpoint_fails_quickly() -> None:
-    from tests.launch.procs import free_port
-
     done = status(f"127.0.0.1:{free_port()}", "x", "--rdzv-conf=read_timeout=1")
     assert done.returncode == 3
     assert "rdzv status: cannot reach the backend" in done.stderr

@@ -6,9 +6,6 @@ verify."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,8 +24,9 @@ from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
 from tests.certs import TLSFiles, make_tls_files
-from tests.procs import subprocess_env
+from tests.procs import free_port, subprocess_env
 from tests.reliability.sockets import served
+from tests.store.helpers import serve_process
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,12 +38,6 @@ def token_file(tmp_path: Path) -> Path:
     path = tmp_path / "token"
     path.write_text(f"  {SECRET}\n")
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- where the secret comes from ------------------------------------------------
@@ -104,30 +96,9 @@ def test_tcpstore_wrong_or_missing_secret_is_refused(
 
 @contextmanager
 def serve(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[int, int]]:
-    """Run ``rdzv serve`` on a free port; yield its pid and port."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rdzv.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env or subprocess_env(),
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "(auth" in line, line
-        yield proc.pid, int(line.split()[4].rsplit(":", 1)[1])
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+    """Run ``rdzv serve`` with a secret on a free port; yield its pid and port."""
+    with serve_process(*args, env=env, announces="(auth") as (proc, port):
+        yield proc.pid, port
 
 
 @pytest.mark.parametrize("source", ["file", "env"])
@@ -164,19 +135,6 @@ def test_rdzv_serve_has_no_option_taking_the_secret_itself() -> None:
 # -- the c10d rendezvous ------------------------------------------------------------
 
 
-@pytest.fixture
-def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
-    made: list[DynamicRendezvousHandler] = []
-    try:
-        yield made
-    finally:
-        for handler in made:
-            handler.pre_shutdown()
-        for handler in made:
-            handler._backend.close()  # type: ignore[attr-defined]  # test teardown
-            handler._store.close()
-
-
 def _params(endpoint: str, **config: object) -> RendezvousParameters:
     return RendezvousParameters(
         "c10d", endpoint, "authjob", 1, 1, local_addr="127.0.0.1", read_timeout=5, **config
@@ -186,7 +144,7 @@ def _params(endpoint: str, **config: object) -> RendezvousParameters:
 def test_c10d_rendezvous_runs_authenticated_from_a_token_file(
     token_file: Path, handlers: list[DynamicRendezvousHandler]
 ) -> None:
-    port = _free_port()
+    port = free_port()
     handler = rdzv.create_handler(
         _params(f"127.0.0.1:{port}", is_host=True, auth_token_file=str(token_file))
     )
@@ -204,7 +162,7 @@ def test_c10d_rendezvous_runs_authenticated_from_a_token_file(
 
 def test_c10d_backend_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(AUTH_TOKEN_ENV, SECRET)
-    port = _free_port()
+    port = free_port()
     backend, store = create_backend(_params(f"127.0.0.1:{port}", is_host=True))
     try:
         with pytest.raises(StoreAuthenticationError):
@@ -288,7 +246,7 @@ def _tls_conf(files: TLSFiles, host: bool, other_ca: bool = False) -> dict[str, 
 def test_c10d_rendezvous_runs_over_tls_with_a_secret(
     tls_files: TLSFiles, token_file: Path, handlers: list[DynamicRendezvousHandler]
 ) -> None:
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
 
     def params(host: bool) -> RendezvousParameters:
         return RendezvousParameters(
@@ -328,7 +286,7 @@ def tls_host(
     tls_files: TLSFiles, handlers: list[DynamicRendezvousHandler]
 ) -> tuple[str, DynamicRendezvousHandler]:
     """A c10d handler hosting its store over TLS; its endpoint and itself."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     host = rdzv.create_handler(_params(endpoint, **_tls_conf(tls_files, True)))
     assert isinstance(host, DynamicRendezvousHandler)
     handlers.append(host)
@@ -375,7 +333,7 @@ def test_tls_settings_errors_name_the_key(
     paths = {"ca": tls_files.ca_cert, "cert": tls_files.server_cert, "key": tls_files.server_key}
     config = {k: paths.get(v, str(tmp_path / v)) for k, v in conf.items()}
     with pytest.raises(ValueError, match=message):
-        create_backend(_params(f"127.0.0.1:{_free_port()}", is_host=True, **config))
+        create_backend(_params(f"127.0.0.1:{free_port()}", is_host=True, **config))
 
 
 def test_rdzv_status_verifies_the_store_over_tls(tls_files: TLSFiles, token_file: Path) -> None:

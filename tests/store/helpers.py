@@ -18,15 +18,18 @@ from tests.procs import subprocess_env
 
 @contextmanager
 def serve_process(
-    *extra: str, host: str = "127.0.0.1"
+    *extra: str, host: str = "127.0.0.1", env: dict[str, str] | None = None, announces: str = ""
 ) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    """Run ``rdzv serve`` in a subprocess on a free port; yield it and its port."""
+    """Run ``rdzv serve`` in a subprocess on a free port; yield it and its port.
+
+    ``announces`` must appear in its ``listening`` line (``(auth`` ...).
+    """
     proc = subprocess.Popen(
         [sys.executable, "-m", "rdzv.cli", "serve", "--host", host, "--port", "0", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=subprocess_env(),
+        env=env or subprocess_env(),
     )
     try:
         assert proc.stdout is not None
@@ -35,6 +38,7 @@ def serve_process(
             line,
             proc.stderr.read() if proc.stderr else "",
         )
+        assert announces in line, line
         port = int(line.split()[4].rsplit(":", 1)[1])
         yield proc, port
     finally:

@@ -25,14 +25,9 @@ from rdzv.store.protocol import (
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
 from tests.certs import TLSFiles, make_tls_files
+from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_public_names() -> None:
@@ -41,7 +36,7 @@ def test_public_names() -> None:
     assert issubclass(rdzv.StoreAuthenticationError, rdzv.RendezvousError)
 
 
-def test_master_hosts_a_server_on_a_free_port() -> None:
+def test_master_hosts_a_server_on_afree_port() -> None:
     with TCPStore("127.0.0.1", 0, is_master=True, timeout=5) as master:
         assert master.port > 0
         assert master.host == "127.0.0.1"

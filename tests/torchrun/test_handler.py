@@ -14,8 +14,8 @@ import pytest
 
 from rdzv import errors
 from rdzv.registry import RendezvousHandlerRegistry
+from tests.procs import free_port
 from tests.torchrun.conftest import torchrun_env
-from tests.torchrun.test_torchrun import free_port
 
 torch_api = pytest.importorskip("torch.distributed.elastic.rendezvous")
 from torch.distributed.elastic.utils.store import barrier  # noqa: E402
@@ -99,6 +99,18 @@ def test_a_missing_engine_backend_is_named(
         creator(torch_params(backend=name))
 
 
+def _python(code: str, entry_points_path: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter that sees the torchrun entry points."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=torchrun_env(entry_points_path),
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+    )
+
+
 @pytest.mark.timeout(60)
 def test_torch_registers_the_three_entry_points(entry_points_path: str) -> None:
     code = (
@@ -107,14 +119,7 @@ def test_torch_registers_the_three_entry_points(entry_points_path: str) -> None:
         "registry._register_out_of_tree_handlers()\n"
         "print(sorted(n for n in r._registry if n.startswith('rdzv')))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=torchrun_env(entry_points_path),
-        capture_output=True,
-        text=True,
-        timeout=50,
-        check=True,
-    )
+    out = _python(code, entry_points_path)
     assert out.stdout.strip() == "['rdzv', 'rdzv-etcd', 'rdzv-redis']", out.stderr
 
 
@@ -310,12 +315,5 @@ def test_importing_the_plugin_does_not_import_torch(entry_points_path: str) -> N
         "rdzv.torchrun.tcp_creator(); rdzv.torchrun.etcd_creator()\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=torchrun_env(entry_points_path),
-        capture_output=True,
-        text=True,
-        timeout=50,
-        check=True,
-    )
+    out = _python(code, entry_points_path)
     assert out.stdout.strip() == "[]", out.stderr

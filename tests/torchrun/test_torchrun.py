@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import uuid
 from collections.abc import Iterator
 
@@ -13,6 +12,7 @@ import pytest
 from rdzv.auth import AUTH_TOKEN_ENV
 from rdzv.registry import rendezvous_handler_registry
 from tests.certs import make_tls_files
+from tests.procs import free_port
 from tests.torchrun.conftest import Job
 
 pytest.importorskip("torch.distributed.run")
@@ -20,12 +20,6 @@ pytest.importorskip("torch.distributed.run")
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def torchrun_args(
