@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rdzv.api import RendezvousParameters
 
 __all__ = [
     "DEFAULT_LIVENESS_TTL",
@@ -37,6 +40,7 @@ __all__ = [
     "Token",
     "WatchableBackend",
     "check_key_settings",
+    "text_option",
     "validate_node_key",
     "validate_record",
 ]
@@ -340,6 +344,22 @@ def validate_record(round_id: int, record: bytes) -> None:
     if not isinstance(record, bytes) or not 1 <= len(record) <= MAX_RECORD_SIZE:
         size = len(record) if isinstance(record, bytes) else type(record).__name__
         raise ValueError(f"a join record must be 1-{MAX_RECORD_SIZE} bytes, got {size}")
+
+
+def text_option(params: RendezvousParameters, key: str) -> str | None:
+    """Return a backend setting as text, None when absent or empty.
+
+    Args:
+        params: The rendezvous parameters.
+        key: The setting.
+
+    Returns:
+        The value as text, or None.
+    """
+    value: Any = params.get(key)
+    if value is None or value == "":
+        return None
+    return str(value)
 
 
 #: Seconds an unwritten state survives on a server with expiry (two hours).

@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from rdzv.backends.base import (
     JoinQueueBackend,
@@ -43,6 +43,7 @@ from rdzv.backends.base import (
     Token,
     WatchableBackend,
     check_key_settings,
+    text_option,
     validate_node_key,
     validate_record,
 )
@@ -457,13 +458,6 @@ def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
     return members
 
 
-def _option(params: RendezvousParameters, key: str) -> str | None:
-    value: Any = params.get(key)
-    if value is None or value == "":
-        return None
-    return str(value)
-
-
 def create_client(params: RendezvousParameters) -> EtcdClient:
     """Build an :class:`EtcdClient` from rendezvous parameters.
 
@@ -481,14 +475,14 @@ def create_client(params: RendezvousParameters) -> EtcdClient:
         ValueError: An option or the endpoint is invalid; the message names it.
     """
     read_timeout = params.get_as_seconds("read_timeout") or 60.0
-    protocol = (_option(params, "protocol") or "http").lower()
+    protocol = (text_option(params, "protocol") or "http").lower()
     return EtcdClient(
         parse_endpoints(params.endpoint),
         protocol=protocol,
         read_timeout=read_timeout,
-        ssl_cert=_option(params, "ssl_cert"),
-        ssl_cert_key=_option(params, "ssl_cert_key"),
-        ca_cert=_option(params, "ca_cert") or _option(params, "cacert"),
+        ssl_cert=text_option(params, "ssl_cert"),
+        ssl_cert_key=text_option(params, "ssl_cert_key"),
+        ca_cert=text_option(params, "ca_cert") or text_option(params, "cacert"),
     )
 
 
@@ -511,7 +505,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     backend = EtcdRendezvousBackend(
         client,
         params.run_id,
-        key_prefix=_option(params, "key_prefix"),
+        key_prefix=text_option(params, "key_prefix"),
         ttl=params.get_as_int("ttl"),
     )
     store = EtcdStore(client, backend.run_prefix + b"store/")

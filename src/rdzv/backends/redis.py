@@ -37,6 +37,7 @@ from rdzv.backends.base import (
     Token,
     WatchableBackend,
     check_key_settings,
+    text_option,
     validate_node_key,
     validate_record,
 )
@@ -45,7 +46,6 @@ from rdzv.backends.redis_connection import (
     as_bytes,
     create_client,
     endpoint_of,
-    option,
     redis_errors,
 )
 from rdzv.backends.redis_store import RedisStore
@@ -441,7 +441,7 @@ def create_backend(params: RendezvousParameters) -> tuple[RedisRendezvousBackend
     backend = RedisRendezvousBackend(
         client,
         params.run_id,
-        key_prefix=option(params, "key_prefix"),
+        key_prefix=text_option(params, "key_prefix"),
         ttl=params.get_as_int("ttl"),
     )
     store = RedisStore(client, f"{backend.key}:store:")

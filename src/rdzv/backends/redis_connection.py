@@ -19,6 +19,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "the rdzv Redis backend needs redis-py; install it with: pip install 'rdzv[redis]'"
     ) from exc
 
+from rdzv.backends.base import text_option
 from rdzv.endpoint import format_endpoint, parse_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 
@@ -31,7 +32,6 @@ __all__ = [
     "as_bytes",
     "create_client",
     "endpoint_of",
-    "option",
     "redis_errors",
 ]
 
@@ -81,22 +81,6 @@ def endpoint_of(client: redis.Redis) -> str:
     return format_endpoint(str(kwargs.get("host", "?")), int(kwargs.get("port", 0)))
 
 
-def option(params: RendezvousParameters, key: str) -> str | None:
-    """Return a string option, None when absent or empty.
-
-    Args:
-        params: The parameters.
-        key: The option.
-
-    Returns:
-        The value as text, or None.
-    """
-    value: Any = params.get(key)
-    if value is None or value == "":
-        return None
-    return str(value)
-
-
 def create_client(params: RendezvousParameters) -> redis.Redis:
     """Build a redis-py client from rendezvous parameters.
 
@@ -115,14 +99,14 @@ def create_client(params: RendezvousParameters) -> redis.Redis:
     """
     host, port = parse_endpoint(params.endpoint, DEFAULT_REDIS_PORT)
     read_timeout = params.get_as_seconds("read_timeout") or 60.0
-    protocol = (option(params, "protocol") or "redis").lower()
+    protocol = (text_option(params, "protocol") or "redis").lower()
     if protocol not in ("redis", "rediss", "http", "https"):
         raise ValueError(f"the Redis protocol must be 'redis' or 'rediss', got {protocol!r}")
     use_tls = protocol in ("rediss", "https")
     cert, key, ca = (
-        option(params, "ssl_cert"),
-        option(params, "ssl_cert_key"),
-        option(params, "ca_cert"),
+        text_option(params, "ssl_cert"),
+        text_option(params, "ssl_cert_key"),
+        text_option(params, "ca_cert"),
     )
     if not use_tls and (cert or key or ca):
         raise ValueError("ssl_cert, ssl_cert_key and ca_cert need protocol=rediss")
@@ -130,7 +114,7 @@ def create_client(params: RendezvousParameters) -> redis.Redis:
         host=host,
         port=port,
         db=params.get_as_int("db", 0) or 0,
-        password=option(params, "password"),
+        password=text_option(params, "password"),
         socket_timeout=read_timeout + MAX_BLOCK_SECONDS,
         socket_connect_timeout=min(read_timeout, 10.0),
         ssl=use_tls,

@@ -38,6 +38,7 @@ from rdzv.backends.base import (
     RendezvousBackend,
     Token,
     WatchableBackend,
+    text_option,
     validate_node_key,
     validate_record,
 )
@@ -328,11 +329,11 @@ if TYPE_CHECKING:
 
 
 def _conf_path(params: RendezvousParameters, *keys: str) -> tuple[str, str] | None:
-    """Return ``(key, value)`` of the first of ``keys`` set to a non-empty value."""
+    """Return ``(key, path)`` of the first of ``keys`` set to a non-blank path."""
     for key in keys:
-        value = params.get(key)
-        if value is not None and str(value).strip():
-            return key, str(value).strip()
+        path = (text_option(params, key) or "").strip()
+        if path:
+            return key, path
     return None
 
 
@@ -464,8 +465,7 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
         )
     host, port = parse_endpoint(params.endpoint)
     timeout = params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
-    token_file = params.get("auth_token_file")
-    auth_token = resolve_auth_token(None if token_file is None else str(token_file))
+    auth_token = resolve_auth_token(text_option(params, "auth_token_file"))
     tls = StoreTLS(params)
     explicit = params.get_as_bool("is_host")
     # A node without the server certificate cannot host a TLS store.
