@@ -654,7 +654,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             thread.join()
 
     def _keepalive_loop(self) -> None:
-        interval = self._settings.keep_alive_interval.total_seconds()
+        interval = self._interval
         check_every = self._judge_every
         failures = 0
         # The first beat is due one interval after joining: an observer only
