@@ -19,5 +19,4 @@ def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
         for handler in made:
             handler.pre_shutdown()
         for handler in made:
-            handler._backend.close()  # type: ignore[attr-defined]  # test teardown
-            handler._store.close()
+            handler.close()

@@ -20,6 +20,8 @@ from rdzv.net import primary_address
 from rdzv.store.base import Store
 
 __all__ = [
+    "DEFAULT_KEEP_ALIVE_INTERVAL",
+    "DEFAULT_KEEP_ALIVE_MAX_ATTEMPT",
     "RendezvousHandler",
     "RendezvousInfo",
     "RendezvousParameters",
@@ -29,6 +31,12 @@ __all__ = [
 ]
 
 Duration = Union[timedelta, float, int]  # noqa: UP007 - a runtime alias on 3.10
+
+DEFAULT_KEEP_ALIVE_INTERVAL = 5
+"""Seconds between a node's heartbeats (``keep_alive_interval``)."""
+
+DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3
+"""Heartbeats a node may miss before it is judged dead (``keep_alive_max_attempt``)."""
 
 
 def _duration(value: Duration | None, default: timedelta, name: str) -> timedelta:
@@ -53,8 +61,12 @@ class RendezvousTimeout:
         last_call: How long to wait for more nodes once ``min_nodes`` have
             joined (30 s).
         close: How long to wait for ``set_closed`` to take effect (30 s).
-        heartbeat: How long a node may go without a heartbeat before it is
-            considered dead (5 s).
+        heartbeat: Accepted and kept for compatibility (5 s), and not read:
+            torch documents it as the time within which a keep-alive
+            heartbeat is expected to complete, and its handler does not read
+            it either. A node is judged dead after ``keep_alive_interval *
+            keep_alive_max_attempt`` seconds without a beat (see
+            :class:`RendezvousSettings`).
 
     Each accepts a ``timedelta``, seconds, or None for the default.
 
@@ -98,7 +110,7 @@ class RendezvousTimeout:
 
     @property
     def heartbeat(self) -> timedelta:
-        """The heartbeat (liveness) timeout."""
+        """The heartbeat timeout, kept for compatibility and not read (see the class)."""
         return self._heartbeat
 
     def __repr__(self) -> str:
@@ -161,8 +173,8 @@ class RendezvousSettings:
     min_nodes: int
     max_nodes: int
     timeout: RendezvousTimeout = field(default=cast(RendezvousTimeout, None))
-    keep_alive_interval: timedelta = timedelta(seconds=5)
-    keep_alive_max_attempt: int = 3
+    keep_alive_interval: timedelta = timedelta(seconds=DEFAULT_KEEP_ALIVE_INTERVAL)
+    keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
     join: InitVar[Duration | None] = None
     last_call: InitVar[Duration | None] = None
     close: InitVar[Duration | None] = None
@@ -184,11 +196,42 @@ class RendezvousSettings:
             )
         elif any(v is not None for v in (join, last_call, close, heartbeat)):
             raise ValueError("give either timeout or join/last_call/close/heartbeat, not both")
-        interval = _duration(self.keep_alive_interval, timedelta(seconds=5), "keep_alive_interval")
+        interval = _duration(
+            self.keep_alive_interval,
+            timedelta(seconds=DEFAULT_KEEP_ALIVE_INTERVAL),
+            "keep_alive_interval",
+        )
         object.__setattr__(self, "keep_alive_interval", interval)
         attempts = self.keep_alive_max_attempt
         if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
             raise ValueError(f"keep_alive_max_attempt must be a positive integer, got {attempts!r}")
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> RendezvousSettings:
+        """Read the settings from rendezvous parameters.
+
+        Keys: ``join_timeout`` (600 s), ``last_call_timeout`` (30 s),
+        ``close_timeout`` (30 s), ``heartbeat_timeout`` or ``heartbeat``
+        (5 s, not read: see :class:`RendezvousTimeout`),
+        ``keep_alive_interval`` (5 s) and ``keep_alive_max_attempt`` (3).
+
+        Args:
+            params: The parameters (``run_id``, ``min_nodes``, ``max_nodes``, config).
+
+        Returns:
+            The settings.
+
+        Raises:
+            ValueError: A value is invalid; the message names its key.
+        """
+        optional: dict[str, Any] = {}
+        interval = params.get_as_seconds("keep_alive_interval")
+        if interval is not None:
+            optional["keep_alive_interval"] = timedelta(seconds=interval)
+        attempts = params.get_as_int("keep_alive_max_attempt")
+        if attempts is not None:
+            optional["keep_alive_max_attempt"] = attempts
+        return cls(params.run_id, params.min_nodes, params.max_nodes, params.timeout, **optional)
 
     def replace(self, **changes: Any) -> RendezvousSettings:
         """Return a copy with some fields changed.

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import rdzv
 from rdzv.launch.run import add_run_arguments
-from rdzv.launch.status import add_status_arguments
 from rdzv.registry import rendezvous_handler_registry
+from rdzv.status import add_status_arguments
 from rdzv.store.server import (
     DEFAULT_FRAME_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
@@ -59,7 +59,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from rdzv.launch.status import status_command  # noqa: PLC0415 - keep other commands light
+    from rdzv.status import status_command  # noqa: PLC0415 - keep other commands light
 
     return status_command(args)
 

@@ -1,11 +1,24 @@
-"""The registry that maps backend names to handler creators.
+"""The assembly point: backend names to backend factories and handler creators.
 
-Built-in backends are listed in ``_BUILTIN`` as ``module:function`` paths and
-imported only when used. Backends from other packages register through the
+This module sits above the core (``rdzv.dynamic``) and the backends, and is
+the only place that joins them. Two tables, both of ``module:function``
+paths imported only when used:
+
+* ``BACKEND_FACTORIES``: name -> backend factory ``(params) -> (backend,
+  store)``, one per built-in engine (``c10d`` and its aliases, ``etcd``,
+  ``redis``). Every dynamic backend is served by one generic creator,
+  :func:`create_dynamic_handler`: the factory builds the backend and store,
+  :func:`rdzv.dynamic.handler.create_handler` builds the handler on them.
+* ``_BUILTIN``: name -> handler creator, for the handlers that are not
+  dynamic (``static``).
+
+Backends from other packages register a handler creator through the
 entry-point group ``rdzv.handlers``: each entry point names a creator
 ``(RendezvousParameters) -> RendezvousHandler``. Entry points are loaded once,
 lazily, the first time a name is looked up; one that fails to load produces
-a warning, not a crash.
+a warning, not a crash. :func:`open_backend` opens any of them as an
+observer (``rdzv status``): a built-in through its factory, a plugin through
+its handler when that is a dynamic handler.
 """
 
 from __future__ import annotations
@@ -15,14 +28,23 @@ import threading
 import warnings
 from collections.abc import Callable
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from rdzv.api import RendezvousHandler, RendezvousParameters
 
+if TYPE_CHECKING:
+    from rdzv.backends.base import RendezvousBackend
+    from rdzv.store.base import Store
+
 __all__ = [
+    "BACKEND_FACTORIES",
     "ENTRY_POINT_GROUP",
+    "BackendFactory",
     "RendezvousHandlerCreator",
     "RendezvousHandlerRegistry",
+    "create_dynamic_handler",
     "create_handler",
+    "open_backend",
     "rendezvous_handler_registry",
 ]
 
@@ -30,29 +52,69 @@ ENTRY_POINT_GROUP = "rdzv.handlers"
 
 RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
 
-# name -> "module:function"; the module is imported on first use.
-_BUILTIN: dict[str, str] = {
-    "static": "rdzv.static:create_rdzv_handler",
-    "c10d": "rdzv.dynamic.handler:create_c10d_handler",
-    "p10d": "rdzv.dynamic.handler:create_c10d_handler",
-    "core": "rdzv.dynamic.handler:create_c10d_handler",
-    "tcp": "rdzv.dynamic.handler:create_c10d_handler",
-    "etcd": "rdzv.backends.etcd:create_etcd_handler",
-    "etcd-v2": "rdzv.backends.etcd:create_etcd_handler",
-    "redis": "rdzv.backends.redis:create_redis_handler",
+BackendFactory = Callable[[RendezvousParameters], "tuple[RendezvousBackend, Store]"]
+
+#: name -> "module:function" of the factory building ``(backend, store)``.
+BACKEND_FACTORIES: dict[str, str] = {
+    **dict.fromkeys(("c10d", "p10d", "core", "tcp"), "rdzv.backends.store:create_backend"),
+    **dict.fromkeys(("etcd", "etcd-v2"), "rdzv.backends.etcd:create_backend"),
+    "redis": "rdzv.backends.redis:create_backend",
 }
+
+# name -> "module:function" of a handler creator that is not a dynamic backend's.
+_BUILTIN: dict[str, str] = {"static": "rdzv.static:create_rdzv_handler"}
+
+
+def _load(path: str) -> Callable[..., object]:
+    module_name, _, function_name = path.partition(":")
+    loaded: Callable[..., object] = getattr(importlib.import_module(module_name), function_name)
+    return loaded
 
 
 def _lazy(path: str) -> RendezvousHandlerCreator:
-    module_name, _, function_name = path.partition(":")
-
     def create(params: RendezvousParameters) -> RendezvousHandler:
-        module = importlib.import_module(module_name)
-        creator: RendezvousHandlerCreator = getattr(module, function_name)
+        creator: RendezvousHandlerCreator = _load(path)  # type: ignore[assignment]
         return creator(params)
 
     create.__qualname__ = create.__name__ = f"lazy[{path}]"
     return create
+
+
+def _factory(name: str) -> BackendFactory:
+    factory: BackendFactory = _load(BACKEND_FACTORIES[name])  # type: ignore[assignment]
+    return factory
+
+
+def create_dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build a dynamic rendezvous handler on the built-in backend ``params.backend``.
+
+    The backend's factory builds the backend and its store from ``params``;
+    :func:`rdzv.dynamic.handler.create_handler` builds the handler on them.
+    The handler owns both (its ``close()`` closes them); if building the
+    handler fails, they are closed here.
+
+    Args:
+        params: The rendezvous parameters; ``params.backend`` is a key of
+            :data:`BACKEND_FACTORIES`.
+
+    Returns:
+        The handler.
+
+    Raises:
+        ValueError: A parameter is invalid; the message names it.
+        RendezvousConnectionError: The backend could not be reached or hosted.
+    """
+    from rdzv.dynamic.handler import create_handler as create_on  # noqa: PLC0415 - lazy
+
+    backend, store = _factory(params.backend)(params)
+    try:
+        return create_on(store, backend, params)
+    except BaseException:
+        try:
+            backend.close()
+        finally:
+            store.close()
+        raise
 
 
 class RendezvousHandlerRegistry:
@@ -160,6 +222,10 @@ class RendezvousHandlerRegistry:
 rendezvous_handler_registry = RendezvousHandlerRegistry()
 for _name, _path in _BUILTIN.items():
     rendezvous_handler_registry.register(_name, _lazy(_path), origin=f"built-in ({_path})")
+for _name, _path in BACKEND_FACTORIES.items():
+    rendezvous_handler_registry.register(
+        _name, create_dynamic_handler, origin=f"built-in (dynamic on {_path})"
+    )
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -175,3 +241,40 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         ValueError: The backend is not registered.
     """
     return rendezvous_handler_registry.create_handler(params)
+
+
+def open_backend(
+    params: RendezvousParameters, registry: RendezvousHandlerRegistry | None = None
+) -> tuple[RendezvousBackend, Store]:
+    """Open a run's backend and store as an observer, without joining.
+
+    A built-in backend is opened through its factory. Any other name is
+    built through the registry (so plugin backends registered through
+    ``rdzv.handlers`` work too), and its handler's backend and store are
+    used; that needs a :class:`~rdzv.dynamic.handler.DynamicRendezvousHandler`.
+
+    Args:
+        params: The parameters; ``params.backend`` names the backend.
+            Callers that must not host a store set ``is_host=false``.
+        registry: Where plugin backends are looked up (the global registry
+            by default).
+
+    Returns:
+        ``(backend, store)``; close both when done.
+
+    Raises:
+        ValueError: The backend is unknown, or its handler is not a dynamic
+            rendezvous handler; the message names it.
+        RendezvousConnectionError: The backend could not be reached.
+    """
+    if params.backend in BACKEND_FACTORIES:
+        return _factory(params.backend)(params)
+    from rdzv.dynamic.handler import DynamicRendezvousHandler  # noqa: PLC0415 - lazy
+
+    handler = (registry or rendezvous_handler_registry).create_handler(params)
+    if not isinstance(handler, DynamicRendezvousHandler):
+        raise ValueError(  # noqa: TRY004 - a backend the user named, not an argument type
+            f"the rendezvous backend {params.backend!r} builds a {type(handler).__name__}, "
+            "not a dynamic rendezvous handler, so its state cannot be read"
+        )
+    return handler.backend, handler.store

@@ -74,7 +74,7 @@ from typing import IO, TYPE_CHECKING, Any
 from rdzv import errors
 from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from rdzv.auth import resolve_auth_token
-from rdzv.backends.base import text_option
+from rdzv.backends.options import text_option
 from rdzv.backends.store import DEFAULT_READ_TIMEOUT, StoreTLS, create_backend, endpoint_is_local
 from rdzv.dynamic.handler import create_handler
 from rdzv.endpoint import format_endpoint, parse_endpoint
@@ -651,7 +651,7 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
     host, port = parse_endpoint(rdzv_params.endpoint)
     timeout = rdzv_params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
     token_file = text_option(rdzv_params, "auth_token_file")
-    tls = StoreTLS(rdzv_params)
+    tls = StoreTLS.from_params(rdzv_params)
     secured = tls.ca is not None or resolve_auth_token(token_file) is not None
     options: tuple[str, ...] = () if token_file is None else ("--auth-token-file", token_file)
     if tls.server_files is not None:

@@ -23,7 +23,9 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from rdzv.api import RendezvousParameters
+from rdzv.backends.base import RendezvousBackend
 from rdzv.dynamic.state import decode_state
+from rdzv.registry import open_backend
 from rdzv.store.base import Store
 from tests.chaos.agent import EPOCH_KEY, RUN_ID
 from tests.chaos.proxy import FaultProxy
@@ -42,7 +44,7 @@ class Cluster(ABC):
 
     def __init__(self) -> None:
         self.proxies: list[FaultProxy] = []
-        self._reader: tuple[Any, Store] | None = None
+        self._reader: tuple[RendezvousBackend, Store] | None = None
 
     @property
     def agent_endpoint(self) -> str:
@@ -75,25 +77,17 @@ class Cluster(ABC):
             self.rdzv_backend, self.direct_endpoint, RUN_ID, 1, 1, read_timeout=2, **extra
         )
 
-    def _create_backend(self) -> tuple[Any, Store]:
-        if self.rdzv_backend == "etcd":
-            from rdzv.backends import etcd as module
-        elif self.rdzv_backend == "redis":
-            from rdzv.backends import redis as module  # type: ignore[no-redef]
-        else:
-            from rdzv.backends import store as module  # type: ignore[no-redef]
-        return module.create_backend(self._params())
+    def _create_backend(self) -> tuple[RendezvousBackend, Store]:
+        return open_backend(self._params())
 
     def _close_reader(self) -> None:
         reader, self._reader = self._reader, None
         if reader is not None:
             backend, store = reader
-            # etcd and Redis backends share a client they do not own: close it too.
-            for owner in (backend, store, getattr(backend, "client", None)):
-                close = getattr(owner, "close", None)
-                if close is not None:
-                    with contextlib.suppress(Exception):
-                        close()
+            with contextlib.suppress(Exception):
+                backend.close()
+            with contextlib.suppress(Exception):
+                store.close()
 
     def _try_set_epoch(self, epoch: int) -> bool:
         try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rdzv.launch.status import HeartbeatTracker, MemberStatus, RunStatus, format_status
+from rdzv.status import HeartbeatTracker, MemberStatus, RunStatus, format_status
 from tests.launch.procs import WORKER, agents, c10d_args, finish, wait_for, with_world
 from tests.procs import free_port, subprocess_env
 
@@ -74,7 +74,7 @@ def test_status_of_a_live_run(endpoint: str, tmp_path: Path) -> None:
 def test_status_of_an_unknown_backend_is_a_clear_error() -> None:
     done = status("127.0.0.1:1", "x", "--rdzv-backend=nosuch")
     assert done.returncode == 2
-    assert "cannot read the 'nosuch' backend" in done.stderr
+    assert "'nosuch' is not registered; known backends: c10d" in done.stderr
 
 
 def test_status_of_an_unreachable_endpoint_fails_quickly() -> None:

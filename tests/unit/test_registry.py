@@ -1,3 +1,5 @@
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -8,7 +10,8 @@ import pytest
 
 import rdzv
 from rdzv import RendezvousHandler, RendezvousHandlerRegistry, RendezvousParameters
-from tests.procs import subprocess_env
+from rdzv.registry import BACKEND_FACTORIES, open_backend
+from tests.procs import ROOT, SRC, subprocess_env
 from tests.unit.test_api import _Handler
 
 
@@ -137,3 +140,91 @@ def test_cli_without_command_prints_help_and_fails() -> None:
     )
     assert out.returncode == 2
     assert "backends" in out.stderr
+
+
+def test_builtin_dynamic_backends_share_one_generic_creator() -> None:
+    origins = rdzv.rendezvous_handler_registry.backends()
+    for name, path in BACKEND_FACTORIES.items():
+        assert path in origins[name]
+    assert "rdzv.static" in origins["static"]
+
+
+def test_open_backend_rejects_a_handler_that_is_not_dynamic() -> None:
+    reg = RendezvousHandlerRegistry(load_entry_points=False)
+    reg.register("fake", _creator)
+    with pytest.raises(ValueError, match="'fake' builds a _Handler, not a dynamic"):
+        open_backend(RendezvousParameters("fake", "e", "r", 1, 1), reg)
+
+
+@pytest.fixture
+def store_plugin_path(tmp_path: Path) -> Path:
+    """A third-party backend, ``mystore``, registered only through ``rdzv.handlers``."""
+    (tmp_path / "mystore_plugin.py").write_text(
+        textwrap.dedent(
+            """
+            from rdzv import DynamicRendezvousHandler, TCPStore
+            from rdzv.backends.store import C10dRendezvousBackend
+            from rdzv.endpoint import parse_endpoint
+
+            def create(params):
+                host, port = parse_endpoint(params.endpoint)
+                store = TCPStore(host, port, timeout=10)
+                backend = C10dRendezvousBackend(store, params.run_id)
+                return DynamicRendezvousHandler.from_backend(
+                    params.run_id, store, backend, params.min_nodes, params.max_nodes
+                )
+            """
+        )
+    )
+    dist = tmp_path / "mystore_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mystore-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[rdzv.handlers]\nmystore = mystore_plugin:create\n")
+    return tmp_path
+
+
+@pytest.mark.timeout(90)
+def test_rdzv_status_reads_a_plugin_backend(store_plugin_path: Path) -> None:
+    server = rdzv.TCPStore("127.0.0.1", 0, is_master=True)
+    sys.path.insert(0, str(store_plugin_path))
+    try:
+        reg = RendezvousHandlerRegistry()
+        handler = reg.create_handler(
+            RendezvousParameters("mystore", f"127.0.0.1:{server.port}", "plugged", 1, 1)
+        )
+        info = handler.next_rendezvous()
+        assert info.world_size == 1
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rdzv.cli",
+                "status",
+                "--rdzv-backend",
+                "mystore",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{server.port}",
+                "--rdzv-id",
+                "plugged",
+                "--json",
+                "--sample",
+                "0",
+            ],
+            env=subprocess_env(
+                PYTHONPATH=f"{SRC}{os.pathsep}{ROOT}{os.pathsep}{store_plugin_path}"
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        status = json.loads(out.stdout)
+        assert status["round"] == 0
+        assert [m["node"] for m in status["members"]] == [handler.node]
+        handler.shutdown()
+        handler.close()
+    finally:
+        sys.path.remove(str(store_plugin_path))
+        sys.modules.pop("mystore_plugin", None)
+        server.close()

@@ -25,22 +25,15 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from rdzv.api import RendezvousParameters
+from typing import Any
 
 __all__ = [
-    "DEFAULT_LIVENESS_TTL",
-    "DEFAULT_STATE_TTL",
     "MAX_RECORD_SIZE",
     "JoinQueueBackend",
     "LivenessBackend",
     "RendezvousBackend",
     "Token",
     "WatchableBackend",
-    "check_key_settings",
-    "text_option",
     "validate_node_key",
     "validate_record",
 ]
@@ -85,6 +78,13 @@ class RendezvousBackend(ABC):
         Raises:
             RendezvousConnectionError: The backend cannot be reached.
             RendezvousStateError: The stored record is corrupt.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """Release the backend's connections; the default holds none.
+
+        Called once by the owner of the backend (the handler built by
+        ``create_handler``, ``rdzv status``); the backend is not used after.
         """
 
 
@@ -344,66 +344,3 @@ def validate_record(round_id: int, record: bytes) -> None:
     if not isinstance(record, bytes) or not 1 <= len(record) <= MAX_RECORD_SIZE:
         size = len(record) if isinstance(record, bytes) else type(record).__name__
         raise ValueError(f"a join record must be 1-{MAX_RECORD_SIZE} bytes, got {size}")
-
-
-def text_option(params: RendezvousParameters, key: str) -> str | None:
-    """Return a backend setting as text, None when absent or empty.
-
-    Args:
-        params: The rendezvous parameters.
-        key: The setting.
-
-    Returns:
-        The value as text, or None.
-    """
-    value: Any = params.get(key)
-    if value is None or value == "":
-        return None
-    return str(value)
-
-
-#: Seconds an unwritten state survives on a server with expiry (two hours).
-DEFAULT_STATE_TTL = 7200
-
-#: Seconds a heartbeat record survives on a server without a beat.
-DEFAULT_LIVENESS_TTL = 60
-
-
-def check_key_settings(
-    engine: str,
-    run_id: str,
-    key_prefix: str | None,
-    default_prefix: str,
-    ttl: int | None,
-    liveness_ttl: int | None,
-) -> tuple[str, int, int]:
-    """Validate the key and expiry settings of a backend on a key-value server.
-
-    Args:
-        engine: The server's name, for messages (``etcd``, ``Redis``).
-        run_id: The run id.
-        key_prefix: The prefix of every key, or None for ``default_prefix``.
-        default_prefix: The engine's default prefix.
-        ttl: Seconds an unwritten state survives, or None for
-            :data:`DEFAULT_STATE_TTL`.
-        liveness_ttl: Seconds a heartbeat survives, or None for
-            :data:`DEFAULT_LIVENESS_TTL`.
-
-    Returns:
-        ``(prefix, ttl, liveness_ttl)`` with the defaults filled in.
-
-    Raises:
-        ValueError: An empty run id or prefix, or a TTL that is not a whole
-            number of seconds >= 1; the message names the bad value.
-    """
-    if not run_id:
-        raise ValueError("the run id must be a non-empty string")
-    prefix = default_prefix if key_prefix is None else key_prefix
-    if not prefix:
-        raise ValueError(f"the {engine} key prefix must not be empty")
-    ttl = DEFAULT_STATE_TTL if ttl is None else ttl
-    liveness_ttl = DEFAULT_LIVENESS_TTL if liveness_ttl is None else liveness_ttl
-    for name, value in (("ttl", ttl), ("liveness_ttl", liveness_ttl)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a whole number of seconds >= 1, got {value!r}")
-    return prefix, ttl, liveness_ttl

@@ -42,37 +42,33 @@ from rdzv.backends.base import (
     RendezvousBackend,
     Token,
     WatchableBackend,
-    check_key_settings,
-    text_option,
     validate_node_key,
     validate_record,
 )
 from rdzv.backends.etcd_client import (
-    DEFAULT_ETCD_PORT,
     EtcdClient,
     EtcdCompactedError,
     KeyValue,
 )
 from rdzv.backends.etcd_store import EtcdStore
-from rdzv.dynamic.handler import create_handler
-from rdzv.endpoint import parse_endpoint
+from rdzv.backends.options import EtcdOptions, check_key_settings, parse_endpoints
 from rdzv.errors import RendezvousStateError
 
 if TYPE_CHECKING:
-    from rdzv.api import RendezvousHandler, RendezvousParameters
+    from rdzv.api import RendezvousParameters
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
     "EtcdRendezvousBackend",
     "create_backend",
-    "create_etcd_handler",
     "create_client",
+    "open_etcd",
     "parse_endpoints",
 ]
 
 _T = TypeVar("_T")
 
-DEFAULT_KEY_PREFIX = "/rdzv/"
+DEFAULT_KEY_PREFIX = EtcdOptions.DEFAULT_PREFIX
 _MAGIC = b"rdzv-state/1\n"
 
 
@@ -100,6 +96,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
         ttl: Seconds an unwritten state survives on the server (two hours).
         liveness_ttl: Seconds a node's heartbeat key survives without a beat
             (60); observers judge death on their own clocks well before.
+        owns_client: Close ``client`` in :meth:`close`.
 
     Raises:
         ValueError: An empty run id or prefix, or a TTL below 1 second.
@@ -112,11 +109,14 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
         key_prefix: str | None = None,
         ttl: int | None = None,
         liveness_ttl: int | None = None,
+        *,
+        owns_client: bool = False,
     ) -> None:
         prefix, ttl, liveness_ttl = check_key_settings(
             "etcd", run_id, key_prefix, DEFAULT_KEY_PREFIX, ttl, liveness_ttl
         )
         self._client = client
+        self._owns_client = owns_client
         self._run_id = run_id
         self._key = f"{prefix}{run_id}".encode()
         self._run_prefix = self._key + b"/"
@@ -136,6 +136,11 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
     def client(self) -> EtcdClient:
         """The etcd client."""
         return self._client
+
+    def close(self) -> None:
+        """Close the client if this backend owns it (built by ``create_backend``)."""
+        if self._owns_client:
+            self._client.close()
 
     @property
     def key(self) -> bytes:
@@ -427,70 +432,53 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
         return sorted(kv.key[len(prefix) :].decode("utf-8", "replace") for kv in kvs)
 
 
-def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
-    """Parse ``h1:2379,h2:2379,...`` (the default port is 2379).
+def create_client(options: EtcdOptions) -> EtcdClient:
+    """Build an :class:`EtcdClient` from parsed options.
 
     Args:
-        endpoint: One or more comma-separated members; a ``http://`` or
-            ``https://`` scheme on a member is ignored (the protocol comes
-            from the ``protocol`` option).
-
-    Returns:
-        ``[(host, port), ...]``.
-
-    Raises:
-        ValueError: The list is empty or a member is malformed.
-    """
-    members: list[tuple[str, int]] = []
-    for item in endpoint.split(","):
-        text = item.strip()
-        for scheme in ("http://", "https://"):
-            if text.lower().startswith(scheme):
-                text = text[len(scheme) :]
-        text = text.rstrip("/")
-        if not text:
-            continue
-        members.append(parse_endpoint(text, DEFAULT_ETCD_PORT))
-    if not members:
-        raise ValueError(
-            f"the etcd endpoint {endpoint!r} names no member; expected host[:port],..."
-        )
-    return members
-
-
-def create_client(params: RendezvousParameters) -> EtcdClient:
-    """Build an :class:`EtcdClient` from rendezvous parameters.
-
-    Options: ``read_timeout`` (seconds, 60), ``protocol`` (``http`` or
-    ``https``), ``ssl_cert``, ``ssl_cert_key``, ``ca_cert`` (or ``cacert``,
-    the name torch's etcd handler reads).
-
-    Args:
-        params: The parameters; ``endpoint`` lists the members.
+        options: The etcd options.
 
     Returns:
         The client.
 
     Raises:
-        ValueError: An option or the endpoint is invalid; the message names it.
+        ValueError: An option is invalid; the message names it.
     """
-    read_timeout = params.get_as_seconds("read_timeout") or 60.0
-    protocol = (text_option(params, "protocol") or "http").lower()
     return EtcdClient(
-        parse_endpoints(params.endpoint),
-        protocol=protocol,
-        read_timeout=read_timeout,
-        ssl_cert=text_option(params, "ssl_cert"),
-        ssl_cert_key=text_option(params, "ssl_cert_key"),
-        ca_cert=text_option(params, "ca_cert") or text_option(params, "cacert"),
+        list(options.endpoints),
+        protocol=options.protocol,
+        read_timeout=options.read_timeout,
+        ssl_cert=options.ssl_cert,
+        ssl_cert_key=options.ssl_cert_key,
+        ca_cert=options.ca_cert,
     )
+
+
+def open_etcd(options: EtcdOptions) -> tuple[EtcdRendezvousBackend, EtcdStore]:
+    """Build the etcd backend and the etcd store of a run from parsed options.
+
+    Args:
+        options: The etcd options.
+
+    Returns:
+        ``(backend, store)``; the store keeps its keys under the run's prefix.
+    """
+    client = create_client(options)
+    backend = EtcdRendezvousBackend(
+        client,
+        options.run_id,
+        key_prefix=options.keys.key_prefix,
+        ttl=options.keys.ttl,
+        owns_client=True,
+    )
+    store = EtcdStore(client, backend.run_prefix + b"store/")
+    return backend, store
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     """Build the etcd backend and the etcd store of a run.
 
-    Options: those of :func:`create_client`, plus ``key_prefix`` (``/rdzv/``)
-    and ``ttl`` (seconds, 7200).
+    Options: see :meth:`rdzv.backends.options.EtcdOptions.from_params`.
 
     Args:
         params: The rendezvous parameters.
@@ -499,34 +487,6 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         ``(backend, store)``; the store keeps its keys under the run's prefix.
 
     Raises:
-        ValueError: An option or the endpoint is invalid.
+        ValueError: An option or the endpoint is invalid; the message names it.
     """
-    client = create_client(params)
-    backend = EtcdRendezvousBackend(
-        client,
-        params.run_id,
-        key_prefix=text_option(params, "key_prefix"),
-        ttl=params.get_as_int("ttl"),
-    )
-    store = EtcdStore(client, backend.run_prefix + b"store/")
-    return backend, store
-
-
-def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Build a dynamic rendezvous handler on etcd (registered as ``etcd`` and ``etcd-v2``).
-
-    The round's store is an :class:`EtcdStore` in the same cluster, so no
-    TCP store host is needed.
-
-    Args:
-        params: The rendezvous parameters (see :func:`create_backend` and
-            :func:`rdzv.dynamic.handler.create_handler` for the options).
-
-    Returns:
-        The handler.
-
-    Raises:
-        ValueError: A parameter is invalid; the message names it.
-    """
-    backend, store = create_backend(params)
-    return create_handler(store, backend, params)
+    return open_etcd(EtcdOptions.from_params(params))

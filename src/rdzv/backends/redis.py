@@ -36,11 +36,10 @@ from rdzv.backends.base import (
     RendezvousBackend,
     Token,
     WatchableBackend,
-    check_key_settings,
-    text_option,
     validate_node_key,
     validate_record,
 )
+from rdzv.backends.options import RedisOptions, check_key_settings
 from rdzv.backends.redis_connection import (
     MAX_BLOCK_SECONDS,
     as_bytes,
@@ -49,22 +48,21 @@ from rdzv.backends.redis_connection import (
     redis_errors,
 )
 from rdzv.backends.redis_store import RedisStore
-from rdzv.dynamic.handler import create_handler
 from rdzv.errors import RendezvousStateError
 
 if TYPE_CHECKING:
     import redis
 
-    from rdzv.api import RendezvousHandler, RendezvousParameters
+    from rdzv.api import RendezvousParameters
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
     "RedisRendezvousBackend",
     "create_backend",
-    "create_redis_handler",
+    "open_redis",
 ]
 
-DEFAULT_KEY_PREFIX = "rdzv:"
+DEFAULT_KEY_PREFIX = RedisOptions.DEFAULT_PREFIX
 _STREAM_MAXLEN = "100"
 
 _CAS = """
@@ -147,6 +145,7 @@ class RedisRendezvousBackend(
         key_prefix: Prefix of every key of this backend (``rdzv:``).
         ttl: Seconds an unwritten state survives on the server (two hours).
         liveness_ttl: Seconds a heartbeat key survives without a beat (60).
+        owns_client: Close ``client`` in :meth:`close`.
 
     Raises:
         ValueError: An empty run id or prefix, a TTL below 1 second, or a
@@ -160,6 +159,8 @@ class RedisRendezvousBackend(
         key_prefix: str | None = None,
         ttl: int | None = None,
         liveness_ttl: int | None = None,
+        *,
+        owns_client: bool = False,
     ) -> None:
         prefix, ttl, liveness_ttl = check_key_settings(
             "Redis", run_id, key_prefix, DEFAULT_KEY_PREFIX, ttl, liveness_ttl
@@ -167,6 +168,7 @@ class RedisRendezvousBackend(
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("the Redis client must not decode responses (decode_responses=False)")
         self._client = client
+        self._owns_client = owns_client
         self._endpoint = endpoint_of(client)
         self._key = f"{prefix}{run_id}"
         self._events = f"{self._key}:events"
@@ -187,6 +189,11 @@ class RedisRendezvousBackend(
     def client(self) -> redis.Redis:
         """The redis-py client."""
         return self._client
+
+    def close(self) -> None:
+        """Close the client if this backend owns it (built by ``create_backend``)."""
+        if self._owns_client:
+            self._client.close()
 
     @property
     def key(self) -> str:
@@ -422,11 +429,31 @@ class RedisRendezvousBackend(
             self._client.delete(key)
 
 
+def open_redis(options: RedisOptions) -> tuple[RedisRendezvousBackend, RedisStore]:
+    """Build the Redis backend and the Redis store of a run from parsed options.
+
+    Args:
+        options: The Redis options.
+
+    Returns:
+        ``(backend, store)``.
+    """
+    client = create_client(options)
+    backend = RedisRendezvousBackend(
+        client,
+        options.run_id,
+        key_prefix=options.keys.key_prefix,
+        ttl=options.keys.ttl,
+        owns_client=True,
+    )
+    store = RedisStore(client, f"{backend.key}:store:")
+    return backend, store
+
+
 def create_backend(params: RendezvousParameters) -> tuple[RedisRendezvousBackend, RedisStore]:
     """Build the Redis backend and the Redis store of a run.
 
-    Options: those of :func:`rdzv.backends.redis_connection.create_client`, plus ``key_prefix`` (``rdzv:``)
-    and ``ttl`` (seconds, 7200).
+    Options: see :meth:`rdzv.backends.options.RedisOptions.from_params`.
 
     Args:
         params: The rendezvous parameters.
@@ -435,31 +462,6 @@ def create_backend(params: RendezvousParameters) -> tuple[RedisRendezvousBackend
         ``(backend, store)``.
 
     Raises:
-        ValueError: An option or the endpoint is invalid.
+        ValueError: An option or the endpoint is invalid; the message names it.
     """
-    client = create_client(params)
-    backend = RedisRendezvousBackend(
-        client,
-        params.run_id,
-        key_prefix=text_option(params, "key_prefix"),
-        ttl=params.get_as_int("ttl"),
-    )
-    store = RedisStore(client, f"{backend.key}:store:")
-    return backend, store
-
-
-def create_redis_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Build a dynamic rendezvous handler on Redis (registered as ``redis``).
-
-    Args:
-        params: The rendezvous parameters (see :func:`create_backend` and
-            :func:`rdzv.dynamic.handler.create_handler` for the options).
-
-    Returns:
-        The handler.
-
-    Raises:
-        ValueError: A parameter is invalid; the message names it.
-    """
-    backend, store = create_backend(params)
-    return create_handler(store, backend, params)
+    return open_redis(RedisOptions.from_params(params))

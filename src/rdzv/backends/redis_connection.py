@@ -19,15 +19,13 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "the rdzv Redis backend needs redis-py; install it with: pip install 'rdzv[redis]'"
     ) from exc
 
-from rdzv.backends.base import text_option
-from rdzv.endpoint import format_endpoint, parse_endpoint
+from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 
 if TYPE_CHECKING:
-    from rdzv.api import RendezvousParameters
+    from rdzv.backends.options import RedisOptions
 
 __all__ = [
-    "DEFAULT_REDIS_PORT",
     "MAX_BLOCK_SECONDS",
     "as_bytes",
     "create_client",
@@ -35,7 +33,6 @@ __all__ = [
     "redis_errors",
 ]
 
-DEFAULT_REDIS_PORT = 6379
 # The longest single blocking command (XREAD BLOCK, BLPOP); longer waits loop,
 # so a block never outlasts the socket timeout.
 MAX_BLOCK_SECONDS = 5.0
@@ -81,46 +78,26 @@ def endpoint_of(client: redis.Redis) -> str:
     return format_endpoint(str(kwargs.get("host", "?")), int(kwargs.get("port", 0)))
 
 
-def create_client(params: RendezvousParameters) -> redis.Redis:
-    """Build a redis-py client from rendezvous parameters.
-
-    Options: ``read_timeout`` (seconds, 60), ``protocol`` (``redis`` or
-    ``rediss`` for TLS; ``http``/``https`` are accepted as synonyms),
-    ``ssl_cert``, ``ssl_cert_key``, ``ca_cert``, ``password``, ``db`` (0).
+def create_client(options: RedisOptions) -> redis.Redis:
+    """Build a redis-py client from parsed options.
 
     Args:
-        params: The parameters; ``endpoint`` is ``host[:port]`` (port 6379).
+        options: The Redis options.
 
     Returns:
         The client (no connection is made yet).
-
-    Raises:
-        ValueError: An option or the endpoint is invalid.
     """
-    host, port = parse_endpoint(params.endpoint, DEFAULT_REDIS_PORT)
-    read_timeout = params.get_as_seconds("read_timeout") or 60.0
-    protocol = (text_option(params, "protocol") or "redis").lower()
-    if protocol not in ("redis", "rediss", "http", "https"):
-        raise ValueError(f"the Redis protocol must be 'redis' or 'rediss', got {protocol!r}")
-    use_tls = protocol in ("rediss", "https")
-    cert, key, ca = (
-        text_option(params, "ssl_cert"),
-        text_option(params, "ssl_cert_key"),
-        text_option(params, "ca_cert"),
-    )
-    if not use_tls and (cert or key or ca):
-        raise ValueError("ssl_cert, ssl_cert_key and ca_cert need protocol=rediss")
     return redis.Redis(
-        host=host,
-        port=port,
-        db=params.get_as_int("db", 0) or 0,
-        password=text_option(params, "password"),
-        socket_timeout=read_timeout + MAX_BLOCK_SECONDS,
-        socket_connect_timeout=min(read_timeout, 10.0),
-        ssl=use_tls,
-        ssl_certfile=cert,
-        ssl_keyfile=key,
-        ssl_ca_certs=ca,
+        host=options.host,
+        port=options.port,
+        db=options.db,
+        password=options.password,
+        socket_timeout=options.read_timeout + MAX_BLOCK_SECONDS,
+        socket_connect_timeout=min(options.read_timeout, 10.0),
+        ssl=options.use_tls,
+        ssl_certfile=options.ssl_cert,
+        ssl_keyfile=options.ssl_cert_key,
+        ssl_ca_certs=options.ca_cert,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
     )
 

@@ -51,6 +51,8 @@ from datetime import timedelta
 from typing import Any
 
 from rdzv.api import (
+    DEFAULT_KEEP_ALIVE_INTERVAL,
+    DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -65,7 +67,7 @@ from rdzv.backends.base import (
     Token,
     WatchableBackend,
 )
-from rdzv.backends.store import StoreJoinQueue, StoreLiveness, create_backend, poll_backoff
+from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, poll_backoff
 from rdzv.dynamic.machine import (
     Complete,
     Enqueue,
@@ -107,7 +109,7 @@ from rdzv.net import primary_address
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 
-__all__ = ["DynamicRendezvousHandler", "create_c10d_handler", "create_handler"]
+__all__ = ["DynamicRendezvousHandler", "create_handler"]
 
 LOGGER = logging.getLogger("rdzv.dynamic")
 
@@ -199,8 +201,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         max_nodes: int,
         local_addr: str | None = None,
         timeout: RendezvousTimeout | None = None,
-        keep_alive_interval: int | float | timedelta = 5,
-        keep_alive_max_attempt: int = 3,
+        keep_alive_interval: int | float | timedelta = DEFAULT_KEEP_ALIVE_INTERVAL,
+        keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
         *,
         node_rank: int | None = None,
         clock: Clock | None = None,
@@ -242,6 +244,39 @@ class DynamicRendezvousHandler(RendezvousHandler):
             interval,
             keep_alive_max_attempt,
         )
+        return cls.from_settings(
+            settings, store, backend, local_addr, node_rank=node_rank, clock=clock
+        )
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: RendezvousSettings,
+        store: Store,
+        backend: RendezvousBackend,
+        local_addr: str | None = None,
+        *,
+        node_rank: int | None = None,
+        clock: Clock | None = None,
+    ) -> DynamicRendezvousHandler:
+        """Build a handler from validated settings.
+
+        Args:
+            settings: The rendezvous settings.
+            store: The store members get; also hosts joins and heartbeats when
+                the backend lacks those capabilities.
+            backend: The backend holding the shared state.
+            local_addr: This node's address; found with ``getaddrinfo`` (never
+                reverse DNS) when None.
+            node_rank: The rank this node asks for, or None.
+            clock: A monotonic clock, for tests.
+
+        Returns:
+            The handler.
+
+        Raises:
+            ValueError: ``node_rank`` is negative.
+        """
         if node_rank is not None and (isinstance(node_rank, bool) or node_rank < 0):
             raise ValueError(f"node_rank must be a non-negative integer, got {node_rank!r}")
         addr = local_addr or primary_address()
@@ -258,6 +293,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
     # -- small helpers ------------------------------------------------------
+
+    @property
+    def backend(self) -> RendezvousBackend:
+        """The backend holding the shared state."""
+        return self._backend
+
+    @property
+    def store(self) -> Store:
+        """The store members get (rounds' stores are prefixes of it)."""
+        return self._store
 
     @property
     def settings(self) -> RendezvousSettings:
@@ -597,6 +642,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._event("shutdown", -1 if member is None else member.round)
         return True
 
+    def close(self) -> None:
+        """Stop heartbeats and close the backend and store this handler was given.
+
+        Call it once the handler is done (after :meth:`shutdown` or
+        :meth:`set_closed`); the handler, its backend and its store are not
+        used after. It does not leave the round: a node that closes without
+        ``shutdown`` is found dead by its missing heartbeats.
+        """
+        self._stop_keepalive()
+        try:
+            self._backend.close()
+        finally:
+            self._store.close()
+
     # -- keep-alive ---------------------------------------------------------
 
     def _leave_round(self) -> None:
@@ -705,9 +764,10 @@ def create_handler(
 ) -> DynamicRendezvousHandler:
     """Build a :class:`DynamicRendezvousHandler` from rendezvous parameters.
 
-    Recognised ``params.config`` keys: ``join_timeout`` (600 s),
-    ``last_call_timeout`` (30 s), ``close_timeout`` (30 s), ``heartbeat``
-    (5 s), ``keep_alive_interval`` (5 s), ``keep_alive_max_attempt`` (3).
+    The settings come from :meth:`RendezvousSettings.from_params
+    <rdzv.api.RendezvousSettings.from_params>` (``join_timeout``,
+    ``last_call_timeout``, ``close_timeout``, ``heartbeat``,
+    ``keep_alive_interval``, ``keep_alive_max_attempt``).
 
     Args:
         store: The store members get.
@@ -716,43 +776,16 @@ def create_handler(
             ``local_addr``, ``node_rank``, config).
 
     Returns:
-        The handler.
+        The handler; :meth:`DynamicRendezvousHandler.close` closes ``backend``
+        and ``store``.
 
     Raises:
         ValueError: A parameter is invalid; the message names it.
     """
-    interval = params.get_as_seconds("keep_alive_interval") or 5.0
-    attempts = params.get_as_int("keep_alive_max_attempt", 3)
-    assert attempts is not None
-    return DynamicRendezvousHandler.from_backend(
-        params.run_id,
+    return DynamicRendezvousHandler.from_settings(
+        RendezvousSettings.from_params(params),
         store,
         backend,
-        params.min_nodes,
-        params.max_nodes,
         params.local_addr,
-        params.timeout,
-        interval,
-        attempts,
         node_rank=params.node_rank,
     )
-
-
-def create_c10d_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """Build a handler over the TCP store backend (registered as ``c10d``, ``p10d``, ``core``, ``tcp``).
-
-    The first node whose host matches the endpoint hosts the store.
-
-    Args:
-        params: The rendezvous parameters (see :func:`rdzv.backends.store.create_backend`
-            and :func:`create_handler` for the config keys).
-
-    Returns:
-        The handler.
-
-    Raises:
-        ValueError: A parameter is invalid.
-        RendezvousConnectionError: The store could not be reached or hosted.
-    """
-    backend, store = create_backend(params)
-    return create_handler(store, backend, params)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import sys
 import time
@@ -24,10 +23,11 @@ from typing import Any
 
 from rdzv.api import RendezvousParameters
 from rdzv.backends.base import JoinQueueBackend, LivenessBackend, RendezvousBackend
+from rdzv.dynamic.machine import MarkWatch
 from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError
-from rdzv.store.base import Store
+from rdzv.registry import open_backend as open_registered_backend
 
 __all__ = [
     "HeartbeatTracker",
@@ -39,13 +39,6 @@ __all__ = [
     "read_status",
     "status_command",
 ]
-
-# backend name -> "module:function" building (backend, store) from parameters
-_BACKEND_FACTORIES = {
-    **dict.fromkeys(("c10d", "p10d", "core", "tcp"), "rdzv.backends.store:create_backend"),
-    **dict.fromkeys(("etcd", "etcd-v2"), "rdzv.backends.etcd:create_backend"),
-    "redis": "rdzv.backends.redis:create_backend",
-}
 
 
 @dataclass(frozen=True)
@@ -103,6 +96,11 @@ class RunStatus:
 class HeartbeatTracker:
     """Remembers when each node's heartbeat mark last changed, on a monotonic clock.
 
+    It keeps the handler's own :class:`~rdzv.dynamic.machine.MarkWatch`
+    records, so an age here means what the handler's judgement means: time
+    on this observer's clock since the mark was first seen with its current
+    value. A node whose mark was never seen to change has no age.
+
     Args:
         clock: The clock (``time.monotonic`` by default).
     """
@@ -110,8 +108,8 @@ class HeartbeatTracker:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._started = clock()
-        self._marks: dict[str, bytes | None] = {}
-        self._changed_at: dict[str, float] = {}
+        self._watches: dict[str, MarkWatch] = {}
+        self._changed: set[str] = set()
 
     def observe(self, node: str, mark: bytes | None) -> None:
         """Record a reading of a node's mark.
@@ -120,14 +118,18 @@ class HeartbeatTracker:
             node: The node key.
             mark: Its current mark (None: it has none).
         """
-        if node in self._marks and self._marks[node] != mark and mark is not None:
-            self._changed_at[node] = self._clock()
-        self._marks[node] = mark
+        seen = self._watches.get(node)
+        if seen is not None and (seen.mark == mark or mark is None):
+            return  # unchanged, or gone: the age keeps growing from the last change
+        self._watches[node] = MarkWatch(mark, self._clock())
+        if seen is not None:
+            self._changed.add(node)
 
     def age(self, node: str) -> float | None:
         """Return seconds since the node's mark was seen to change, or None."""
-        changed = self._changed_at.get(node)
-        return None if changed is None else self._clock() - changed
+        if node not in self._changed:
+            return None
+        return self._clock() - self._watches[node].since
 
     @property
     def observed_for(self) -> float:
@@ -140,6 +142,9 @@ def open_backend(
 ) -> tuple[RendezvousBackend, Callable[[], None]]:
     """Connect to a run's backend as an observer (never hosting a store).
 
+    Any backend the registry knows works, plugins included (see
+    :func:`rdzv.registry.open_backend`).
+
     Args:
         backend_name: The backend name (``c10d``, ...).
         endpoint: Its endpoint.
@@ -150,32 +155,22 @@ def open_backend(
         The backend, and a function that closes its connections.
 
     Raises:
-        ValueError: The backend has no status support; the message lists
-            the ones that have.
+        ValueError: The backend is unknown or its state cannot be read.
+        RendezvousConnectionError: The backend could not be reached.
     """
-    path = _BACKEND_FACTORIES.get(backend_name)
-    if path is None:
-        raise ValueError(
-            f"rdzv status cannot read the {backend_name!r} backend; it reads: "
-            f"{', '.join(sorted(_BACKEND_FACTORIES))}"
-        )
-    module_name, _, function_name = path.partition(":")
-    factory = getattr(importlib.import_module(module_name), function_name)
     params = RendezvousParameters(
         backend_name,
         endpoint,
         run_id,
         config={"read_timeout": "10", **(config or {}), "is_host": "false"},
     )
-    backend: RendezvousBackend
-    store: Store
-    backend, store = factory(params)
+    backend, store = open_registered_backend(params)
 
     def close() -> None:
-        closer = getattr(backend, "close", None)
-        if callable(closer):
-            closer()
-        store.close()
+        try:
+            backend.close()
+        finally:
+            store.close()
 
     return backend, close
 

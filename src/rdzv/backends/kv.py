@@ -1,0 +1,171 @@
+"""The join-queue and liveness capabilities over any key-value :class:`~rdzv.store.base.Store`.
+
+A backend that keeps only the shared state (compare-and-set on one blob)
+gets the two capabilities that make a formation linear from its store:
+
+* :class:`StoreJoinQueue`: ``append`` of a length-prefixed record, then
+  ``add`` on the round's counter (two non-conflicting operations per joining
+  node; waiting is ``watch`` on the counter, or polling with jittered,
+  capped backoff on stores without watch);
+* :class:`StoreLiveness`: ``add(key, 1)`` on a per-node counter; reading a
+  mark is ``add(key, 0)``, one round trip.
+
+The c10d backend is built from both, and the dynamic handler falls back to
+them for backends that lack the capabilities. Store failures become
+:class:`~rdzv.errors.RendezvousConnectionError`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
+
+from rdzv.backends.base import (
+    JoinQueueBackend,
+    LivenessBackend,
+    validate_node_key,
+    validate_record,
+)
+from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
+from rdzv.store.base import Store
+
+__all__ = ["StoreJoinQueue", "StoreLiveness", "poll_backoff", "store_call"]
+
+_T = TypeVar("_T")
+
+
+def store_call(what: str, fn: Callable[[], _T]) -> _T:
+    """Run a store call, translating foreign failures to RendezvousConnectionError."""
+    try:
+        return fn()
+    except RendezvousError:
+        raise
+    except (OSError, EOFError, RuntimeError, ValueError) as exc:
+        raise RendezvousConnectionError(
+            f"the rendezvous store failed during {what}: {exc}"
+        ) from exc
+
+
+def poll_backoff(attempt: int, cap: float = 1.0) -> float:
+    """Return a jittered, capped backoff delay for the ``attempt``-th poll.
+
+    Args:
+        attempt: 0 for the first poll.
+        cap: The largest delay, in seconds.
+
+    Returns:
+        A delay in seconds, between half and all of ``min(cap, 0.01 * 2**attempt)``.
+    """
+    base = min(cap, 0.01 * float(2 ** min(attempt, 20)))
+    return base * (0.5 + random.random() / 2)
+
+
+class StoreJoinQueue(JoinQueueBackend):
+    """The join-queue capability over a store.
+
+    Args:
+        store: The store.
+        prefix: The key prefix (ends with ``/``).
+    """
+
+    def __init__(self, store: Store, prefix: str) -> None:
+        self._queue_store = store
+        self._queue_prefix = prefix
+
+    def _queue_keys(self, round_id: int) -> tuple[str, str]:
+        base = f"{self._queue_prefix}q/{round_id}"
+        return base, f"{base}/n"
+
+    def enqueue(self, round_id: int, record: bytes) -> int:  # noqa: D102 - see JoinQueueBackend
+        validate_record(round_id, record)
+        data_key, count_key = self._queue_keys(round_id)
+        framed = b"%d:" % len(record) + record
+        store = self._queue_store
+        store_call("enqueue", lambda: store.append(data_key, framed))
+        return store_call("enqueue", lambda: store.add(count_key, 1))
+
+    def queue_records(self, round_id: int) -> list[bytes]:  # noqa: D102
+        data_key, _ = self._queue_keys(round_id)
+        store = self._queue_store
+        if not store_call("queue_records", lambda: store.check([data_key])):
+            return []
+        raw = store_call("queue_records", lambda: store.get(data_key))
+        records: list[bytes] = []
+        offset = 0
+        while offset < len(raw):
+            colon = raw.find(b":", offset, offset + 12)
+            size_text = raw[offset:colon] if colon > offset else b""
+            if not size_text.isdigit():
+                raise RendezvousStateError(f"the join queue of round {round_id} is corrupt")
+            start = colon + 1
+            end = start + int(size_text)
+            if end > len(raw):
+                raise RendezvousStateError(f"the join queue of round {round_id} is truncated")
+            records.append(raw[start:end])
+            offset = end
+        return records
+
+    def queue_length(self, round_id: int) -> int:  # noqa: D102
+        _, count_key = self._queue_keys(round_id)
+        return store_call("queue_length", lambda: self._queue_store.add(count_key, 0))
+
+    def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:  # noqa: D102
+        _, count_key = self._queue_keys(round_id)
+        store = self._queue_store
+        deadline = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            # add(key, 0) reads the counter and creates it, so a watch that
+            # follows has an exact "previous" value to compare against.
+            length = self.queue_length(round_id)
+            remaining = deadline - time.monotonic()
+            if length != known or remaining <= 0:
+                return length
+            if store.supports_watch:
+                previous = str(length).encode()
+                store_call(
+                    "wait_queue_length", partial(store.watch, count_key, previous, remaining)
+                )
+            else:
+                time.sleep(min(remaining, poll_backoff(attempt)))
+                attempt += 1
+
+    def drop_queue(self, round_id: int) -> None:  # noqa: D102
+        data_key, count_key = self._queue_keys(round_id)
+        store = self._queue_store
+        store_call("drop_queue", lambda: store.delete_key(data_key))
+        store_call("drop_queue", lambda: store.delete_key(count_key))
+
+
+class StoreLiveness(LivenessBackend):
+    """The liveness capability over a store: one counter per node.
+
+    Args:
+        store: The store.
+        prefix: The key prefix (ends with ``/``).
+    """
+
+    def __init__(self, store: Store, prefix: str) -> None:
+        self._liveness_store = store
+        self._liveness_prefix = prefix
+
+    def _beat_key(self, node: str) -> str:
+        return f"{self._liveness_prefix}hb/{validate_node_key(node)}"
+
+    def beat(self, node: str) -> None:  # noqa: D102 - see LivenessBackend
+        key = self._beat_key(node)
+        store_call("beat", lambda: self._liveness_store.add(key, 1))
+
+    def heartbeat_mark(self, node: str) -> bytes | None:  # noqa: D102
+        key = self._beat_key(node)
+        # One round trip: add(key, 0) reads the counter (0, "never beat",
+        # when the key is missing).
+        value = store_call("heartbeat_mark", lambda: self._liveness_store.add(key, 0))
+        return str(value).encode() if value else None
+
+    def forget(self, node: str) -> None:  # noqa: D102
+        key = self._beat_key(node)
+        store_call("forget", lambda: self._liveness_store.delete_key(key))

@@ -1,0 +1,547 @@
+"""Backend options: the parameter bag parsed once, at the edge, into typed settings.
+
+``RendezvousParameters.config`` is a bag of strings (``--rdzv-conf k=v,...``).
+Each built-in engine reads it exactly once, in ``from_params`` of its frozen
+options class below, and from then on only typed fields travel: the
+backend factories (``create_backend``) take these objects, never the bag.
+Every default is written once, as a class attribute or a module constant
+here, and every bad value is a ``ValueError`` naming its key, raised while
+parsing, before any connection is made.
+
+The hosting decision of the TCP store (does this node serve the store?) is
+one method, :meth:`StoreBackendOptions.should_host`; the in-process backend
+and the torchrun plugin both ask it and differ only in how they host (a
+thread or a child process).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import ssl
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from rdzv.auth import resolve_auth_token
+from rdzv.endpoint import parse_endpoint
+from rdzv.net import local_addresses
+
+if TYPE_CHECKING:
+    from rdzv.api import RendezvousParameters
+
+__all__ = [
+    "DEFAULT_ETCD_PORT",
+    "DEFAULT_LIVENESS_TTL",
+    "DEFAULT_READ_TIMEOUT",
+    "DEFAULT_REDIS_PORT",
+    "DEFAULT_STATE_TTL",
+    "EtcdOptions",
+    "KeySettings",
+    "RedisOptions",
+    "StoreBackendOptions",
+    "StoreTLS",
+    "check_key_settings",
+    "endpoint_is_local",
+    "parse_endpoints",
+    "text_option",
+]
+
+#: Seconds a blocking read of a backend may take (the ``read_timeout`` key).
+DEFAULT_READ_TIMEOUT = 60.0
+
+#: Seconds an unwritten state survives on a server with expiry (two hours).
+DEFAULT_STATE_TTL = 7200
+
+#: Seconds a heartbeat record survives on a server without a beat.
+DEFAULT_LIVENESS_TTL = 60
+
+#: etcd's client port.
+DEFAULT_ETCD_PORT = 2379
+
+#: Redis's port.
+DEFAULT_REDIS_PORT = 6379
+
+
+def text_option(params: RendezvousParameters, key: str) -> str | None:
+    """Return a backend setting as text, None when absent or empty.
+
+    Args:
+        params: The rendezvous parameters.
+        key: The setting.
+
+    Returns:
+        The value as text, or None.
+    """
+    value: Any = params.get(key)
+    if value is None or value == "":
+        return None
+    return str(value)
+
+
+def _path_option(params: RendezvousParameters, *keys: str) -> tuple[str, str] | None:
+    """Return ``(key, path)`` of the first of ``keys`` set to a non-blank path."""
+    for key in keys:
+        path = (text_option(params, key) or "").strip()
+        if path:
+            return key, path
+    return None
+
+
+def _read_timeout(params: RendezvousParameters) -> float:
+    return params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
+
+
+def _choice(params: RendezvousParameters, key: str, allowed: tuple[str, ...], what: str) -> str:
+    """Return the lower-cased value of ``key`` (``allowed[0]`` when unset), checked."""
+    value = (text_option(params, key) or allowed[0]).strip().lower()
+    if value not in allowed:
+        names = " or ".join(repr(a) for a in allowed)
+        raise ValueError(f"{key}: {what} must be {names}, got {params.get(key)!r}")
+    return value
+
+
+def check_key_settings(
+    engine: str,
+    run_id: str,
+    key_prefix: str | None,
+    default_prefix: str,
+    ttl: int | None,
+    liveness_ttl: int | None,
+) -> tuple[str, int, int]:
+    """Validate the key and expiry settings of a backend on a key-value server.
+
+    Args:
+        engine: The server's name, for messages (``etcd``, ``Redis``).
+        run_id: The run id.
+        key_prefix: The prefix of every key, or None for ``default_prefix``.
+        default_prefix: The engine's default prefix.
+        ttl: Seconds an unwritten state survives, or None for
+            :data:`DEFAULT_STATE_TTL`.
+        liveness_ttl: Seconds a heartbeat survives, or None for
+            :data:`DEFAULT_LIVENESS_TTL`.
+
+    Returns:
+        ``(prefix, ttl, liveness_ttl)`` with the defaults filled in.
+
+    Raises:
+        ValueError: An empty run id or prefix, or a TTL that is not a whole
+            number of seconds >= 1; the message names the bad value.
+    """
+    if not run_id:
+        raise ValueError("the run id must be a non-empty string")
+    prefix = default_prefix if key_prefix is None else key_prefix
+    if not prefix:
+        raise ValueError(f"the {engine} key prefix must not be empty")
+    ttl = DEFAULT_STATE_TTL if ttl is None else ttl
+    liveness_ttl = DEFAULT_LIVENESS_TTL if liveness_ttl is None else liveness_ttl
+    for name, value in (("ttl", ttl), ("liveness_ttl", liveness_ttl)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number of seconds >= 1, got {value!r}")
+    return prefix, ttl, liveness_ttl
+
+
+@dataclass(frozen=True)
+class KeySettings:
+    """Where a run's keys live on a key-value server, and how long they survive.
+
+    Args:
+        key_prefix: The prefix of every key; None for the engine's default.
+        ttl: Seconds an unwritten state survives; None for :data:`DEFAULT_STATE_TTL`.
+    """
+
+    key_prefix: str | None = None
+    ttl: int | None = None
+
+    @classmethod
+    def from_params(
+        cls, params: RendezvousParameters, engine: str, default_prefix: str
+    ) -> KeySettings:
+        """Read ``key_prefix`` and ``ttl``, checked as the backend will check them.
+
+        Args:
+            params: The rendezvous parameters.
+            engine: The server's name, for messages.
+            default_prefix: The engine's default prefix.
+
+        Returns:
+            The settings.
+
+        Raises:
+            ValueError: A bad prefix or ttl; the message names it.
+        """
+        settings = cls(text_option(params, "key_prefix"), params.get_as_int("ttl"))
+        check_key_settings(
+            engine, params.run_id, settings.key_prefix, default_prefix, settings.ttl, None
+        )
+        return settings
+
+
+def _addresses_of(host: str) -> set[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return set()
+    return {str(info[4][0]).split("%", 1)[0] for info in infos}
+
+
+def endpoint_is_local(host: str) -> bool:
+    """Tell whether ``host`` names this machine (IPv4 or IPv6; no reverse DNS).
+
+    Args:
+        host: A host name or numeric address.
+
+    Returns:
+        True when one of its ``getaddrinfo`` addresses is one of this
+        machine's addresses or a loopback address.
+    """
+    found = _addresses_of(host)
+    if any(ipaddress.ip_address(addr).is_loopback for addr in found):
+        return True
+    return bool(found & set(local_addresses()))
+
+
+@dataclass(frozen=True)
+class StoreTLS:
+    """The TCP store's TLS settings: ``ca_cert`` (or ``cacert``), ``ssl_cert``, ``ssl_cert_key``.
+
+    Args:
+        ca: ``(key, path)`` of the CA bundle nodes verify the server with;
+            None: TLS is off.
+        server_files: ``(certificate, key)`` paths this node can serve TLS
+            with, or None.
+    """
+
+    ca: tuple[str, str] | None = None
+    server_files: tuple[str, str] | None = None
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> StoreTLS:
+        """Read the TLS keys.
+
+        Args:
+            params: The rendezvous parameters.
+
+        Returns:
+            The settings.
+
+        Raises:
+            ValueError: Only one of ``ssl_cert`` and ``ssl_cert_key`` is set,
+                or they are set without ``ca_cert``; the message names the keys.
+        """
+        ca = _path_option(params, "ca_cert", "cacert")
+        cert = _path_option(params, "ssl_cert")
+        key = _path_option(params, "ssl_cert_key")
+        if (cert is None) != (key is None):
+            given = "ssl_cert" if cert is not None else "ssl_cert_key"
+            raise ValueError(
+                f"{given} is set without {'ssl_cert_key' if cert else 'ssl_cert'}: the store "
+                "server's certificate needs both"
+            )
+        if cert is not None and ca is None:
+            raise ValueError(
+                "ssl_cert/ssl_cert_key are set without ca_cert: the nodes need ca_cert to verify "
+                "the store server's certificate"
+            )
+        return cls(ca, None if cert is None or key is None else (cert[1], key[1]))
+
+    @property
+    def can_host(self) -> bool:
+        """Whether this node can serve the store: TLS is off, or it has the certificate."""
+        return self.ca is None or self.server_files is not None
+
+    def client_context(self) -> ssl.SSLContext | None:
+        """The context clients verify the server with; None without ``ca_cert``.
+
+        Raises:
+            ValueError: The CA bundle cannot be loaded; the message names it.
+        """
+        if self.ca is None:
+            return None
+        try:
+            return ssl.create_default_context(cafile=self.ca[1])
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"{self.ca[0]} {self.ca[1]!r} cannot be loaded: {exc}") from exc
+
+    def server_context(self) -> ssl.SSLContext | None:
+        """The hosting node's server context; None when TLS is off.
+
+        Raises:
+            ValueError: TLS is on (``ca_cert``) but this node, which hosts the
+                store, has no certificate, or the files cannot be loaded.
+        """
+        if self.ca is None:
+            return None
+        if self.server_files is None:
+            raise ValueError(
+                f"{self.ca[0]} is set (TLS on) but this node hosts the store and has no "
+                "ssl_cert/ssl_cert_key to serve it with"
+            )
+        from rdzv.store.server import server_tls_context  # noqa: PLC0415 - hosts only
+
+        cert, key = self.server_files
+        try:
+            return server_tls_context(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"ssl_cert {cert!r} / ssl_cert_key {key!r} cannot be loaded: {exc}"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class StoreBackendOptions:
+    """The options of the TCP store backend (``c10d`` and its aliases).
+
+    Args:
+        host: The endpoint's host.
+        port: The endpoint's port.
+        run_id: The run; it names the keys.
+        read_timeout: The store's timeout for blocking reads, in seconds.
+        auth_token_file: The file the shared secret was read from, or None.
+        auth_token: The shared secret (from the file or ``$RDZV_AUTH_TOKEN``), or None.
+        tls: The TLS settings.
+        is_host: ``is_host`` as given (None: infer it, see :meth:`should_host`).
+    """
+
+    STORE_TYPES: ClassVar[tuple[str, ...]] = ("tcp",)
+
+    host: str
+    port: int
+    run_id: str
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    auth_token_file: str | None = None
+    auth_token: bytes | None = field(default=None, repr=False)
+    tls: StoreTLS = field(default_factory=StoreTLS)
+    is_host: bool | None = None
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> StoreBackendOptions:
+        """Parse the store backend's keys.
+
+        Keys: ``store_type`` (``tcp``, the only one), ``read_timeout`` (60 s),
+        ``auth_token_file`` (else ``$RDZV_AUTH_TOKEN``), ``ca_cert`` (or
+        ``cacert``), ``ssl_cert``, ``ssl_cert_key`` and ``is_host``.
+
+        Args:
+            params: The rendezvous parameters; ``endpoint`` is ``host[:port]``.
+
+        Returns:
+            The options.
+
+        Raises:
+            ValueError: A bad value, naming its key (including ``is_host=1``
+                with TLS on and no server certificate, and an empty secret file).
+            OSError: ``auth_token_file`` cannot be read.
+        """
+        _choice(params, "store_type", cls.STORE_TYPES, "the store backend's store_type")
+        host, port = parse_endpoint(params.endpoint)
+        token_file = text_option(params, "auth_token_file")
+        tls = StoreTLS.from_params(params)
+        is_host = params.get_as_bool("is_host")
+        if is_host and not tls.can_host:
+            raise ValueError(
+                f"{tls.ca[0] if tls.ca else 'ca_cert'} is set (TLS on) but this node hosts the "
+                "store (is_host=1) and has no ssl_cert/ssl_cert_key to serve it with"
+            )
+        return cls(
+            host,
+            port,
+            params.run_id,
+            _read_timeout(params),
+            token_file,
+            resolve_auth_token(token_file),
+            tls,
+            is_host,
+        )
+
+    @property
+    def secured(self) -> bool:
+        """Whether clients need rdzv's own protocol (a shared secret or TLS)."""
+        return self.tls.ca is not None or self.auth_token is not None
+
+    def should_host(self) -> bool:
+        """Decide whether this node hosts the store.
+
+        ``is_host`` when given; otherwise this node hosts when it can (no
+        TLS, or it has the server certificate) and the endpoint host resolves
+        (``getaddrinfo``, IPv4 and IPv6) to one of this machine's addresses.
+
+        Returns:
+            True when this node should try to serve the store.
+        """
+        if self.is_host is not None:
+            return self.is_host
+        return self.tls.can_host and endpoint_is_local(self.host)
+
+
+def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
+    """Parse etcd's ``h1:2379,h2:2379,...`` (the default port is 2379).
+
+    Args:
+        endpoint: One or more comma-separated members; a ``http://`` or
+            ``https://`` scheme on a member is ignored (the protocol comes
+            from the ``protocol`` option).
+
+    Returns:
+        ``[(host, port), ...]``.
+
+    Raises:
+        ValueError: The list is empty or a member is malformed.
+    """
+    members: list[tuple[str, int]] = []
+    for item in endpoint.split(","):
+        text = item.strip()
+        for scheme in ("http://", "https://"):
+            if text.lower().startswith(scheme):
+                text = text[len(scheme) :]
+        text = text.rstrip("/")
+        if not text:
+            continue
+        members.append(parse_endpoint(text, DEFAULT_ETCD_PORT))
+    if not members:
+        raise ValueError(
+            f"the etcd endpoint {endpoint!r} names no member; expected host[:port],..."
+        )
+    return members
+
+
+def _tls_files(
+    params: RendezvousParameters, ca_keys: tuple[str, ...], use_tls: bool, tls_protocol: str
+) -> tuple[str | None, str | None, str | None]:
+    """Read ``ssl_cert``, ``ssl_cert_key`` and the CA, which need the TLS protocol."""
+    cert = text_option(params, "ssl_cert")
+    key = text_option(params, "ssl_cert_key")
+    ca = next((v for v in (text_option(params, k) for k in ca_keys) if v), None)
+    if not use_tls and (cert or key or ca):
+        raise ValueError(f"ssl_cert, ssl_cert_key and ca_cert need protocol={tls_protocol}")
+    return cert, key, ca
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """The options of the etcd backend.
+
+    Args:
+        endpoints: The cluster's members, ``(host, port)``.
+        run_id: The run.
+        protocol: ``http`` or ``https``.
+        read_timeout: Seconds a request may take.
+        ssl_cert: The client certificate, or None.
+        ssl_cert_key: Its key, or None.
+        ca_cert: The CA bundle the members are verified with, or None.
+        keys: Where the run's keys live and how long they survive.
+    """
+
+    DEFAULT_PREFIX: ClassVar[str] = "/rdzv/"
+
+    endpoints: tuple[tuple[str, int], ...]
+    run_id: str
+    protocol: str = "http"
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    ssl_cert: str | None = None
+    ssl_cert_key: str | None = None
+    ca_cert: str | None = None
+    keys: KeySettings = field(default_factory=KeySettings)
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> EtcdOptions:
+        """Parse the etcd backend's keys.
+
+        Keys: ``read_timeout`` (60 s), ``protocol`` (``http`` or ``https``),
+        ``ssl_cert``, ``ssl_cert_key``, ``ca_cert`` (or ``cacert``, the name
+        torch's etcd handler reads), ``key_prefix`` (``/rdzv/``), ``ttl`` (7200 s).
+
+        Args:
+            params: The parameters; ``endpoint`` lists the members.
+
+        Returns:
+            The options.
+
+        Raises:
+            ValueError: A bad value, naming its key.
+        """
+        protocol = _choice(params, "protocol", ("http", "https"), "the etcd protocol")
+        cert, key, ca = _tls_files(params, ("ca_cert", "cacert"), protocol == "https", "https")
+        return cls(
+            tuple(parse_endpoints(params.endpoint)),
+            params.run_id,
+            protocol,
+            _read_timeout(params),
+            cert,
+            key,
+            ca,
+            KeySettings.from_params(params, "etcd", cls.DEFAULT_PREFIX),
+        )
+
+
+@dataclass(frozen=True)
+class RedisOptions:
+    """The options of the Redis backend.
+
+    Args:
+        host: The server's host.
+        port: Its port.
+        run_id: The run.
+        use_tls: Whether to speak TLS (``protocol=rediss``).
+        read_timeout: Seconds a command may take.
+        ssl_cert: The client certificate, or None.
+        ssl_cert_key: Its key, or None.
+        ca_cert: The CA bundle the server is verified with, or None.
+        password: The password, or None.
+        db: The database number.
+        keys: Where the run's keys live and how long they survive.
+    """
+
+    DEFAULT_PREFIX: ClassVar[str] = "rdzv:"
+
+    host: str
+    port: int
+    run_id: str
+    use_tls: bool = False
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    ssl_cert: str | None = None
+    ssl_cert_key: str | None = None
+    ca_cert: str | None = None
+    password: str | None = field(default=None, repr=False)
+    db: int = 0
+    keys: KeySettings = field(default_factory=KeySettings)
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> RedisOptions:
+        """Parse the Redis backend's keys.
+
+        Keys: ``read_timeout`` (60 s), ``protocol`` (``redis`` or ``rediss``
+        for TLS; ``http``/``https`` are accepted as synonyms), ``ssl_cert``,
+        ``ssl_cert_key``, ``ca_cert``, ``password``, ``db`` (0),
+        ``key_prefix`` (``rdzv:``), ``ttl`` (7200 s).
+
+        Args:
+            params: The parameters; ``endpoint`` is ``host[:port]`` (port 6379).
+
+        Returns:
+            The options.
+
+        Raises:
+            ValueError: A bad value, naming its key.
+        """
+        host, port = parse_endpoint(params.endpoint, DEFAULT_REDIS_PORT)
+        protocol = _choice(
+            params, "protocol", ("redis", "rediss", "http", "https"), "the Redis protocol"
+        )
+        use_tls = protocol in ("rediss", "https")
+        cert, key, ca = _tls_files(params, ("ca_cert",), use_tls, "rediss")
+        db = params.get_as_int("db", 0) or 0
+        if db < 0:
+            raise ValueError(f"db: the Redis database must be >= 0, got {params.get('db')!r}")
+        return cls(
+            host,
+            port,
+            params.run_id,
+            use_tls,
+            _read_timeout(params),
+            cert,
+            key,
+            ca,
+            text_option(params, "password"),
+            db,
+            KeySettings.from_params(params, "Redis", cls.DEFAULT_PREFIX),
+        )
