@@ -50,6 +50,12 @@ from rdzv.backends.etcd_client import (
     EtcdCompactedError,
     KeyValue,
 )
+from rdzv.backends.etcd_gateway import (
+    LEASE_NOT_FOUND,
+    EtcdRequestError,
+    put_request,
+    range_request,
+)
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.backends.options import EtcdOptions, check_key_settings, parse_endpoints
 from rdzv.errors import RendezvousStateError
@@ -176,8 +182,8 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
         """Run ``write(lease)``; if the server lost the cached lease, grant a new one and retry."""
         try:
             return write(self._state_lease_id())
-        except RendezvousStateError as exc:
-            if "lease not found" not in str(exc):
+        except EtcdRequestError as exc:
+            if exc.code != LEASE_NOT_FOUND:
                 raise
         with self._lock:
             self._state_lease = 0
@@ -284,12 +290,8 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
             lambda lease: self._client.txn(
                 [],
                 [
-                    {"request_put": EtcdClient.put_request(key, record, lease)},
-                    {
-                        "request_range": EtcdClient.range_request(
-                            prefix, prefix=True, count_only=True
-                        )
-                    },
+                    {"request_put": put_request(key, record, lease)},
+                    {"request_range": range_request(prefix, prefix=True, count_only=True)},
                 ],
                 [],
             )
@@ -387,8 +389,8 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
             if self._client.lease_keepalive(lease) > 0:
                 try:
                     self._client.put(key, b"alive", lease=lease)
-                except RendezvousStateError as exc:
-                    if "lease not found" not in str(exc):
+                except EtcdRequestError as exc:
+                    if exc.code != LEASE_NOT_FOUND:
                         raise
                 else:
                     return

@@ -2,51 +2,76 @@
 
 Theory of operation
 -------------------
-etcd serves its gRPC API as JSON under ``/v3/...`` (the grpc-gateway). Keys
-and values travel base64-encoded, int64 fields come back as JSON strings and
-proto3 JSON omits false and zero fields (a failed txn has no ``succeeded``,
-an absent key no ``kvs``); the parsing below treats a missing field as its
-zero value.
+This module is the transport: connections, timeouts and failover. What goes
+over the wire (base64 keys and values, int64 fields as strings, error bodies
+with gRPC codes, watch-stream lines) is built and parsed by
+:mod:`rdzv.backends.etcd_gateway`.
 
 Unary calls (range, put, txn, leases) share a small pool of keep-alive
 ``http.client`` connections, one per call at a time, so the client is
 thread-safe. Each call has a per-request socket timeout and an overall
-deadline; when a member is unreachable, or answers that it has no leader,
-the call moves on to the next endpoint, with capped backoff between full
-passes over the endpoint list, until the deadline. A call that was sent more
-than once reports it (``attempts``), so a caller can recognise its own write
-when the reply to the first attempt was lost.
+deadline; when a member is unreachable, or answers with a transient error
+(no leader, leader changed, ...: an
+:class:`~rdzv.backends.etcd_gateway.EtcdRetryableError`), the call moves on
+to the next endpoint, with capped backoff between full passes over the
+endpoint list, until the deadline. A call that was sent more than once
+reports it (``attempts``), so a caller can recognise its own write when the
+reply to the first attempt was lost.
 
 A watch runs on its own connection: ``POST /v3/watch`` answers with a stream
-of newline-delimited JSON objects. The first says ``created``; later ones
-carry events. A watch from a compacted revision is cancelled by the server
-with ``compact_revision``; :class:`EtcdCompactedError` tells the caller to
-re-read and watch again from the fresh revision. Every watch is bounded by a
-timeout: the socket timeout is the time left, and the connection is closed
-when the watch returns, so nothing can hang.
+of newline-delimited JSON objects. A watch from a compacted revision raises
+:class:`EtcdCompactedError`, telling the caller to re-read and watch again
+from the fresh revision. Every watch is bounded by a timeout: the socket
+timeout is the time left, and the connection is closed when the watch
+returns, so nothing can hang.
 """
 
 from __future__ import annotations
 
-import base64
 import http.client
 import json
 import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from rdzv.backends.etcd_gateway import (
+    LEASE_NOT_FOUND,
+    EtcdCompactedError,
+    EtcdRequestError,
+    EtcdRetryableError,
+    KeyValue,
+    TxnResult,
+    WatchEvent,
+    decode_reply,
+    decode_watch_line,
+    delete_request,
+    lease_grant_request,
+    lease_id_request,
+    mod_revision_compare,
+    parse_count,
+    parse_deleted,
+    parse_keepalive,
+    parse_lease_grant,
+    parse_range,
+    parse_revision,
+    parse_txn,
+    prefix_range_end,
+    put_request,
+    range_request,
+    txn_range_kvs,
+    watch_events,
+    watch_request,
+)
 from rdzv.endpoint import format_endpoint
-from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+from rdzv.errors import RendezvousConnectionError
 
 __all__ = [
     "DEFAULT_ETCD_PORT",
     "EtcdClient",
     "EtcdCompactedError",
     "KeyValue",
-    "TxnResult",
     "WatchEvent",
     "prefix_range_end",
 ]
@@ -55,106 +80,6 @@ DEFAULT_ETCD_PORT = 2379
 
 # The most bytes one line of a watch stream may take (a guard against garbage).
 _MAX_WATCH_LINE = 64 * 1024 * 1024
-# gRPC status codes worth retrying on another member: UNAVAILABLE, DEADLINE_EXCEEDED.
-_RETRYABLE_GRPC_CODES = frozenset({4, 14})
-_RETRYABLE_MESSAGES = ("leader changed", "no leader", "timed out", "not capable", "stopped")
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: Any, what: str, endpoint: str) -> bytes:
-    if text is None:
-        return b""
-    try:
-        return base64.b64decode(str(text), validate=True)
-    except ValueError:
-        raise RendezvousStateError(f"etcd at {endpoint} sent a {what} that is not base64") from None
-
-
-def _int(value: Any, what: str, endpoint: str) -> int:
-    if value is None:
-        return 0
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise RendezvousStateError(
-            f"etcd at {endpoint} sent a {what} that is not an integer: {value!r}"
-        ) from None
-
-
-def prefix_range_end(prefix: bytes) -> bytes:
-    r"""Return the ``range_end`` that selects every key starting with ``prefix``.
-
-    Args:
-        prefix: A non-empty key prefix.
-
-    Returns:
-        The prefix with its last byte below 0xff incremented (``b"\\0"`` if
-        every byte is 0xff, meaning "to the end of the keyspace").
-    """
-    stripped = prefix.rstrip(b"\xff")
-    if not stripped:
-        return b"\0"
-    return stripped[:-1] + bytes([stripped[-1] + 1])
-
-
-class EtcdCompactedError(RendezvousConnectionError):
-    """A watch asked for a revision the server has compacted away.
-
-    Args:
-        endpoint: The member that answered.
-        compact_revision: The oldest revision still available.
-    """
-
-    def __init__(self, endpoint: str, compact_revision: int) -> None:
-        self.compact_revision = compact_revision
-        super().__init__(
-            f"etcd at {endpoint} compacted the history up to revision {compact_revision}; "
-            "re-read and watch again"
-        )
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """A key and its value as etcd stores them."""
-
-    key: bytes
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    version: int
-    lease: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """One change seen by a watch: ``kind`` is ``"PUT"`` or ``"DELETE"``."""
-
-    kind: str
-    kv: KeyValue
-
-
-@dataclass(frozen=True)
-class TxnResult:
-    """The outcome of a transaction.
-
-    Attributes:
-        succeeded: Whether the compare held (the success branch ran).
-        revision: The store revision after the transaction.
-        responses: The raw responses of the branch that ran.
-        attempts: How many times the request was sent (> 1 after a failover).
-    """
-
-    succeeded: bool
-    revision: int
-    responses: list[dict[str, Any]]
-    attempts: int
-
-
-class _RetryableError(Exception):
-    """A member failed in a way that another member (or a later try) may not."""
 
 
 class EtcdClient:
@@ -299,30 +224,12 @@ class EtcdClient:
             raise _tls_error(endpoint, exc, self._has_client_cert) from exc
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
-            raise _RetryableError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
+            raise EtcdRetryableError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
         if resp.will_close:
             conn.close()
         else:
             self._give_back(index, conn)
-        try:
-            decoded = json.loads(data) if data else {}
-        except ValueError:
-            raise _RetryableError(
-                f"{endpoint}: HTTP {resp.status} with a body that is not JSON: {data[:200]!r}"
-            ) from None
-        if not isinstance(decoded, dict):
-            raise RendezvousStateError(f"etcd at {endpoint} answered {path} with {decoded!r}")
-        if resp.status != 200 or "error" in decoded:
-            message = str(decoded.get("message") or decoded.get("error") or data[:200])
-            code = decoded.get("code")
-            if code in _RETRYABLE_GRPC_CODES or resp.status in (502, 503, 504):
-                raise _RetryableError(f"{endpoint}: {message}")
-            if any(text in message for text in _RETRYABLE_MESSAGES):
-                raise _RetryableError(f"{endpoint}: {message}")
-            raise RendezvousStateError(
-                f"etcd at {endpoint} rejected {path} (HTTP {resp.status}): {message}"
-            )
-        return decoded
+        return decode_reply(resp.status, data, endpoint, path)
 
     def call(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], int, str]:
         """Send one JSON request, failing over between members until the deadline.
@@ -337,7 +244,10 @@ class EtcdClient:
         Raises:
             RendezvousConnectionError: No member answered within the read
                 timeout; the message names every member tried.
-            RendezvousStateError: A member rejected the request.
+            EtcdRejectedError: A member rejected the request (a
+                :class:`~rdzv.errors.RendezvousStateError` carrying etcd's
+                error ``code``).
+            RendezvousStateError: A member's answer is not a JSON object.
         """
         deadline = time.monotonic() + self._read_timeout
         errors: list[str] = []
@@ -358,7 +268,7 @@ class EtcdClient:
                 try:
                     remaining = max(0.05, deadline - time.monotonic())
                     response = self._request_once(index, path, body, min(remaining, per_attempt))
-                except _RetryableError as exc:
+                except EtcdRetryableError as exc:
                     errors.append(str(exc))
                     continue
                 if step:
@@ -376,60 +286,6 @@ class EtcdClient:
             backoff = min(backoff * 2, 0.5)
 
     # -- KV ---------------------------------------------------------------------
-
-    def _kv(self, raw: dict[str, Any], endpoint: str) -> KeyValue:
-        return KeyValue(
-            key=_unb64(raw.get("key"), "key", endpoint),
-            value=_unb64(raw.get("value"), "value", endpoint),
-            mod_revision=_int(raw.get("mod_revision"), "mod_revision", endpoint),
-            create_revision=_int(raw.get("create_revision"), "create_revision", endpoint),
-            version=_int(raw.get("version"), "version", endpoint),
-            lease=_int(raw.get("lease"), "lease", endpoint),
-        )
-
-    def _kvs(self, response: dict[str, Any], endpoint: str) -> list[KeyValue]:
-        return [self._kv(raw, endpoint) for raw in response.get("kvs") or []]
-
-    @staticmethod
-    def range_request(
-        key: bytes,
-        prefix: bool = False,
-        limit: int = 0,
-        sort_by_create: bool = False,
-        keys_only: bool = False,
-        count_only: bool = False,
-        serializable: bool = False,
-    ) -> dict[str, Any]:
-        """Build a range request (for :meth:`range` or inside a txn).
-
-        Args:
-            key: The key, or the prefix when ``prefix`` is set.
-            prefix: Select every key starting with ``key``.
-            limit: The most keys to return (0: no limit).
-            sort_by_create: Sort by creation revision, oldest first.
-            keys_only: Leave the values out.
-            count_only: Return only the count.
-            serializable: Answer from the member's own copy, without asking
-                the leader (may be stale; for diagnostics).
-
-        Returns:
-            The request object.
-        """
-        request: dict[str, Any] = {"key": _b64(key)}
-        if prefix:
-            request["range_end"] = _b64(prefix_range_end(key))
-        if limit:
-            request["limit"] = limit
-        if sort_by_create:
-            request["sort_order"] = "ASCEND"
-            request["sort_target"] = "CREATE"
-        if keys_only:
-            request["keys_only"] = True
-        if count_only:
-            request["count_only"] = True
-        if serializable:
-            request["serializable"] = True
-        return request
 
     def range(
         self,
@@ -457,11 +313,11 @@ class EtcdClient:
             RendezvousConnectionError: No member answered.
             RendezvousStateError: The answer is malformed.
         """
-        body = self.range_request(
+        body = range_request(
             key, prefix, limit, sort_by_create, keys_only, serializable=serializable
         )
         response, _, endpoint = self.call("/v3/kv/range", body)
-        return self._kvs(response, endpoint), self._revision(response, endpoint)
+        return parse_range(response, endpoint)
 
     def count(self, prefix: bytes) -> int:
         """Count the keys under ``prefix``.
@@ -472,13 +328,9 @@ class EtcdClient:
         Returns:
             The number of keys.
         """
-        body = self.range_request(prefix, prefix=True, count_only=True)
+        body = range_request(prefix, prefix=True, count_only=True)
         response, _, endpoint = self.call("/v3/kv/range", body)
-        return _int(response.get("count"), "count", endpoint)
-
-    def _revision(self, response: dict[str, Any], endpoint: str) -> int:
-        header = response.get("header") or {}
-        return _int(header.get("revision"), "revision", endpoint)
+        return parse_count(response, endpoint)
 
     def get(self, key: bytes) -> tuple[KeyValue | None, int]:
         """Read one key.
@@ -492,23 +344,6 @@ class EtcdClient:
         kvs, revision = self.range(key)
         return (kvs[0] if kvs else None), revision
 
-    @staticmethod
-    def put_request(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
-        """Build a put request (for :meth:`put` or inside a txn).
-
-        Args:
-            key: The key.
-            value: The value.
-            lease: A lease ID to attach (0: none).
-
-        Returns:
-            The request object.
-        """
-        request: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease:
-            request["lease"] = str(lease)
-        return request
-
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         """Write a key.
 
@@ -520,24 +355,8 @@ class EtcdClient:
         Returns:
             The store revision of the write.
         """
-        response, _, endpoint = self.call("/v3/kv/put", self.put_request(key, value, lease))
-        return self._revision(response, endpoint)
-
-    @staticmethod
-    def delete_request(key: bytes, prefix: bool = False) -> dict[str, Any]:
-        """Build a delete-range request.
-
-        Args:
-            key: The key or prefix.
-            prefix: Delete every key starting with ``key``.
-
-        Returns:
-            The request object.
-        """
-        request: dict[str, Any] = {"key": _b64(key)}
-        if prefix:
-            request["range_end"] = _b64(prefix_range_end(key))
-        return request
+        response, _, endpoint = self.call("/v3/kv/put", put_request(key, value, lease))
+        return parse_revision(response, endpoint)
 
     def delete(self, key: bytes, prefix: bool = False) -> int:
         """Delete a key or every key under a prefix.
@@ -549,8 +368,8 @@ class EtcdClient:
         Returns:
             The number of keys deleted.
         """
-        response, _, endpoint = self.call("/v3/kv/deleterange", self.delete_request(key, prefix))
-        return _int(response.get("deleted"), "deleted", endpoint)
+        response, _, endpoint = self.call("/v3/kv/deleterange", delete_request(key, prefix))
+        return parse_deleted(response, endpoint)
 
     def txn(
         self,
@@ -571,12 +390,7 @@ class EtcdClient:
         """
         body = {"compare": compare, "success": success, "failure": failure}
         response, attempts, endpoint = self.call("/v3/kv/txn", body)
-        return TxnResult(
-            succeeded=bool(response.get("succeeded", False)),
-            revision=self._revision(response, endpoint),
-            responses=list(response.get("responses") or []),
-            attempts=attempts,
-        )
+        return parse_txn(response, attempts, endpoint)
 
     def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:
         """Return the keys of the ``index``-th range response of a txn.
@@ -588,14 +402,7 @@ class EtcdClient:
         Returns:
             The keys read by that op.
         """
-        endpoint = self.endpoints[self._current]
-        try:
-            reply = result.responses[index].get("response_range") or {}
-        except (IndexError, AttributeError):
-            raise RendezvousStateError(
-                f"etcd at {endpoint} sent a txn answer without response {index}"
-            ) from None
-        return self._kvs(reply, endpoint)
+        return txn_range_kvs(result, index, self.endpoints[self._current])
 
     def compare_and_put(
         self, key: bytes, value: bytes, mod_revision: int, lease: int = 0
@@ -614,13 +421,10 @@ class EtcdClient:
             revision of the write and ``current`` None; on failure the
             stored key (None when absent) as read in the same transaction.
         """
-        compare = [
-            {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}
-        ]
         result = self.txn(
-            compare,
-            [{"request_put": self.put_request(key, value, lease)}],
-            [{"request_range": self.range_request(key)}],
+            [mod_revision_compare(key, mod_revision)],
+            [{"request_put": put_request(key, value, lease)}],
+            [{"request_range": range_request(key)}],
         )
         if result.succeeded:
             return True, result.revision, None, result.attempts
@@ -641,14 +445,8 @@ class EtcdClient:
         Raises:
             ValueError: ``ttl`` is below 1.
         """
-        if ttl < 1:
-            raise ValueError(f"a lease TTL must be at least 1 second, got {ttl!r}")
-        response, _, endpoint = self.call("/v3/lease/grant", {"TTL": str(ttl)})
-        if response.get("error"):
-            raise RendezvousStateError(f"etcd at {endpoint} refused a lease: {response['error']}")
-        return _int(response.get("ID"), "lease ID", endpoint), _int(
-            response.get("TTL"), "TTL", endpoint
-        )
+        response, _, endpoint = self.call("/v3/lease/grant", lease_grant_request(ttl))
+        return parse_lease_grant(response, endpoint)
 
     def lease_keepalive(self, lease_id: int) -> int:
         """Refresh a lease once.
@@ -660,9 +458,8 @@ class EtcdClient:
             The TTL the lease now has, in seconds; 0 or less when the lease
             has expired or does not exist.
         """
-        response, _, endpoint = self.call("/v3/lease/keepalive", {"ID": str(lease_id)})
-        result = response.get("result") or {}
-        return _int(result.get("TTL"), "TTL", endpoint)
+        response, _, endpoint = self.call("/v3/lease/keepalive", lease_id_request(lease_id))
+        return parse_keepalive(response, endpoint)
 
     def lease_revoke(self, lease_id: int) -> None:
         """Revoke a lease, deleting every key attached to it (a missing lease is ignored).
@@ -671,9 +468,9 @@ class EtcdClient:
             lease_id: The lease.
         """
         try:
-            self.call("/v3/kv/lease/revoke", {"ID": str(lease_id)})
-        except RendezvousStateError as exc:
-            if "not found" not in str(exc):
+            self.call("/v3/kv/lease/revoke", lease_id_request(lease_id))
+        except EtcdRequestError as exc:
+            if exc.code != LEASE_NOT_FOUND:
                 raise
 
     # -- watch ------------------------------------------------------------------
@@ -701,10 +498,7 @@ class EtcdClient:
             RendezvousConnectionError: No member could be watched.
         """
         deadline = time.monotonic() + max(0.0, timeout)
-        create: dict[str, Any] = {"key": _b64(key), "start_revision": str(start_revision)}
-        if prefix:
-            create["range_end"] = _b64(prefix_range_end(key))
-        payload = json.dumps({"create_request": create}).encode()
+        payload = json.dumps(watch_request(key, start_revision, prefix)).encode()
         errors: list[str] = []
         count = len(self._endpoints)
         backoff = 0.02
@@ -715,7 +509,7 @@ class EtcdClient:
                 index = (start + step) % count
                 try:
                     return self._watch_once(index, payload, start_revision, deadline)
-                except _RetryableError as exc:
+                except EtcdRetryableError as exc:
                     errors.append(str(exc))
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -738,27 +532,11 @@ class EtcdClient:
                 resp = conn.getresponse()
                 if resp.status != 200:
                     body = resp.read(4096)
-                    raise _RetryableError(
+                    raise EtcdRetryableError(
                         f"{endpoint}: watch answered HTTP {resp.status}: {body!r}"
                     )
                 for message in self._stream(resp, conn, deadline, endpoint):
-                    result = message.get("result")
-                    if not isinstance(result, dict):
-                        error = message.get("error") or message
-                        raise _RetryableError(f"{endpoint}: watch failed: {error}")
-                    if result.get("canceled"):
-                        compact = _int(result.get("compact_revision"), "revision", endpoint)
-                        if compact:
-                            raise EtcdCompactedError(endpoint, compact)
-                        reason = result.get("cancel_reason", "no reason given")
-                        raise _RetryableError(f"{endpoint}: watch cancelled: {reason}")
-                    events = [
-                        WatchEvent(
-                            kind=str(raw.get("type") or "PUT"),
-                            kv=self._kv(raw.get("kv") or {}, endpoint),
-                        )
-                        for raw in result.get("events") or []
-                    ]
+                    events = watch_events(message, endpoint)
                     if events:
                         return events, events[-1].kv.mod_revision + 1
                 return [], start_revision
@@ -767,7 +545,7 @@ class EtcdClient:
             except (OSError, http.client.HTTPException) as exc:
                 if isinstance(exc, TimeoutError) and (time.monotonic() >= deadline - 0.01):
                     return [], start_revision
-                raise _RetryableError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
+                raise EtcdRetryableError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
         finally:
             conn.close()
 
@@ -789,16 +567,9 @@ class EtcdClient:
             except TimeoutError:
                 return
             if not line:
-                raise _RetryableError(f"{endpoint}: the watch stream ended")
-            if not line.strip():
-                continue
-            try:
-                message = json.loads(line)
-            except ValueError:
-                raise _RetryableError(
-                    f"{endpoint}: the watch stream sent a line that is not JSON: {line[:200]!r}"
-                ) from None
-            if isinstance(message, dict):
+                raise EtcdRetryableError(f"{endpoint}: the watch stream ended")
+            message = decode_watch_line(line, endpoint)
+            if message is not None:
                 yield message
 
 

@@ -22,6 +22,12 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from rdzv.backends.etcd_client import EtcdClient, EtcdCompactedError, KeyValue
+from rdzv.backends.etcd_gateway import (
+    delete_request,
+    mod_revision_compare,
+    put_request,
+    range_request,
+)
 from rdzv.errors import RendezvousConnectionError, StoreTimeoutError
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
@@ -170,7 +176,7 @@ class EtcdStore(Store):
         if not keys:
             return [], [], 0
         result = self._client.txn(
-            [], [{"request_range": EtcdClient.range_request(self._k(k))} for k in keys], []
+            [], [{"request_range": range_request(self._k(k))} for k in keys], []
         )
         found: list[KeyValue | None] = []
         for i in range(len(keys)):
@@ -224,7 +230,7 @@ class EtcdStore(Store):
         if not keys:
             return
         puts = [
-            {"request_put": EtcdClient.put_request(self._k(k), to_bytes(v))}
+            {"request_put": put_request(self._k(k), to_bytes(v))}
             for k, v in zip(keys, values, strict=True)
         ]
         self._client.txn([], puts, [])
@@ -251,16 +257,10 @@ class EtcdStore(Store):
                 if not kvs:
                     return None, revision
                 item = kvs[0]
-                compare = [
-                    {
-                        "key": EtcdClient.range_request(item.key)["key"],
-                        "target": "MOD",
-                        "result": "EQUAL",
-                        "mod_revision": item.mod_revision,
-                    }
-                ]
                 result = self._client.txn(
-                    compare, [{"request_delete_range": EtcdClient.delete_request(item.key)}], []
+                    [mod_revision_compare(item.key, item.mod_revision)],
+                    [{"request_delete_range": delete_request(item.key)}],
+                    [],
                 )
                 if result.succeeded:
                     return item.value, result.revision
