@@ -68,7 +68,6 @@ from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError
 
 __all__ = [
-    "DEFAULT_ETCD_PORT",
     "EtcdClient",
     "EtcdCompactedError",
     "KeyValue",
@@ -76,7 +75,6 @@ __all__ = [
     "prefix_range_end",
 ]
 
-DEFAULT_ETCD_PORT = 2379
 
 # The most bytes one line of a watch stream may take (a guard against garbage).
 _MAX_WATCH_LINE = 64 * 1024 * 1024
