@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import secrets
 import threading
 import time
@@ -68,6 +67,7 @@ from rdzv.backends.base import (
     WatchableBackend,
 )
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, poll_backoff
+from rdzv.dynamic.keepalive import KeepAlive
 from rdzv.dynamic.machine import (
     Complete,
     Enqueue,
@@ -86,7 +86,6 @@ from rdzv.dynamic.machine import (
     observe,
     plan_seal,
     start_join,
-    successor_of,
 )
 from rdzv.dynamic.state import (
     JoinRecord,
@@ -185,9 +184,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # (re-joining does not stop it), so a member that dies while the
         # others re-join is still found by its ring predecessor.
         self._watched: RendezvousState | None = None
-        self._keepalive: threading.Thread | None = None
-        self._keepalive_stop = threading.Event()
-        self._keepalive_error: RendezvousConnectionError | None = None
+        self._keepalive = KeepAlive(
+            node,
+            self._liveness,
+            interval,
+            settings.keep_alive_max_attempt,
+            self._dead_after,
+            self._judge_every,
+            clock,
+            self._watched_round,
+            self._evict_dead,
+            self._event,
+        )
 
     # -- construction -------------------------------------------------------
 
@@ -340,7 +348,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._read()
 
     def _check_keepalive(self) -> None:
-        error = self._keepalive_error
+        error = self._keepalive.error
         if error is not None:
             raise error
 
@@ -376,7 +384,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 or this node's heartbeats failed.
             RendezvousStateError: The stored state is corrupt.
         """
-        self._check_keepalive()
+        try:
+            return self._join()
+        except BaseException:
+            # A node whose join failed is no candidate: its beats would keep
+            # it looking alive to the others. The next join starts them again.
+            self._stop_keepalive()
+            raise
+
+    def _join(self) -> RendezvousInfo:
         self._leave_round()
         state, token = self._read()
         now = self._clock()
@@ -695,68 +711,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return False
 
     def _start_keepalive(self) -> None:
-        with self._lock:
-            if self._keepalive is not None:
-                return
-            self._keepalive_stop.clear()
-            self._keepalive = threading.Thread(
-                target=self._keepalive_loop, name=f"rdzv-keepalive-{self._node}", daemon=True
-            )
-            self._keepalive.start()
+        self._keepalive.start()
 
     def _stop_keepalive(self) -> None:
-        with self._lock:
-            thread = self._keepalive
-            self._keepalive = None
-        self._keepalive_stop.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        self._keepalive.stop()
 
-    def _keepalive_loop(self) -> None:
-        interval = self._interval
-        check_every = self._judge_every
-        failures = 0
-        # The first beat is due one interval after joining: an observer only
-        # starts judging a node when a round completes, and a round that
-        # forms within one interval needs no heartbeat traffic at all.
-        next_beat = self._clock() + interval
-        watched_round = -1
-        watches: dict[str, MarkWatch] = {}
-        while not self._keepalive_stop.is_set():
-            now = self._clock()
-            if now >= next_beat:
-                try:
-                    self._liveness.beat(self._node)
-                    failures = 0
-                except RendezvousConnectionError as exc:
-                    failures += 1
-                    self._event("keepalive-failed", -1, attempt=failures, error=str(exc))
-                    if failures >= self._settings.keep_alive_max_attempt:
-                        self._keepalive_error = RendezvousConnectionError(
-                            f"node {self._node} gave up after {failures} failed keep-alive "
-                            f"heartbeats in a row; the backend is unreachable: {exc}"
-                        )
-                        return
-                next_beat = now + interval
-            with self._lock:
-                member = self._watched
-            successor = successor_of(member, self._node) if member is not None else None
-            if member is not None and successor is not None:
-                if member.round != watched_round:
-                    watched_round, watches = member.round, {}
-                try:
-                    marks = {successor: self._liveness.heartbeat_mark(successor)}
-                except RendezvousConnectionError as exc:
-                    self._event("watch-failed", member.round, error=str(exc))
-                else:
-                    watches, dead = judge_marks(watches, marks, now, self._dead_after)
-                    if dead:
-                        self._event("dead", member.round, suspects=dead)
-                        self._evict(dead, member.round)
-                        with self._lock:
-                            if self._watched is member:
-                                self._watched = member.evict(dead)
-            self._keepalive_stop.wait(check_every * (0.75 + random.random() / 2))
+    def _watched_round(self) -> RendezvousState | None:
+        with self._lock:
+            return self._watched
+
+    def _evict_dead(self, dead: list[str], member: RendezvousState) -> None:
+        """Evict ring successors the keep-alive judged dead in ``member``'s round."""
+        self._evict(dead, member.round)
+        with self._lock:
+            if self._watched is member:
+                self._watched = member.evict(dead)
 
 
 def create_handler(

@@ -1,0 +1,179 @@
+"""The keep-alive: this node's heartbeat and the judgement of its ring successor.
+
+Theory of operation
+-------------------
+One daemon thread per handler, started when the node first enqueues. Each
+tick it does two independent things:
+
+* **beat**: every ``interval`` it bumps this node's heartbeat mark. Only the
+  beat's own failures count toward ``max_attempt``; after that many in a row
+  the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
+  that the handler's calls raise until the node joins again.
+* **judge**: more often, it reads the mark of its ring successor in the last
+  round it completed (:func:`~rdzv.dynamic.machine.successor_of`) and judges
+  it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`);
+  a successor judged dead is handed to ``on_dead`` (the handler evicts it).
+
+The thread is supervised: an error in judging or evicting, of any kind, is
+logged as an event and retried on the next tick; it never ends the thread,
+so a node that is alive and connected keeps beating whatever else fails. A
+thread that ended (stopped, or gave up) is started afresh by the next
+:meth:`KeepAlive.start`.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+
+from rdzv.backends.base import LivenessBackend
+from rdzv.dynamic.machine import MarkWatch, judge_marks, successor_of
+from rdzv.dynamic.state import RendezvousState
+from rdzv.errors import RendezvousConnectionError, RendezvousError
+
+__all__ = ["KeepAlive"]
+
+Event = Callable[..., None]
+
+
+class KeepAlive:
+    """Beats this node's heartbeat and watches its ring successor, in one supervised thread.
+
+    Args:
+        node: This node's key.
+        liveness: Where heartbeats go.
+        interval: Seconds between beats.
+        max_attempt: Failed beats in a row after which the keep-alive gives up.
+        dead_after: Seconds without a change of a successor's mark after
+            which it is dead.
+        judge_every: Seconds between readings of the successor's mark.
+        clock: The monotonic clock.
+        watched: Returns the round whose ring is watched, or None.
+        on_dead: Called with the nodes judged dead and the round they were
+            judged in.
+        event: Logs one structured event: ``event(action, round, **fields)``.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        liveness: LivenessBackend,
+        interval: float,
+        max_attempt: int,
+        dead_after: float,
+        judge_every: float,
+        clock: Callable[[], float],
+        watched: Callable[[], RendezvousState | None],
+        on_dead: Callable[[list[str], RendezvousState], None],
+        event: Event,
+    ) -> None:
+        self._node = node
+        self._liveness = liveness
+        self._interval = interval
+        self._max_attempt = max_attempt
+        self._dead_after = dead_after
+        self._judge_every = judge_every
+        self._clock = clock
+        self._watched = watched
+        self._on_dead = on_dead
+        self._event = event
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: RendezvousConnectionError | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread is alive."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def start(self) -> None:
+        """Start the thread unless it is running; a thread that ended is replaced.
+
+        Starting afresh forgets why the last thread gave up.
+        """
+        with self._lock:
+            if self.running:
+                return
+            self._error = None
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._run,
+                args=(self._stop,),
+                name=f"rdzv-keepalive-{self._node}",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (unless called from the thread itself)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    @property
+    def error(self) -> RendezvousConnectionError | None:
+        """Why the keep-alive gave up, until it starts again; None if it did not."""
+        return self._error
+
+    def _run(self, stop: threading.Event) -> None:
+        failures = 0
+        # The first beat is due one interval after joining: an observer only
+        # starts judging a node when a round completes, and a round that
+        # forms within one interval needs no heartbeat traffic at all.
+        next_beat = self._clock() + self._interval
+        judged: tuple[int, dict[str, MarkWatch]] = (-1, {})
+        while not stop.is_set():
+            now = self._clock()
+            if now >= next_beat:
+                failures = self._beat(failures)
+                if failures >= self._max_attempt:
+                    return
+                next_beat = now + self._interval
+            try:
+                judged = self._judge(judged, now)
+            except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
+                self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
+            stop.wait(self._judge_every * (0.75 + random.random() / 2))
+
+    def _beat(self, failures: int) -> int:
+        """Beat once; return the number of failed beats in a row."""
+        try:
+            self._liveness.beat(self._node)
+        except (RendezvousError, OSError) as exc:
+            failures += 1
+            self._event("keepalive-failed", -1, attempt=failures, error=str(exc))
+            if failures >= self._max_attempt:
+                with self._lock:
+                    self._error = RendezvousConnectionError(
+                        f"node {self._node} gave up after {failures} failed keep-alive "
+                        f"heartbeats in a row; the backend is unreachable: {exc}"
+                    )
+            return failures
+        return 0
+
+    def _judge(
+        self, judged: tuple[int, dict[str, MarkWatch]], now: float
+    ) -> tuple[int, dict[str, MarkWatch]]:
+        """Read the ring successor's mark and judge it; return the watches kept."""
+        member = self._watched()
+        successor = successor_of(member, self._node) if member is not None else None
+        if member is None or successor is None:
+            return judged
+        watched_round, watches = judged
+        if member.round != watched_round:
+            watches = {}
+        try:
+            marks = {successor: self._liveness.heartbeat_mark(successor)}
+        except RendezvousConnectionError as exc:
+            self._event("watch-failed", member.round, error=str(exc))
+            return member.round, watches
+        watches, dead = judge_marks(watches, marks, now, self._dead_after)
+        if dead:
+            self._event("dead", member.round, suspects=dead)
+            self._on_dead(dead, member)
+        return member.round, watches
