@@ -59,17 +59,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
-import selectors
-import signal
-import subprocess
-import sys
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from rdzv import errors
 from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
@@ -81,6 +74,7 @@ from rdzv.endpoint import format_endpoint, parse_endpoint
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.store.base import Store, Value
 from rdzv.store.memory import PrefixStore
+from rdzv.torchrun.server_child import _ServerProcess, _ServerStartError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store as TorchStore
@@ -105,9 +99,6 @@ AGENT_STORE_KEY = "torchrun/agent_store"
 # torch's exit barrier (torch/distributed/elastic/agent/server/api.py and
 # elastic/utils/store.py, torch 2.13): the last agent to arrive sets this key.
 _EXIT_BARRIER_DONE_KEY = "torchelastic/agent/terminal_state/last_member"
-
-_SERVER_START_TIMEOUT = 30.0
-_SERVER_LINGER = 5.0
 
 TorchCreator = Callable[["torch_api.RendezvousParameters"], "torch_api.RendezvousHandler"]
 
@@ -177,104 +168,6 @@ def _torch_errors() -> Iterator[None]:
         raise tr.RendezvousStateError(str(exc)) from exc
     except errors.RendezvousError as exc:
         raise tr.RendezvousError(str(exc)) from exc
-
-
-# -- the server child process ----------------------------------------------------
-
-
-class _ServerStartError(Exception):
-    """The server child could not serve; the message says why."""
-
-
-class _ServerProcess:
-    """An rdzv TCP store server running in a child process."""
-
-    def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
-        self._proc = proc
-        self.port = port
-
-    @classmethod
-    def start(cls, port: int, options: tuple[str, ...] = ()) -> _ServerProcess:
-        """Start a server on ``port`` (every address).
-
-        ``options`` go to the child: ``--auth-token-file F`` and ``--tls-cert
-        C --tls-key K`` (the secret may also come from ``$RDZV_AUTH_TOKEN``,
-        which the child inherits).
-
-        Raises:
-            _ServerStartError: The child could not serve (the port is taken,
-                or a file could not be read); the message is the child's.
-        """
-        env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rdzv.torchrun", "serve", str(port), *options],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        assert proc.stdout is not None
-        line = _read_line(proc.stdout, _SERVER_START_TIMEOUT)
-        if line.startswith("listening "):
-            return cls(proc, int(line.split()[1]))
-        cls(proc, port).stop()
-        raise _ServerStartError(line.strip().removeprefix("error "))
-
-    def stop(self) -> None:
-        """Tell the child to exit once its clients are gone, and reap it."""
-        proc = self._proc
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-        try:
-            proc.wait(timeout=_SERVER_LINGER + 5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _read_line(stream: IO[str], timeout: float) -> str:
-    with selectors.DefaultSelector() as selector:
-        selector.register(stream, selectors.EVENT_READ)
-        if not selector.select(timeout):
-            return f"no answer within {timeout:g} s"
-    return stream.readline() or "exited"
-
-
-def _serve_child(argv: list[str]) -> int:
-    """Run the server until stdin closes, then until the clients left (bounded)."""
-    import argparse  # noqa: PLC0415 - only in the child
-
-    from rdzv.store.server import TCPStoreServer, server_tls_context  # noqa: PLC0415
-
-    parser = argparse.ArgumentParser(prog="python -m rdzv.torchrun serve")
-    parser.add_argument("port", type=int)
-    parser.add_argument("--auth-token-file", default=None)
-    parser.add_argument("--tls-cert", default=None)
-    parser.add_argument("--tls-key", default=None)
-    args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
-    try:
-        tls = None
-        if args.tls_cert is not None and args.tls_key is not None:
-            tls = server_tls_context(args.tls_cert, args.tls_key)
-        server = TCPStoreServer(
-            None, args.port, auth_token=resolve_auth_token(args.auth_token_file), ssl_context=tls
-        )
-        server.start()
-    except (OSError, ValueError) as exc:
-        print(f"error {exc}", flush=True)
-        return 1
-    print(f"listening {server.port}", flush=True)
-    sys.stdin.read()
-    deadline = time.monotonic() + _SERVER_LINGER
-    while server.connection_count() > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    server.stop()
-    return 0
 
 
 # -- per-round torch stores ------------------------------------------------------
@@ -653,9 +546,6 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
     token_file = text_option(rdzv_params, "auth_token_file")
     tls = StoreTLS(rdzv_params)
     secured = tls.ca is not None or resolve_auth_token(token_file) is not None
-    options: tuple[str, ...] = () if token_file is None else ("--auth-token-file", token_file)
-    if tls.server_files is not None:
-        options += ("--tls-cert", tls.server_files[0], "--tls-key", tls.server_files[1])
     explicit = rdzv_params.get_as_bool("is_host")
     if explicit and not tls.can_host:
         raise ValueError(
@@ -666,7 +556,7 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
     if explicit or (explicit is None and tls.can_host and endpoint_is_local(host)):
         tls.server_context()  # a certificate that cannot be loaded is a ValueError naming it
         try:
-            server = _ServerProcess.start(port, options)
+            server = _ServerProcess.start(port, token_file, tls.server_files)
         except _ServerStartError as exc:
             if explicit:
                 with _torch_errors():
@@ -755,9 +645,3 @@ def etcd_creator() -> TorchCreator:
 def redis_creator() -> TorchCreator:
     """Entry point ``torchrun.handlers: rdzv-redis``: return the creator torch registers."""
     return create_rdzv_redis_handler
-
-
-if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] != "serve":
-        sys.exit("usage: python -m rdzv.torchrun serve PORT [options]")
-    sys.exit(_serve_child(sys.argv[2:]))
