@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store as TorchStore
     from torch.distributed.elastic.rendezvous import api as torch_api
 
-    from rdzv.torchrun import _RoundStores
     from rdzv.torchrun.server_child import _ServerProcess
+    from rdzv.torchrun.stores import _RoundStores
 
 LOGGER = logging.getLogger("rdzv.torchrun")
 
