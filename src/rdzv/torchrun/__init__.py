@@ -121,6 +121,53 @@ def _spare_exit(params: RendezvousParameters) -> str:
 # -- creators ------------------------------------------------------------------------
 
 
+def _start_server_if_this_node_hosts(
+    params: RendezvousParameters, host: str, port: int, tls: StoreTLS, token_file: str | None
+) -> _ServerProcess | None:
+    """Decide whether this node hosts the ``rdzv`` store and, if it does, start the server child.
+
+    This node hosts when ``is_host=1``, or, without ``is_host``, when it can
+    serve (no TLS, or it has the server certificate) and the endpoint host is
+    one of its addresses. A host by inference whose server cannot start
+    (another local agent hosts the port) is a client instead.
+
+    Args:
+        params: rdzv's parameters (``is_host``).
+        host: The endpoint host.
+        port: The endpoint port, which the server child listens on.
+        tls: The store's TLS settings.
+        token_file: ``auth_token_file``, passed to the server child.
+
+    Returns:
+        The server child, or None when this node is a client.
+
+    Raises:
+        ValueError: ``is_host=1`` with TLS on and no server certificate, or a
+            server certificate that cannot be loaded.
+        torch.distributed.elastic.rendezvous.RendezvousConnectionError:
+            ``is_host=1`` and the server child could not serve.
+    """
+    explicit = params.get_as_bool("is_host")
+    if explicit and not tls.can_host:
+        raise ValueError(
+            f"{tls.ca[0] if tls.ca else 'ca_cert'} is set (TLS on) but this node hosts the "
+            "store (is_host=1) and has no ssl_cert/ssl_cert_key to serve it with"
+        )
+    server: _ServerProcess | None = None
+    if explicit or (explicit is None and tls.can_host and endpoint_is_local(host)):
+        tls.server_context()  # a certificate that cannot be loaded is a ValueError naming it
+        try:
+            server = _ServerProcess.start(port, token_file, tls.server_files)
+        except _ServerStartError as exc:
+            if explicit:
+                with _torch_errors():
+                    raise errors.RendezvousConnectionError(
+                        f"could not host the rdzv store on port {port} (is_host=1): {exc}"
+                    ) from exc
+            LOGGER.info("rdzv store server not started on port %d (a client then): %s", port, exc)
+    return server
+
+
 def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.RendezvousHandler:
     """Build the ``rdzv`` torchrun backend: dynamic rendezvous over rdzv's TCP store.
 
@@ -157,24 +204,7 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
     token_file = text_option(rdzv_params, "auth_token_file")
     tls = StoreTLS(rdzv_params)
     secured = tls.ca is not None or resolve_auth_token(token_file) is not None
-    explicit = rdzv_params.get_as_bool("is_host")
-    if explicit and not tls.can_host:
-        raise ValueError(
-            f"{tls.ca[0] if tls.ca else 'ca_cert'} is set (TLS on) but this node hosts the "
-            "store (is_host=1) and has no ssl_cert/ssl_cert_key to serve it with"
-        )
-    server: _ServerProcess | None = None
-    if explicit or (explicit is None and tls.can_host and endpoint_is_local(host)):
-        tls.server_context()  # a certificate that cannot be loaded is a ValueError naming it
-        try:
-            server = _ServerProcess.start(port, token_file, tls.server_files)
-        except _ServerStartError as exc:
-            if explicit:
-                with _torch_errors():
-                    raise errors.RendezvousConnectionError(
-                        f"could not host the rdzv store on port {port} (is_host=1): {exc}"
-                    ) from exc
-            LOGGER.info("rdzv store server not started on port %d (a client then): %s", port, exc)
+    server = _start_server_if_this_node_hosts(rdzv_params, host, port, tls, token_file)
     rdzv_params.config["is_host"] = False
     stores: _RoundStores = _AdapterStores() if secured else _SharedServerStores(host, port, timeout)
     resources = _Resources(stores, server=server)
