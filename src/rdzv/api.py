@@ -15,6 +15,7 @@ from dataclasses import InitVar, dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Union, cast
 
+from rdzv.backends.base import validate_run_id
 from rdzv.errors import RendezvousStateError, RendezvousTimeoutError
 from rdzv.net import primary_address
 from rdzv.store.base import Store
@@ -39,6 +40,10 @@ DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3
 """Heartbeats a node may miss before it is judged dead (``keep_alive_max_attempt``)."""
 
 
+MAX_DURATION = 366 * 24 * 3600.0
+"""The longest timeout or interval, in seconds (a year): longer ones are typos."""
+
+
 def _duration(value: Duration | None, default: timedelta, name: str) -> timedelta:
     if value is None:
         return default
@@ -50,6 +55,11 @@ def _duration(value: Duration | None, default: timedelta, name: str) -> timedelt
         raise TypeError(f"{name} must be a timedelta or seconds, not {type(value).__name__}")
     if not seconds > 0:
         raise ValueError(f"the {name} timeout must be positive, got {value!r}")
+    if not seconds <= MAX_DURATION:
+        raise ValueError(
+            f"the {name} timeout must be finite and at most {MAX_DURATION:g} s (a year), "
+            f"got {value!r}"
+        )
     return timedelta(seconds=seconds)
 
 
@@ -187,8 +197,7 @@ class RendezvousSettings:
         close: Duration | None,
         heartbeat: Duration | None,
     ) -> None:
-        if not isinstance(self.run_id, str) or not self.run_id:
-            raise ValueError(f"run_id must be a non-empty string, got {self.run_id!r}")
+        validate_run_id(self.run_id)
         _check_node_counts(self.min_nodes, self.max_nodes)
         if cast(object, self.timeout) is None:
             object.__setattr__(
@@ -433,6 +442,11 @@ class RendezvousParameters:
         if not seconds > 0:
             raise ValueError(
                 f"the rendezvous configuration option {key!r} must be positive: {value!r}"
+            )
+        if not seconds <= MAX_DURATION:
+            raise ValueError(
+                f"the rendezvous configuration option {key!r} must be finite and at most "
+                f"{MAX_DURATION:g} s (a year): {value!r}"
             )
         return seconds
 

@@ -34,7 +34,9 @@ __all__ = [
     "RendezvousBackend",
     "Token",
     "WatchableBackend",
+    "MAX_RUN_ID",
     "validate_node_key",
+    "validate_run_id",
     "validate_record",
 ]
 
@@ -299,6 +301,36 @@ class LivenessBackend(ABC):
         Raises:
             RendezvousConnectionError: The backend cannot be reached.
         """
+
+
+MAX_RUN_ID = 200
+"""The longest run id, in characters: it names keys on every engine, and with
+the longest prefix and suffix a key must stay within every store's limits."""
+
+
+def validate_run_id(run_id: str) -> str:
+    """Check that ``run_id`` can name a run's keys on every backend, and return it.
+
+    Args:
+        run_id: The run id.
+
+    Returns:
+        ``run_id`` unchanged.
+
+    Raises:
+        ValueError: It is empty, longer than :data:`MAX_RUN_ID` characters, or
+            holds whitespace or control characters (printed escaped).
+    """
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
+    if len(run_id) > MAX_RUN_ID:
+        raise ValueError(
+            f"run_id is {len(run_id)} characters long; the limit is {MAX_RUN_ID} "
+            f"(it names the run's keys): {run_id[:40]!r}..."
+        )
+    if not run_id.isprintable() or any(ch.isspace() for ch in run_id):
+        raise ValueError(f"run_id must hold no whitespace or control characters, got {run_id!r}")
+    return run_id
 
 
 def validate_node_key(node: str) -> str:

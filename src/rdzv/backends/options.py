@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from rdzv.auth import resolve_auth_token
+from rdzv.backends.base import validate_run_id
 from rdzv.endpoint import parse_endpoint
 from rdzv.net import local_addresses
 
@@ -124,11 +125,11 @@ def check_key_settings(
         ``(prefix, ttl, liveness_ttl)`` with the defaults filled in.
 
     Raises:
-        ValueError: An empty run id or prefix, or a TTL that is not a whole
+        ValueError: A bad run id (see :func:`~rdzv.backends.base.validate_run_id`),
+            an empty prefix, or a TTL that is not a whole
             number of seconds >= 1; the message names the bad value.
     """
-    if not run_id:
-        raise ValueError("the run id must be a non-empty string")
+    validate_run_id(run_id)
     prefix = default_prefix if key_prefix is None else key_prefix
     if not prefix:
         raise ValueError(f"the {engine} key prefix must not be empty")

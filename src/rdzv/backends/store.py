@@ -24,7 +24,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
-from rdzv.backends.base import RendezvousBackend, Token, WatchableBackend
+from rdzv.backends.base import RendezvousBackend, Token, WatchableBackend, validate_run_id
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, poll_backoff, store_call
 from rdzv.backends.options import (
     DEFAULT_READ_TIMEOUT,
@@ -73,8 +73,7 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
     """
 
     def __init__(self, store: Store, run_id: str, liveness_store: Store | None = None) -> None:
-        if not isinstance(run_id, str) or not run_id or any(c.isspace() for c in run_id):
-            raise ValueError(f"run_id must be a non-empty string without whitespace: {run_id!r}")
+        validate_run_id(run_id)
         prefix = f"rdzv.backend/{run_id}/"
         StoreJoinQueue.__init__(self, store, prefix)
         StoreLiveness.__init__(self, liveness_store or store, prefix)
@@ -118,6 +117,11 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
         elif isinstance(token, bytes) and len(token) >= _HEADER and token.startswith(_MAGIC):
             expected = token
             generation = int.from_bytes(token[len(_MAGIC) : len(_MAGIC) + 8], "big") + 1
+            if generation >= 1 << 64:
+                raise RendezvousStateError(
+                    f"the stored rendezvous record ({self._key!r}) has generation 2**64-1, "
+                    "which no writer reaches: it is forged or corrupt; delete the key to start over"
+                )
         else:
             current = self.get_state()
             return None if current is None else (*current, False)

@@ -102,6 +102,7 @@ from rdzv.errors import (
     RendezvousConnectionError,
     RendezvousExhaustedError,
     RendezvousGracefulExitError,
+    RendezvousStateError,
     RendezvousTimeoutError,
 )
 from rdzv.net import primary_address
@@ -338,6 +339,31 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return None, None
         return decode_state(found[0]), found[1]
 
+    def _write(self, data: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
+        """Compare-and-set the state; None when nothing is stored.
+
+        torch's backend contract lets ``set_state`` return None; a backend
+        that does so after writing is answered by reading the state back.
+        Our write won when the stored bytes are the ones written.
+
+        Raises:
+            RendezvousStateError: The backend says nothing is stored right
+                after a create: it breaks the contract.
+        """
+        result = self._backend.set_state(data, token)
+        if result is not None:
+            return result
+        found = self._backend.get_state()
+        if found is not None:
+            return found[0], found[1], found[0] == data
+        if token is None:
+            raise RendezvousStateError(
+                f"the {self._backend_name!r} backend ({type(self._backend).__name__}) broke the "
+                "backend contract: set_state returned None and get_state finds no state right "
+                "after creating it"
+            )
+        return None
+
     def _wait_state(
         self, token: Token | None, timeout: float, attempt: int
     ) -> tuple[RendezvousState | None, Token | None]:
@@ -486,7 +512,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             missing = missing_members(state, records)
             self._event("seal-deferred", round_id, queued=len(records), missing=len(missing))
             return state, token, replace(progress, blocked=(queue_length, state)), missing
-        result = self._backend.set_state(encode_state(plan), token)
+        result = self._write(encode_state(plan), token)
         if result is None:
             return None, None, progress, []
         new_state, new_token, written = result
@@ -594,7 +620,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if state is not None and state.closed:
                 return
             closed = (state or RendezvousState()).close()
-            result = self._backend.set_state(encode_state(closed), token)
+            result = self._write(encode_state(closed), token)
             if result is not None and result[2]:
                 self._event("closed", closed.round)
                 return
@@ -703,7 +729,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             members = [n for n in nodes if state.rank_of(n) is not None]
             if not members:
                 return False
-            result = self._backend.set_state(encode_state(state.evict(members)), token)
+            result = self._write(encode_state(state.evict(members)), token)
             if result is not None and result[2]:
                 self._event("evict", round_id, evicted=members)
                 return True

@@ -1,0 +1,178 @@
+"""Faults the handler must bound and name: bad settings, forged records, contract breakers,
+and a keep-alive that survives errors in its judging."""
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from rdzv.api import RendezvousParameters, RendezvousSettings, RendezvousTimeout
+from rdzv.backends.base import MAX_RUN_ID, RendezvousBackend, Token
+from rdzv.backends.store import C10dRendezvousBackend
+from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.errors import RendezvousExhaustedError, RendezvousStateError
+from rdzv.store.memory import HashStore
+from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize("value", [math.inf, 1e308, 400 * 24 * 3600])
+def test_an_absurd_duration_is_a_value_error_naming_it(value: float) -> None:
+    with pytest.raises(ValueError, match="join timeout must be finite and at most"):
+        RendezvousTimeout(join=value)
+    params = RendezvousParameters("c10d", "h:1", "job", 1, 1, join_timeout=str(value))
+    with pytest.raises(ValueError, match="'join_timeout' must be finite"):
+        RendezvousSettings.from_params(params)
+
+
+def test_nan_is_not_a_duration() -> None:
+    with pytest.raises(ValueError, match="last_call timeout must be positive"):
+        RendezvousTimeout(last_call=math.nan)
+    params = RendezvousParameters("c10d", "h:1", "job", 1, 1, keep_alive_interval="nan")
+    with pytest.raises(ValueError, match="'keep_alive_interval' must be positive"):
+        RendezvousSettings.from_params(params)
+
+
+def test_a_run_id_too_long_for_keys_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=f"100000 characters long; the limit is {MAX_RUN_ID}"):
+        RendezvousSettings("x" * 100_000, 1, 1)
+    RendezvousSettings("x" * MAX_RUN_ID, 1, 1)
+
+
+def test_a_run_id_with_a_terminal_escape_is_refused_and_shown_escaped() -> None:
+    with pytest.raises(ValueError, match="control characters") as info:
+        RendezvousSettings("job\x1b[2J", 1, 1)
+    assert "\x1b" not in str(info.value)
+    assert "\\x1b" in str(info.value)
+
+
+def test_a_forged_maximal_generation_is_a_state_error() -> None:
+    store = HashStore()
+    backend = C10dRendezvousBackend(store, "job")
+    result = backend.set_state(b"s1")
+    assert result is not None
+    token = result[1]
+    forged = token[:4] + (2**64 - 1).to_bytes(8, "big") + token[12:]
+    store.set("rdzv.backend/job/state", forged)
+    found = backend.get_state()
+    assert found is not None
+    with pytest.raises(RendezvousStateError, match="generation 2\\*\\*64-1"):
+        backend.set_state(b"s2", found[1])
+
+
+class SilentWriter(RendezvousBackend):
+    """torch's contract allows ``set_state`` to return None: this one writes, then says None."""
+
+    def __init__(self, inner: InMemoryBackend, write: bool = True) -> None:
+        self.inner, self.write = inner, write
+
+    @property
+    def name(self) -> str:
+        return "silent"
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        return self.inner.get_state()
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        if self.write:
+            self.inner.set_state(state, token)
+        return None
+
+
+def _handler(backend: RendezvousBackend, join: float = 20) -> DynamicRendezvousHandler:
+    return DynamicRendezvousHandler.from_backend(
+        "job",
+        HashStore(timeout=5),
+        backend,
+        1,
+        1,
+        local_addr="n1",
+        timeout=RendezvousTimeout(join=join, last_call=0.1),
+        keep_alive_interval=0.2,
+    )
+
+
+def test_a_backend_whose_set_state_returns_none_after_writing_works() -> None:
+    handler = _handler(SilentWriter(InMemoryBackend(InMemoryRendezvousStorage())))
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    handler.close()
+
+
+def test_a_backend_that_breaks_the_contract_is_named_at_once_not_after_the_join_timeout() -> None:
+    handler = _handler(SilentWriter(InMemoryBackend(InMemoryRendezvousStorage()), write=False))
+    started = time.monotonic()
+    with pytest.raises(RendezvousStateError, match=r"'silent' backend .* broke the backend"):
+        handler.next_rendezvous()
+    assert time.monotonic() - started < 10  # generous: the join timeout is 20 s
+    handler.close()
+
+
+class FlakyMarks(InMemoryBackend):
+    """Reading another node's heartbeat mark fails with anything, for a while."""
+
+    def __init__(self, storage: InMemoryRendezvousStorage, fail: Callable[[], bool]) -> None:
+        super().__init__(storage)
+        self.fail = fail
+
+    def heartbeat_mark(self, node: str) -> bytes | None:
+        if self.fail():
+            raise RuntimeError("a bug in a third-party backend")
+        return super().heartbeat_mark(node)
+
+
+def test_an_error_while_judging_never_stops_the_heartbeat() -> None:
+    storage = InMemoryRendezvousStorage()
+    failing = threading.Event()
+    failing.set()
+    settings = {"timeout": RendezvousTimeout(join=10, last_call=0.1), "keep_alive_interval": 0.1}
+    store = HashStore(timeout=5)
+    observer = DynamicRendezvousHandler.from_backend(
+        "job", store, FlakyMarks(storage, failing.is_set), 2, 2, "a", **settings
+    )
+    other = DynamicRendezvousHandler.from_backend(
+        "job", store, InMemoryBackend(storage), 2, 2, "b", **settings
+    )
+    threads = [threading.Thread(target=h.next_rendezvous) for h in (observer, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    beats = InMemoryBackend(storage).heartbeat_mark(observer.node)
+    time.sleep(1.0)  # 10 judging ticks that all raise
+    assert observer._keepalive.running
+    assert InMemoryBackend(storage).heartbeat_mark(observer.node) != beats
+    failing.clear()
+    other.pre_shutdown()  # the observer's successor stops beating: judged and evicted
+    deadline = time.monotonic() + 10
+    while observer.num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "the dead successor was never evicted"
+        time.sleep(0.05)
+    observer.close()
+    other.close()
+
+
+def test_a_failed_join_stops_the_heartbeat() -> None:
+    storage = InMemoryRendezvousStorage()
+    handler = DynamicRendezvousHandler.from_backend(
+        "job",
+        HashStore(timeout=5),
+        InMemoryBackend(storage),
+        2,
+        2,
+        "lonely",
+        timeout=RendezvousTimeout(join=0.5, last_call=0.1),
+        keep_alive_interval=0.1,
+    )
+    with pytest.raises(RendezvousExhaustedError, match="without reaching min nodes"):
+        handler.next_rendezvous()
+    assert not handler._keepalive.running
+    mark = InMemoryBackend(storage).heartbeat_mark(handler.node)
+    time.sleep(0.5)
+    assert InMemoryBackend(storage).heartbeat_mark(handler.node) == mark
+    handler.close()
