@@ -2,19 +2,25 @@
 and a keep-alive that survives errors in its judging."""
 
 import math
+import os
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from rdzv.api import RendezvousParameters, RendezvousSettings, RendezvousTimeout
 from rdzv.backends.base import MAX_RUN_ID, RendezvousBackend, Token
+from rdzv.backends.kv import StoreLiveness
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.dynamic.state import decode_state
 from rdzv.errors import RendezvousExhaustedError, RendezvousStateError
 from rdzv.store.memory import HashStore
+from rdzv.store.tcp import TCPStore
 from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
+from tests.store.helpers import serve_process
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -176,3 +182,86 @@ def test_a_failed_join_stops_the_heartbeat() -> None:
     time.sleep(0.5)
     assert InMemoryBackend(storage).heartbeat_mark(handler.node) == mark
     handler.close()
+
+
+class CountingStore(HashStore):
+    """Counts the calls that read heartbeat marks."""
+
+    def __init__(self) -> None:
+        super().__init__(timeout=5)
+        self.reads = 0
+
+    def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        self.reads += 1
+        return super().try_multi_get(keys)
+
+
+def test_marks_of_many_members_are_read_in_one_call() -> None:
+    store = CountingStore()
+    liveness = StoreLiveness(store, "p/")
+    nodes = [f"n{i}" for i in range(1000)]
+    for node in nodes[:10]:
+        liveness.beat(node)
+    marks = liveness.heartbeat_marks(nodes)
+    assert store.reads == 1
+    assert [marks[n] for n in nodes[:10]] == [b"1"] * 10
+    assert all(marks[n] is None for n in nodes[10:])
+
+
+def test_a_poisoned_heartbeat_counts_as_no_beat_and_its_owner_repairs_it() -> None:
+    store = HashStore(timeout=5)
+    liveness = StoreLiveness(store, "p/")
+    liveness.beat("victim")
+    store.set("p/hb/victim", b"not-a-number")
+    assert liveness.heartbeat_marks(["victim"]) == {"victim": b"not-a-number"}
+    liveness.beat("victim")  # the owner's next beat replaces the garbage
+    first = liveness.heartbeat_mark("victim")
+    liveness.beat("victim")
+    assert first != liveness.heartbeat_mark("victim")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_paused_store_evicts_nobody() -> None:
+    """SIGSTOP the store host for longer than the dead-node bound while all members live."""
+    with serve_process() as (proc, port):
+        # Calls time out during the pause: the observers' reads fail, and the
+        # first ones after it may see marks from before it.
+        store = TCPStore("127.0.0.1", port, timeout=1.5)
+        clients = [store.clone() for _ in range(3)]
+        backends = [C10dRendezvousBackend(c, "job", c.clone()) for c in clients]
+        handlers = [
+            DynamicRendezvousHandler.from_backend(
+                "job",
+                clients[i],
+                backend,
+                3,
+                3,
+                f"n{i}",
+                timeout=RendezvousTimeout(join=60, last_call=0.1),
+                keep_alive_interval=0.5,
+                keep_alive_max_attempt=3,
+            )
+            for i, backend in enumerate(backends)
+        ]
+        threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(h._member_of is not None for h in handlers)
+        time.sleep(1.0)  # everyone beats and judges for a while
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(5.0)  # > 3 x 0.5 s: every mark looks frozen on the observers' clocks
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(3.0)  # the observers judge again after the pause
+        found = backends[0].get_state()
+        assert found is not None
+        state = decode_state(found[0])
+        assert state.evicted == frozenset(), f"live members were evicted: {state.evicted}"
+        assert all(h.num_nodes_waiting() == 0 for h in handlers)
+        for h in handlers:
+            h.close()
+        store.close()

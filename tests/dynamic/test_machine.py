@@ -241,6 +241,33 @@ def test_judge_marks_uses_only_the_observers_clock() -> None:
     assert dead == [A]
 
 
+def test_judge_marks_credits_at_most_max_gap_between_readings() -> None:
+    from rdzv.dynamic.machine import judge_marks
+
+    clock = FakeClock()
+    watches, _ = judge_marks({}, {A: b"1"}, clock(), 3.0, max_gap=1.0)
+    clock.advance(6.0)  # the store was paused: no reading could happen
+    watches, dead = judge_marks(watches, {A: b"1"}, clock(), 3.0, max_gap=1.0)
+    assert dead == []  # only 1 s of the 6 s is charged
+    for _ in range(3):  # readings every 0.5 s afterwards: 1 + 4 x 0.5 = 3 s charged at the end
+        clock.advance(0.5)
+        watches, dead = judge_marks(watches, {A: b"1"}, clock(), 3.0, max_gap=1.0)
+        assert dead == []
+    clock.advance(0.5)
+    _, dead = judge_marks(watches, {A: b"1"}, clock(), 3.0, max_gap=1.0)
+    assert dead == [A]
+
+
+def test_judge_marks_without_a_gap_bound_charges_all_time() -> None:
+    from rdzv.dynamic.machine import judge_marks
+
+    clock = FakeClock()
+    watches, _ = judge_marks({}, {A: b"1"}, clock(), 3.0)
+    clock.advance(6.0)
+    _, dead = judge_marks(watches, {A: b"1"}, clock(), 3.0)
+    assert dead == [A]
+
+
 def test_successor_ring_skips_evicted_members() -> None:
     from rdzv.dynamic.machine import successor_of
 

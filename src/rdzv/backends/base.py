@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -290,6 +291,22 @@ class LivenessBackend(ABC):
         Raises:
             RendezvousConnectionError: The backend cannot be reached.
         """
+
+    def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
+        """Return the marks of several nodes; backends that can, read them in one call.
+
+        This default calls :meth:`heartbeat_mark` once per node.
+
+        Args:
+            nodes: The node keys.
+
+        Returns:
+            ``{node: mark}``, as :meth:`heartbeat_mark` would return each.
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+        return {node: self.heartbeat_mark(node) for node in nodes}
 
     @abstractmethod
     def forget(self, node: str) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
@@ -157,14 +157,41 @@ class StoreLiveness(LivenessBackend):
 
     def beat(self, node: str) -> None:  # noqa: D102 - see LivenessBackend
         key = self._beat_key(node)
-        store_call("beat", lambda: self._liveness_store.add(key, 1))
+        store = self._liveness_store
+        try:
+            store_call("beat", lambda: store.add(key, 1))
+        except RendezvousConnectionError:
+            # A counter that holds no integer (a stray or hostile write) fails
+            # every add; replace it, so this node beats again. A real
+            # connection failure fails this read too and is raised.
+            value = store_call("beat", lambda: store.try_multi_get([key]))[0]
+            if value is None or value.strip().lstrip(b"-").isdigit():
+                raise
+            store_call("beat", lambda: store.compare_set(key, value, b"1"))
 
     def heartbeat_mark(self, node: str) -> bytes | None:  # noqa: D102
-        key = self._beat_key(node)
-        # One round trip: add(key, 0) reads the counter (0, "never beat",
-        # when the key is missing).
-        value = store_call("heartbeat_mark", lambda: self._liveness_store.add(key, 0))
-        return str(value).encode() if value else None
+        return self.heartbeat_marks([node])[node]
+
+    def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
+        """Read the marks of ``nodes`` in one call (``try_multi_get``).
+
+        A mark is the counter's stored bytes; a missing counter, or one at 0,
+        is None ("never beat"). A counter that holds no integer is returned
+        as it is: an opaque mark that does not change counts as no beat.
+
+        Args:
+            nodes: The node keys.
+
+        Returns:
+            ``{node: mark}``.
+        """
+        keys = [self._beat_key(node) for node in nodes]
+        store = self._liveness_store
+        values = store_call("heartbeat_marks", lambda: store.try_multi_get(keys)) if keys else []
+        return {
+            node: None if value is None or value == b"0" else value
+            for node, value in zip(nodes, values, strict=True)
+        }
 
     def forget(self, node: str) -> None:  # noqa: D102
         key = self._beat_key(node)

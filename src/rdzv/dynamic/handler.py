@@ -486,8 +486,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         # would cost O(N^2) reads.
                         every = self._judge_every if leader else self._interval
                         next_judgement = self._clock() + every
-                        marks = {n: self._liveness.heartbeat_mark(n) for n in missing}
-                        watches, dead = judge_marks(watches, marks, self._clock(), self._dead_after)
+                        marks = self._liveness.heartbeat_marks(missing)
+                        watches, dead = judge_marks(
+                            watches, marks, self._clock(), self._dead_after, self._interval
+                        )
                         if dead:
                             self._event("dead", state.round, suspects=dead)
                             self._evict(dead, state.round)

@@ -11,8 +11,11 @@ tick it does two independent things:
   that the handler's calls raise until the node joins again.
 * **judge**: more often, it reads the mark of its ring successor in the last
   round it completed (:func:`~rdzv.dynamic.machine.successor_of`) and judges
-  it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`);
-  a successor judged dead is handed to ``on_dead`` (the handler evicts it).
+  it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`),
+  crediting at most one ``interval`` between two readings, so a stalled
+  backend or this node's own failed or starved reads never count against
+  the successor; a successor judged dead is handed to ``on_dead`` (the
+  handler evicts it).
 
 The thread is supervised: an error in judging or evicting, of any kind, is
 logged as an event and retried on the next tick; it never ends the thread,
@@ -172,7 +175,7 @@ class KeepAlive:
         except RendezvousConnectionError as exc:
             self._event("watch-failed", member.round, error=str(exc))
             return member.round, watches
-        watches, dead = judge_marks(watches, marks, now, self._dead_after)
+        watches, dead = judge_marks(watches, marks, now, self._dead_after, self._interval)
         if dead:
             self._event("dead", member.round, suspects=dead)
             self._on_dead(dead, member)

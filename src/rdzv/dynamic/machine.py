@@ -48,6 +48,7 @@ settings and ``now`` from an injected monotonic clock.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -350,15 +351,20 @@ def nodes_waiting(
 
 @dataclass(frozen=True)
 class MarkWatch:
-    """When an observer last saw a node's heartbeat mark change.
+    """What an observer knows of one node's heartbeat mark.
 
     Attributes:
         mark: The mark it saw.
         since: The observer's monotonic time when it first saw that mark.
+        credited: Seconds of the mark staying unchanged that count against
+            the node (see :func:`judge_marks`).
+        seen_at: The observer's time of its last reading; None: ``since``.
     """
 
     mark: bytes | None
     since: float
+    credited: float = 0.0
+    seen_at: float | None = None
 
 
 def judge_marks(
@@ -366,6 +372,7 @@ def judge_marks(
     marks: Mapping[str, bytes | None],
     now: float,
     dead_after: float,
+    max_gap: float = math.inf,
 ) -> tuple[dict[str, MarkWatch], list[str]]:
     """Judge nodes dead or alive from their heartbeat marks, on the observer's clock.
 
@@ -373,11 +380,19 @@ def judge_marks(
     of the observer's monotonic clock. Nobody's wall clock is involved, so
     skewed clocks neither kill a living node nor keep a dead one alive.
 
+    The judgement is fair to the judged: only time during which the observer
+    itself could read marks counts. Between two readings at most ``max_gap``
+    seconds are credited, so when the backend stalled (a paused store), or
+    the observer's own calls failed or it was starved, the node is not
+    charged for the time in which its beats could not land or be seen.
+
     Args:
         watches: What the observer saw before, by node.
         marks: The marks just read, by node (only these nodes are judged).
         now: The observer's monotonic time.
         dead_after: The dead-node timeout, in seconds.
+        max_gap: The most seconds credited between two readings (the
+            handler uses one heartbeat interval).
 
     Returns:
         ``(watches, dead)``: the updated watches of the nodes still judged
@@ -388,11 +403,14 @@ def judge_marks(
     for node, mark in marks.items():
         seen = watches.get(node)
         if seen is None or seen.mark != mark:
-            updated[node] = MarkWatch(mark, now)
-        elif now - seen.since >= dead_after:
+            updated[node] = MarkWatch(mark, now, 0.0, now)
+            continue
+        last = seen.since if seen.seen_at is None else seen.seen_at
+        credited = seen.credited + min(max(0.0, now - last), max_gap)
+        if credited >= dead_after:
             dead.append(node)
         else:
-            updated[node] = seen
+            updated[node] = MarkWatch(mark, seen.since, credited, now)
     return updated, dead
 
 
