@@ -15,7 +15,7 @@ from rdzv.backends.base import MAX_RUN_ID, RendezvousBackend, Token
 from rdzv.backends.kv import StoreLiveness
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
-from rdzv.dynamic.state import decode_state
+from rdzv.dynamic.state import RendezvousState, decode_state, encode_state
 from rdzv.errors import RendezvousExhaustedError, RendezvousStateError
 from rdzv.store.memory import HashStore
 from rdzv.store.tcp import TCPStore
@@ -265,3 +265,19 @@ def test_a_paused_store_evicts_nobody() -> None:
         for h in handlers:
             h.close()
         store.close()
+
+
+def test_a_forged_newer_round_with_the_same_members_makes_members_rejoin() -> None:
+    storage = InMemoryRendezvousStorage()
+    handler = _handler(InMemoryBackend(storage))
+    handler.next_rendezvous()
+    backend = InMemoryBackend(storage)
+    found = backend.get_state()
+    assert found is not None
+    state = decode_state(found[0])
+    forged = RendezvousState(state.round + 1000, state.participants)
+    assert backend.set_state(encode_state(forged), found[1]) is not None
+    assert handler.num_nodes_waiting() >= 1
+    info = handler.next_rendezvous()
+    assert info.world_size == 1
+    handler.close()

@@ -655,8 +655,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
             member_of = self._member_of
         if member_of is None:
             return length
-        if state is None or state.round < member_of.round:
-            return max(1, length)  # the store was wiped or went back: the run starts over
+        if state is None or state.round != member_of.round:
+            # The store was wiped or went back (the run starts over), or holds
+            # a round this node never joined (forged, or written by a writer
+            # that lost track): either way this node's round is gone.
+            return max(1, length)
         return nodes_waiting(state, length, self._node, self._limits)
 
     def pre_shutdown(self) -> None:
