@@ -16,7 +16,7 @@ from rdzv.backends.kv import StoreLiveness
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.state import RendezvousState, decode_state, encode_state
-from rdzv.errors import RendezvousExhaustedError, RendezvousStateError
+from rdzv.errors import RendezvousExhaustedError, RendezvousStateError, RendezvousTimeoutError
 from rdzv.store.memory import HashStore
 from rdzv.store.tcp import TCPStore
 from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
@@ -281,3 +281,43 @@ def test_a_forged_newer_round_with_the_same_members_makes_members_rejoin() -> No
     info = handler.next_rendezvous()
     assert info.world_size == 1
     handler.close()
+
+
+class HangingBackend(InMemoryBackend):
+    """Once ``hang`` is set, every state call blocks (a store host that stopped answering)."""
+
+    def __init__(self, storage: InMemoryRendezvousStorage) -> None:
+        super().__init__(storage)
+        self.hang = threading.Event()
+        self.release = threading.Event()
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        if self.hang.is_set():
+            self.release.wait(60)
+        return super().get_state()
+
+
+def test_shutdown_and_set_closed_on_a_backend_that_stopped_answering_return_in_time() -> None:
+    backend = HangingBackend(InMemoryRendezvousStorage())
+    handler = DynamicRendezvousHandler.from_backend(
+        "job",
+        HashStore(timeout=5),
+        backend,
+        1,
+        1,
+        "n1",
+        timeout=RendezvousTimeout(join=10, last_call=0.1, close=1.0),
+        keep_alive_interval=0.2,
+    )
+    handler.next_rendezvous()
+    backend.hang.set()
+    try:
+        started = time.monotonic()
+        with pytest.raises(RendezvousTimeoutError, match="did not finish within 1 s"):
+            handler.set_closed()
+        assert handler.shutdown() is False
+        # generous bounds that catch the old behaviour (blocked until released)
+        assert time.monotonic() - started < 30
+    finally:
+        backend.release.set()
+        handler.close()

@@ -17,7 +17,6 @@ them for backends that lack the capabilities. Store failures become
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -30,9 +29,10 @@ from rdzv.backends.base import (
     validate_record,
 )
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
+from rdzv.retry import poll_backoff
 from rdzv.store.base import Store
 
-__all__ = ["StoreJoinQueue", "StoreLiveness", "poll_backoff", "store_call"]
+__all__ = ["StoreJoinQueue", "StoreLiveness", "store_call"]
 
 _T = TypeVar("_T")
 
@@ -47,20 +47,6 @@ def store_call(what: str, fn: Callable[[], _T]) -> _T:
         raise RendezvousConnectionError(
             f"the rendezvous store failed during {what}: {exc}"
         ) from exc
-
-
-def poll_backoff(attempt: int, cap: float = 1.0) -> float:
-    """Return a jittered, capped backoff delay for the ``attempt``-th poll.
-
-    Args:
-        attempt: 0 for the first poll.
-        cap: The largest delay, in seconds.
-
-    Returns:
-        A delay in seconds, between half and all of ``min(cap, 0.01 * 2**attempt)``.
-    """
-    base = min(cap, 0.01 * float(2 ** min(attempt, 20)))
-    return base * (0.5 + random.random() / 2)
 
 
 class StoreJoinQueue(JoinQueueBackend):

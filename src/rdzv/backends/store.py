@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from rdzv.backends.base import RendezvousBackend, Token, WatchableBackend, validate_run_id
-from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, poll_backoff, store_call
+from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.backends.options import (
     DEFAULT_READ_TIMEOUT,
     StoreBackendOptions,
@@ -33,6 +33,7 @@ from rdzv.backends.options import (
     endpoint_is_local,
 )
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+from rdzv.retry import poll_backoff
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
@@ -50,7 +51,6 @@ __all__ = [
     "create_backend",
     "endpoint_is_local",
     "open_store",
-    "poll_backoff",
 ]
 
 _MAGIC = b"RDZ1"

@@ -66,7 +66,7 @@ from rdzv.backends.base import (
     Token,
     WatchableBackend,
 )
-from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, poll_backoff
+from rdzv.backends.kv import StoreJoinQueue, StoreLiveness
 from rdzv.dynamic.keepalive import KeepAlive
 from rdzv.dynamic.machine import (
     Complete,
@@ -106,6 +106,7 @@ from rdzv.errors import (
     RendezvousTimeoutError,
 )
 from rdzv.net import primary_address
+from rdzv.retry import call_within, poll_backoff
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 
@@ -113,6 +114,8 @@ __all__ = ["DynamicRendezvousHandler", "create_handler"]
 
 LOGGER = logging.getLogger("rdzv.dynamic")
 
+_SHUTDOWN_WITHIN = 5.0
+"""Seconds ``shutdown`` waits for the backend before giving up on leaving cleanly."""
 _STATE_WAIT_CAP = 1.0
 _QUEUE_WAIT_CAP = 0.25
 _CAS_ATTEMPTS = 64
@@ -611,11 +614,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def set_closed(self) -> None:
         """Close the run; joins fail with ``RendezvousClosedError`` afterwards.
 
+        It returns within the close timeout whatever the backend does.
+
         Raises:
             RendezvousTimeoutError: The close did not go through within the
-                close timeout.
+                close timeout (a backend that does not answer included).
             RendezvousConnectionError: The backend cannot be reached.
         """
+        within = self._settings.timeout.close.total_seconds()
+        call_within(within, f"closing the run {self._settings.run_id!r}", self._close_run)
+
+    def _close_run(self) -> None:
         deadline = self._clock() + self._settings.timeout.close.total_seconds()
         for attempt in range(_CAS_ATTEMPTS):
             state, token = self._read()
@@ -670,24 +679,28 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Leave the run: stop heartbeats and remove this node from its round.
 
         The run stays open, so the other nodes can re-form without this one.
+        It returns within a few seconds whatever the backend does.
 
         Returns:
             True if the node left cleanly; False if the backend could not be
             reached (the others then detect it by its missing heartbeats).
         """
         self._stop_keepalive()
+        with self._lock:
+            member = self._member_of
+            self._member_of = None
         try:
-            with self._lock:
-                member = self._member_of
-                self._member_of = None
-            if member is not None:
-                self._evict([self._node], member.round)
-            self._liveness.forget(self._node)
+            call_within(_SHUTDOWN_WITHIN, f"node {self._node} leaving", lambda: self._leave(member))
         except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
             LOGGER.warning("rdzv shutdown of %s did not reach the backend: %s", self._node, exc)
             return False
         self._event("shutdown", -1 if member is None else member.round)
         return True
+
+    def _leave(self, member: RendezvousState | None) -> None:
+        if member is not None:
+            self._evict([self._node], member.round)
+        self._liveness.forget(self._node)
 
     def close(self) -> None:
         """Stop heartbeats and close the backend and store this handler was given.
