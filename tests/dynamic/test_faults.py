@@ -7,16 +7,23 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 
 from rdzv.api import RendezvousParameters, RendezvousSettings, RendezvousTimeout
 from rdzv.backends.base import MAX_RUN_ID, RendezvousBackend, Token
 from rdzv.backends.kv import StoreLiveness
+from rdzv.backends.options import StoreBackendOptions
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.state import RendezvousState, decode_state, encode_state
-from rdzv.errors import RendezvousExhaustedError, RendezvousStateError, RendezvousTimeoutError
+from rdzv.errors import (
+    RendezvousConnectionError,
+    RendezvousExhaustedError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
 from rdzv.store.memory import HashStore
 from rdzv.store.tcp import TCPStore
 from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
@@ -321,3 +328,30 @@ def test_shutdown_and_set_closed_on_a_backend_that_stopped_answering_return_in_t
     finally:
         backend.release.set()
         handler.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_calls_after_the_store_host_died_fail_within_the_reconnect_timeout() -> None:
+    with serve_process() as (proc, port):
+        store = TCPStore("127.0.0.1", port, timeout=60)
+        store.set("k", "v")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        times = []
+        for _ in range(3):
+            started = time.monotonic()
+            with pytest.raises(RendezvousConnectionError):
+                store.get("k")
+            times.append(time.monotonic() - started)
+        store.close()
+    # Each call gives up after the reconnect timeout (3 s), not the 60 s store
+    # timeout; the bound is generous for a loaded machine.
+    assert max(times) < 3.0 + 10.0, times
+
+
+def test_a_missing_secret_file_is_a_value_error_naming_the_key(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    params = RendezvousParameters("c10d", "h:1", "job", 1, 1, auth_token_file=str(missing))
+    with pytest.raises(ValueError, match=f"auth_token_file '{missing}' cannot be read"):
+        StoreBackendOptions.from_params(params)

@@ -17,6 +17,7 @@ thread or a child process).
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import ssl
 from dataclasses import dataclass, field
@@ -226,12 +227,16 @@ class StoreTLS:
             The settings.
 
         Raises:
-            ValueError: Only one of ``ssl_cert`` and ``ssl_cert_key`` is set,
-                or they are set without ``ca_cert``; the message names the keys.
+            ValueError: A file does not exist, only one of ``ssl_cert`` and
+                ``ssl_cert_key`` is set, or they are set without ``ca_cert``;
+                the message names the keys.
         """
         ca = _path_option(params, "ca_cert", "cacert")
         cert = _path_option(params, "ssl_cert")
         key = _path_option(params, "ssl_cert_key")
+        for named in (ca, cert, key):
+            if named is not None and not os.path.isfile(named[1]):
+                raise ValueError(f"{named[0]} {named[1]!r} cannot be loaded: no such file")
         if (cert is None) != (key is None):
             given = "ssl_cert" if cert is not None else "ssl_cert_key"
             raise ValueError(
@@ -330,8 +335,8 @@ class StoreBackendOptions:
 
         Raises:
             ValueError: A bad value, naming its key (including ``is_host=1``
-                with TLS on and no server certificate, and an empty secret file).
-            OSError: ``auth_token_file`` cannot be read.
+                with TLS on and no server certificate, and a secret file that
+                is empty or cannot be read).
         """
         _choice(params, "store_type", cls.STORE_TYPES, "the store backend's store_type")
         host, port = parse_endpoint(params.endpoint)
@@ -343,15 +348,14 @@ class StoreBackendOptions:
                 f"{tls.ca[0] if tls.ca else 'ca_cert'} is set (TLS on) but this node hosts the "
                 "store (is_host=1) and has no ssl_cert/ssl_cert_key to serve it with"
             )
+        try:
+            token = resolve_auth_token(token_file)
+        except OSError as exc:
+            raise ValueError(
+                f"auth_token_file {token_file!r} cannot be read: {exc.strerror or exc}"
+            ) from exc
         return cls(
-            host,
-            port,
-            params.run_id,
-            _read_timeout(params),
-            token_file,
-            resolve_auth_token(token_file),
-            tls,
-            is_host,
+            host, port, params.run_id, _read_timeout(params), token_file, token, tls, is_host
         )
 
     @property

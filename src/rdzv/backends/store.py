@@ -232,7 +232,6 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     Raises:
         ValueError: An option is invalid (including TLS files that cannot
             be loaded); the message names it.
-        OSError: ``auth_token_file`` cannot be read.
         RendezvousConnectionError: The store could not be reached or hosted.
         StoreAuthenticationError: The store refused the secret, or needs one.
     """

@@ -84,6 +84,10 @@ _KEY_PREFIX = b"/"
 _INIT_KEY = b"init/"
 _REPLY_GRACE = 5.0
 """Seconds a reply to a server-timed request may lag behind its timeout."""
+# Once connected, a dropped connection is retried for at most this long per
+# call (the store timeout still bounds it): the host most likely died, and a
+# caller with a deadline must hear so in seconds, not after the read timeout.
+RECONNECT_TIMEOUT = 3.0
 _BACKOFF_FIRST = 0.01
 _BACKOFF_MAX = 1.0
 
@@ -136,7 +140,10 @@ class TCPStore(Store):
         world_size: The number of clients, master included, that will
             connect; with ``wait_for_workers`` the master waits for all.
         is_master: Start a server in a background thread of this process.
-        timeout: The timeout of blocking operations and of connecting.
+        timeout: The timeout of blocking operations and of the first
+            connection (the server may start after the client). Once it was
+            connected, a dropped connection is retried for at most
+            :data:`RECONNECT_TIMEOUT` seconds per call.
         wait_for_workers: With ``world_size``, block in the constructor until
             every client connected (each adds 1 to torch's ``init/`` key).
         multi_tenant: Share one server per port among the masters of this
@@ -182,6 +189,7 @@ class TCPStore(Store):
         self._ssl_context = ssl_context
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
+        self._was_connected = False
         self._recv_timeout: float | None = None
         self._reader = ReplyReader()
         self._rdzv_server: bool | None = None
@@ -331,12 +339,16 @@ class TCPStore(Store):
         if self._sock is not None:
             return self._sock
         budget = self.timeout.total_seconds()
+        if self._was_connected:
+            budget = min(budget, RECONNECT_TIMEOUT)
         deadline = time.monotonic() + budget
         backoff = _BACKOFF_FIRST
         while True:
             remaining = deadline - time.monotonic()
             try:
-                return self._connect_once(max(remaining, 0.001))
+                sock = self._connect_once(max(remaining, 0.001))
+                self._was_connected = True
+                return sock
             except (StoreAuthenticationError, ssl.SSLCertVerificationError) as exc:
                 if isinstance(exc, ssl.SSLCertVerificationError):
                     raise RendezvousConnectionError(

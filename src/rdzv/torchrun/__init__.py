@@ -182,7 +182,6 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
 
     Raises:
         ValueError: A parameter is invalid (including half-given TLS settings).
-        OSError: ``auth_token_file`` cannot be read.
         torch.distributed.elastic.rendezvous.RendezvousConnectionError: The
             store could not be hosted or reached, or refused the secret or
             certificate.
