@@ -33,8 +33,10 @@ from rdzv.dynamic.machine import (
     MarkWatch,
     Requeue,
     Seal,
+    SealJudging,
     decide,
     judge_marks,
+    leaving_members,
     missing_members,
     nodes_waiting,
     observe,
@@ -54,6 +56,7 @@ from rdzv.dynamic.state import (
 from rdzv.testing import FakeClock, InMemoryBackend
 
 DEAD = 3.0
+INTERVAL = DEAD / 3
 LIMITS = Limits(min_nodes=2, max_nodes=3, join_timeout=60.0, last_call=5.0, grace=DEAD)
 SKEWS = st.sampled_from([0.0, 3600.0, -3600.0, 86_400.0 * 3, -0.5])
 
@@ -69,6 +72,7 @@ class SimNode:
     done: bool = False
     ring_watches: dict[str, MarkWatch] = field(default_factory=dict)
     seal_watches: dict[str, MarkWatch] = field(default_factory=dict)
+    seal_judging: SealJudging = field(default_factory=SealJudging)
     missing: list[str] = field(default_factory=list)
 
 
@@ -108,9 +112,7 @@ class World:
             since = self.clock() - self.last_beat.get(victim, -math.inf)
             assert since >= DEAD, f"{victim} beat {since:.2f} s ago and was judged dead"
         state, token = self.read()
-        if state is None or state.round != round_id or state.closed:
-            return
-        members = [n for n in dead if state.rank_of(n) is not None]
+        members = [] if state is None else leaving_members(state, round_id, dead, False)
         if members:
             result = self.backend.set_state(encode_state(state.evict(members)), token)
             if result is not None and result[2]:
@@ -135,9 +137,12 @@ class World:
         progress = node.progress
         length = self.backend.queue_length(progress.round_id)
         now = self.now(node)
-        leader = progress.position in (LIMITS.min_nodes, LIMITS.max_nodes)
-        if progress.blocked is not None and node.missing and leader and state is not None:
-            marks = {n: self.backend.heartbeat_mark(n) for n in node.missing}
+        due = False
+        if progress.blocked is not None and node.missing and state is not None:
+            # The handler's own schedule: leaders often, others once the seal stalled.
+            due, node.seal_judging = node.seal_judging.due(progress.position, LIMITS, now, INTERVAL)
+        if due and state is not None:
+            marks = self.backend.heartbeat_marks(node.missing)
             node.seal_watches, dead = judge_marks(node.seal_watches, marks, now, DEAD)
             if dead:
                 self.evict(node, dead, state.round)
@@ -149,6 +154,7 @@ class World:
             progress = replace(progress, position=self.backend.enqueue(action.round_id, record))
         elif isinstance(action, Requeue):
             progress = JoinProgress(action.round_id, progress.started_at)
+            node.seal_judging = SealJudging()
         elif isinstance(action, Seal):
             records = [decode_record(r) for r in self.backend.queue_records(progress.round_id)]
             plan = plan_seal(state, progress.round_id, records, LIMITS)

@@ -285,3 +285,79 @@ def test_missing_members() -> None:
     state = RendezvousState(0, (A, B, C)).evict([C])
     assert missing_members(None, [JoinRecord(A)]) == []
     assert missing_members(state, [JoinRecord(A), JoinRecord(D)]) == [B]
+
+
+def test_leaders_judge_missing_members_often_others_only_once_the_seal_stalled() -> None:
+    from rdzv.dynamic.machine import SealJudging, judge_interval
+
+    interval = 2.0  # LIMITS.grace is the dead-node timeout: 6 s
+    every = judge_interval(interval, LIMITS.grace)
+    assert every == pytest.approx(0.15)
+    leader, other = SealJudging(), SealJudging()
+    due, leader = leader.due(LIMITS.min_nodes, LIMITS, 0.0, interval)
+    assert due
+    due, leader = leader.due(LIMITS.min_nodes, LIMITS, 0.1, interval)
+    assert not due  # not before its cadence
+    due, leader = leader.due(LIMITS.min_nodes, LIMITS, 0.15, interval)
+    assert due
+    due, other = other.due(3, LIMITS, 0.0, interval)
+    assert not due
+    due, other = other.due(3, LIMITS, 11.9, interval)
+    assert not due  # stalled only after two dead-node timeouts
+    due, other = other.due(3, LIMITS, 12.0, interval)
+    assert due
+    due, other = other.due(3, LIMITS, 13.0, interval)
+    assert not due  # then once per heartbeat interval
+    due, other = other.due(None, LIMITS, 14.0, interval)
+    assert due
+
+
+def test_judge_interval_bounds() -> None:
+    from rdzv.dynamic.machine import judge_interval
+
+    assert judge_interval(5.0, 15.0) == pytest.approx(0.375)
+    assert judge_interval(0.1, 0.3) == pytest.approx(0.02)  # never more often than 20 ms
+    assert judge_interval(1.0, 1000.0) == 1.0  # never less often than a beat
+
+
+def test_round_lost() -> None:
+    from rdzv.dynamic.machine import round_lost
+
+    mine = RendezvousState(3, (ME, A))
+    assert not round_lost(mine, RendezvousState(3, (ME, A), evicted=frozenset({1})))
+    assert round_lost(mine, None)  # wiped
+    assert round_lost(mine, RendezvousState(2, (ME, A)))  # went back
+    assert round_lost(mine, RendezvousState(900, (ME, A)))  # a round it never joined
+
+
+def test_bootstrap_abandoned() -> None:
+    from rdzv.dynamic.machine import bootstrap_abandoned
+
+    sealed = RendezvousState(3, (A, ME))
+    assert not bootstrap_abandoned(sealed, sealed)
+    assert not bootstrap_abandoned(sealed, sealed.evict([ME]))
+    assert bootstrap_abandoned(sealed, sealed.evict([A]))  # rank 0 left
+    assert bootstrap_abandoned(sealed, sealed.close())
+    assert bootstrap_abandoned(sealed, RendezvousState(4, (A, ME)))
+    assert bootstrap_abandoned(sealed, None)
+
+
+def test_droppable_queue_keeps_the_previous_one() -> None:
+    from rdzv.dynamic.machine import droppable_queue
+
+    assert droppable_queue(0) is None
+    assert droppable_queue(1) is None
+    assert droppable_queue(2) == 0
+    assert droppable_queue(9) == 7
+
+
+def test_leaving_members() -> None:
+    from rdzv.dynamic.machine import leaving_members
+
+    state = RendezvousState(3, (ME, A, B))
+    assert leaving_members(state, 3, [ME, C], False) == [ME]
+    assert leaving_members(state, 2, [ME], False) == []  # another round
+    assert leaving_members(state.close(), 3, [ME], False) == []
+    some_gone = state.evict([B])
+    assert leaving_members(some_gone, 3, [ME], True) == []  # the others re-form anyway
+    assert leaving_members(some_gone, 3, [ME], False) == [ME]

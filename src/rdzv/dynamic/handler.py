@@ -78,13 +78,19 @@ from rdzv.dynamic.machine import (
     MarkWatch,
     Requeue,
     Seal,
+    SealJudging,
     Wait,
+    bootstrap_abandoned,
     decide,
+    droppable_queue,
+    judge_interval,
     judge_marks,
+    leaving_members,
     missing_members,
     nodes_waiting,
     observe,
     plan_seal,
+    round_lost,
     start_join,
 )
 from rdzv.dynamic.state import (
@@ -170,9 +176,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         interval = settings.keep_alive_interval.total_seconds()
         self._interval = interval
         self._dead_after = interval * settings.keep_alive_max_attempt
-        # How often observers read heartbeat marks: a small fraction of the
-        # dead-node timeout, so detection is late by at most that much.
-        self._judge_every = min(interval, max(0.02, self._dead_after / 40))
+        self._judge_every = judge_interval(interval, self._dead_after)
         timeout = settings.timeout
         self._limits = Limits(
             min_nodes=settings.min_nodes,
@@ -430,8 +434,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         attempt = 0
         missing: list[str] = []
         watches: dict[str, MarkWatch] = {}
-        next_judgement = now
-        blocked_since: float | None = None
+        judging = SealJudging()
         self._event("join", progress.round_id)
         while True:
             progress = observe(progress, state, queue_length, self._limits, now)
@@ -447,7 +450,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 state, token = self._read()
                 now = self._clock()
                 progress = replace(start_join(state, now), started_at=progress.started_at)
-                queue_length, missing, blocked_since = 0, [], None
+                queue_length, missing, judging = 0, [], SealJudging()
                 self._event("join", progress.round_id)
                 continue
             if isinstance(action, Fail):
@@ -462,7 +465,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             elif isinstance(action, Requeue):
                 self._event("requeue", action.round_id, missed=progress.round_id)
                 progress = JoinProgress(action.round_id, progress.started_at)
-                queue_length, blocked_since = 0, None
+                queue_length, judging = 0, SealJudging()
             elif isinstance(action, Seal):
                 state, token, progress, missing = self._seal(state, token, progress, queue_length)
             elif isinstance(action, Wait):
@@ -471,37 +474,29 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     queue_length = self._queue.wait_queue_length(
                         progress.round_id, queue_length, min(remaining, _QUEUE_WAIT_CAP)
                     )
-                    leader = progress.position in (self._limits.min_nodes, self._limits.max_nodes)
-                    if blocked_since is None:
-                        blocked_since = self._clock()
-                    stalled = self._clock() - blocked_since >= 2 * self._dead_after
-                    if (
-                        missing
-                        and (leader or stalled)
-                        and state is not None
-                        and self._clock() >= next_judgement
-                    ):
-                        # The seal waits for members of the last round: the
-                        # leaders judge them too, or a round whose members
-                        # all died would block the next one. Others only
-                        # once the seal stalled (the leaders may be dead
-                        # too), and less often: all of them judging at once
-                        # would cost O(N^2) reads.
-                        every = self._judge_every if leader else self._interval
-                        next_judgement = self._clock() + every
-                        marks = self._liveness.heartbeat_marks(missing)
-                        watches, dead = judge_marks(
-                            watches, marks, self._clock(), self._dead_after, self._interval
+                    if missing and state is not None:
+                        due, judging = judging.due(
+                            progress.position, self._limits, self._clock(), self._interval
                         )
-                        if dead:
-                            self._event("dead", state.round, suspects=dead)
-                            self._evict(dead, state.round)
+                        if due:
+                            watches = self._judge_missing(state, missing, watches)
                     state, token = self._read()
                 else:
                     state, token = self._wait_state(token, min(remaining, _STATE_WAIT_CAP), attempt)
                     attempt += 1
                     queue_length = self._queue.queue_length(progress.round_id)
             now = self._clock()
+
+    def _judge_missing(
+        self, state: RendezvousState, missing: list[str], watches: dict[str, MarkWatch]
+    ) -> dict[str, MarkWatch]:
+        """Judge the members a deferred seal waits for; evict the dead; return the watches."""
+        marks = self._liveness.heartbeat_marks(missing)
+        watches, dead = judge_marks(watches, marks, self._clock(), self._dead_after, self._interval)
+        if dead:
+            self._event("dead", state.round, suspects=dead)
+            self._evict(dead, state.round)
+        return watches
 
     def _seal(
         self,
@@ -523,8 +518,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         new_state, new_token, written = result
         if written:
             self._event("sealed", round_id, world_size=len(plan.participants))
-            if round_id >= 2:
-                self._queue.drop_queue(round_id - 2)
+            dropped = droppable_queue(round_id)
+            if dropped is not None:
+                self._queue.drop_queue(dropped)
             return plan, new_token, progress, []
         return decode_state(new_state), new_token, progress, []
 
@@ -574,7 +570,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
             RendezvousTimeoutError: Rank 0 stayed a member but did not publish
                 within the store timeout.
         """
-        rank0 = state.participants[0]
         timeout = store.timeout.total_seconds()
         # The store's own timeout runs on real time, whatever clock the machine uses.
         deadline = time.monotonic() + timeout
@@ -592,9 +587,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 )
             except RendezvousTimeoutError:
                 current, _ = self._read()
-                if current is None or current.round != state.round or current.closed:
-                    return False
-                if current.rank_of(rank0) is None:
+                if bootstrap_abandoned(state, current):
                     return False
             else:
                 return True
@@ -664,10 +657,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             member_of = self._member_of
         if member_of is None:
             return length
-        if state is None or state.round != member_of.round:
-            # The store was wiped or went back (the run starts over), or holds
-            # a round this node never joined (forged, or written by a writer
-            # that lost track): either way this node's round is gone.
+        if state is None or round_lost(member_of, state):
             return max(1, length)
         return nodes_waiting(state, length, self._node, self._limits)
 
@@ -740,12 +730,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """
         for attempt in range(_CAS_ATTEMPTS):
             state, token = self._read()
-            if state is None or state.round != round_id or state.closed:
-                return False
-            if unless_any_evicted and len(state.live_participants()) < len(state.participants):
-                return False
-            members = [n for n in nodes if state.rank_of(n) is not None]
-            if not members:
+            members = (
+                [] if state is None else leaving_members(state, round_id, nodes, unless_any_evicted)
+            )
+            if state is None or not members:
                 return False
             result = self._write(encode_state(state.evict(members)), token)
             if result is not None and result[2]:

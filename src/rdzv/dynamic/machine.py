@@ -414,6 +414,137 @@ def judge_marks(
     return updated, dead
 
 
+def judge_interval(interval: float, dead_after: float) -> float:
+    """Return how often an observer reads heartbeat marks.
+
+    A small fraction of the dead-node timeout, so a death is found late by
+    at most that much; never more often than every 20 ms, never less often
+    than once per heartbeat interval.
+
+    Args:
+        interval: The heartbeat interval, in seconds.
+        dead_after: The dead-node timeout, in seconds.
+
+    Returns:
+        Seconds between readings.
+    """
+    return min(interval, max(0.02, dead_after / 40))
+
+
+@dataclass(frozen=True)
+class SealJudging:
+    """When a node waiting on a deferred seal judges the missing members.
+
+    The seal waits for the live members of the last round to re-join. The
+    leaders (the nodes whose join made the round sealable: queue positions
+    ``min_nodes`` and ``max_nodes``) judge the missing ones often, or a round
+    whose members all died would block the next one forever. Everyone else
+    judges only once the seal stalled for two dead-node timeouts (the leaders
+    may be dead too), and only once per heartbeat interval: all N nodes
+    judging at once would cost O(N^2) reads.
+
+    Attributes:
+        blocked_since: When this node first waited on the deferred seal.
+        next_at: When it may judge next.
+    """
+
+    blocked_since: float | None = None
+    next_at: float = -math.inf
+
+    def due(
+        self, position: int | None, limits: Limits, now: float, interval: float
+    ) -> tuple[bool, SealJudging]:
+        """Tell whether to judge now, and return the schedule after it.
+
+        Args:
+            position: This node's position in the round's queue (None: not
+                queued yet).
+            limits: The settings (``grace`` is the dead-node timeout).
+            now: The monotonic time.
+            interval: The heartbeat interval.
+
+        Returns:
+            ``(judge, schedule)``.
+        """
+        since = now if self.blocked_since is None else self.blocked_since
+        leader = position in (limits.min_nodes, limits.max_nodes)
+        stalled = now - since >= 2 * limits.grace
+        if not (leader or stalled) or now < self.next_at:
+            return False, SealJudging(since, self.next_at)
+        every = judge_interval(interval, limits.grace) if leader else interval
+        return True, SealJudging(since, now + every)
+
+
+def round_lost(member_of: RendezvousState, stored: RendezvousState | None) -> bool:
+    """Tell whether the round a member completed is gone from the store.
+
+    It is gone when nothing is stored (the store was wiped), or the stored
+    round is another one: an older one (the store went back) or a newer one
+    this member never joined (forged, or written by a writer that lost
+    track); a newer legitimate round always waits for its live members.
+
+    Args:
+        member_of: The round this node is a member of.
+        stored: The stored state.
+
+    Returns:
+        True when the member must re-join.
+    """
+    return stored is None or stored.round != member_of.round
+
+
+def bootstrap_abandoned(sealed: RendezvousState, stored: RendezvousState | None) -> bool:
+    """Tell whether rank 0 of ``sealed`` can no longer publish its bootstrap address.
+
+    Args:
+        sealed: The round this node completed.
+        stored: The stored state now.
+
+    Returns:
+        True when the round is gone or closed, or its rank 0 is no live member.
+    """
+    if stored is None or stored.round != sealed.round or stored.closed:
+        return True
+    return stored.rank_of(sealed.participants[0]) is None
+
+
+def droppable_queue(sealed_round: int) -> int | None:
+    """Return the join queue that may be deleted once ``sealed_round`` sealed.
+
+    The queue of the round before stays: late readers of it (nodes that
+    enqueued as the seal landed) re-read it to find they missed the round.
+
+    Args:
+        sealed_round: The round just sealed.
+
+    Returns:
+        The round whose queue may go, or None.
+    """
+    return sealed_round - 2 if sealed_round >= 2 else None
+
+
+def leaving_members(
+    state: RendezvousState, round_id: int, nodes: Sequence[str], unless_any_evicted: bool
+) -> list[str]:
+    """Return which of ``nodes`` a compare-and-set must evict from ``round_id``.
+
+    Args:
+        state: The stored state.
+        round_id: The round they leave.
+        nodes: The nodes.
+        unless_any_evicted: Write nothing once any member is already evicted
+            (a member re-joining: the others re-form anyway).
+
+    Returns:
+        The live members among ``nodes``; empty when no write is needed.
+    """
+    if state.round != round_id or state.closed:
+        return []
+    if unless_any_evicted and len(state.live_participants()) < len(state.participants):
+        return []
+    return [n for n in nodes if state.rank_of(n) is not None]
+
+
 def successor_of(state: RendezvousState, node: str) -> str | None:
     """Return the live participant after ``node`` in rank order, wrapping around.
 
