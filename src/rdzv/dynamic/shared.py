@@ -1,0 +1,145 @@
+"""The run's shared state as the handler sees it: decoded reads, fenced writes, waits.
+
+:class:`SharedState` wraps a :class:`~rdzv.backends.base.RendezvousBackend`:
+
+* :meth:`SharedState.read` returns the decoded state and its fencing token;
+* :meth:`SharedState.write` is one compare-and-set. torch's backend contract
+  lets ``set_state`` return None; a backend that does so after writing is
+  answered by reading the state back (our write won when the stored bytes
+  are the ones written), and one that says nothing is stored right after a
+  create breaks the contract: a :class:`~rdzv.errors.RendezvousStateError`
+  naming it, within one round trip rather than after the join timeout;
+* :meth:`SharedState.update` is the one compare-and-set loop: read, let a
+  pure ``change`` decide the new state (or that none is needed), write,
+  retry with jittered backoff on a conflict, until a deadline;
+* :meth:`SharedState.wait` blocks until the state changes (the backend's
+  watch) or polls with backoff.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rdzv.backends.base import RendezvousBackend, Token, WatchableBackend
+from rdzv.dynamic.state import RendezvousState, decode_state, encode_state
+from rdzv.errors import RendezvousStateError
+from rdzv.retry import poll_backoff
+
+__all__ = ["SharedState"]
+
+CAS_ATTEMPTS = 64
+"""Compare-and-set attempts of one update before it gives up."""
+
+Change = Callable[[RendezvousState | None], RendezvousState | None]
+
+
+class SharedState:
+    """The run's state in a backend, decoded and written with compare-and-set.
+
+    Args:
+        backend: The backend.
+        name: The backend's name, for messages.
+    """
+
+    def __init__(self, backend: RendezvousBackend, name: str) -> None:
+        self._backend = backend
+        self._name = name
+
+    def read(self) -> tuple[RendezvousState | None, Token | None]:
+        """Read the state.
+
+        Returns:
+            ``(state, token)``; ``(None, None)`` when nothing is stored.
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored state is corrupt.
+        """
+        found = self._backend.get_state()
+        if found is None:
+            return None, None
+        return decode_state(found[0]), found[1]
+
+    def write(self, data: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
+        """Compare-and-set the encoded state.
+
+        Args:
+            data: The encoded state.
+            token: The token of the last read, or None to create.
+
+        Returns:
+            ``(stored, token, written)``, or None when nothing is stored.
+
+        Raises:
+            RendezvousStateError: The backend broke the contract (see the module).
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+        result = self._backend.set_state(data, token)
+        if result is not None:
+            return result
+        found = self._backend.get_state()
+        if found is not None:
+            return found[0], found[1], found[0] == data
+        if token is None:
+            raise RendezvousStateError(
+                f"the {self._name!r} backend ({type(self._backend).__name__}) broke the "
+                "backend contract: set_state returned None and get_state finds no state right "
+                "after creating it"
+            )
+        return None
+
+    def update(
+        self,
+        change: Change,
+        deadline: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> tuple[RendezvousState | None, bool]:
+        """Apply ``change`` to the stored state with compare-and-set, retrying on conflicts.
+
+        Args:
+            change: Given the stored state, returns the state to write, or
+                None when no write is needed.
+            deadline: Give up after this time of ``clock``, or None.
+            clock: The clock of ``deadline``.
+
+        Returns:
+            ``(written, settled)``: the state this call wrote (None if none),
+            and False when it gave up (attempts spent or deadline passed).
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored state is corrupt.
+        """
+        for attempt in range(CAS_ATTEMPTS):
+            state, token = self.read()
+            desired = change(state)
+            if desired is None:
+                return None, True
+            result = self.write(encode_state(desired), token)
+            if result is not None and result[2]:
+                return desired, True
+            if deadline is not None and clock() >= deadline:
+                break
+            time.sleep(poll_backoff(attempt, cap=0.1))
+        return None, False
+
+    def wait(
+        self, token: Token | None, timeout: float, attempt: int
+    ) -> tuple[RendezvousState | None, Token | None]:
+        """Wait up to ``timeout`` for the state to differ from ``token``, then read it.
+
+        Args:
+            token: The token of the last read.
+            timeout: Seconds to wait at most.
+            attempt: How many polls came before (sets the backoff of
+                backends without watches).
+
+        Returns:
+            ``(state, token)`` as :meth:`read`.
+        """
+        if isinstance(self._backend, WatchableBackend):
+            found = self._backend.wait_for_state(token, timeout)
+            return (None, None) if found is None else (decode_state(found[0]), found[1])
+        time.sleep(min(timeout, poll_backoff(attempt)))
+        return self.read()
