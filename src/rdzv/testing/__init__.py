@@ -4,9 +4,11 @@
 * :class:`InMemoryBackend` -- a backend with every capability, in memory.
 * :mod:`rdzv.testing.conformance` -- the backend suite: :data:`BACKEND_CHECKS`
   over a :class:`BackendHarness`.
+* :mod:`rdzv.testing.store_conformance` -- the Store suite:
+  :data:`STORE_CHECKS` over a :class:`StoreHarness`.
 
-The suite is checks as data, needs nothing but the standard library, and
-comes with a runner (:func:`run_conformance`).
+Both suites are checks as data, need nothing but the standard library, and
+come with a runner (:func:`run_conformance`, :func:`run_store_conformance`).
 """
 
 from rdzv.testing.clock import FakeClock
@@ -19,9 +21,17 @@ from rdzv.testing.conformance import (
     run_conformance,
 )
 from rdzv.testing.memory import InMemoryBackend, InMemoryRendezvousStorage, OperationCounts
+from rdzv.testing.store_conformance import (
+    STORE_CHECKS,
+    StoreCapability,
+    StoreCheck,
+    StoreHarness,
+    run_store_conformance,
+)
 
 __all__ = [
     "BACKEND_CHECKS",
+    "STORE_CHECKS",
     "BackendHarness",
     "CapabilityMissing",
     "Check",
@@ -30,5 +40,9 @@ __all__ = [
     "InMemoryBackend",
     "InMemoryRendezvousStorage",
     "OperationCounts",
+    "StoreCapability",
+    "StoreCheck",
+    "StoreHarness",
     "run_conformance",
+    "run_store_conformance",
 ]
