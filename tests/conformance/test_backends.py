@@ -29,7 +29,7 @@ from tests.engines.servers import EtcdCluster, RedisServer
 
 pytestmark = pytest.mark.timeout(90)
 
-CHECKS = pytest.mark.parametrize("check", BACKEND_CHECKS, ids=lambda c: c.name)
+EACH_CHECK = pytest.mark.parametrize("check", BACKEND_CHECKS, ids=lambda c: c.name)
 
 
 def run_all(check: Check, harness: BackendHarness) -> None:
@@ -55,7 +55,7 @@ class MemoryHarness(BackendHarness):
         self.storage.corrupt_state()
 
 
-@CHECKS
+@EACH_CHECK
 def test_memory(check: Check) -> None:
     harness = MemoryHarness()
     try:
@@ -110,7 +110,7 @@ class _NoWatchStore(HashStore):
 
 
 @pytest.mark.parametrize("watch", [True, False], ids=["watch", "poll"])
-@CHECKS
+@EACH_CHECK
 def test_c10d_on_hash_store(check: Check, watch: bool) -> None:
     harness = C10dHarness(HashStore(timeout=10) if watch else _NoWatchStore(timeout=10))
     try:
@@ -119,7 +119,7 @@ def test_c10d_on_hash_store(check: Check, watch: bool) -> None:
         harness.close()
 
 
-@CHECKS
+@EACH_CHECK
 def test_c10d_on_tcp(check: Check) -> None:
     host = TCPStore("127.0.0.1", 0, is_master=True, timeout=10)
     harness = C10dHarness(host, lambda: TCPStore("127.0.0.1", host.port, timeout=10))
@@ -159,7 +159,7 @@ class EtcdHarness(BackendHarness):
 
 
 @pytest.mark.etcd
-@CHECKS
+@EACH_CHECK
 def test_etcd(check: Check, etcd: EtcdCluster) -> None:
     harness = EtcdHarness(etcd)
     try:
@@ -197,7 +197,7 @@ class RedisHarness(BackendHarness):
 
 
 @pytest.mark.redis
-@CHECKS
+@EACH_CHECK
 def test_redis(check: Check, redis_srv: RedisServer) -> None:
     harness = RedisHarness(redis_srv)
     try:

@@ -35,7 +35,7 @@ from tests.store.helpers import TorchClientStore
 
 pytestmark = pytest.mark.timeout(60)
 
-CHECKS = pytest.mark.parametrize("check", STORE_CHECKS, ids=lambda c: c.name)
+EACH_CHECK = pytest.mark.parametrize("check", STORE_CHECKS, ids=lambda c: c.name)
 
 TIMEOUT = 5.0
 EVERY = frozenset(StoreCapability)
@@ -76,12 +76,12 @@ def hash_store() -> Clients:
     return Clients(lambda: shared, EVERY)
 
 
-@CHECKS
+@EACH_CHECK
 def test_hash_store(check: StoreCheck) -> None:
     run(check, hash_store())
 
 
-@CHECKS
+@EACH_CHECK
 def test_prefix_store(check: StoreCheck) -> None:
     base = HashStore(TIMEOUT)
     run(check, Clients(lambda: PrefixStore("pre", base), EVERY))
@@ -142,7 +142,7 @@ def test_tcp_pairing(
 
 
 @pytest.mark.etcd
-@CHECKS
+@EACH_CHECK
 def test_etcd_store(check: StoreCheck, etcd: EtcdCluster) -> None:
     endpoints, prefix = parse_endpoints(etcd.endpoints), f"/suite/{uuid.uuid4().hex[:10]}/"
 
@@ -154,7 +154,7 @@ def test_etcd_store(check: StoreCheck, etcd: EtcdCluster) -> None:
 
 
 @pytest.mark.redis
-@CHECKS
+@EACH_CHECK
 def test_redis_store(check: StoreCheck, redis_srv: RedisServer) -> None:
     import redis
 
