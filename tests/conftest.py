@@ -1,12 +1,21 @@
-"""Shared pytest configuration and fixtures."""
+"""Shared pytest configuration and fixtures.
+
+The servers are session-wide and started on first use; tests keep apart by
+using keys of their own.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from rdzv.dynamic.handler import DynamicRendezvousHandler
+
+if TYPE_CHECKING:
+    from rdzv.store.server import TCPStoreServer
+    from tests.engines.servers import EtcdCluster, RedisServer
 
 
 @pytest.fixture
@@ -20,3 +29,58 @@ def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
             handler.pre_shutdown()
         for handler in made:
             handler.close()
+
+
+@pytest.fixture(scope="session")
+def etcd() -> Iterator[EtcdCluster]:
+    """One single-member etcd for the whole session."""
+    from tests.engines.servers import etcd_cluster
+
+    with etcd_cluster(1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_srv() -> Iterator[RedisServer]:
+    """One redis-server for the whole session."""
+    from tests.engines.servers import redis_server
+
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def rdzv_server() -> Iterator[TCPStoreServer]:
+    """An in-process rdzv store server for the whole session."""
+    from rdzv.store.server import TCPStoreServer
+
+    server = TCPStoreServer("127.0.0.1", 0).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def rdzv_server_process() -> Iterator[int]:
+    """An ``rdzv serve`` subprocess; yields its port.
+
+    torch's client keeps the GIL during some calls (``list_keys``), so it
+    cannot use a Python server hosted in its own process.
+    """
+    from tests.store.helpers import serve_process
+
+    with serve_process() as (_proc, port):
+        yield port
+
+
+@pytest.fixture(scope="session")
+def torch_server() -> Iterator[Any]:
+    """torch's C++ TCPStore server, hosted in this process."""
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield master
+    finally:
+        del master

@@ -1,30 +1,16 @@
-"""Fixtures for the engine tests: private etcd and Redis servers on loopback."""
+"""Fixtures for the engine tests (the etcd and Redis servers are in tests/conftest.py)."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
+from rdzv.backends.etcd import parse_endpoints
 from rdzv.backends.etcd_client import EtcdClient
-from tests.engines.servers import EtcdCluster, RedisServer, etcd_cluster, redis_server
-
-
-@pytest.fixture(scope="session")
-def etcd() -> Iterator[EtcdCluster]:
-    """One single-member etcd for the whole session (tests use distinct keys)."""
-    with etcd_cluster(1) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="session")
-def redis_srv() -> Iterator[RedisServer]:
-    """One redis-server for the whole session (tests use distinct keys)."""
-    with redis_server() as server:
-        yield server
+from tests.engines.servers import EtcdCluster, RedisServer
 
 
 @pytest.fixture
@@ -50,23 +36,3 @@ def redis_client(redis_srv: RedisServer) -> Iterator[Any]:
         yield client
     finally:
         client.close()
-
-
-BackendFactory = Callable[[str], Any]
-
-
-@pytest.fixture(
-    params=[
-        pytest.param("etcd", marks=pytest.mark.etcd),
-        pytest.param("redis", marks=pytest.mark.redis),
-    ]
-)
-def make_backend(request: pytest.FixtureRequest) -> BackendFactory:
-    """Returns ``run_id -> backend`` for a real etcd or Redis."""
-    if request.param == "etcd":
-        client: Any = request.getfixturevalue("etcd_client")
-        return lambda run_id: EtcdRendezvousBackend(client, run_id, key_prefix="/test/")
-    from rdzv.backends.redis import RedisRendezvousBackend
-
-    redis_client = request.getfixturevalue("redis_client")
-    return lambda run_id: RedisRendezvousBackend(redis_client, run_id, key_prefix="test:")

@@ -1,6 +1,6 @@
 """Multi-process rendezvous on etcd and Redis: formation, late joiners, SIGKILL recovery, close.
 
-Each test starts real agent processes (``tests.engines.rdzv_worker``) that
+Each test starts real agent processes (``tests.nodes.agent dynamic``) that
 use ``rdzv.create_handler`` with the ``etcd`` / ``redis`` backend against a
 private server.
 """
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 class Agents:
-    """Worker processes that print one JSON line per completed round."""
+    """Agent processes; ``line`` returns the next completed round or how one ended."""
 
     def __init__(self, backend: str, endpoint: str, run_id: str) -> None:
         self.backend, self.endpoint, self.run_id = backend, endpoint, run_id
@@ -34,13 +34,11 @@ class Agents:
         args = [
             sys.executable,
             "-m",
-            "tests.engines.rdzv_worker",
-            self.backend,
-            self.endpoint,
-            self.run_id,
-            str(min_nodes),
-            str(max_nodes),
-            str(rounds),
+            "tests.nodes.agent",
+            "dynamic",
+            *("--backend", self.backend, "--endpoint", self.endpoint, "--run-id", self.run_id),
+            *("--min", str(min_nodes), "--max", str(max_nodes), "--rounds", str(rounds)),
+            *("--join", "60", "--close-timeout", "10"),
         ]
         if close:
             args.append("--close")
@@ -52,15 +50,16 @@ class Agents:
 
     @staticmethod
     def line(proc: subprocess.Popen[str]) -> dict[str, Any]:
+        """Return the agent's next ``round`` or ``exit`` line."""
         assert proc.stdout is not None
-        text = proc.stdout.readline()
-        if not text:
-            _, err = proc.communicate(timeout=30)
-            raise AssertionError(
-                f"agent {proc.pid} exited ({proc.returncode}) without a line: {err[-3000:]}"
-            )
-        result: dict[str, Any] = json.loads(text)
-        return result
+        while text := proc.stdout.readline():
+            result: dict[str, Any] = json.loads(text)
+            if result["event"] in ("round", "exit"):
+                return result
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(
+            f"agent {proc.pid} exited ({proc.returncode}) without a line: {err[-3000:]}"
+        )
 
     @staticmethod
     def finish(proc: subprocess.Popen[str]) -> None:
@@ -134,7 +133,7 @@ def test_close_ends_the_run_for_later_joiners(agents: Agents) -> None:
         agents.finish(p)
     late = agents.start(2, 2, 1)
     result = agents.line(late)
-    assert result["closed"] is True
+    assert result["event"] == "exit"
     assert result["error"] in ("RendezvousClosedError", "RendezvousGracefulExitError")
     agents.finish(late)
 

@@ -18,11 +18,11 @@ from tests.procs import subprocess_env
 
 
 class Agent:
-    """One agent subprocess whose JSON lines are collected by a reader thread."""
+    """One ``tests.nodes.agent dynamic`` subprocess; a reader thread collects its JSON lines."""
 
     def __init__(self, args: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.agent", *args],
+            [sys.executable, "-m", "tests.nodes.agent", "dynamic", "--events", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -6,14 +6,11 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from rdzv import RendezvousParameters, StaticTCPRendezvous, create_handler
 from tests.procs import subprocess_env
-
-NODE = str(Path(__file__).with_name("static_node.py"))
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,7 +29,7 @@ def nodes() -> Iterator[list[subprocess.Popen[str]]]:
 
 def start(procs: list[subprocess.Popen[str]], *args: object) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, NODE, *map(str, args)],
+        [sys.executable, "-m", "tests.nodes.agent", "static", *map(str, args)],
         env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

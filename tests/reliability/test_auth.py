@@ -309,7 +309,7 @@ def test_c10d_node_without_the_server_certificate_joins_as_a_client(
     backend, store = create_backend(_params(endpoint, ca_cert=tls_files.ca_cert))
     try:
         store.set("client-over-tls", "yes")
-        assert host._store.get("client-over-tls") == b"yes"
+        assert host.store.get("client-over-tls") == b"yes"
     finally:
         backend.close()
         store.close()

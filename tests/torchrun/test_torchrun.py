@@ -111,16 +111,15 @@ def test_two_agents_over_tls_with_a_secret(job: Job) -> None:
 def spare_enqueued(endpoint: str, run_id: str) -> bool:
     """Ask the rendezvous, as a non-member, whether a node waits for the next round."""
     from rdzv.api import RendezvousParameters
-    from rdzv.backends.store import create_backend
-    from rdzv.dynamic.handler import create_handler
+    from rdzv.dynamic.handler import DynamicRendezvousHandler
 
     params = RendezvousParameters("c10d", endpoint, run_id, 2, 2, config={"is_host": False})
-    backend, store = create_backend(params)
+    handler = rendezvous_handler_registry.create_handler(params)
+    assert isinstance(handler, DynamicRendezvousHandler)
     try:
-        return create_handler(store, backend, params).num_nodes_waiting() > 0
+        return handler.num_nodes_waiting() > 0
     finally:
-        backend.close()
-        store.close()
+        handler.close()
 
 
 @pytest.mark.timeout(100)

@@ -5,18 +5,23 @@ Every backend runs the same checks: the fencing-token rules of
 threads, corrupt stored state, and the checks of each optional capability
 the backend offers. Use it from pytest like this::
 
-    from rdzv.testing.conformance import CHECKS, BackendHarness
+    from rdzv.testing.conformance import BACKEND_CHECKS, BackendHarness
 
-    @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
+    @pytest.mark.parametrize("check", BACKEND_CHECKS, ids=lambda c: c.name)
     def test_conformance(check, my_harness: BackendHarness) -> None:
         check.run(my_harness)   # skips itself when a capability is missing
 
-or call :func:`run_conformance` to run every applicable check at once.
+or call :func:`run_conformance` to run every applicable check at once. The
+suite imports nothing but the standard library and rdzv: a check that does
+not apply raises :class:`unittest.SkipTest`, which pytest and unittest
+report as a skip. :mod:`rdzv.testing.store_conformance` is its twin for
+stores.
 """
 
 from __future__ import annotations
 
 import threading
+import unittest
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +36,7 @@ from rdzv.backends.base import (
 from rdzv.errors import RendezvousStateError
 
 __all__ = [
-    "CHECKS",
+    "BACKEND_CHECKS",
     "BackendHarness",
     "CapabilityMissing",
     "Check",
@@ -64,6 +69,17 @@ class BackendHarness(ABC):
     @abstractmethod
     def corrupt_state(self) -> None:
         """Overwrite the stored state with a record the backend cannot decode."""
+
+    def connect_other_run(self) -> RendezvousBackend | None:
+        """Return a client of a second, empty run next to the harness's run.
+
+        The checks that runs are kept apart need it; they are skipped when it
+        returns None, which the default does.
+
+        Returns:
+            A backend on another run of the same storage, or None.
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release the harness's resources; the default does nothing."""
@@ -105,20 +121,27 @@ class Check:
         return self.capability is None or isinstance(backend, self.capability)
 
     def run(self, harness: BackendHarness) -> None:
-        """Run the check, skipping it under pytest when the capability is missing.
+        """Run the check, skipping it when the backend lacks what it needs.
 
         Args:
             harness: The harness of the backend under test.
 
         Raises:
             ConformanceError: The backend broke its contract.
+            unittest.SkipTest: The check does not apply (a skip under pytest
+                and unittest).
         """
         try:
             self.body(harness)
         except CapabilityMissing as exc:
-            import pytest  # noqa: PLC0415 - only under pytest
+            raise unittest.SkipTest(str(exc)) from exc
 
-            pytest.skip(str(exc))
+
+def _other_run(harness: BackendHarness) -> RendezvousBackend:
+    other = harness.connect_other_run()
+    if other is None:
+        raise CapabilityMissing(f"{type(harness).__name__} cannot connect to a second run")
+    return other
 
 
 def _fencing_create(harness: BackendHarness) -> None:
@@ -133,9 +156,11 @@ def _fencing_create(harness: BackendHarness) -> None:
     _expect(read == (b"one", token), f"get_state() must return what was written: {read}")
     again = backend.set_state(b"two")
     _expect(
-        again is not None and again[:1] == (b"one",) and again[1] == token and not again[2],
+        again == (b"one", token, False),
         f"set_state(token=None) over an existing state must not write: {again}",
     )
+    read = backend.get_state()
+    _expect(read == (b"one", token), f"a refused create must leave the state alone: {read}")
 
 
 def _fencing_update(harness: BackendHarness) -> None:
@@ -151,65 +176,68 @@ def _fencing_update(harness: BackendHarness) -> None:
     assert updated is not None
     token_b = updated[1]
     _expect(token_b != token_a, "a write must produce a new token")
+    read = backend.get_state()
+    _expect(read == (b"b", token_b), f"get_state() must return the update: {read}")
     stale = backend.set_state(b"c", token_a)
     _expect(
         stale == (b"b", token_b, False),
         f"a stale token must not write and must return the current state: {stale}",
     )
+    read = backend.get_state()
+    _expect(read == (b"b", token_b), f"a stale write must leave the state alone: {read}")
     same_bytes = backend.set_state(b"b", token_b)
     _expect(
         same_bytes is not None and same_bytes[2] and same_bytes[1] != token_b,
         "writing identical bytes must still produce a new token (no ABA)",
     )
-    _expect(backend.set_state(b"x", token_b) is not None, "set_state must return a tuple")
-    _expect(backend.get_state() is not None, "the state must still exist")
 
 
 def _fencing_invalid_tokens(harness: BackendHarness) -> None:
     backend = harness.connect()
     created = backend.set_state(b"kept")
     assert created is not None
-    for bad in (object(), "not-a-token", b"\x00garbage", -1, 10**30, 3.5):
+    token = created[1]
+    invalid = (object(), "not-a-token", b"\x00garbage", b"x", -1, 0, True, 10**30, 3.5)
+    for bad in invalid:
         result = backend.set_state(b"lost", bad)
         _expect(
-            result is not None and result[0] == b"kept" and not result[2],
-            f"an invalid token {bad!r} must not write: {result}",
+            result == (b"kept", token, False),
+            f"an invalid token {bad!r} must not write and must return the state: {result}",
         )
     read = backend.get_state()
-    _expect(read is not None and read[0] == b"kept", f"the state must be unchanged: {read}")
+    _expect(read == (b"kept", token), f"the state must be unchanged: {read}")
 
 
 def _fencing_token_on_empty(harness: BackendHarness) -> None:
     backend = harness.connect()
-    other = harness.connect()
-    created = other.set_state(b"x")
+    empty = _other_run(harness)
+    created = backend.set_state(b"x")
     assert created is not None
-    token = created[1]
-    empty = harness_fresh_backend(harness)
-    if empty is None:
-        return
-    result = empty.set_state(b"y", token)
+    result = empty.set_state(b"y", created[1])
     _expect(result is None, f"a token on an empty run must not write and return None: {result}")
-    _expect(backend.get_state() is not None, "the first run must be untouched")
+    _expect(empty.get_state() is None, f"the empty run must stay empty: {empty.get_state()}")
+    read = backend.get_state()
+    _expect(read == (b"x", created[1]), f"the first run must be untouched: {read}")
 
 
-def harness_fresh_backend(harness: BackendHarness) -> RendezvousBackend | None:
-    """Return a client of a second, empty run when the harness can make one.
+def _runs_isolated(harness: BackendHarness) -> None:
+    first = harness.connect()
+    second = _other_run(harness)
+    first.set_state(b"A")
+    second.set_state(b"B")
+    read_first, read_second = first.get_state(), second.get_state()
+    _expect(read_first is not None and read_first[0] == b"A", f"run one lost: {read_first}")
+    _expect(read_second is not None and read_second[0] == b"B", f"run two lost: {read_second}")
 
-    Harnesses expose this by defining ``connect_other_run()``.
 
-    Args:
-        harness: The harness.
-
-    Returns:
-        The backend, or None when the harness cannot make a second run.
-    """
-    maker = getattr(harness, "connect_other_run", None)
-    if maker is None:
-        return None
-    backend = maker()
-    assert isinstance(backend, RendezvousBackend)
-    return backend
+def _large_binary_state(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    blob = bytes(range(256)) * 1024
+    created = backend.set_state(blob)
+    _expect(created is not None and created[2], "a 256 KiB state must be written")
+    assert created is not None
+    read = harness.connect().get_state()
+    _expect(read == (blob, created[1]), "a 256 KiB state of every byte value must round-trip")
 
 
 def _run_threads(count: int, target: Callable[[int], None]) -> None:
@@ -435,11 +463,13 @@ def _liveness(harness: BackendHarness) -> None:
     _expect(other.heartbeat_mark("n1") is None, "a forgotten node has no mark")
 
 
-CHECKS: list[Check] = [
+BACKEND_CHECKS: list[Check] = [
     Check("fencing_create", None, _fencing_create),
     Check("fencing_update", None, _fencing_update),
     Check("fencing_invalid_tokens", None, _fencing_invalid_tokens),
     Check("fencing_token_on_empty_run", None, _fencing_token_on_empty),
+    Check("runs_isolated", None, _runs_isolated),
+    Check("large_binary_state", None, _large_binary_state),
     Check("concurrent_single_winner", None, _concurrent_single_winner),
     Check("concurrent_no_lost_update", None, _concurrent_no_lost_update),
     Check("corrupt_state", None, _corrupt_state),
@@ -464,13 +494,15 @@ def run_conformance(factory: Callable[[], BackendHarness]) -> list[str]:
         ConformanceError: A check failed; the message names it.
     """
     ran: list[str] = []
-    for check in CHECKS:
+    for check in BACKEND_CHECKS:
         harness = factory()
         try:
             if not check.applies_to(harness.connect()):
                 continue
             try:
                 check.body(harness)
+            except CapabilityMissing:
+                continue
             except ConformanceError as exc:
                 raise ConformanceError(f"{check.name}: {exc}") from exc
             ran.append(check.name)
