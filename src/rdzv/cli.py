@@ -7,8 +7,10 @@ parses arguments and maps errors to exit codes.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import rdzv
 from rdzv.launch.run import add_run_arguments
@@ -41,18 +43,42 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+@contextlib.contextmanager
+def _warnings_to_stderr(prog: str) -> Iterator[None]:
+    """Print the ``rdzv`` loggers' warnings and errors on stderr, time-stamped.
+
+    The library only has a ``NullHandler``; the command line is the
+    application that decides where its log records go.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s.%(msecs)03d {prog}: %(levelname)s %(name)s: %(message)s",
+            "%Y-%m-%d %H:%M:%S",
+        )
+    )
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("rdzv")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-        return serve_main(
-            args.host,
-            args.port,
-            auth_token_file=args.auth_token_file,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            max_connections=args.max_connections,
-            frame_timeout=args.frame_timeout,
-            idle_timeout=args.idle_timeout,
-        )
+        with _warnings_to_stderr("rdzv serve"):
+            return serve_main(
+                args.host,
+                args.port,
+                auth_token_file=args.auth_token_file,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+                max_connections=args.max_connections,
+                frame_timeout=args.frame_timeout,
+                idle_timeout=args.idle_timeout,
+            )
     except (OSError, ValueError) as exc:
         print(f"rdzv serve: {exc}", file=sys.stderr)
         return 1
@@ -61,7 +87,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from rdzv.status import status_command  # noqa: PLC0415 - keep other commands light
 
-    return status_command(args)
+    with _warnings_to_stderr("rdzv status"):
+        return status_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -221,4 +221,4 @@ def test_redis_backend_without_redis_py_says_what_to_install() -> None:
         timeout=60,
         check=True,
     )
-    assert "pip install 'rdzv[redis]'" in out.stdout
+    assert "pip install 'redis>=4.5'" in out.stdout

@@ -56,7 +56,7 @@ from rdzv.launch.bootstrap import (
     tcp_store_server,
 )
 from rdzv.launch.ranks import KEY_PREFIX, NodeRanks, assign_ranks, worker_environment
-from rdzv.launch.workers import OutputSink, WorkerExit, WorkerGroup, WorkerSpec
+from rdzv.launch.workers import OutputSink, WorkerExit, WorkerGroup, WorkerSpec, agent_line
 from rdzv.store.base import Store
 
 __all__ = [
@@ -177,7 +177,8 @@ class ElasticAgent:
         bootstrap_factory: Starts the workers' store on group rank 0 (a
             fresh ``rdzv.TCPStore`` server per attempt by default).
         sink: Where workers' prefixed output goes (the agent's stdout/stderr).
-        log: Receives the agent's own one-line messages (stderr by default).
+        log: Receives the agent's own one-line messages (by default they go to
+            the sink's stderr, time-stamped: see :func:`agent_line`).
     """
 
     def __init__(
@@ -442,7 +443,7 @@ class ElasticAgent:
 
     def _log_to_stderr(self, message: str) -> None:
         # Through the sink, so that it never splits a worker's line.
-        self._sink.write_line(f"rdzv run: {message}\n".encode(), to_stderr=True)
+        self._sink.write_line(agent_line(message), to_stderr=True)
 
     def _leave_barrier(self, attempt: _Attempt) -> None:
         # Whichever agent hosts the rendezvous store must outlive the others'

@@ -8,21 +8,34 @@ replacing ``torchrun`` with ``rdzv run``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from rdzv.api import RendezvousHandler, RendezvousParameters
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError
 from rdzv.launch.agent import EXIT_RENDEZVOUS, AgentConfig, AgentResult, ElasticAgent
+from rdzv.launch.workers import OutputSink, agent_line
 from rdzv.registry import create_handler
 
-__all__ = ["EXIT_USAGE", "RunOptionsError", "add_run_arguments", "parse_nnodes", "run_command"]
+__all__ = [
+    "EXIT_USAGE",
+    "LOG_LEVELS",
+    "RunOptionsError",
+    "add_run_arguments",
+    "parse_nnodes",
+    "run_command",
+]
 
 EXIT_USAGE = 2
+
+#: The values of ``--log-level``.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class RunOptionsError(ValueError):
@@ -106,10 +119,22 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between SIGTERM and SIGKILL when stopping workers (10)",
     )
     parser.add_argument(
+        "--log-level",
+        "--log_level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="WARNING",
+        metavar="LEVEL",
+        help="the least severe message of the rdzv loggers printed on stderr: "
+        f"{', '.join(LOG_LEVELS)} (WARNING; INFO shows the rendezvous events)",
+    )
+    parser.add_argument(
         "-v",
         "--verbose",
-        action="store_true",
-        help="also print the rendezvous events (the rdzv loggers at INFO) on stderr",
+        action="store_const",
+        const="INFO",
+        dest="log_level",
+        help="the same as --log-level INFO",
     )
     parser.add_argument(
         "-m",
@@ -185,12 +210,36 @@ def _agent_config(args: argparse.Namespace, nproc: int) -> AgentConfig:
     )
 
 
-def _print_rendezvous_events() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("rdzv run: event %(name)s %(message)s"))
+class _SinkLogHandler(logging.Handler):
+    """Writes log records as time-stamped agent lines through the output sink."""
+
+    def __init__(self, sink: OutputSink, level: str) -> None:
+        super().__init__(level)
+        self._sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = f"{record.levelname} {record.name}: {record.getMessage()}"
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            self._sink.write_line(agent_line(text, record.created), to_stderr=True)
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _rdzv_logs_to(sink: OutputSink, level: str) -> Iterator[None]:
+    """Print the ``rdzv`` loggers' records of ``level`` and above through ``sink``."""
     logger = logging.getLogger("rdzv")
+    handler = _SinkLogHandler(sink, level)
+    previous = logger.level
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(min(logger.getEffectiveLevel(), handler.level))
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -220,8 +269,8 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_RENDEZVOUS
-    if args.verbose:
-        _print_rendezvous_events()
-    result: AgentResult = ElasticAgent(handler, config).run()
-    print(f"rdzv run: {result.reason}", file=sys.stderr, flush=True)
+    sink = OutputSink()
+    with _rdzv_logs_to(sink, args.log_level):
+        result: AgentResult = ElasticAgent(handler, config, sink=sink).run()
+    sink.write_line(agent_line(result.reason), to_stderr=True)
     return result.exit_code

@@ -29,7 +29,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["OutputSink", "WorkerExit", "WorkerGroup", "WorkerSpec", "describe_returncode"]
+__all__ = [
+    "OutputSink",
+    "WorkerExit",
+    "WorkerGroup",
+    "WorkerSpec",
+    "agent_line",
+    "describe_returncode",
+]
+
+
+def agent_line(message: str, when: float | None = None) -> bytes:
+    """Format one of the agent's own lines: local time, ``rdzv run:``, the message.
+
+    Args:
+        message: The text, without a newline.
+        when: Seconds since the epoch (now when None).
+
+    Returns:
+        The line as bytes, ending in a newline:
+        ``2030-01-31 12:00:00.123 rdzv run: message``.
+    """
+    now = time.time() if when is None else when
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+    millis = int(now % 1 * 1000)
+    return f"{stamp}.{millis:03d} rdzv run: {message}\n".encode()
 
 
 @dataclass(frozen=True)
