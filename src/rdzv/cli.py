@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 import rdzv
-from rdzv.launch.run import add_run_arguments
+from rdzv.launch.options import add_run_arguments
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.status import add_status_arguments
 from rdzv.store.server import (
@@ -105,21 +105,22 @@ def build_parser() -> argparse.ArgumentParser:
     backends = commands.add_parser(
         "backends", help="list the registered rendezvous backends and where each came from"
     )
-    backends.set_defaults(func=_cmd_backends)
+    backends.set_defaults(func=_cmd_backends, command_parser=backends)
     run = commands.add_parser(
         "run",
         help="start this node's workers of an elastic job (torchrun-compatible options)",
         description="Start this node's workers and keep them in one group with the other "
-        "nodes: rdzv run [options] script.py args... | -m module args...",
+        "nodes: rdzv run [options] script.py args... | -m module args... Every option of "
+        "torchrun is accepted, also from its PET_<OPTION> environment variable.",
     )
     add_run_arguments(run)
-    run.set_defaults(func=_cmd_run)
+    run.set_defaults(func=_cmd_run, command_parser=run)
     status = commands.add_parser(
         "status",
         help="show a run's round, members with ranks and heartbeat ages, and wait list",
     )
     add_status_arguments(status)
-    status.set_defaults(func=_cmd_status)
+    status.set_defaults(func=_cmd_status, command_parser=status)
     serve = commands.add_parser(
         "serve", help="run a TCP store server (torch's TCPStore protocol) until SIGTERM/SIGINT"
     )
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_IDLE_TIMEOUT,
         help="close connections idle this long, never those blocked in a wait (default: off)",
     )
-    serve.set_defaults(func=_cmd_serve)
+    serve.set_defaults(func=_cmd_serve, command_parser=serve)
     return parser
 
 
@@ -165,7 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # The command's own usage, not the top-level one.
+        command_parser: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)
