@@ -3,7 +3,9 @@
 Theory of operation. One agent runs per node and drives any
 :class:`~rdzv.api.RendezvousHandler`:
 
-1. ``next_rendezvous()`` joins a round. A spare node told to leave
+1. ``next_rendezvous()`` joins a round, with a progress line a couple of
+   seconds into the wait and every few seconds after
+   (:mod:`rdzv.launch.progress`). A spare node told to leave
    (``RendezvousGracefulExitError``) exits 0; any other rendezvous error
    ends the agent with :data:`EXIT_RENDEZVOUS`.
 2. The agents of the round exchange their local world sizes through the
@@ -52,6 +54,7 @@ from pathlib import Path
 from types import FrameType
 
 from rdzv.api import RendezvousHandler, RendezvousInfo
+from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -65,6 +68,7 @@ from rdzv.launch.bootstrap import (
     exchange_bootstrap,
     tcp_store_server,
 )
+from rdzv.launch.progress import FIRST_LINE_AFTER, LINE_EVERY, EventListener, WaitProgress
 from rdzv.launch.ranks import (
     KEY_PREFIX,
     NodeRanks,
@@ -258,6 +262,8 @@ class ElasticAgent:
         sink: Where workers' prefixed output goes (the agent's stdout/stderr).
         log: Receives the agent's own one-line messages (by default they go to
             the sink's stderr, time-stamped: see :func:`agent_line`).
+        progress_intervals: Seconds into a wait for the other nodes before
+            the first progress line, and between lines.
     """
 
     def __init__(
@@ -267,6 +273,7 @@ class ElasticAgent:
         bootstrap_factory: BootstrapFactory = tcp_store_server,
         sink: OutputSink | None = None,
         log: Callable[[str], None] | None = None,
+        progress_intervals: tuple[float, float] = (FIRST_LINE_AFTER, LINE_EVERY),
     ) -> None:
         self._handler = handler
         self._config = config
@@ -280,6 +287,9 @@ class ElasticAgent:
         self._cleaning_up = False
         self._left = False
         self._scratch: Path | None = None
+        self._progress = WaitProgress(self._run_id, self._log, *progress_intervals)
+        node = handler.node if isinstance(handler, DynamicRendezvousHandler) else None
+        self._events = EventListener(self._progress.event, self._run_id, node)
 
     def run(self) -> AgentResult:
         """Run the job on this node until it finishes, fails or is interrupted.
@@ -287,7 +297,7 @@ class ElasticAgent:
         Returns:
             The exit code and a one-line reason.
         """
-        with self._signal_handlers():
+        with self._signal_handlers(), self._events.attached():
             try:
                 return self._loop()
             except AgentInterrupted as exc:
@@ -327,7 +337,8 @@ class ElasticAgent:
     def _loop(self) -> AgentResult:
         while True:
             try:
-                info = self._handler.next_rendezvous()
+                with self._progress.waiting():
+                    info = self._handler.next_rendezvous()
             except RendezvousGracefulExitError as exc:
                 return AgentResult(
                     EXIT_OK,

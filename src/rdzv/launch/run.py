@@ -47,6 +47,7 @@ from rdzv.launch.options import (
     parse_nnodes,
     parse_signals,
 )
+from rdzv.launch.progress import EventListener
 from rdzv.launch.ranks import visible_device
 from rdzv.launch.workers import OutputSink, StdChoice, agent_line
 from rdzv.registry import BACKEND_FACTORIES, create_handler
@@ -344,17 +345,24 @@ class _SinkLogHandler(logging.Handler):
 
 @contextlib.contextmanager
 def _rdzv_logs_to(sink: OutputSink, level: str) -> Iterator[None]:
-    """Print the ``rdzv`` loggers' records of ``level`` and above through ``sink``."""
+    """Print the ``rdzv`` loggers' records of ``level`` and above through ``sink``.
+
+    The rendezvous events (INFO records of ``rdzv.dynamic``) are enabled
+    whatever the level: the agent's progress lines are made from them.
+    """
     logger = logging.getLogger("rdzv")
+    events = logging.getLogger(EventListener.LOGGER)
     handler = _SinkLogHandler(sink, level)
-    previous = logger.level
+    previous = logger.level, events.level
     logger.addHandler(handler)
     logger.setLevel(min(logger.getEffectiveLevel(), handler.level))
+    events.setLevel(min(events.getEffectiveLevel(), logging.INFO))
     try:
         yield
     finally:
         logger.removeHandler(handler)
-        logger.setLevel(previous)
+        logger.setLevel(previous[0])
+        events.setLevel(previous[1])
 
 
 def run_command(args: argparse.Namespace) -> int:
