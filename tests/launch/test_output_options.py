@@ -75,11 +75,21 @@ def test_root_cause_of_torchs_error_file(tmp_path: Path) -> None:
     cause = read_root_cause(write(tmp_path / "e.json", data))
     assert cause == "KeyError: 'x' (at /a/lib.py:9 in f)"
     assert read_root_cause(write(tmp_path / "s.json", {"message": "Signal 6"})) == "Signal 6"
+    odd = {"message": {"message": "E: x", "extraInfo": ["not", "a", "dict"]}}
+    assert read_root_cause(write(tmp_path / "o.json", odd)) == "E: x"
 
 
 @pytest.mark.parametrize(
     "content",
-    ["", "not json", "[]", '{"message": 3}', '{"message": {"message": ""}}', '{"x": 1}'],
+    [
+        "",
+        "not json",
+        "[]",
+        '{"message": 3}',
+        '{"message": {"message": ""}}',
+        '{"x": 1}',
+        '{"message": {"message": 7, "extraInfo": []}}',
+    ],
 )
 def test_a_missing_or_malformed_error_file_gives_no_root_cause(
     tmp_path: Path, content: str

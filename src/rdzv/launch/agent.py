@@ -70,6 +70,7 @@ from rdzv.launch.bootstrap import (
 )
 from rdzv.launch.progress import FIRST_LINE_AFTER, LINE_EVERY, EventListener, WaitProgress
 from rdzv.launch.ranks import (
+    DEFAULT_SIGNALS_TO_HANDLE,
     KEY_PREFIX,
     NodeRanks,
     assign_ranks,
@@ -103,7 +104,7 @@ EXIT_WORKER_FAILED = 1
 EXIT_RENDEZVOUS = 3
 
 #: The signals torchrun's agent handles by default.
-DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+DEFAULT_SIGNALS = tuple(signal.Signals[name] for name in DEFAULT_SIGNALS_TO_HANDLE.split(","))
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,8 @@ def read_root_cause(path: Path) -> str | None:
     message: Any = data.get("message") if isinstance(data, dict) else None
     stack: Any = None
     if isinstance(message, dict):
-        stack = (message.get("extraInfo") or {}).get("py_callstack")
+        extra = message.get("extraInfo")
+        stack = extra.get("py_callstack") if isinstance(extra, dict) else None
         message = message.get("message")
     if not isinstance(message, str) or not message.strip():
         return None
