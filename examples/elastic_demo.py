@@ -66,7 +66,7 @@ class Demo:
         with self.lock:
             self.timeline.append(line)
             self.lock.notify_all()
-        print(line, flush=True)
+            print(line, flush=True)
 
     def serve(self) -> subprocess.Popen[str]:
         """Start the store server and remember its endpoint."""
@@ -114,7 +114,8 @@ class Demo:
     def _read(self, name: str, proc: subprocess.Popen[str]) -> None:
         assert proc.stderr is not None
         for line in proc.stderr:
-            text = line.strip().removeprefix("rdzv run: ")
+            # Agent lines are "<date> <time> rdzv run: message"; the demo has its own clock.
+            text = line.strip().partition("rdzv run: ")[2] or line.strip()
             match = ROUND.search(text)
             if match:
                 with self.lock:

@@ -8,9 +8,15 @@ Names are imported lazily, so ``import rdzv`` stays cheap.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
+#: The package version; the only place it is written (pyproject.toml reads it).
 __version__ = "0.1.0"
+
+# A library leaves logging to the application: without this handler Python's
+# last-resort handler would print rdzv's warnings as bare lines on stderr.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {

@@ -179,6 +179,19 @@ class RendezvousSettings:
             ``max_nodes < min_nodes``, or an interval is not positive.
     """
 
+    #: The configuration keys :meth:`from_params` reads (every dynamic backend's).
+    KEYS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "join_timeout",
+            "last_call_timeout",
+            "close_timeout",
+            "heartbeat_timeout",
+            "heartbeat",
+            "keep_alive_interval",
+            "keep_alive_max_attempt",
+        }
+    )
+
     run_id: str
     min_nodes: int
     max_nodes: int

@@ -7,11 +7,13 @@ parses arguments and maps errors to exit codes.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import rdzv
-from rdzv.launch.run import add_run_arguments
+from rdzv.launch.options import add_run_arguments
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.status import add_status_arguments
 from rdzv.store.server import (
@@ -41,18 +43,42 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+@contextlib.contextmanager
+def _warnings_to_stderr(prog: str) -> Iterator[None]:
+    """Print the ``rdzv`` loggers' warnings and errors on stderr, time-stamped.
+
+    The library only has a ``NullHandler``; the command line is the
+    application that decides where its log records go.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s.%(msecs)03d {prog}: %(levelname)s %(name)s: %(message)s",
+            "%Y-%m-%d %H:%M:%S",
+        )
+    )
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("rdzv")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-        return serve_main(
-            args.host,
-            args.port,
-            auth_token_file=args.auth_token_file,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            max_connections=args.max_connections,
-            frame_timeout=args.frame_timeout,
-            idle_timeout=args.idle_timeout,
-        )
+        with _warnings_to_stderr("rdzv serve"):
+            return serve_main(
+                args.host,
+                args.port,
+                auth_token_file=args.auth_token_file,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+                max_connections=args.max_connections,
+                frame_timeout=args.frame_timeout,
+                idle_timeout=args.idle_timeout,
+            )
     except (OSError, ValueError) as exc:
         print(f"rdzv serve: {exc}", file=sys.stderr)
         return 1
@@ -61,7 +87,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from rdzv.status import status_command  # noqa: PLC0415 - keep other commands light
 
-    return status_command(args)
+    with _warnings_to_stderr("rdzv status"):
+        return status_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,21 +105,22 @@ def build_parser() -> argparse.ArgumentParser:
     backends = commands.add_parser(
         "backends", help="list the registered rendezvous backends and where each came from"
     )
-    backends.set_defaults(func=_cmd_backends)
+    backends.set_defaults(func=_cmd_backends, command_parser=backends)
     run = commands.add_parser(
         "run",
         help="start this node's workers of an elastic job (torchrun-compatible options)",
         description="Start this node's workers and keep them in one group with the other "
-        "nodes: rdzv run [options] script.py args... | -m module args...",
+        "nodes: rdzv run [options] script.py args... | -m module args... Every option of "
+        "torchrun is accepted, also from its PET_<OPTION> environment variable.",
     )
     add_run_arguments(run)
-    run.set_defaults(func=_cmd_run)
+    run.set_defaults(func=_cmd_run, command_parser=run)
     status = commands.add_parser(
         "status",
         help="show a run's round, members with ranks and heartbeat ages, and wait list",
     )
     add_status_arguments(status)
-    status.set_defaults(func=_cmd_status)
+    status.set_defaults(func=_cmd_status, command_parser=status)
     serve = commands.add_parser(
         "serve", help="run a TCP store server (torch's TCPStore protocol) until SIGTERM/SIGINT"
     )
@@ -124,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_IDLE_TIMEOUT,
         help="close connections idle this long, never those blocked in a wait (default: off)",
     )
-    serve.set_defaults(func=_cmd_serve)
+    serve.set_defaults(func=_cmd_serve, command_parser=serve)
     return parser
 
 
@@ -138,7 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # The command's own usage, not the top-level one.
+        command_parser: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)

@@ -73,7 +73,7 @@ def test_etcd_create_backend_rejects_bad_options(config: dict[str, Any], message
 def test_etcd_backend_rejects_bad_arguments() -> None:
     client = EtcdClient([("127.0.0.1", 1)])
     try:
-        with pytest.raises(ValueError, match="run id"):
+        with pytest.raises(ValueError, match="run_id must be a non-empty string"):
             EtcdRendezvousBackend(client, "")
         with pytest.raises(ValueError, match="ttl"):
             EtcdRendezvousBackend(client, "r", ttl=0)
@@ -221,4 +221,4 @@ def test_redis_backend_without_redis_py_says_what_to_install() -> None:
         timeout=60,
         check=True,
     )
-    assert "pip install 'rdzv[redis]'" in out.stdout
+    assert "pip install 'redis>=4.5'" in out.stdout

@@ -26,14 +26,22 @@ class Agents:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[str]] = []
 
-    def start(self, args: Sequence[str], stderr_path: Path | None = None) -> subprocess.Popen[str]:
-        """Start ``rdzv run``; its stderr goes to ``stderr_path`` when given."""
+    def start(
+        self,
+        args: Sequence[str],
+        stderr_path: Path | None = None,
+        env: dict[str, str] | None = None,
+        stdin: int | None = None,
+        command: Sequence[str] = ("-m", "rdzv.cli", "run"),
+    ) -> subprocess.Popen[str]:
+        """Start ``rdzv run`` (or another ``command``); stderr to ``stderr_path`` when given."""
         with contextlib.ExitStack() as stack:
             err = stack.enter_context(stderr_path.open("w")) if stderr_path else subprocess.PIPE
             proc = subprocess.Popen(
-                [sys.executable, "-m", "rdzv.cli", "run", *args],
+                [sys.executable, *command, *args],
                 cwd=ROOT,
-                env=subprocess_env(),
+                env=subprocess_env() if env is None else env,
+                stdin=stdin,
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,30 @@ def test_module_entry_point() -> None:
     assert code == 0, err
     for rank in (0, 1):
         assert f"[rank {rank}]: usage:" in out
+
+
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} rdzv run: "
+
+
+def test_agent_lines_are_time_stamped_and_log_level_shows_events(endpoint: str) -> None:
+    args = [
+        "--nnodes=1",
+        f"--rdzv-endpoint={endpoint}",
+        "--rdzv-id=job-log-level",
+        "--local-addr=127.0.0.1",
+        "--log-level=info",
+        HELLO,
+    ]
+    with agents() as group:
+        code, _, err = finish(group.start(args))
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert all(re.match(STAMP, line) for line in lines), err
+    assert any(re.match(STAMP + "node 0/1 starting workers", line) for line in lines)
+    assert any(re.match(STAMP + 'INFO rdzv.dynamic: rdzv .*"action": "complete"', x) for x in lines)
+    assert re.match(STAMP + ".*succeeded", lines[-1])
+    with agents() as group:
+        quiet = [a.replace("info", "WARNING").replace("job-log-level", "job-quiet") for a in args]
+        code, _, err = finish(group.start(quiet))
+    assert code == 0, err
+    assert "rdzv.dynamic" not in err

@@ -12,10 +12,16 @@ Every mode first records the worker's environment in
 * ``sleep-once``: sleep until stopped the first time (a marker per rank), then exit 0.
 * ``partial``: print a last line without a newline.
 * ``wait-release``: sleep until the test creates ``OUTDIR/release-<WORLD_SIZE>``, then exit 0.
+* ``stdin``: write the first line read from stdin to ``OUTDIR/stdin-<RANK>``, then exit 0.
+* ``signals``: wait for SIGTERM, SIGINT, SIGHUP, SIGQUIT or SIGUSR1, write its name to
+  ``OUTDIR/signal-<RANK>``, then exit 0.
+* ``env``: also record the whole environment and the interpreter's command line in
+  ``OUTDIR/fullenv-<RANK>.json``, exit 0.
 """
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,6 +42,10 @@ KEYS = [
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "CUDA_VISIBLE_DEVICES",
 ]
 
 
@@ -78,6 +88,29 @@ def main() -> None:
     print(f"err line from rank {rank}", file=sys.stderr)
     sys.stdout.flush()
     if mode == "ok":
+        return
+    if mode == "env":
+        full = {"env": dict(os.environ), "argv": sys.orig_argv}
+        (outdir / f"fullenv-{rank}.json").write_text(json.dumps(full))
+        return
+    if mode == "stdin":
+        (outdir / f"stdin-{rank}").write_text(sys.stdin.readline())
+        return
+    if mode == "signals":
+        got: list[str] = []
+        for signum in (
+            signal.SIGTERM,
+            signal.SIGINT,
+            signal.SIGHUP,
+            signal.SIGQUIT,
+            signal.SIGUSR1,
+        ):
+            signal.signal(signum, lambda n, _f: got.append(signal.Signals(n).name))
+        (outdir / f"ready-{rank}").write_text("x")
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (outdir / f"signal-{rank}").write_text(",".join(got))
         return
     if mode == "partial":
         sys.stdout.write("no newline at the end")

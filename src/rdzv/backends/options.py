@@ -310,6 +310,20 @@ class StoreBackendOptions:
 
     STORE_TYPES: ClassVar[tuple[str, ...]] = ("tcp",)
 
+    #: The configuration keys :meth:`from_params` reads.
+    KEYS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "store_type",
+            "read_timeout",
+            "auth_token_file",
+            "ca_cert",
+            "cacert",
+            "ssl_cert",
+            "ssl_cert_key",
+            "is_host",
+        }
+    )
+
     host: str
     port: int
     run_id: str
@@ -438,6 +452,20 @@ class EtcdOptions:
 
     DEFAULT_PREFIX: ClassVar[str] = "/rdzv/"
 
+    #: The configuration keys :meth:`from_params` reads.
+    KEYS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "read_timeout",
+            "protocol",
+            "ssl_cert",
+            "ssl_cert_key",
+            "ca_cert",
+            "cacert",
+            "key_prefix",
+            "ttl",
+        }
+    )
+
     endpoints: tuple[tuple[str, int], ...]
     run_id: str
     protocol: str = "http"
@@ -497,6 +525,21 @@ class RedisOptions:
     """
 
     DEFAULT_PREFIX: ClassVar[str] = "rdzv:"
+
+    #: The configuration keys :meth:`from_params` reads.
+    KEYS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "read_timeout",
+            "protocol",
+            "ssl_cert",
+            "ssl_cert_key",
+            "ca_cert",
+            "password",
+            "db",
+            "key_prefix",
+            "ttl",
+        }
+    )
 
     host: str
     port: int

@@ -16,7 +16,8 @@ try:
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(
-        "the rdzv Redis backend needs redis-py; install it with: pip install 'rdzv[redis]'"
+        "the rdzv Redis backend needs redis-py; install it with: pip install 'redis>=4.5' "
+        "(or pip install '.[redis]' in rdzv's source tree)"
     ) from exc
 
 from rdzv.endpoint import format_endpoint

@@ -404,6 +404,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         missing: list[str] = []
         watches: dict[str, MarkWatch] = {}
         judging = SealJudging()
+        reported = 0
         self._event("join", progress.round_id)
         while True:
             progress = observe(progress, state, queue_length, self._limits, now)
@@ -456,6 +457,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     )
                     attempt += 1
                     queue_length = self._queue.queue_length(progress.round_id)
+                if queue_length != reported:
+                    # Progress for whoever waits with this node (rdzv run prints it).
+                    reported = queue_length
+                    self._event(
+                        "waiting",
+                        progress.round_id,
+                        joined=queue_length,
+                        min_nodes=self._limits.min_nodes,
+                        max_nodes=self._limits.max_nodes,
+                        timeout_in=round(
+                            progress.started_at + self._limits.join_timeout - self._clock(), 3
+                        ),
+                    )
             now = self._clock()
 
     def _judge_missing(

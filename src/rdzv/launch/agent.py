@@ -3,7 +3,9 @@
 Theory of operation. One agent runs per node and drives any
 :class:`~rdzv.api.RendezvousHandler`:
 
-1. ``next_rendezvous()`` joins a round. A spare node told to leave
+1. ``next_rendezvous()`` joins a round, with a progress line a couple of
+   seconds into the wait and every few seconds after
+   (:mod:`rdzv.launch.progress`). A spare node told to leave
    (``RendezvousGracefulExitError``) exits 0; any other rendezvous error
    ends the agent with :data:`EXIT_RENDEZVOUS`.
 2. The agents of the round exchange their local world sizes through the
@@ -23,17 +25,27 @@ Theory of operation. One agent runs per node and drives any
    * nodes are waiting (a newcomer, or a member declared dead): stop the
      workers and go back to 1 without counting a restart.
 
-SIGINT and SIGTERM raise :class:`AgentInterrupted` in the main thread; the
-agent then stops the workers (SIGTERM, grace, SIGKILL), leaves the
-rendezvous without closing it and exits ``128 + signal``.
+The signals to handle (torchrun's default: SIGTERM, SIGINT, SIGHUP and
+SIGQUIT) raise :class:`AgentInterrupted` in the main thread; the agent then
+stops the workers (the same signal to each worker's process group, grace,
+SIGKILL), leaves the rendezvous without closing it and exits
+``128 + signal``.
+
+Each worker gets an error file (``TORCHELASTIC_ERROR_FILE``) next to its log
+(in a private temporary directory, removed at the end, without a log
+directory); a failed worker's ``@record`` root cause is part of the line that
+reports the failure.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import string
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,6 +54,7 @@ from pathlib import Path
 from types import FrameType
 
 from rdzv.api import RendezvousHandler, RendezvousInfo
+from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -55,11 +68,28 @@ from rdzv.launch.bootstrap import (
     exchange_bootstrap,
     tcp_store_server,
 )
-from rdzv.launch.ranks import KEY_PREFIX, NodeRanks, assign_ranks, worker_environment
-from rdzv.launch.workers import OutputSink, WorkerExit, WorkerGroup, WorkerSpec
+from rdzv.launch.progress import FIRST_LINE_AFTER, LINE_EVERY, EventListener, WaitProgress
+from rdzv.launch.ranks import (
+    DEFAULT_SIGNALS_TO_HANDLE,
+    KEY_PREFIX,
+    NodeRanks,
+    assign_ranks,
+    visible_device,
+    worker_environment,
+)
+from rdzv.launch.workers import (
+    OutputSink,
+    Std,
+    StdChoice,
+    WorkerExit,
+    WorkerGroup,
+    WorkerSpec,
+    agent_line,
+)
 from rdzv.store.base import Store
 
 __all__ = [
+    "DEFAULT_SIGNALS",
     "EXIT_OK",
     "EXIT_RENDEZVOUS",
     "EXIT_WORKER_FAILED",
@@ -73,6 +103,9 @@ EXIT_OK = 0
 EXIT_WORKER_FAILED = 1
 EXIT_RENDEZVOUS = 3
 
+#: The signals torchrun's agent handles by default.
+DEFAULT_SIGNALS = tuple(signal.Signals[name] for name in DEFAULT_SIGNALS_TO_HANDLE.split(","))
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -80,7 +113,8 @@ class AgentConfig:
 
     Args:
         entrypoint: The worker's arguments after the interpreter:
-            ``["script.py", *args]`` or ``["-m", "module", *args]``.
+            ``["script.py", *args]`` or ``["-m", "module", *args]``; with
+            ``python=None`` the whole command line.
         nproc_per_node: Workers on this node.
         max_restarts: Restarts allowed after worker failures.
         monitor_interval: Seconds between checks of the workers.
@@ -89,8 +123,27 @@ class AgentConfig:
         local_addr: The address group rank 0 publishes for the bootstrap store.
         stop_grace: Seconds between SIGTERM and SIGKILL when stopping workers.
         exit_barrier_timeout: Seconds to wait for the other agents after success.
-        python: The interpreter that runs the workers.
+        python: The interpreter that runs the workers unbuffered (``-u``, as
+            torchrun does), or None to run ``entrypoint`` as the command
+            (torchrun's ``--no-python``).
         env: The environment workers start from (the agent's when None).
+        redirects: Streams that go only to the log file, not the console
+            (torchrun's ``--redirects``).
+        tee: Streams that go to the log file and the console (torchrun's
+            ``--tee``; every stream does when there is a log directory, so
+            this undoes ``redirects``).
+        local_ranks_filter: The local ranks whose output reaches the
+            console (all when None); the log files keep everything.
+        duplicate_stdout_filters: Copy stdout lines containing one of these
+            to ``filtered_stdout.log`` in the attempt's log directory.
+        duplicate_stderr_filters: The same for stderr (``filtered_stderr.log``).
+        log_line_prefix_template: A ``string.Template`` for the prefix of
+            workers' lines (``${role_name}``, ``${rank}``, ``${local_rank}``;
+            torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``), or None
+            for ``[rank N]: ``.
+        signals: The signals that stop the agent and are forwarded to the workers.
+        virtual_local_rank: ``LOCAL_RANK=0`` for every worker, which sees
+            only its own device in ``CUDA_VISIBLE_DEVICES``.
 
     Raises:
         ValueError: A value is out of range; the message names it.
@@ -105,8 +158,16 @@ class AgentConfig:
     local_addr: str | None = None
     stop_grace: float = 10.0
     exit_barrier_timeout: float = 300.0
-    python: str = sys.executable
+    python: str | None = sys.executable
     env: Mapping[str, str] | None = field(default=None)
+    redirects: StdChoice = field(default_factory=StdChoice)
+    tee: StdChoice = field(default_factory=StdChoice)
+    local_ranks_filter: frozenset[int] | None = None
+    duplicate_stdout_filters: Sequence[str] = ()
+    duplicate_stderr_filters: Sequence[str] = ()
+    log_line_prefix_template: str | None = None
+    signals: Sequence[signal.Signals] = DEFAULT_SIGNALS
+    virtual_local_rank: bool = False
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -121,6 +182,29 @@ class AgentConfig:
             raise ValueError(f"stop_grace must be non-negative, got {self.stop_grace}")
         if not self.role:
             raise ValueError("role must be a non-empty name")
+        files = self.redirects or self.tee
+        if self.log_dir is None and (
+            files or self.duplicate_stdout_filters or self.duplicate_stderr_filters
+        ):
+            raise ValueError("redirects, tee and duplicate filters write log files: give log_dir")
+        if not self.signals:
+            raise ValueError("signals must name at least one signal to handle")
+        if self.virtual_local_rank:
+            visible_device(os.environ if self.env is None else self.env, self.nproc_per_node - 1)
+
+    def console(self, local_rank: int) -> Std:
+        """Return the streams of a worker that reach the agent's console.
+
+        Args:
+            local_rank: The worker's rank on this node.
+
+        Returns:
+            Every stream, less the redirected ones that are not teed; none
+            for a local rank outside ``local_ranks_filter``.
+        """
+        if self.local_ranks_filter is not None and local_rank not in self.local_ranks_filter:
+            return Std.NONE
+        return Std.ALL & ~(self.redirects.of(local_rank) & ~self.tee.of(local_rank))
 
 
 @dataclass(frozen=True)
@@ -177,7 +261,10 @@ class ElasticAgent:
         bootstrap_factory: Starts the workers' store on group rank 0 (a
             fresh ``rdzv.TCPStore`` server per attempt by default).
         sink: Where workers' prefixed output goes (the agent's stdout/stderr).
-        log: Receives the agent's own one-line messages (stderr by default).
+        log: Receives the agent's own one-line messages (by default they go to
+            the sink's stderr, time-stamped: see :func:`agent_line`).
+        progress_intervals: Seconds into a wait for the other nodes before
+            the first progress line, and between lines.
     """
 
     def __init__(
@@ -187,6 +274,7 @@ class ElasticAgent:
         bootstrap_factory: BootstrapFactory = tcp_store_server,
         sink: OutputSink | None = None,
         log: Callable[[str], None] | None = None,
+        progress_intervals: tuple[float, float] = (FIRST_LINE_AFTER, LINE_EVERY),
     ) -> None:
         self._handler = handler
         self._config = config
@@ -199,6 +287,10 @@ class ElasticAgent:
         self._restarts = 0
         self._cleaning_up = False
         self._left = False
+        self._scratch: Path | None = None
+        self._progress = WaitProgress(self._run_id, self._log, *progress_intervals)
+        node = handler.node if isinstance(handler, DynamicRendezvousHandler) else None
+        self._events = EventListener(self._progress.event, self._run_id, node)
 
     def run(self) -> AgentResult:
         """Run the job on this node until it finishes, fails or is interrupted.
@@ -206,12 +298,12 @@ class ElasticAgent:
         Returns:
             The exit code and a one-line reason.
         """
-        with self._signal_handlers():
+        with self._signal_handlers(), self._events.attached():
             try:
                 return self._loop()
             except AgentInterrupted as exc:
                 self._cleaning_up = True
-                self._end_attempt()
+                self._end_attempt(signal.Signals(exc.signum))
                 return AgentResult(
                     128 + exc.signum,
                     f"interrupted by {exc}: stopped the workers and left the rendezvous "
@@ -222,6 +314,8 @@ class ElasticAgent:
                 self._cleaning_up = True
                 self._end_attempt()
                 self._shutdown_handler()
+                if self._scratch is not None:
+                    shutil.rmtree(self._scratch, ignore_errors=True)
 
     @contextlib.contextmanager
     def _signal_handlers(self) -> Iterator[None]:
@@ -234,7 +328,7 @@ class ElasticAgent:
                 return
             raise AgentInterrupted(signum)
 
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, on_signal) for sig in self._config.signals}
         try:
             yield
         finally:
@@ -244,7 +338,8 @@ class ElasticAgent:
     def _loop(self) -> AgentResult:
         while True:
             try:
-                info = self._handler.next_rendezvous()
+                with self._progress.waiting():
+                    info = self._handler.next_rendezvous()
             except RendezvousGracefulExitError as exc:
                 return AgentResult(
                     EXIT_OK,
@@ -316,27 +411,43 @@ class ElasticAgent:
             info.store, info.rank, self._bootstrap_factory, cfg.local_addr, self._wait_for_peers
         )
         base_env = dict(os.environ if cfg.env is None else cfg.env)
-        specs = [
-            WorkerSpec(
-                rank=ranks.base_rank + local_rank,
-                local_rank=local_rank,
-                argv=[cfg.python, *cfg.entrypoint],
-                env=worker_environment(
-                    base_env,
-                    ranks,
-                    local_rank,
-                    master,
-                    self._restarts,
-                    cfg.max_restarts,
-                    self._run_id,
-                ),
+        attempt_dir = Path(self._run_id, f"attempt_{self._attempts_started}")
+        log_dir = None if cfg.log_dir is None else cfg.log_dir / attempt_dir
+        error_dir = (log_dir or self._scratch_dir() / attempt_dir).resolve()
+        command = [*cfg.entrypoint] if cfg.python is None else [cfg.python, "-u", *cfg.entrypoint]
+        specs = []
+        for local_rank in range(cfg.nproc_per_node):
+            rank = ranks.base_rank + local_rank
+            error_file = error_dir / f"rank_{rank}.error.json"
+            prefix = None
+            if cfg.log_line_prefix_template is not None:
+                prefix = string.Template(cfg.log_line_prefix_template).safe_substitute(
+                    role_name=cfg.role, rank=rank, local_rank=local_rank
+                )
+            env = worker_environment(
+                base_env,
+                ranks,
+                local_rank,
+                master,
+                self._restarts,
+                cfg.max_restarts,
+                self._run_id,
+                error_file=str(error_file),
+                signals_to_handle=",".join(s.name for s in cfg.signals),
+                virtual_local_rank=cfg.virtual_local_rank,
             )
-            for local_rank in range(cfg.nproc_per_node)
-        ]
-        log_dir = None
-        if cfg.log_dir is not None:
-            log_dir = cfg.log_dir / self._run_id / f"attempt_{self._attempts_started}"
-        workers = WorkerGroup(specs, self._sink, log_dir)
+            specs.append(
+                WorkerSpec(
+                    rank, local_rank, command, env, cfg.console(local_rank), prefix, error_file
+                )
+            )
+        workers = WorkerGroup(
+            specs,
+            self._sink,
+            log_dir,
+            cfg.duplicate_stdout_filters,
+            cfg.duplicate_stderr_filters,
+        )
         self._attempt = _Attempt(info, ranks, workers, server)
         self._attempts_started += 1
         self._log(
@@ -431,18 +542,24 @@ class ElasticAgent:
         except RendezvousError as exc:
             self._log(f"could not close run {self._run_id!r}: {type(exc).__name__}: {exc}")
 
-    def _end_attempt(self) -> None:
+    def _scratch_dir(self) -> Path:
+        """A private directory for the error files when there is no log directory."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="rdzv-run-"))
+        return self._scratch
+
+    def _end_attempt(self, signum: signal.Signals = signal.SIGTERM) -> None:
         attempt = self._attempt
         if attempt is None:
             return
-        attempt.workers.stop(self._config.stop_grace)
+        attempt.workers.stop(self._config.stop_grace, signum)
         self._attempt = None
         if attempt.server is not None:
             attempt.server.close()
 
     def _log_to_stderr(self, message: str) -> None:
         # Through the sink, so that it never splits a worker's line.
-        self._sink.write_line(f"rdzv run: {message}\n".encode(), to_stderr=True)
+        self._sink.write_line(agent_line(message), to_stderr=True)
 
     def _leave_barrier(self, attempt: _Attempt) -> None:
         # Whichever agent hosts the rendezvous store must outlive the others'

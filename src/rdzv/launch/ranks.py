@@ -19,7 +19,13 @@ from rdzv.api import RendezvousStoreInfo
 from rdzv.errors import RendezvousStateError
 from rdzv.store.base import Store
 
-__all__ = ["NodeRanks", "assign_ranks", "worker_environment"]
+__all__ = [
+    "DEFAULT_SIGNALS_TO_HANDLE",
+    "NodeRanks",
+    "assign_ranks",
+    "visible_device",
+    "worker_environment",
+]
 
 KEY_PREFIX = "rdzv.launch"
 
@@ -122,6 +128,10 @@ def assign_ranks(
     )
 
 
+#: The signals torchrun handles by default (``--signals-to-handle``).
+DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
 def worker_environment(
     base: Mapping[str, str],
     ranks: NodeRanks,
@@ -130,11 +140,16 @@ def worker_environment(
     restart_count: int,
     max_restarts: int,
     run_id: str,
+    *,
+    error_file: str | None = None,
+    signals_to_handle: str = DEFAULT_SIGNALS_TO_HANDLE,
+    virtual_local_rank: bool = False,
 ) -> dict[str, str]:
     """Build one worker's environment, as torchrun would.
 
     ``OMP_NUM_THREADS=1`` (with several workers per node) and
-    ``PYTHONUNBUFFERED=1`` are set unless ``base`` already has them.
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` are set unless ``base`` already has
+    them.
 
     Args:
         base: The environment to start from (usually the agent's).
@@ -144,14 +159,25 @@ def worker_environment(
         restart_count: Restarts after failures so far.
         max_restarts: The restart budget.
         run_id: The run identifier.
+        error_file: ``TORCHELASTIC_ERROR_FILE``: where torch's ``@record``
+            writes the worker's root cause (unset when None).
+        signals_to_handle: ``TORCHELASTIC_SIGNALS_TO_HANDLE``, the signals
+            the agent handles, comma-separated.
+        virtual_local_rank: torchrun's ``--virtual-local-rank``: ``LOCAL_RANK``
+            is 0 and ``CUDA_VISIBLE_DEVICES`` names only this worker's device
+            (the ``local_rank``-th of ``base``'s list, or ``local_rank``).
 
     Returns:
         The complete environment.
+
+    Raises:
+        ValueError: ``virtual_local_rank`` and ``base``'s
+            ``CUDA_VISIBLE_DEVICES`` lists fewer devices than ``local_rank + 1``.
     """
     env = dict(base)
     if ranks.local_world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.update(
         {
             "RANK": str(ranks.base_rank + local_rank),
@@ -171,6 +197,37 @@ def worker_environment(
             # The agent hosts the workers' store: torch's env:// rendezvous then
             # connects to it as a client instead of binding MASTER_PORT itself.
             "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": signals_to_handle,
         }
     )
+    if error_file is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
+    if virtual_local_rank:
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = visible_device(base, local_rank)
     return env
+
+
+def visible_device(base: Mapping[str, str], local_rank: int) -> str:
+    """Return the one device a worker sees under ``--virtual-local-rank``.
+
+    Args:
+        base: The agent's environment.
+        local_rank: The worker's rank on this node.
+
+    Returns:
+        The ``local_rank``-th entry of ``CUDA_VISIBLE_DEVICES``, or
+        ``local_rank`` when that is unset.
+
+    Raises:
+        ValueError: ``CUDA_VISIBLE_DEVICES`` lists too few devices.
+    """
+    visible = base.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(local_rank)
+    devices = visible.split(",")
+    if local_rank >= len(devices):
+        raise ValueError(
+            f"local rank {local_rank} has no device in CUDA_VISIBLE_DEVICES={visible!r}"
+        )
+    return devices[local_rank].strip()

@@ -1,150 +1,318 @@
-"""``rdzv run``: the command-line options and how they become an agent.
+"""``rdzv run``: torchrun's options turned into a rendezvous and an elastic agent.
 
-The option names are torchrun's (both ``--dash-names`` and
-``--underscore_names`` are accepted), so a torchrun command line works after
-replacing ``torchrun`` with ``rdzv run``.
+The options and their ``PET_*`` variables are torchrun's
+(:mod:`rdzv.launch.options`), so a torchrun command line works after
+replacing ``torchrun`` with ``rdzv run``. The rendezvous is chosen as
+torchrun chooses it:
+
+* ``--standalone``, or no ``--rdzv-endpoint``, no ``--master-port`` and one
+  node: a static rendezvous of one node on a free loopback port with a
+  fresh run id;
+* ``--rdzv-backend static``, or no backend and no ``--rdzv-endpoint``:
+  torchrun's static rendezvous at ``--rdzv-endpoint`` or else
+  ``--master-addr:--master-port`` (127.0.0.1:29500), node ``--node-rank``;
+* any other backend (``c10d`` when none is given with an endpoint) at
+  ``--rdzv-endpoint``.
+
+Options that cannot apply are accepted with a one-line notice saying why;
+an ``--rdzv-conf`` key the backend does not read gets a warning naming it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-from rdzv.api import RendezvousHandler, RendezvousParameters
-from rdzv.endpoint import parse_config
+from rdzv.api import RendezvousHandler, RendezvousParameters, RendezvousSettings
+from rdzv.backends.options import EtcdOptions, RedisOptions, StoreBackendOptions
+from rdzv.endpoint import format_endpoint, parse_config
 from rdzv.errors import RendezvousError
 from rdzv.launch.agent import EXIT_RENDEZVOUS, AgentConfig, AgentResult, ElasticAgent
-from rdzv.registry import create_handler
+from rdzv.launch.options import (
+    LOG_LEVELS,
+    BadEnvironment,
+    RunOptionsError,
+    add_run_arguments,
+    local_world_size,
+    parse_local_ranks_filter,
+    parse_nnodes,
+    parse_signals,
+)
+from rdzv.launch.progress import EventListener
+from rdzv.launch.ranks import visible_device
+from rdzv.launch.workers import OutputSink, StdChoice, agent_line
+from rdzv.registry import BACKEND_FACTORIES, create_handler
 
-__all__ = ["EXIT_USAGE", "RunOptionsError", "add_run_arguments", "parse_nnodes", "run_command"]
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "DEFAULT_STOP_GRACE",
+    "EXIT_USAGE",
+    "LOG_LEVELS",
+    "RunOptionsError",
+    "add_run_arguments",
+    "known_conf_keys",
+    "parse_nnodes",
+    "run_command",
+]
 
 EXIT_USAGE = 2
 
+#: torchrun's ``--master-port`` default.
+DEFAULT_MASTER_PORT = 29500
 
-class RunOptionsError(ValueError):
-    """A ``rdzv run`` option has a bad value; the message names it."""
+#: rdzv's default grace period between the stop signal and SIGKILL (torchrun's is 30 s).
+DEFAULT_STOP_GRACE = 10.0
+
+# ``--run-path``: the script runs through runpy.run_path in a new interpreter.
+_RUN_PATH = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+# The keys of the options class that parses a built-in backend factory's settings.
+_FACTORY_KEYS = {
+    "rdzv.backends.store:create_backend": StoreBackendOptions.KEYS,
+    "rdzv.backends.etcd:create_backend": EtcdOptions.KEYS,
+    "rdzv.backends.redis:create_backend": RedisOptions.KEYS,
+}
 
 
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """Parse ``--nnodes``: ``N`` or ``MIN:MAX``.
+def known_conf_keys(backend: str) -> frozenset[str] | None:
+    """Return the ``--rdzv-conf`` keys a built-in dynamic backend reads.
 
     Args:
-        text: The option value.
+        backend: The backend name (``c10d``, ``etcd``, ``redis``, an alias).
 
     Returns:
-        ``(min_nodes, max_nodes)``.
-
-    Raises:
-        RunOptionsError: The value is not ``N`` or ``MIN:MAX`` with
-            ``1 <= MIN <= MAX``.
+        The backend's own keys and the rendezvous settings every dynamic
+        backend reads, or None for a backend whose keys rdzv does not know
+        (a plugin's, or the static rendezvous).
     """
-    parts = text.split(":")
-    if len(parts) not in (1, 2):
-        raise RunOptionsError(f"--nnodes {text!r} is not N or MIN:MAX")
+    keys = _FACTORY_KEYS.get(BACKEND_FACTORIES.get(backend, ""))
+    return None if keys is None else keys | RendezvousSettings.KEYS
+
+
+class _Notices:
+    """One-line messages printed before the agent starts."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def notice(self, option: str, why: str) -> None:
+        self.lines.append(f"notice: {option}: {why}")
+
+    def warning(self, text: str) -> None:
+        self.lines.append(f"warning: {text}")
+
+    def write(self, sink: OutputSink) -> None:
+        for line in self.lines:
+            sink.write_line(agent_line(line), to_stderr=True)
+        self.lines.clear()
+
+
+def _check_environment(args: argparse.Namespace) -> None:
+    for value in vars(args).values():
+        if isinstance(value, BadEnvironment):
+            raise RunOptionsError(str(value))
+
+
+def _stop_grace(args: argparse.Namespace) -> float:
+    if args.stop_grace is not None:
+        grace: float = args.stop_grace
+        option = f"--stop-grace {grace:g}"
+    elif args.shutdown_timeout is not None:
+        grace = float(args.shutdown_timeout)
+        option = f"--shutdown-timeout {args.shutdown_timeout}"
+    elif os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        text = os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
+        option = f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}"
+        try:
+            grace = float(text)
+        except ValueError:
+            raise RunOptionsError(f"{option} is not a number of seconds") from None
+    else:
+        return DEFAULT_STOP_GRACE
+    if not grace >= 0:
+        raise RunOptionsError(f"{option} must be non-negative")
+    return grace
+
+
+def _entrypoint(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """Return the worker's command after the interpreter, and the interpreter (None: none)."""
+    script: str = args.training_script
+    python = os.environ.get("PYTHON_EXEC") or sys.executable
+    if args.run_path:
+        if not Path(script).is_file():
+            raise RunOptionsError(f"--run-path: the worker script {script!r} does not exist")
+        return ["-c", _RUN_PATH, script, *args.training_script_args], python
+    if args.no_python:
+        if args.module:
+            raise RunOptionsError("--no-python and -m/--module cannot be used together")
+        if shutil.which(script) is None:
+            raise RunOptionsError(
+                f"--no-python: the worker command {script!r} is not an executable file "
+                "or a command on PATH"
+            )
+        return [script, *args.training_script_args], None
+    if args.module:
+        return ["-m", script, *args.training_script_args], python
+    if not Path(script).is_file():
+        raise RunOptionsError(f"the worker script {script!r} does not exist")
+    return [script, *args.training_script_args], python
+
+
+def _std_choice(text: str, option: str) -> StdChoice:
     try:
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        raise RunOptionsError(f"--nnodes {text!r} is not N or MIN:MAX (integers)") from None
-    low, high = numbers[0], numbers[-1]
-    if low < 1 or high < low:
-        raise RunOptionsError(f"--nnodes {text!r} needs 1 <= MIN <= MAX")
-    return low, high
+        return StdChoice.parse(text)
+    except ValueError as exc:
+        raise RunOptionsError(f"{option} {exc}") from None
 
 
-def _nproc(text: str) -> int:
-    if text in ("auto", "cpu"):
-        return os.cpu_count() or 1
-    try:
-        value = int(text)
-    except ValueError:
-        raise RunOptionsError(
-            f"--nproc-per-node {text!r} is not a positive integer, 'auto' or 'cpu'"
-        ) from None
-    if value < 1:
-        raise RunOptionsError(f"--nproc-per-node {text!r} must be at least 1")
-    return value
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``rdzv run`` to a parser.
-
-    Args:
-        parser: The ``run`` sub-parser.
-    """
-
-    def option(name: str, **kwargs: object) -> None:
-        names = [f"--{name}"]
-        if "-" in name:
-            names.append("--" + name.replace("-", "_"))
-        parser.add_argument(*names, **kwargs)  # type: ignore[arg-type]  # argparse's kwargs are untyped
-
-    option("nnodes", default="1:1", help="nodes: N, or MIN:MAX for an elastic job (1:1)")
-    option("nproc-per-node", default="1", help="workers per node: N, 'auto' or 'cpu' (1)")
-    option("rdzv-backend", default="c10d", help="rendezvous backend (c10d)")
-    option("rdzv-endpoint", default="", help="rendezvous endpoint, host[:port]")
-    option("rdzv-id", default="none", help="run id shared by the job's nodes (none)")
-    option("rdzv-conf", default="", help="backend settings, k=v,k2=v2")
-    option(
-        "standalone",
-        action="store_true",
-        help="one machine: an embedded store on a free port, a fresh run id",
+def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> AgentConfig:
+    entrypoint, python = _entrypoint(args)
+    if args.max_restarts < 0:
+        raise RunOptionsError(f"--max-restarts {args.max_restarts} must be non-negative")
+    if not args.monitor_interval > 0:
+        raise RunOptionsError(f"--monitor-interval {args.monitor_interval} must be positive")
+    if not args.role:
+        raise RunOptionsError("--role must be a non-empty name")
+    redirects = _std_choice(args.redirects, "-r/--redirects")
+    tee = _std_choice(args.tee, "-t/--tee")
+    filters = parse_local_ranks_filter(args.local_ranks_filter)
+    stdout_filters = [f for f in args.duplicate_stdout_filters if f]
+    stderr_filters = [f for f in args.duplicate_stderr_filters if f]
+    signals = parse_signals(args.signals_to_handle)
+    if args.virtual_local_rank:
+        try:
+            visible_device(os.environ, nproc - 1)
+        except ValueError as exc:
+            raise RunOptionsError(f"--virtual-local-rank with {nproc} workers: {exc}") from None
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    if log_dir is None and (redirects or tee or stdout_filters or stderr_filters):
+        log_dir = Path(tempfile.mkdtemp(prefix="rdzv-logs-"))
+        notes.notice(
+            "-r/-t/--duplicate-*-filters without --log-dir",
+            f"the worker log files go to {log_dir}",
+        )
+    return AgentConfig(
+        entrypoint=entrypoint,
+        nproc_per_node=nproc,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        role=args.role,
+        log_dir=log_dir,
+        local_addr="127.0.0.1" if _standalone(args) else args.local_addr,
+        stop_grace=_stop_grace(args),
+        python=python,
+        redirects=redirects,
+        tee=tee,
+        local_ranks_filter=filters,
+        duplicate_stdout_filters=stdout_filters,
+        duplicate_stderr_filters=stderr_filters,
+        log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        signals=signals,
+        virtual_local_rank=args.virtual_local_rank,
     )
-    option("node-rank", type=int, default=0, help="this node's rank (static backend) (0)")
-    option("local-addr", default=None, help="this node's address, published to the others")
-    option("max-restarts", type=int, default=0, help="restarts after worker failures (0)")
-    option("monitor-interval", type=float, default=0.1, help="seconds between checks (0.1)")
-    option("role", default="default", help="role name of this node's workers (default)")
-    option("log-dir", default=None, help="directory for one log file per worker per attempt")
-    option(
-        "stop-grace",
-        type=float,
-        default=10.0,
-        help="seconds between SIGTERM and SIGKILL when stopping workers (10)",
-    )
-    parser.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="also print the rendezvous events (the rdzv loggers at INFO) on stderr",
-    )
-    parser.add_argument(
-        "-m",
-        "--module",
-        action="store_true",
-        help="run the entry point as a Python module (python -m)",
-    )
-    parser.add_argument("training_script", help="the worker script, or module with -m")
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
 
 
-def _build_handler(args: argparse.Namespace, nproc: int) -> RendezvousHandler:
-    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+def _standalone(args: argparse.Namespace) -> bool:
+    """Tell whether the job is one node on a private store, as torchrun decides."""
     if args.standalone:
+        return True
+    implicit = args.rdzv_backend in (None, "static")
+    _, max_nodes = parse_nnodes(args.nnodes)
+    return implicit and not args.rdzv_endpoint and args.master_port is None and max_nodes == 1
+
+
+def _compatibility_notices(args: argparse.Namespace, notes: _Notices) -> None:
+    if args.start_method != "spawn":
+        notes.notice(
+            f"--start-method {args.start_method}",
+            "ignored; every worker is a new process running the command (torchrun too "
+            "uses the start method only for --run-path)",
+        )
+    if args.event_log_handler != "null":
+        notes.notice(
+            f"--event-log-handler {args.event_log_handler}",
+            "ignored; rdzv run does not call torch's elastic event handlers (its own "
+            "events are the rdzv loggers' records: --log-level INFO)",
+        )
+    if args.logs_specs is not None:
+        notes.notice(
+            f"--logs-specs {args.logs_specs}",
+            "ignored; rdzv run does not load torch's LogsSpecs plugins and writes its own "
+            "log files (--log-dir, -r/--redirects, -t/--tee)",
+        )
+    if args.numa_binding is not None:
+        notes.notice(
+            f"--numa-binding {args.numa_binding}",
+            "ignored; rdzv run does not bind workers to CPUs (start the worker under "
+            "numactl with --no-python to bind it)",
+        )
+
+
+def _check_conf_keys(backend: str, config: dict[str, str], notes: _Notices) -> None:
+    known = known_conf_keys(backend)
+    if known is None:
+        return
+    for key in sorted(set(config) - known):
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        notes.warning(
+            f"--rdzv-conf key {key!r} is not a setting of the {backend!r} backend and is "
+            f"ignored{hint} (known: {', '.join(sorted(known))})"
+        )
+
+
+def _build_handler(args: argparse.Namespace, nproc: int, notes: _Notices) -> RendezvousHandler:
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    if args.node_rank < 0:
+        raise RunOptionsError(f"--node-rank {args.node_rank} must be non-negative")
+    master_given = args.master_addr is not None or args.master_port is not None
+    if _standalone(args):
         if (min_nodes, max_nodes) != (1, 1):
             raise RunOptionsError(f"--standalone runs one node; --nnodes {args.nnodes} asks more")
+        if master_given:
+            notes.notice("--master-addr/--master-port", "ignored; one node needs no master")
         from rdzv.static import StaticTCPRendezvous  # noqa: PLC0415 - needs the TCP store
 
         return StaticTCPRendezvous(
             "127.0.0.1", master_port=0, rank=0, world_size=1, run_id=str(uuid.uuid4())
         )
-    if not args.rdzv_endpoint:
-        raise RunOptionsError(
-            "--rdzv-endpoint is required without --standalone (e.g. --rdzv-endpoint host:29400)"
+    backend = args.rdzv_backend
+    endpoint = args.rdzv_endpoint
+    if backend is None:
+        backend = "c10d" if endpoint else "static"
+    if backend == "static" and not endpoint:
+        host = (args.master_addr or "127.0.0.1").strip("[]")
+        endpoint = format_endpoint(host, args.master_port or DEFAULT_MASTER_PORT)
+    elif master_given:
+        notes.notice(
+            "--master-addr/--master-port",
+            "ignored; only the static rendezvous without --rdzv-endpoint uses them",
         )
-    if args.node_rank < 0:
-        raise RunOptionsError(f"--node-rank {args.node_rank} must be non-negative")
+    if not endpoint:
+        raise RunOptionsError(
+            f"--rdzv-endpoint is required with --rdzv-backend {backend} "
+            "(e.g. --rdzv-endpoint host:29400)"
+        )
     try:
         config = parse_config(args.rdzv_conf)
     except ValueError as exc:
         raise RunOptionsError(f"--rdzv-conf {args.rdzv_conf!r}: {exc}") from None
+    _check_conf_keys(backend, config, notes)
     try:
         params = RendezvousParameters(
-            args.rdzv_backend,
-            args.rdzv_endpoint,
+            backend,
+            endpoint,
             args.rdzv_id,
             min_nodes,
             max_nodes,
@@ -158,45 +326,49 @@ def _build_handler(args: argparse.Namespace, nproc: int) -> RendezvousHandler:
         raise RunOptionsError(str(exc)) from None
 
 
-def _agent_config(args: argparse.Namespace, nproc: int) -> AgentConfig:
-    entrypoint = [args.training_script, *args.training_script_args]
-    if args.module:
-        entrypoint.insert(0, "-m")
-    elif not Path(args.training_script).is_file():
-        raise RunOptionsError(f"the worker script {args.training_script!r} does not exist")
-    if args.max_restarts < 0:
-        raise RunOptionsError(f"--max-restarts {args.max_restarts} must be non-negative")
-    if not args.monitor_interval > 0:
-        raise RunOptionsError(f"--monitor-interval {args.monitor_interval} must be positive")
-    if args.stop_grace < 0:
-        raise RunOptionsError(f"--stop-grace {args.stop_grace} must be non-negative")
-    if not args.role:
-        raise RunOptionsError("--role must be a non-empty name")
-    local_addr = "127.0.0.1" if args.standalone else args.local_addr
-    return AgentConfig(
-        entrypoint=entrypoint,
-        nproc_per_node=nproc,
-        max_restarts=args.max_restarts,
-        monitor_interval=args.monitor_interval,
-        role=args.role,
-        log_dir=Path(args.log_dir) if args.log_dir else None,
-        local_addr=local_addr,
-        stop_grace=args.stop_grace,
-    )
+class _SinkLogHandler(logging.Handler):
+    """Writes log records as time-stamped agent lines through the output sink."""
+
+    def __init__(self, sink: OutputSink, level: str) -> None:
+        super().__init__(level)
+        self._sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = f"{record.levelname} {record.name}: {record.getMessage()}"
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            self._sink.write_line(agent_line(text, record.created), to_stderr=True)
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
 
 
-def _print_rendezvous_events() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("rdzv run: event %(name)s %(message)s"))
+@contextlib.contextmanager
+def _rdzv_logs_to(sink: OutputSink, level: str) -> Iterator[None]:
+    """Print the ``rdzv`` loggers' records of ``level`` and above through ``sink``.
+
+    The rendezvous events (INFO records of ``rdzv.dynamic``) are enabled
+    whatever the level: the agent's progress lines are made from them.
+    """
     logger = logging.getLogger("rdzv")
+    events = logging.getLogger(EventListener.LOGGER)
+    handler = _SinkLogHandler(sink, level)
+    previous = logger.level, events.level
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(min(logger.getEffectiveLevel(), handler.level))
+    events.setLevel(min(events.getEffectiveLevel(), logging.INFO))
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous[0])
+        events.setLevel(previous[1])
 
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``rdzv run`` with parsed arguments.
 
-    Prints one line saying how the run ended (``rdzv run: ...``) on stderr.
+    Prints one line saying how the run ended on stderr.
 
     Args:
         args: The namespace produced by a parser set up with
@@ -207,21 +379,27 @@ def run_command(args: argparse.Namespace) -> int:
         and restarts are spent, 2 bad options, 3 the rendezvous failed,
         128+N interrupted by signal N.
     """
+    sink = OutputSink()
+    notes = _Notices()
     try:
-        nproc = _nproc(args.nproc_per_node)
-        config = _agent_config(args, nproc)
-        handler = _build_handler(args, nproc)
+        _check_environment(args)
+        nproc = local_world_size(args.nproc_per_node)
+        config = _agent_config(args, nproc, notes)
+        _compatibility_notices(args, notes)
+        handler = _build_handler(args, nproc, notes)
     except RunOptionsError as exc:
+        notes.write(sink)
         print(f"rdzv run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except RendezvousError as exc:
+        notes.write(sink)
         print(
             f"rdzv run: cannot set up the rendezvous: {type(exc).__name__}: {exc}",
             file=sys.stderr,
         )
         return EXIT_RENDEZVOUS
-    if args.verbose:
-        _print_rendezvous_events()
-    result: AgentResult = ElasticAgent(handler, config).run()
-    print(f"rdzv run: {result.reason}", file=sys.stderr, flush=True)
+    notes.write(sink)
+    with _rdzv_logs_to(sink, args.log_level):
+        result: AgentResult = ElasticAgent(handler, config, sink=sink).run()
+    sink.write_line(agent_line(result.reason), to_stderr=True)
     return result.exit_code

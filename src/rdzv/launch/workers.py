@@ -1,12 +1,23 @@
 """Starting, watching and stopping one node's worker processes.
 
 Theory of operation: every worker runs in its own session (so its process
-group id is its pid) with stdout and stderr on pipes. One pump thread per
-pipe reads whole lines and writes them, prefixed with ``[rank N]:``, to the
-agent's own stdout or stderr under one lock, so lines of different workers
-never interleave and no partial line is lost (a last line without a newline
-gets one). With a log directory each worker also gets one file per attempt
-holding its unprefixed output. Stopping sends SIGTERM to every worker's
+group id is its pid) with stdout and stderr on pipes and the agent's stdin
+(as under torchrun, so ``breakpoint()`` in a worker can read the terminal).
+One pump thread per pipe reads whole lines and writes them, prefixed with
+``[rank N]:`` (or the worker's own prefix), to the agent's own stdout or
+stderr under one lock, so lines of different workers never interleave and no
+partial line is lost (a last line without a newline gets one). A worker's
+``console`` streams decide which of its streams reach the agent's output
+(torchrun's ``--redirects``, ``--tee`` and ``--local-ranks-filter``). With a
+log directory each worker also gets one file per attempt holding its whole
+unprefixed output, and lines matching the duplicate filters are copied,
+prefixed, to ``filtered_stdout.log`` / ``filtered_stderr.log`` there.
+
+A worker's error file (``TORCHELASTIC_ERROR_FILE``) is where torch's
+``@record`` writes the exception that ended it; a failed worker's exit
+carries that root cause.
+
+Stopping sends a signal (SIGTERM unless told otherwise) to every worker's
 process group, waits a grace period, then sends SIGKILL to the groups still
 alive; the pump threads end when the pipes close and are joined. On Linux
 each worker also asks the kernel for SIGKILL when the agent dies
@@ -18,18 +29,106 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import enum
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["OutputSink", "WorkerExit", "WorkerGroup", "WorkerSpec", "describe_returncode"]
+__all__ = [
+    "OutputSink",
+    "Std",
+    "StdChoice",
+    "WorkerExit",
+    "WorkerGroup",
+    "WorkerSpec",
+    "agent_line",
+    "describe_returncode",
+    "read_root_cause",
+]
+
+
+def agent_line(message: str, when: float | None = None) -> bytes:
+    """Format one of the agent's own lines: local time, ``rdzv run:``, the message.
+
+    Args:
+        message: The text, without a newline.
+        when: Seconds since the epoch (now when None).
+
+    Returns:
+        The line as bytes, ending in a newline:
+        ``2030-01-31 12:00:00.123 rdzv run: message``.
+    """
+    now = time.time() if when is None else when
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+    millis = int(now % 1 * 1000)
+    return f"{stamp}.{millis:03d} rdzv run: {message}\n".encode()
+
+
+class Std(enum.IntFlag):
+    """A set of a worker's standard streams (torch's ``Std``)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+@dataclass(frozen=True)
+class StdChoice:
+    """Streams chosen per local rank, as torchrun's ``--redirects`` and ``--tee`` give them.
+
+    Args:
+        default: The streams of every local rank not in ``per_rank``.
+        per_rank: Local rank -> its streams.
+    """
+
+    default: Std = Std.NONE
+    per_rank: Mapping[int, Std] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> StdChoice:
+        """Parse torchrun's format: ``N`` for every local rank, or ``R:N,R:N,...``.
+
+        ``N`` is 0 (none), 1 (stdout), 2 (stderr) or 3 (both).
+
+        Args:
+            text: The option value.
+
+        Returns:
+            The choice.
+
+        Raises:
+            ValueError: The text is neither form.
+        """
+        value = text.strip()
+        if re.fullmatch(r"[0-3]", value):
+            return cls(Std(int(value)))
+        if not re.fullmatch(r"\d+:[0-3](,\d+:[0-3])*", value):
+            raise ValueError(
+                f"{text!r} is neither 0-3 nor LOCAL_RANK:0-3,... "
+                "(0 none, 1 stdout, 2 stderr, 3 both)"
+            )
+        per_rank: dict[int, Std] = {}
+        for item in value.split(","):
+            rank, _, streams = item.partition(":")
+            per_rank[int(rank)] = Std(int(streams))
+        return cls(Std.NONE, per_rank)
+
+    def of(self, local_rank: int) -> Std:
+        """Return the streams chosen for ``local_rank``."""
+        return self.per_rank.get(local_rank, self.default)
+
+    def __bool__(self) -> bool:
+        return bool(self.default) or any(self.per_rank.values())
 
 
 @dataclass(frozen=True)
@@ -41,12 +140,20 @@ class WorkerSpec:
         local_rank: Its rank on this node.
         argv: The command line.
         env: The complete environment.
+        console: The streams copied to the agent's stdout and stderr.
+        prefix: The prefix of its lines on the console and in the filtered
+            files (``[rank N]: `` when None).
+        error_file: Where torch's ``@record`` writes its root cause (the
+            worker gets it as ``TORCHELASTIC_ERROR_FILE``), or None.
     """
 
     rank: int
     local_rank: int
     argv: Sequence[str]
     env: Mapping[str, str]
+    console: Std = Std.ALL
+    prefix: str | None = None
+    error_file: Path | None = None
 
 
 def describe_returncode(returncode: int) -> str:
@@ -68,6 +175,53 @@ def describe_returncode(returncode: int) -> str:
     return f"was killed by signal {name} ({signum})"
 
 
+_ERROR_FILE_LIMIT = 1 << 20
+_ROOT_CAUSE_LIMIT = 300
+_FRAME = re.compile(r'File "([^"\n]+)", line (\d+), in (\S+)')
+
+
+def read_root_cause(path: Path) -> str | None:
+    """Read the root cause torch's ``@record`` wrote into a worker's error file.
+
+    The file is torch's JSON (``{"message": {"message": "ValueError: ...",
+    "extraInfo": {"py_callstack": ...}}}``, or a plain ``message`` string).
+    Anything missing, too large or malformed gives None; this never raises.
+
+    Args:
+        path: The worker's error file.
+
+    Returns:
+        One line, ``"ValueError: bad input (at train.py:12 in main)"``,
+        with control characters escaped and at most a few hundred
+        characters, or None.
+    """
+    try:
+        with path.open("rb") as file:
+            raw = file.read(_ERROR_FILE_LIMIT + 1)
+        if len(raw) > _ERROR_FILE_LIMIT:
+            return None
+        data = json.loads(raw)
+    except (OSError, ValueError):
+        return None
+    message: Any = data.get("message") if isinstance(data, dict) else None
+    stack: Any = None
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+        message = message.get("message")
+    if not isinstance(message, str) or not message.strip():
+        return None
+    text = message.strip().splitlines()[0]
+    frames = _FRAME.findall(stack) if isinstance(stack, str) else []
+    if frames:
+        filename, line, function = frames[-1]
+        text += f" (at {filename}:{line} in {function})"
+    text = text.encode("unicode_escape").decode("ascii")
+    if len(text) > _ROOT_CAUSE_LIMIT:
+        text = text[: _ROOT_CAUSE_LIMIT - 3] + "..."
+    return text
+
+
 @dataclass(frozen=True)
 class WorkerExit:
     """How one worker ended.
@@ -78,6 +232,8 @@ class WorkerExit:
         pid: Its process id.
         returncode: ``Popen.returncode`` (negative: killed by that signal).
         log_path: Its log file, when there is one.
+        root_cause: The exception torch's ``@record`` recorded, when it failed
+            and left one.
     """
 
     rank: int
@@ -85,11 +241,14 @@ class WorkerExit:
     pid: int
     returncode: int
     log_path: Path | None
+    root_cause: str | None = None
 
     def describe(self) -> str:
-        """Return a one-line account of the exit, naming the rank and its log."""
+        """Return a one-line account of the exit: rank, code, root cause, log."""
         text = f"worker rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) "
         text += describe_returncode(self.returncode)
+        if self.root_cause is not None:
+            text += f": {self.root_cause}"
         if self.log_path is not None:
             text += f"; log: {self.log_path}"
         return text
@@ -149,20 +308,42 @@ class OutputSink:
                 pass
 
 
+class _LockedFile:
+    """A binary file written whole line by whole line from several threads."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[bytes] = path.open("wb")
+        self._lock = threading.Lock()
+
+    def write(self, line: bytes) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line)
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
 class _Worker:
     def __init__(
         self,
         spec: WorkerSpec,
         process: subprocess.Popen[bytes],
-        log_file: IO[bytes] | None,
-        log_path: Path | None,
+        log_file: _LockedFile | None,
     ) -> None:
         self.spec = spec
         self.process = process
         self.log_file = log_file
-        self.log_path = log_path
-        self.log_lock = threading.Lock()
         self.pumps: list[threading.Thread] = []
+
+
+@dataclass(frozen=True)
+class _Filter:
+    needles: tuple[bytes, ...]
+    file: _LockedFile
 
 
 class WorkerGroup:
@@ -172,14 +353,32 @@ class WorkerGroup:
         specs: The workers to start.
         sink: Where prefixed output goes.
         log_dir: A directory for one log file per worker (``rank_N.log``), or None.
+        duplicate_stdout_filters: Copy every stdout line containing one of
+            these strings, prefixed, to ``log_dir/filtered_stdout.log``.
+        duplicate_stderr_filters: The same for stderr (``filtered_stderr.log``).
+
+    Raises:
+        ValueError: Duplicate filters without a log directory.
     """
 
     def __init__(
-        self, specs: Sequence[WorkerSpec], sink: OutputSink, log_dir: Path | None = None
+        self,
+        specs: Sequence[WorkerSpec],
+        sink: OutputSink,
+        log_dir: Path | None = None,
+        duplicate_stdout_filters: Sequence[str] = (),
+        duplicate_stderr_filters: Sequence[str] = (),
     ) -> None:
+        if log_dir is None and (duplicate_stdout_filters or duplicate_stderr_filters):
+            raise ValueError("duplicate filters write filtered_*.log files: they need a log_dir")
         self._specs = list(specs)
         self._sink = sink
         self._log_dir = log_dir
+        self._needles = {
+            False: tuple(n.encode() for n in duplicate_stdout_filters),
+            True: tuple(n.encode() for n in duplicate_stderr_filters),
+        }
+        self._filters: dict[bool, _Filter] = {}
         self._workers: list[_Worker] = []
 
     def start(self) -> None:
@@ -189,9 +388,15 @@ class WorkerGroup:
             OSError: A worker could not be started (the ones already started
                 are stopped first).
         """
-        if self._log_dir is not None:
-            self._log_dir.mkdir(parents=True, exist_ok=True)
         try:
+            if self._log_dir is not None:
+                self._log_dir.mkdir(parents=True, exist_ok=True)
+                for to_stderr, needles in self._needles.items():
+                    if needles:
+                        name = "filtered_stderr.log" if to_stderr else "filtered_stdout.log"
+                        self._filters[to_stderr] = _Filter(
+                            needles, _LockedFile(self._log_dir / name)
+                        )
             for spec in self._specs:
                 self._start_one(spec)
         except BaseException:
@@ -199,16 +404,17 @@ class WorkerGroup:
             raise
 
     def _start_one(self, spec: WorkerSpec) -> None:
-        log_path: Path | None = None
-        log_file: IO[bytes] | None = None
+        log_file: _LockedFile | None = None
         if self._log_dir is not None:
-            log_path = self._log_dir / f"rank_{spec.rank}.log"
-            log_file = log_path.open("wb")
+            log_file = _LockedFile(self._log_dir / f"rank_{spec.rank}.log")
+        if spec.error_file is not None:
+            # torch's @record refuses to overwrite an error file it did not write.
+            spec.error_file.parent.mkdir(parents=True, exist_ok=True)
+            spec.error_file.unlink(missing_ok=True)
         try:
             process = subprocess.Popen(
                 list(spec.argv),
                 env=dict(spec.env),
-                stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
@@ -218,9 +424,9 @@ class WorkerGroup:
             if log_file is not None:
                 log_file.close()
             raise
-        worker = _Worker(spec, process, log_file, log_path)
+        worker = _Worker(spec, process, log_file)
         self._workers.append(worker)
-        prefix = f"[rank {spec.rank}]: ".encode()
+        prefix = (f"[rank {spec.rank}]: " if spec.prefix is None else spec.prefix).encode()
         for stream, to_stderr in ((process.stdout, False), (process.stderr, True)):
             assert stream is not None
             pump = threading.Thread(
@@ -233,15 +439,17 @@ class WorkerGroup:
             pump.start()
 
     def _pump(self, worker: _Worker, stream: IO[bytes], prefix: bytes, to_stderr: bool) -> None:
+        shown = bool(worker.spec.console & (Std.ERR if to_stderr else Std.OUT))
+        duplicate = self._filters.get(to_stderr)
         with stream:
             for raw in iter(stream.readline, b""):
                 line = raw if raw.endswith(b"\n") else raw + b"\n"
-                self._sink.write_line(prefix + line, to_stderr)
+                if shown:
+                    self._sink.write_line(prefix + line, to_stderr)
                 if worker.log_file is not None:
-                    with worker.log_lock:
-                        if not worker.log_file.closed:
-                            worker.log_file.write(line)
-                            worker.log_file.flush()
+                    worker.log_file.write(line)
+                if duplicate is not None and any(n in line for n in duplicate.needles):
+                    duplicate.file.write(prefix + line)
 
     def poll(self) -> list[WorkerExit] | None:
         """Check the workers without blocking.
@@ -266,22 +474,32 @@ class WorkerGroup:
         return failed + [e for e in exits if e.returncode == 0]
 
     def _exit_of(self, worker: _Worker, code: int) -> WorkerExit:
+        error_file = worker.spec.error_file
+        root_cause = None
+        if code != 0 and error_file is not None:
+            root_cause = read_root_cause(error_file)
         return WorkerExit(
-            worker.spec.rank, worker.spec.local_rank, worker.process.pid, code, worker.log_path
+            worker.spec.rank,
+            worker.spec.local_rank,
+            worker.process.pid,
+            code,
+            None if worker.log_file is None else worker.log_file.path,
+            root_cause,
         )
 
-    def stop(self, grace: float) -> None:
-        """Stop every worker: SIGTERM to each process group, then SIGKILL after ``grace``.
+    def stop(self, grace: float, signum: signal.Signals = signal.SIGTERM) -> None:
+        """Stop every worker: ``signum`` to each process group, then SIGKILL after ``grace``.
 
         Also joins the output threads and closes the log files. Safe to call
         more than once.
 
         Args:
-            grace: Seconds to wait after SIGTERM before SIGKILL.
+            grace: Seconds to wait after ``signum`` before SIGKILL.
+            signum: The first signal (torchrun forwards the one the agent got).
         """
         alive = [w for w in self._workers if w.process.poll() is None]
         for worker in alive:
-            _signal_group(worker.process.pid, signal.SIGTERM)
+            _signal_group(worker.process.pid, signum)
         deadline = time.monotonic() + grace
         for worker in alive:
             remaining = deadline - time.monotonic()
@@ -301,9 +519,11 @@ class WorkerGroup:
             for pump in worker.pumps:
                 # A grandchild may hold the pipe open; do not wait for it forever.
                 pump.join(timeout=5.0)
-            if worker.log_file is not None and not worker.log_file.closed:
-                with worker.log_lock:
-                    worker.log_file.close()
+            if worker.log_file is not None:
+                worker.log_file.close()
+        if all(w.process.poll() is not None for w in self._workers):
+            for duplicate in self._filters.values():
+                duplicate.file.close()
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:

@@ -1,0 +1,463 @@
+"""The options of ``rdzv run``: torchrun's, with torchrun's names and ``PET_*`` variables.
+
+Every option of torchrun 2.13's parser is here under the same names (both
+``--dash-names`` and ``--underscore_names``), the same destination, type and
+choices, so a torchrun command line parses the same way. Like torchrun, an
+option's default comes from the environment variable ``PET_<DEST>`` (how
+Kubeflow's PyTorchJob configures torchrun): ``PET_NPROC_PER_NODE=2`` is
+``--nproc-per-node 2``, and a flag such as ``--standalone`` is on when
+``PET_STANDALONE`` is a non-zero integer. The command line wins over the
+environment. ``--stop-grace``, ``--log-level`` and ``--verbose`` are rdzv's
+own.
+
+The values are checked and turned into a rendezvous and an agent by
+:mod:`rdzv.launch.run`; the parsing helpers for values with a format of
+their own (``--nnodes``, ``--nproc-per-node``, ``--redirects``, ...) are here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import signal
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from rdzv.launch.agent import DEFAULT_SIGNALS
+from rdzv.launch.ranks import DEFAULT_SIGNALS_TO_HANDLE
+
+__all__ = [
+    "LOG_LEVELS",
+    "BadEnvironment",
+    "EnvDefault",
+    "EnvFlag",
+    "NUMA_BINDINGS",
+    "START_METHODS",
+    "RunOptionsError",
+    "add_run_arguments",
+    "comma_separated_list",
+    "local_world_size",
+    "parse_local_ranks_filter",
+    "parse_nnodes",
+    "parse_signals",
+]
+
+#: The values of ``--log-level``.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+#: torchrun's ``--start-method`` choices.
+START_METHODS = ("spawn", "fork", "forkserver")
+
+#: torchrun 2.13's ``--numa-binding`` choices (``torch.numa.binding.AffinityMode``).
+NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
+
+
+class RunOptionsError(ValueError):
+    """A ``rdzv run`` option has a bad value; the message names it."""
+
+
+def _env_name(dest: str) -> str:
+    return f"PET_{dest.upper()}"
+
+
+class EnvDefault(argparse.Action):
+    """An option whose default comes from ``PET_<DEST>`` (torchrun's ``env`` action).
+
+    Args:
+        option_strings: The option's names.
+        dest: Its destination; the variable is ``PET_`` + ``dest`` in capitals.
+        default: The default when the variable is unset.
+        **kwargs: The other ``add_argument`` settings.
+    """
+
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, default: Any = None, **kwargs: Any
+    ) -> None:
+        default = os.environ.get(_env_name(dest), default)
+        super().__init__(option_strings, dest, default=default, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        """Store the value given on the command line."""
+        setattr(namespace, self.dest, values)
+
+
+class BadEnvironment(str):
+    """The default of a flag whose ``PET_*`` variable is not an integer: an error to report."""
+
+    __slots__ = ()
+
+
+class EnvFlag(argparse.Action):
+    """A flag that is also on when ``PET_<DEST>`` is a non-zero integer (``check_env``).
+
+    Args:
+        option_strings: The flag's names.
+        dest: Its destination; the variable is ``PET_`` + ``dest`` in capitals.
+        **kwargs: The other ``add_argument`` settings.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        name = _env_name(dest)
+        text = os.environ.get(name, "0")
+        default: bool | BadEnvironment
+        try:
+            default = bool(int(text))
+        except ValueError:
+            # ``rdzv run`` reports it as a bad option; building the parser must
+            # not fail, or every other command would fail with it.
+            default = BadEnvironment(f"{name}={text!r} is not an integer (0 or 1)")
+        super().__init__(option_strings, dest, nargs=0, const=True, default=default, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        """Turn the flag on."""
+        setattr(namespace, self.dest, True)
+
+
+def comma_separated_list(value: str) -> list[str]:
+    """Split torchrun's duplicate filters at commas; ``,,`` is a literal comma.
+
+    Args:
+        value: The option value.
+
+    Returns:
+        The filters.
+    """
+    placeholder = "\0"
+    return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``rdzv run`` to a parser.
+
+    Args:
+        parser: The ``run`` sub-parser.
+    """
+    nodes = parser.add_argument_group("nodes and workers")
+    rendezvous = parser.add_argument_group("rendezvous")
+    workers = parser.add_argument_group("worker processes")
+    output = parser.add_argument_group("output and logs")
+    accepted = parser.add_argument_group(
+        "accepted for torchrun compatibility (rdzv run prints why it does not apply)"
+    )
+
+    def grouped(group: argparse._ArgumentGroup) -> Any:
+        def add(name: str, *short: str, **kwargs: Any) -> None:
+            names = [*short, f"--{name}"]
+            if "-" in name:
+                names.append("--" + name.replace("-", "_"))
+            group.add_argument(*names, **kwargs)
+
+        return add
+
+    node, rdzv, work, out, compat = map(grouped, (nodes, rendezvous, workers, output, accepted))
+    node("nnodes", action=EnvDefault, default="1:1", help="nodes: N, or MIN:MAX (1:1)")
+    node(
+        "nproc-per-node",
+        action=EnvDefault,
+        default="1",
+        help="workers on this node: N, 'cpu' (one per usable CPU), 'gpu' (one per CUDA "
+        "device), 'xpu', or 'auto' (one per accelerator, else per CPU) (1)",
+    )
+    node("node-rank", action=EnvDefault, type=int, default=0, help="this node's rank (0)")
+    node("local-addr", action=EnvDefault, help="this node's address, published to the others")
+    node("role", action=EnvDefault, default="default", help="the workers' role (default)")
+    rdzv(
+        "rdzv-backend",
+        action=EnvDefault,
+        help="rendezvous backend (c10d with --rdzv-endpoint; otherwise torchrun's static "
+        "rendezvous at --master-addr:--master-port, or --standalone for one node)",
+    )
+    rdzv("rdzv-endpoint", action=EnvDefault, default="", help="backend endpoint, host[:port]")
+    rdzv("rdzv-id", action=EnvDefault, default="none", help="the job's run id (none)")
+    rdzv("rdzv-conf", action=EnvDefault, default="", help="backend settings, k=v,k2=v2")
+    rdzv(
+        "standalone",
+        action=EnvFlag,
+        help="one machine: an embedded store on a free port, a fresh run id",
+    )
+    rdzv(
+        "master-addr",
+        action=EnvDefault,
+        help="the static rendezvous' host (node rank 0) when there is no --rdzv-endpoint "
+        "(127.0.0.1; IPv6 as [addr])",
+    )
+    rdzv(
+        "master-port",
+        action=EnvDefault,
+        type=int,
+        help="the static rendezvous' port when there is no --rdzv-endpoint (29500)",
+    )
+    work("max-restarts", action=EnvDefault, type=int, default=0, help="restarts (0)")
+    work(
+        "monitor-interval",
+        action=EnvDefault,
+        type=float,
+        default=0.1,
+        help="seconds between checks (0.1)",
+    )
+    work("module", "-m", action=EnvFlag, help="run the entry point as a module (python -m)")
+    work("no-python", action=EnvFlag, help="run the entry point itself, not with python")
+    work(
+        "run-path",
+        action=EnvFlag,
+        help="run the script with runpy.run_path in a new interpreter (wins over "
+        "--no-python and -m)",
+    )
+    work(
+        "signals-to-handle",
+        action=EnvDefault,
+        default=DEFAULT_SIGNALS_TO_HANDLE,
+        help="signals that stop the agent and are forwarded to the workers "
+        f"({DEFAULT_SIGNALS_TO_HANDLE})",
+    )
+    work(
+        "shutdown-timeout",
+        action=EnvDefault,
+        type=int,
+        help="seconds between the signal and SIGKILL when stopping workers (torchrun's name "
+        "of --stop-grace; else $TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
+    )
+    work(
+        "stop-grace",
+        type=float,
+        help="seconds between the signal and SIGKILL when stopping workers (10; rdzv only)",
+    )
+    work(
+        "virtual-local-rank",
+        action=EnvFlag,
+        help="LOCAL_RANK=0 for every worker; each sees only its device in CUDA_VISIBLE_DEVICES",
+    )
+    out(
+        "log-dir",
+        action=EnvDefault,
+        help="one log file per worker per attempt: DIR/<run id>/attempt_<k>/rank_<r>.log",
+    )
+    out(
+        "redirects",
+        "-r",
+        action=EnvDefault,
+        default="0",
+        help="streams that go only to the log file: 0-3 (none, out, err, both) or "
+        "LOCAL_RANK:0-3,... (0)",
+    )
+    out(
+        "tee",
+        "-t",
+        action=EnvDefault,
+        default="0",
+        help="streams that go to the log file and the console (same format) (0)",
+    )
+    out(
+        "local-ranks-filter",
+        action=EnvDefault,
+        default="",
+        help="only these local ranks reach the console, e.g. 0,1 (log files keep all)",
+    )
+    out(
+        "duplicate-stdout-filters",
+        action=EnvDefault,
+        type=comma_separated_list,
+        default=[],
+        help="copy stdout lines containing one of these to filtered_stdout.log in the log "
+        "directory (comma-separated; ,, is a comma)",
+    )
+    out(
+        "duplicate-stderr-filters",
+        action=EnvDefault,
+        type=comma_separated_list,
+        default=[],
+        help="the same for stderr (filtered_stderr.log)",
+    )
+    out(
+        "log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="WARNING",
+        metavar="LEVEL",
+        help=f"the least severe record of the rdzv loggers printed: {', '.join(LOG_LEVELS)} "
+        "(WARNING; INFO adds the rendezvous events; rdzv only)",
+    )
+    out(
+        "verbose",
+        "-v",
+        action="store_const",
+        const="INFO",
+        dest="log_level",
+        help="the same as --log-level INFO (rdzv only)",
+    )
+    compat(
+        "start-method",
+        action=EnvDefault,
+        default="spawn",
+        choices=START_METHODS,
+        help="workers are always new processes running the command",
+    )
+    compat(
+        "event-log-handler",
+        action=EnvDefault,
+        default="null",
+        help="torch's elastic event handlers are not called",
+    )
+    compat("logs-specs", help="rdzv run writes its own log files (--log-dir, -r, -t)")
+    compat("numa-binding", choices=NUMA_BINDINGS, help="workers are not bound to CPUs")
+    parser.add_argument("training_script", help="the worker script, module with -m, or command")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """Parse ``--nnodes``: ``N`` or ``MIN:MAX``.
+
+    Args:
+        text: The option value.
+
+    Returns:
+        ``(min_nodes, max_nodes)``.
+
+    Raises:
+        RunOptionsError: The value is not ``N`` or ``MIN:MAX`` with
+            ``1 <= MIN <= MAX``.
+    """
+    parts = text.split(":")
+    if len(parts) not in (1, 2):
+        raise RunOptionsError(f"--nnodes {text!r} is not N or MIN:MAX")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise RunOptionsError(f"--nnodes {text!r} is not N or MIN:MAX (integers)") from None
+    low, high = numbers[0], numbers[-1]
+    if low < 1 or high < low:
+        raise RunOptionsError(f"--nnodes {text!r} needs 1 <= MIN <= MAX")
+    return low, high
+
+
+def _usable_cpus() -> int:
+    # torch._utils.cpu_count: the CPUs this process may run on (cgroups, taskset).
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _torch() -> ModuleType | None:
+    if importlib.util.find_spec("torch") is None:
+        return None
+    return importlib.import_module("torch")
+
+
+def local_world_size(text: str) -> int:
+    """Decide ``--nproc-per-node`` as torchrun does.
+
+    ``cpu``: the CPUs this process may use. ``gpu``: the CUDA devices (an
+    error without CUDA). ``xpu``: the XPU devices (an error without them).
+    ``auto``: the devices of torch's current accelerator when there is one,
+    else the CPUs. Devices are counted by torch, imported only for these
+    values; without torch there is no accelerator.
+
+    Args:
+        text: The option value.
+
+    Returns:
+        The number of workers on this node.
+
+    Raises:
+        RunOptionsError: Not a positive integer or one of the names, or the
+            named device is not available.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        pass
+    else:
+        if value < 1:
+            raise RunOptionsError(f"--nproc-per-node {text!r} must be at least 1")
+        return value
+    if text == "cpu":
+        return _usable_cpus()
+    if text not in ("gpu", "xpu", "auto"):
+        raise RunOptionsError(
+            f"--nproc-per-node {text!r} is not a positive integer, 'cpu', 'gpu', 'xpu' or 'auto'"
+        )
+    torch = _torch()
+    if text == "auto":
+        if torch is not None and torch.accelerator.is_available():
+            return int(torch.accelerator.device_count())
+        return _usable_cpus()
+    device = torch and (torch.cuda if text == "gpu" else torch.xpu)
+    if device is None or not device.is_available():
+        name = "CUDA" if text == "gpu" else "XPU"
+        why = "torch is not installed" if torch is None else f"torch finds no {name} device"
+        raise RunOptionsError(f"--nproc-per-node {text}: {name} is not available ({why})")
+    return int(device.device_count())
+
+
+def parse_local_ranks_filter(text: str) -> frozenset[int] | None:
+    """Parse ``--local-ranks-filter``: comma-separated local ranks, or empty for all.
+
+    Args:
+        text: The option value.
+
+    Returns:
+        The local ranks, or None when the value is empty.
+
+    Raises:
+        RunOptionsError: Not a comma-separated list of non-negative integers.
+    """
+    if not text.strip():
+        return None
+    try:
+        ranks = frozenset(int(part) for part in text.split(","))
+    except ValueError:
+        ranks = frozenset({-1})
+    if any(rank < 0 for rank in ranks):
+        raise RunOptionsError(
+            f"--local-ranks-filter {text!r} is not a comma-separated list of local ranks "
+            "(e.g. 0,1,2)"
+        )
+    return ranks
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """Parse ``--signals-to-handle``: comma-separated signal names.
+
+    Args:
+        text: The option value, e.g. ``SIGTERM,SIGINT,SIGUSR1``.
+
+    Returns:
+        The signals, in order, without repeats.
+
+    Raises:
+        RunOptionsError: A name is not a signal, or names one that cannot be
+            handled (SIGKILL, SIGSTOP), or the list is empty.
+    """
+    found: list[signal.Signals] = []
+    for part in text.split(","):
+        name = part.strip()
+        if not name:
+            continue
+        member = signal.Signals.__members__.get(name)
+        if member is None or member in (signal.SIGKILL, signal.SIGSTOP):
+            raise RunOptionsError(
+                f"--signals-to-handle {text!r}: {name!r} is not a signal that can be handled"
+            )
+        if member not in found:
+            found.append(member)
+    if not found:
+        raise RunOptionsError(
+            f"--signals-to-handle {text!r} names no signal (default: "
+            f"{','.join(s.name for s in DEFAULT_SIGNALS)})"
+        )
+    return tuple(found)
