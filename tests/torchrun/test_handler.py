@@ -8,6 +8,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -248,15 +249,19 @@ def test_is_host_with_a_taken_port_is_a_connection_error() -> None:
         ({"ca_cert": "ca.pem", "is_host": "1"}, "no ssl_cert/ssl_cert_key"),
         ({"ssl_cert": "c.pem"}, "ssl_cert is set without ssl_cert_key"),
         (
-            {"ca_cert": "ca.pem", "ssl_cert": "none.pem", "ssl_cert_key": "none.key"},
-            "ssl_cert 'none.pem' / ssl_cert_key 'none.key' cannot be loaded",
+            {"ca_cert": "ca.pem", "ssl_cert": "c.pem", "ssl_cert_key": "k.pem"},
+            r"ssl_cert '.*c.pem' / ssl_cert_key '.*k.pem' cannot be loaded",
         ),
+        ({"ca_cert": "missing.pem"}, r"ca_cert '.*missing.pem' cannot be loaded: no such file"),
     ],
-    ids=["host-without-cert", "cert-without-key", "unreadable-cert"],
+    ids=["host-without-cert", "cert-without-key", "unreadable-cert", "missing-file"],
 )
 def test_tls_settings_errors_are_named_before_anything_starts(
-    conf: dict[str, str], message: str
+    conf: dict[str, str], message: str, tmp_path: Path
 ) -> None:
+    for name in ("ca.pem", "c.pem", "k.pem"):
+        (tmp_path / name).write_text("not a certificate\n")
+    conf = {k: v if k == "is_host" else str(tmp_path / v) for k, v in conf.items()}
     params = torch_params("rdzv", f"127.0.0.1:{free_port()}", "job", **conf)
     with pytest.raises(ValueError, match=message):
         torchrun.create_rdzv_handler(params)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -218,9 +219,26 @@ def _handler_class() -> type[torch_api.RendezvousHandler]:
     return TorchrunRendezvousHandler
 
 
+def _show_warnings() -> None:
+    """Make the plugin's warnings reach stderr inside torchrun.
+
+    rdzv's loggers have only a ``NullHandler`` (the application decides where
+    logs go), and torchrun configures no handler for them, so the plugin,
+    acting as torchrun's front-end here, shows its own warnings unless the
+    application configured logging.
+    """
+    if LOGGER.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    LOGGER.addHandler(handler)
+
+
 def _wrap(
     name: str, inner: RendezvousHandler, resources: _Resources, spare_exit: str
 ) -> torch_api.RendezvousHandler:
+    _show_warnings()
     cls: Any = _handler_class()
     handler: torch_api.RendezvousHandler = cls(name, inner, resources, spare_exit)
     return handler

@@ -12,6 +12,7 @@ secret or TLS (``auth_token_file``/``$RDZV_AUTH_TOKEN``, ``ssl_cert``/
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import selectors
 import signal
@@ -133,6 +134,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tls-key", default=None)
     args = parser.parse_args(argv[1:])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
+    # The child is a program of its own: its warnings (misbehaving clients)
+    # go to stderr, which it shares with the agent.
+    logging.basicConfig(level=logging.WARNING, format="rdzv store server: %(message)s")
     try:
         tls = None
         if args.tls_cert is not None and args.tls_key is not None:
