@@ -41,3 +41,36 @@ def test_store_failures_become_connection_errors() -> None:
     with pytest.raises(RendezvousConnectionError, match="peer reset") as info:
         backend.get_state()
     assert isinstance(info.value.__cause__, ConnectionResetError)
+
+
+@pytest.mark.timeout(60)
+def test_the_side_channel_writes_while_a_watch_holds_the_main_client() -> None:
+    import threading
+    import time
+
+    from rdzv.store.tcp import TCPStore
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=30)
+    client = master.clone()
+    backend = C10dRendezvousBackend(client, "r", liveness_store=client.clone())
+    try:
+        created = backend.set_state(b"one")
+        assert created is not None
+        token = created[1]
+        watch = threading.Thread(target=backend.wait_for_state, args=(token, 20.0))
+        watch.start()  # holds the main client until the state changes (or 20 s)
+        side = backend.side_channel()
+        assert side is not backend
+        started = time.monotonic()
+        written = side.set_state(b"two", token)  # would wait behind the watch on `client`
+        assert written is not None
+        assert written[2]
+        assert time.monotonic() - started < 10  # generous: behind the watch it takes 20 s
+        watch.join(10)
+        assert not watch.is_alive()  # the watch saw the side channel's write
+        assert backend.get_state() is not None
+        assert C10dRendezvousBackend(client, "r").side_channel().name == "c10d"
+    finally:
+        backend.close()
+        client.close()
+        master.close()

@@ -83,6 +83,21 @@ class RendezvousBackend(ABC):
             RendezvousStateError: The stored record is corrupt.
         """
 
+    def side_channel(self) -> RendezvousBackend:
+        """Return a view of this backend whose calls never wait behind its blocking ones.
+
+        A backend whose client serialises requests (one TCP store
+        connection) would make a write from a background thread (the
+        keep-alive's eviction) wait behind a watch of the joining thread.
+        Backends whose clients serve threads concurrently return themselves
+        (the default). The view shares this backend's state and tokens; the
+        owner closes only this backend.
+
+        Returns:
+            The view.
+        """
+        return self
+
     def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release the backend's connections; the default holds none.
 

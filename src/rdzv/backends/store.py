@@ -154,6 +154,16 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
             time.sleep(min(remaining, poll_backoff(attempt)))
             attempt += 1
 
+    def side_channel(self) -> C10dRendezvousBackend:
+        """Return a view on the heartbeat client, which never holds a blocking call.
+
+        Returns:
+            The view (it owns no client).
+        """
+        if self._liveness_store is self._store:
+            return self
+        return C10dRendezvousBackend(self._liveness_store, self._run_id)
+
     def close(self) -> None:
         """Close the heartbeat client when it is a separate one."""
         if self._liveness_store is not self._store:

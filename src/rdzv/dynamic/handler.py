@@ -194,6 +194,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             grace=self._dead_after,
         )
         self._shared = SharedState(backend, backend_name)
+        # The keep-alive's evictions must not wait behind this node's own
+        # blocking watch on a client that serialises requests.
+        self._side = SharedState(backend.side_channel(), backend_name)
         self._lock = threading.Lock()
         self._member_of: RendezvousState | None = None
         # The last round this node completed, as this node sees it: its ring
@@ -704,11 +707,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if member is not None:
             self._evict([self._node], member.round, unless_any_evicted=True)
 
-    def _evict(self, nodes: Sequence[str], round_id: int, unless_any_evicted: bool = False) -> bool:
+    def _evict(
+        self,
+        nodes: Sequence[str],
+        round_id: int,
+        unless_any_evicted: bool = False,
+        via: SharedState | None = None,
+    ) -> bool:
         """Remove ``nodes`` from the live members of ``round_id`` with one compare-and-set.
 
         With ``unless_any_evicted``, do nothing once any member of the round
-        is already evicted.
+        is already evicted. ``via`` is the channel to write through (the
+        backend's by default).
         """
         evicted: list[str] = []
 
@@ -718,7 +728,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             )
             return None if state is None or not evicted else state.evict(evicted)
 
-        written, _ = self._shared.update(evict)
+        written, _ = (via or self._shared).update(evict)
         if written is None:
             return False
         self._event("evict", round_id, evicted=list(evicted))
@@ -736,7 +746,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _evict_dead(self, dead: list[str], member: RendezvousState) -> None:
         """Evict ring successors the keep-alive judged dead in ``member``'s round."""
-        self._evict(dead, member.round)
+        self._evict(dead, member.round, via=self._side)
         with self._lock:
             if self._watched is member:
                 self._watched = member.evict(dead)
