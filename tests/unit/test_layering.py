@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "rdzv.backends.base",
             "rdzv.endpoint",
+            "rdzv.utils",
             "rdzv.net",
             "rdzv.auth",
             "rdzv.store.base",
