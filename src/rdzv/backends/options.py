@@ -89,7 +89,15 @@ def _path_option(params: RendezvousParameters, *keys: str) -> tuple[str, str] | 
 
 
 def _read_timeout(params: RendezvousParameters) -> float:
-    return params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
+    seconds = params.get_as_seconds("read_timeout")
+    if seconds is None:
+        return DEFAULT_READ_TIMEOUT
+    if not seconds > 0:
+        raise ValueError(
+            f"The read timeout must be a positive integer. Got {params.get('read_timeout')!r}; "
+            "rdzv accepts any positive number of seconds."
+        )
+    return seconds
 
 
 def _choice(params: RendezvousParameters, key: str, allowed: tuple[str, ...], what: str) -> str:
