@@ -300,7 +300,7 @@ class RendezvousParameters:
         min_nodes: The fewest nodes a round needs.
         max_nodes: The most nodes a round admits.
         local_addr: The address of this node, if known.
-        node_rank: This node's rank when launchers assign one (0).
+        node_rank: This node's rank when launchers assign one, else None.
         local_world_size: Workers on this node (1).
         config: Backend-specific settings.
         **kwargs: More backend-specific settings (merged into ``config``).
@@ -318,7 +318,7 @@ class RendezvousParameters:
         min_nodes: int | None = None,
         max_nodes: int | None = None,
         local_addr: str | None = None,
-        node_rank: int = 0,
+        node_rank: int | None = None,
         local_world_size: int = 1,
         config: Mapping[str, Any] | None = None,
         **kwargs: Any,
@@ -342,7 +342,9 @@ class RendezvousParameters:
         if max_nodes is None:
             max_nodes = min_nodes
         _check_node_counts(min_nodes, max_nodes, "rendezvous nodes")
-        if isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0:
+        if node_rank is not None and (
+            isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0
+        ):
             raise ValueError(f"node_rank must be a non-negative integer, got {node_rank!r}")
         if (
             isinstance(local_world_size, bool)

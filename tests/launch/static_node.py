@@ -1,7 +1,7 @@
 """One node of a static rendezvous: ``static_node.py HOST PORT RANK WORLD_SIZE TIMEOUT``.
 
-Rank 0 prints ``PORT <n>`` once it hosts the store (give port 0 for a free
-one). After the barrier each node writes its rank into the round's store,
+Nothing is hosted before ``next_rendezvous()``, so the caller picks the port.
+After the barrier each node writes its rank into the round's store,
 reads everyone's back and prints a JSON summary; a timeout prints the error
 and exits 3.
 """
@@ -24,8 +24,6 @@ def main() -> int:
         timeout=float(timeout),
     )
     try:
-        if int(rank) == 0:
-            print(f"PORT {handler.port}", flush=True)
         try:
             info = handler.next_rendezvous()
         except RendezvousTimeoutError as exc:

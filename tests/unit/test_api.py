@@ -111,7 +111,7 @@ def test_parameters_torch_style() -> None:
         4,
     )
     assert p.local_addr == "10.0.0.1"
-    assert p.node_rank == 0
+    assert p.node_rank is None
     assert p.local_world_size == 1
     assert p.get("join_timeout") == "60"
     assert p.get("missing", "dflt") == "dflt"

@@ -95,7 +95,7 @@ def to_rdzv_parameters(
     config.pop("timeout", None)
     rank = config.pop("rank", None)
     try:
-        node_rank = 0 if rank is None else int(rank)
+        node_rank = None if rank is None else int(rank)
     except (TypeError, ValueError):
         raise ValueError(f"the node rank must be an integer, got {rank!r}") from None
     return RendezvousParameters(
