@@ -46,6 +46,33 @@ def test_a_real_torch_store_that_keeps_the_prefix() -> None:
     assert store.queue_pop("q") == b"item"
 
 
+def _script(store: torch_dist.Store) -> list[object]:
+    """The Store calls torch's own code makes, through torch's PrefixStore as a process group."""
+    pg = torch_dist.PrefixStore("default_pg/0", store)
+    out: list[object] = []
+    pg.set("k", "v")
+    out.append(pg.get("k"))
+    out.append(pg.add("n", 3))
+    out.append(pg.add("n", -1))
+    out.append(pg.compare_set("c", "", "first"))
+    out.append(pg.compare_set("c", "wrong", "second"))
+    out.append(pg.compare_set("absent", "wrong", "second"))
+    out.append(pg.check(["k", "n"]))
+    out.append(pg.check(["k", "absent"]))
+    pg.wait(["k"], timedelta(seconds=1))
+    pg.append("log", "ab")
+    pg.append("log", "cd")
+    pg.multi_set(["m1", "m2"], ["1", "2"])
+    out.append(pg.multi_get(["m1", "m2", "log"]))
+    out.append(store.delete_key("default_pg/0/k"))
+    out.append(store.check(["default_pg/0/k"]))
+    return out
+
+
+def test_the_calls_give_what_torchs_own_store_gives() -> None:
+    assert _script(as_torch_store(HashStore(timeout=5))) == _script(torch_dist.HashStore())
+
+
 def test_timeouts_and_wait_are_torchs() -> None:
     store = as_torch_store(HashStore(timeout=5))
     store.set_timeout(timedelta(seconds=0.2))
