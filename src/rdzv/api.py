@@ -8,6 +8,7 @@ ports by changing an import.
 from __future__ import annotations
 
 import dataclasses
+import math
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -44,7 +45,14 @@ MAX_DURATION = 366 * 24 * 3600.0
 """The longest timeout or interval, in seconds (a year): longer ones are typos."""
 
 
-def _duration(value: Duration | None, default: timedelta, name: str) -> timedelta:
+def _duration(
+    value: Duration | None, default: timedelta, name: str, torch_message: bool = True
+) -> timedelta:
+    """Return ``value`` as a positive ``timedelta`` of at most :data:`MAX_DURATION`.
+
+    A non-positive value gets torch's message (``The join timeout (0:00:00)
+    must be positive.``) when ``torch_message``, for the timeouts torch checks.
+    """
     if value is None:
         return default
     if isinstance(value, timedelta):
@@ -54,7 +62,12 @@ def _duration(value: Duration | None, default: timedelta, name: str) -> timedelt
     else:
         raise TypeError(f"{name} must be a timedelta or seconds, not {type(value).__name__}")
     if not seconds > 0:
-        raise ValueError(f"the {name} timeout must be positive, got {value!r}")
+        if not torch_message:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+        if isinstance(value, timedelta):
+            raise ValueError(f"The {name} timeout ({value}) must be positive.")
+        shown = repr(value) if math.isnan(seconds) else str(timedelta(seconds=seconds))
+        raise ValueError(f"The {name} timeout ({shown}) must be positive. Got {value!r} s.")
     if not seconds <= MAX_DURATION:
         raise ValueError(
             f"the {name} timeout must be finite and at most {MAX_DURATION:g} s (a year), "
@@ -81,7 +94,8 @@ class RendezvousTimeout:
     Each accepts a ``timedelta``, seconds, or None for the default.
 
     Raises:
-        ValueError: A timeout is zero or negative; the message names it.
+        ValueError: A timeout is zero or negative (torch's message: ``The join
+            timeout (0:00:00) must be positive.``), or longer than a year.
     """
 
     _DEFAULT_JOIN: ClassVar[timedelta] = timedelta(seconds=600)
@@ -145,15 +159,19 @@ class RendezvousTimeout:
         return hash((self.join, self.last_call, self.close, self.heartbeat))
 
 
-def _check_node_counts(min_nodes: int, max_nodes: int) -> None:
+def _check_node_counts(min_nodes: int, max_nodes: int, nodes: str) -> None:
+    """Check the node counts, with torch's messages (``nodes``: how torch names them)."""
     if isinstance(min_nodes, bool) or not isinstance(min_nodes, int):
         raise TypeError(f"min_nodes must be an integer, got {min_nodes!r}")
     if isinstance(max_nodes, bool) or not isinstance(max_nodes, int):
         raise TypeError(f"max_nodes must be an integer, got {max_nodes!r}")
     if min_nodes < 1:
-        raise ValueError(f"min_nodes must be at least 1, got {min_nodes}")
+        raise ValueError(f"The minimum number of {nodes} ({min_nodes}) must be greater than zero.")
     if max_nodes < min_nodes:
-        raise ValueError(f"max_nodes ({max_nodes}) must be at least min_nodes ({min_nodes})")
+        raise ValueError(
+            f"The maximum number of {nodes} ({max_nodes}) must be greater than or equal to "
+            f"the minimum number of {nodes} ({min_nodes})."
+        )
 
 
 @dataclass(frozen=True)
@@ -211,7 +229,8 @@ class RendezvousSettings:
         heartbeat: Duration | None,
     ) -> None:
         validate_run_id(self.run_id)
-        _check_node_counts(self.min_nodes, self.max_nodes)
+        # torch checks these in its handler's constructor, with these words.
+        _check_node_counts(self.min_nodes, self.max_nodes, "nodes")
         if cast(object, self.timeout) is None:
             object.__setattr__(
                 self, "timeout", RendezvousTimeout(join, last_call, close, heartbeat)
@@ -222,6 +241,7 @@ class RendezvousSettings:
             self.keep_alive_interval,
             timedelta(seconds=DEFAULT_KEEP_ALIVE_INTERVAL),
             "keep_alive_interval",
+            torch_message=False,
         )
         object.__setattr__(self, "keep_alive_interval", interval)
         attempts = self.keep_alive_max_attempt
@@ -267,6 +287,13 @@ class RendezvousSettings:
         return dataclasses.replace(self, **changes)
 
 
+def _not_an_integer(key: str, value: object) -> str:
+    return (
+        f"The rendezvous configuration option '{key}' does not represent a valid integer "
+        f"value. Got {value!r}."
+    )
+
+
 _TRUE = frozenset({"1", "true", "t", "yes", "y"})
 _FALSE = frozenset({"0", "false", "f", "no", "n"})
 
@@ -286,7 +313,7 @@ class RendezvousParameters:
         min_nodes: The fewest nodes a round needs.
         max_nodes: The most nodes a round admits.
         local_addr: The address of this node, if known.
-        node_rank: This node's rank when launchers assign one (0).
+        node_rank: This node's rank when launchers assign one, else None.
         local_world_size: Workers on this node (1).
         config: Backend-specific settings.
         **kwargs: More backend-specific settings (merged into ``config``).
@@ -304,14 +331,14 @@ class RendezvousParameters:
         min_nodes: int | None = None,
         max_nodes: int | None = None,
         local_addr: str | None = None,
-        node_rank: int = 0,
+        node_rank: int | None = None,
         local_world_size: int = 1,
         config: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(backend, str) or not backend.strip():
             raise ValueError(
-                f"the rendezvous backend name must be a non-empty string, got {backend!r}"
+                f"The rendezvous backend name must be a non-empty string. Got {backend!r}."
             )
         merged: dict[str, Any] = dict(config or {})
         merged.update(kwargs)
@@ -327,8 +354,10 @@ class RendezvousParameters:
             min_nodes = 1
         if max_nodes is None:
             max_nodes = min_nodes
-        _check_node_counts(min_nodes, max_nodes)
-        if isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0:
+        _check_node_counts(min_nodes, max_nodes, "rendezvous nodes")
+        if node_rank is not None and (
+            isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0
+        ):
             raise ValueError(f"node_rank must be a non-negative integer, got {node_rank!r}")
         if (
             isinstance(local_world_size, bool)
@@ -400,8 +429,8 @@ class RendezvousParameters:
             if text in _FALSE:
                 return False
         raise ValueError(
-            f"the rendezvous configuration option {key!r} does not represent a valid "
-            f"boolean value: {value!r}"
+            f"The rendezvous configuration option '{key}' does not represent a valid boolean "
+            f"value. Got {value!r}; accepted: 1/0, true/false, t/f, yes/no, y/n, in any case."
         )
 
     def get_as_int(self, key: str, default: int | None = None) -> int | None:
@@ -425,13 +454,14 @@ class RendezvousParameters:
                 raise ValueError(value)  # noqa: TRY301, TRY004 - handled just below
             return int(value)
         except (TypeError, ValueError):
-            raise ValueError(
-                f"the rendezvous configuration option {key!r} does not represent a valid "
-                f"integer value: {value!r}"
-            ) from None
+            raise ValueError(_not_an_integer(key, value)) from None
 
     def get_as_seconds(self, key: str) -> float | None:
-        """Return a setting read as a positive number of seconds.
+        """Return a setting read as a number of seconds.
+
+        Whole and fractional numbers are accepted (torch reads whole seconds
+        only). The value is not checked for sign: whoever uses it checks
+        that it is positive, with torch's message where torch has one.
 
         Args:
             key: The setting.
@@ -440,23 +470,22 @@ class RendezvousParameters:
             The seconds, or None when the setting is absent.
 
         Raises:
-            ValueError: The value is not a positive number; the message names
-                the key.
+            ValueError: The value is not a number (torch's message for a
+                value that is not an integer), or is not finite or longer
+                than a year; the message names the key.
         """
         value = self.get(key)
         if value is None:
             return None
         try:
+            if isinstance(value, bool):
+                raise ValueError(value)  # noqa: TRY301, TRY004 - handled just below
             seconds = float(value.total_seconds() if isinstance(value, timedelta) else value)
         except (TypeError, ValueError):
             raise ValueError(
-                f"the rendezvous configuration option {key!r} is not a number of seconds: {value!r}"
+                _not_an_integer(key, value) + " rdzv reads it as seconds, whole or fractional."
             ) from None
-        if not seconds > 0:
-            raise ValueError(
-                f"the rendezvous configuration option {key!r} must be positive: {value!r}"
-            )
-        if not seconds <= MAX_DURATION:
+        if not abs(seconds) <= MAX_DURATION:
             raise ValueError(
                 f"the rendezvous configuration option {key!r} must be finite and at most "
                 f"{MAX_DURATION:g} s (a year): {value!r}"

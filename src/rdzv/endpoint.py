@@ -1,21 +1,100 @@
 """Parsing of rendezvous endpoints and ``k=v,...`` configuration strings.
 
-Accepted endpoint forms::
+Two endpoint parsers live here:
+
+* :func:`parse_endpoint`, rdzv's own, which every backend uses. Accepted forms::
 
     host              -> (host, default_port)
     host:port         -> (host, port)
     [v6addr]          -> (v6addr, default_port)
     [v6addr]:port     -> (v6addr, port)
     ::1, fe80::1      -> the whole text is an IPv6 host; never host ':' port 1
+
+  An empty endpoint, port 0 and a malformed IPv6 address are errors. When
+  torch's parser rejects the same text, the error message starts with
+  torch's message, verbatim.
+* :func:`parse_rendezvous_endpoint`, torch's public helper with torch's exact
+  semantics (an empty endpoint is ``localhost``; ``::1`` is host ``:`` and
+  port 1), for code ported from ``torch.distributed.elastic.rendezvous.utils``.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 
-__all__ = ["DEFAULT_PORT", "format_endpoint", "parse_config", "parse_endpoint"]
+__all__ = [
+    "DEFAULT_PORT",
+    "format_endpoint",
+    "parse_config",
+    "parse_endpoint",
+    "parse_rendezvous_endpoint",
+]
 
 DEFAULT_PORT = 29400
+
+# torch's rules: a port is one to five ASCII digits below 2**16; a host is made
+# of word characters, dots, colons and dashes (``$`` also matches before a
+# final newline, as in torch).
+_TORCH_PORT = re.compile(r"[0-9]{1,5}$")
+_TORCH_HOST = re.compile(r"[\w.:-]+$")
+
+
+def _torch_port_error(endpoint: str) -> str:
+    return (
+        f"The port number of the rendezvous endpoint '{endpoint}' must be an integer "
+        "between 0 and 65536."
+    )
+
+
+def _torch_host_error(endpoint: str) -> str:
+    return (
+        f"The hostname of the rendezvous endpoint '{endpoint}' must be a dot-separated list "
+        "of labels, an IPv4 address, or an IPv6 address."
+    )
+
+
+def parse_rendezvous_endpoint(endpoint: str | None, default_port: int) -> tuple[str, int]:
+    """Split an endpoint into host and port exactly as torch's helper of this name does.
+
+    ``torch.distributed.elastic.rendezvous.utils.parse_rendezvous_endpoint``
+    (torch 2.13): the text is stripped; empty or None is ``("localhost",
+    default_port)``; text in brackets is an IPv6 host; otherwise the part
+    after the last ``:`` is the port, so a bare ``::1`` is host ``:`` and
+    port 1 (rdzv's :func:`parse_endpoint` reads it as an IPv6 host). Ports
+    0 to 65535 are accepted.
+
+    Args:
+        endpoint: ``host[:port]``, ``[v6addr]`` or ``[v6addr]:port``.
+        default_port: The port when the endpoint names none.
+
+    Returns:
+        ``(host, port)``; brackets around an IPv6 host are removed.
+
+    Raises:
+        ValueError: The port is not one to five digits below 65536, or the
+            host holds characters other than word characters, ``.``, ``:``
+            and ``-``; torch's message.
+    """
+    text = (endpoint or "").strip()
+    if not text:
+        return "localhost", default_port
+    port_text: str | None = None
+    host = text
+    if not (text.startswith("[") and text.endswith("]")):
+        head, colon, tail = text.rpartition(":")
+        if colon:
+            host, port_text = head, tail
+    if len(host) > 1 and host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port = default_port
+    if port_text is not None:
+        if not _TORCH_PORT.match(port_text) or int(port_text) >= 1 << 16:
+            raise ValueError(_torch_port_error(text))
+        port = int(port_text)
+    if not _TORCH_HOST.match(host):
+        raise ValueError(_torch_host_error(text))
+    return host, port
 
 
 def _parse_port(text: str, endpoint: str) -> int:
@@ -51,9 +130,24 @@ def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str
         ``(host, port)``; an IPv6 host is returned without brackets.
 
     Raises:
-        ValueError: The endpoint is empty, the host contains whitespace or
-            brackets do not match, or the port is not an integer in 1-65535.
+        ValueError: The endpoint is empty, the host holds characters other
+            than word characters, ``.``, ``:`` and ``-`` (an IPv6 zone such
+            as ``%eth0`` is allowed), brackets do not match, or the port is
+            not an integer in 1-65535. When torch's
+            :func:`parse_rendezvous_endpoint` rejects the text too, the
+            message starts with torch's message.
     """
+    try:
+        return _parse_strict(endpoint, default_port)
+    except ValueError as exc:
+        try:
+            parse_rendezvous_endpoint(endpoint, default_port)
+        except ValueError as torch_exc:
+            raise ValueError(f"{torch_exc} {exc}") from None
+        raise
+
+
+def _parse_strict(endpoint: str, default_port: int) -> tuple[str, int]:
     text = endpoint.strip()
     if not text:
         raise ValueError("the endpoint is empty; expected host[:port]")
@@ -80,8 +174,11 @@ def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str
     host, sep, port_text = text.partition(":")
     if not host:
         raise ValueError(f"endpoint {endpoint!r} has no host")
-    if any(ch.isspace() for ch in host):
-        raise ValueError(f"host {host!r} in endpoint {endpoint!r} contains whitespace")
+    if not _TORCH_HOST.fullmatch(host):
+        raise ValueError(
+            f"host {host!r} in endpoint {endpoint!r} holds characters other than letters, "
+            "digits, '_', '.', ':' and '-'"
+        )
     if not sep:
         return host, default_port
     return host, _parse_port(port_text, endpoint)

@@ -12,6 +12,13 @@ paths imported only when used:
 * ``_BUILTIN``: name -> handler creator, for the handlers that are not
   dynamic (``static``).
 
+Like torch's registry, :meth:`RendezvousHandlerRegistry.create_handler`
+checks what a creator built: a handler whose ``get_backend()`` names another
+backend is a ``RuntimeError``. An alias and its canonical name
+(:data:`BACKEND_ALIASES`: ``p10d``/``core``/``tcp`` are ``c10d``;
+``etcd``/``etcd-v2`` are ``etcd-v3``, the name rdzv's etcd backend reports)
+count as the same backend.
+
 Backends from other packages register a handler creator through the
 entry-point group ``rdzv.handlers``: each entry point names a creator
 ``(RendezvousParameters) -> RendezvousHandler``. Entry points are loaded once,
@@ -24,6 +31,7 @@ its handler when that is a dynamic handler.
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 import warnings
 from collections.abc import Callable
@@ -37,11 +45,13 @@ if TYPE_CHECKING:
     from rdzv.store.base import Store
 
 __all__ = [
+    "BACKEND_ALIASES",
     "BACKEND_FACTORIES",
     "ENTRY_POINT_GROUP",
     "BackendFactory",
     "RendezvousHandlerCreator",
     "RendezvousHandlerRegistry",
+    "canonical_backend_name",
     "create_dynamic_handler",
     "create_handler",
     "open_backend",
@@ -49,6 +59,8 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "rdzv.handlers"
+
+LOGGER = logging.getLogger("rdzv.registry")
 
 RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
 
@@ -60,6 +72,25 @@ BACKEND_FACTORIES: dict[str, str] = {
     **dict.fromkeys(("etcd", "etcd-v2"), "rdzv.backends.etcd:create_backend"),
     "redis": "rdzv.backends.redis:create_backend",
 }
+
+#: alias -> the canonical name of the same backend (what its handler reports).
+BACKEND_ALIASES: dict[str, str] = {
+    **dict.fromkeys(("p10d", "core", "tcp"), "c10d"),
+    **dict.fromkeys(("etcd", "etcd-v2"), "etcd-v3"),
+}
+
+
+def canonical_backend_name(name: str) -> str:
+    """Return the canonical name of a backend (``p10d`` -> ``c10d``, ``etcd`` -> ``etcd-v3``).
+
+    Args:
+        name: A backend name or alias.
+
+    Returns:
+        The canonical name; a name without alias is returned unchanged.
+    """
+    return BACKEND_ALIASES.get(name, name)
+
 
 # name -> "module:function" of a handler creator that is not a dynamic backend's.
 _BUILTIN: dict[str, str] = {"static": "rdzv.static:create_rdzv_handler"}
@@ -149,15 +180,18 @@ class RendezvousHandlerRegistry:
             ValueError: The name is empty or already taken by another creator.
         """
         if not isinstance(backend, str) or not backend.strip():
-            raise ValueError(f"the backend name must be a non-empty string, got {backend!r}")
+            raise ValueError(
+                f"The rendezvous backend name must be a non-empty string. Got {backend!r}."
+            )
         with self._lock:
             current = self._creators.get(backend)
             if current is not None:
                 if current is creator:
                     return
                 raise ValueError(
-                    f"the rendezvous backend {backend!r} cannot be registered with {creator!r} "
-                    f"as it is already registered with {current!r} (from {self._origins[backend]})"
+                    f"The rendezvous backend '{backend}' cannot be registered with '{creator}' "
+                    f"as it is already registered with '{current}'. It came from "
+                    f"{self._origins[backend]}."
                 )
             self._creators[backend] = creator
             self._origins[backend] = origin or getattr(creator, "__module__", "?") or "?"
@@ -205,6 +239,9 @@ class RendezvousHandlerRegistry:
         Raises:
             ValueError: The backend is not registered; the message lists the
                 known ones.
+            RuntimeError: The handler built reports another backend
+                (``get_backend()``; aliases count as their canonical name);
+                the handler is closed.
         """
         self._load_entry_points()
         with self._lock:
@@ -212,11 +249,34 @@ class RendezvousHandlerRegistry:
             known = sorted(self._creators)
         if creator is None:
             raise ValueError(
-                f"the rendezvous backend {params.backend!r} is not registered; "
-                f"known backends: {', '.join(known) or '(none)'}. Did you forget to install "
-                "or import the package that provides it?"
+                f"The rendezvous backend '{params.backend}' is not registered. Did you forget "
+                f"to call `register`? Known backends: {', '.join(known) or '(none)'}; a "
+                "backend from another package is registered when that package is installed."
             )
-        return creator(params)
+        handler = creator(params)
+        built = handler.get_backend()
+        if canonical_backend_name(built) != canonical_backend_name(params.backend):
+            _close_built(handler)
+            raise RuntimeError(
+                f"The rendezvous backend '{built}' does not match the requested backend "
+                f"'{params.backend}'. The creator registered under '{params.backend}' is "
+                f"{creator!r}; it built a {type(handler).__name__}, which was closed."
+            )
+        return handler
+
+
+def _close_built(handler: RendezvousHandler) -> None:
+    """Release a handler that will not be returned (its backend and store)."""
+    close = getattr(handler, "close", None)
+    try:
+        if callable(close):
+            close()
+        else:
+            handler.shutdown()
+    except Exception:  # the mismatch is the error to raise; this one is logged
+        LOGGER.warning(
+            "could not close the %s handler built", type(handler).__name__, exc_info=True
+        )
 
 
 rendezvous_handler_registry = RendezvousHandlerRegistry()
@@ -239,6 +299,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     Raises:
         ValueError: The backend is not registered.
+        RuntimeError: The handler built reports another backend.
     """
     return rendezvous_handler_registry.create_handler(params)
 

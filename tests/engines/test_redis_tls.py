@@ -61,21 +61,18 @@ def test_rediss_with_a_wrong_ca_names_the_endpoint(
 ) -> None:
     from rdzv.backends.redis import create_backend
 
-    backend, _ = create_backend(
-        _params(
-            tls_redis,
-            unique,
-            ssl_cert=tls_files.client_cert,
-            ssl_cert_key=tls_files.client_key,
-            ca_cert=tls_files.other_ca_cert,
+    # create_backend checks the server at once (one PING), so it fails there.
+    with pytest.raises(RendezvousConnectionError, match=tls_redis.endpoint) as info:
+        create_backend(
+            _params(
+                tls_redis,
+                unique,
+                ssl_cert=tls_files.client_cert,
+                ssl_cert_key=tls_files.client_key,
+                ca_cert=tls_files.other_ca_cert,
+            )
         )
-    )
-    try:
-        with pytest.raises(RendezvousConnectionError, match=tls_redis.endpoint) as info:
-            backend.get_state()
-        assert "certificate" in str(info.value).lower()
-    finally:
-        backend.client.close()
+    assert "certificate" in str(info.value).lower()
 
 
 def test_rediss_without_a_client_certificate_fails(
@@ -83,9 +80,5 @@ def test_rediss_without_a_client_certificate_fails(
 ) -> None:
     from rdzv.backends.redis import create_backend
 
-    backend, _ = create_backend(_params(tls_redis, unique, ca_cert=tls_files.ca_cert))
-    try:
-        with pytest.raises(RendezvousConnectionError, match=tls_redis.endpoint):
-            backend.get_state()
-    finally:
-        backend.client.close()
+    with pytest.raises(RendezvousConnectionError, match=tls_redis.endpoint):
+        create_backend(_params(tls_redis, unique, ca_cert=tls_files.ca_cert))

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from rdzv import RendezvousParameters, StaticTCPRendezvous, create_handler
-from tests.procs import subprocess_env
+from tests.procs import free_port, subprocess_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,16 +39,9 @@ def start(procs: list[subprocess.Popen[str]], *args: object) -> subprocess.Popen
     return proc
 
 
-def host_port(proc: subprocess.Popen[str]) -> int:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("PORT "), line
-    return int(line.split()[1])
-
-
 def test_three_processes_meet_at_the_barrier(nodes: list[subprocess.Popen[str]]) -> None:
-    host = start(nodes, "127.0.0.1", 0, 0, 3, 30)
-    port = host_port(host)
+    port = free_port()
+    start(nodes, "127.0.0.1", port, 0, 3, 30)
     start(nodes, "127.0.0.1", port, 2, 3, 30)
     start(nodes, "127.0.0.1", port, 1, 3, 30)
     summaries = []
@@ -66,8 +59,8 @@ def test_three_processes_meet_at_the_barrier(nodes: list[subprocess.Popen[str]])
 
 def test_timeout_names_the_missing_ranks(nodes: list[subprocess.Popen[str]]) -> None:
     # the host waits longer, so its store is still there when the other one gives up
-    host = start(nodes, "127.0.0.1", 0, 0, 4, 3)
-    port = host_port(host)
+    port = free_port()
+    host = start(nodes, "127.0.0.1", port, 0, 4, 3)
     other = start(nodes, "127.0.0.1", port, 2, 4, 1)
     for proc in (host, other):
         out, _ = proc.communicate(timeout=30)
@@ -78,11 +71,10 @@ def test_timeout_names_the_missing_ranks(nodes: list[subprocess.Popen[str]]) -> 
 def test_two_nodes_with_the_same_rank_are_rejected() -> None:
     from rdzv import RendezvousStateError
 
-    host = StaticTCPRendezvous("127.0.0.1", master_port=0, rank=0, world_size=2, timeout=5)
-    twin = StaticTCPRendezvous("127.0.0.1", master_port=host.port, rank=1, world_size=2, timeout=5)
-    impostor = StaticTCPRendezvous(
-        "127.0.0.1", master_port=host.port, rank=1, world_size=2, timeout=5
-    )
+    port = free_port()
+    host = StaticTCPRendezvous("127.0.0.1", master_port=port, rank=0, world_size=2, timeout=5)
+    twin = StaticTCPRendezvous("127.0.0.1", master_port=port, rank=1, world_size=2, timeout=5)
+    impostor = StaticTCPRendezvous("127.0.0.1", master_port=port, rank=1, world_size=2, timeout=5)
     try:
         import threading
 
@@ -122,6 +114,7 @@ def test_rounds_are_fresh_and_closing_ends_the_run() -> None:
 
 def test_registered_as_static_backend() -> None:
     host = StaticTCPRendezvous("127.0.0.1", master_port=0, timeout=5)
+    host.next_rendezvous()  # hosts the store, on a free port
     try:
         params = RendezvousParameters(
             "static", f"127.0.0.1:{host.port}", "r", 2, 2, node_rank=1, timeout="7"
@@ -154,4 +147,4 @@ def test_bad_arguments_are_named(kwargs: dict[str, int], message: str) -> None:
 
 def test_elastic_parameters_are_rejected() -> None:
     with pytest.raises(ValueError, match="min_nodes=1 max_nodes=2"):
-        StaticTCPRendezvous(RendezvousParameters("static", "127.0.0.1:1", "r", 1, 2))
+        StaticTCPRendezvous(RendezvousParameters("static", "127.0.0.1:1", "r", 1, 2, node_rank=0))

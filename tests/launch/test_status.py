@@ -74,7 +74,8 @@ def test_status_of_a_live_run(endpoint: str, tmp_path: Path) -> None:
 def test_status_of_an_unknown_backend_is_a_clear_error() -> None:
     done = status("127.0.0.1:1", "x", "--rdzv-backend=nosuch")
     assert done.returncode == 2
-    assert "'nosuch' is not registered; known backends: c10d" in done.stderr
+    assert "'nosuch' is not registered." in done.stderr
+    assert "Known backends: c10d" in done.stderr
 
 
 def test_status_of_an_unreachable_endpoint_fails_quickly() -> None:

@@ -15,10 +15,10 @@
     for a next round within 60 s.
 
 ``static HOST PORT RANK WORLD_SIZE TIMEOUT``
-    One node of a static rendezvous. Rank 0 prints ``PORT <n>`` once it
-    hosts the store (give port 0 for a free one). After the barrier each
-    node writes its rank into the round's store, reads everyone's back and
-    prints a JSON summary; a timeout prints the error and exits 3.
+    One node of a static rendezvous. Nothing is hosted before
+    ``next_rendezvous()``, so the caller picks the port. After the barrier
+    each node writes its rank into the round's store, reads everyone's back
+    and prints a JSON summary; a timeout prints the error and exits 3.
 """
 
 from __future__ import annotations
@@ -165,8 +165,6 @@ def static(args: argparse.Namespace) -> int:
         timeout=args.timeout,
     )
     try:
-        if args.rank == 0:
-            print(f"PORT {handler.port}", flush=True)
         try:
             info = handler.next_rendezvous()
         except RendezvousTimeoutError as exc:

@@ -1,5 +1,6 @@
-"""The torch ``Store`` adapter over rdzv stores, used by the ``rdzv`` torchrun
-backend when the store needs a secret or TLS (torch's own client speaks neither)."""
+"""The torch ``Store`` adapter over rdzv stores (``rdzv.torch.as_torch_store``), used by
+the ``rdzv`` torchrun backend when the store needs a secret or TLS (torch's own client
+speaks neither) or is a file."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from rdzv.store.tcp import TCPStore
 torch_dist = pytest.importorskip("torch.distributed")
 store_util = pytest.importorskip("torch.distributed.elastic.utils.store")
 
-from rdzv.torchrun import _store_adapter_class  # noqa: E402 - after the torch check
+from rdzv.torch import as_torch_store  # noqa: E402 - after the torch check
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(60)]
 
 
 def test_the_calls_torchs_agent_makes_reach_the_rdzv_store() -> None:
     inner = PrefixStore("round/3", HashStore(timeout=5))
-    adapter = _store_adapter_class()(inner)
+    adapter = as_torch_store(inner)
     assert adapter.timeout == timedelta(seconds=5)  # the rdzv store's timeout at first
     adapter.set("role/0", b"info")
     assert inner.get("role/0") == b"info"
@@ -46,9 +47,7 @@ def test_torchs_exit_barrier_runs_over_two_adapters() -> None:
 
     def member() -> None:
         try:
-            store_util.barrier(
-                _store_adapter_class()(PrefixStore("round/0", shared)), 2, "exit", 10
-            )
+            store_util.barrier(as_torch_store(PrefixStore("round/0", shared)), 2, "exit", 10)
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -62,7 +61,7 @@ def test_torchs_exit_barrier_runs_over_two_adapters() -> None:
 
 
 def test_timeouts_follow_set_timeout_and_become_dist_store_errors() -> None:
-    adapter = _store_adapter_class()(HashStore(timeout=30))
+    adapter = as_torch_store(HashStore(timeout=30))
     adapter.set_timeout(timedelta(seconds=0.2))
     assert adapter.timeout == timedelta(seconds=0.2)
     with pytest.raises(torch_dist.DistStoreError, match=r"timed out after 0\.2 s"):
@@ -77,7 +76,7 @@ def test_a_lost_store_becomes_a_dist_network_error() -> None:
     server = TCPStoreServer("127.0.0.1", 0).start()
     client = TCPStore("127.0.0.1", server.port, timeout=2)
     try:
-        adapter = _store_adapter_class()(client)
+        adapter = as_torch_store(client)
         assert adapter.add("k", 1) == 1
         server.stop()
         with pytest.raises(torch_dist.DistNetworkError):

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "rdzv.backends.base",
             "rdzv.endpoint",
+            "rdzv.utils",
             "rdzv.net",
             "rdzv.auth",
             "rdzv.store.base",
@@ -39,7 +40,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("assembly", ("rdzv.registry",)),
     (
         "front-ends",
-        ("rdzv.launch", "rdzv.status", "rdzv.torchrun", "rdzv.cli", "rdzv.__main__", "rdzv"),
+        (
+            "rdzv.launch",
+            "rdzv.status",
+            "rdzv.torchrun",
+            "rdzv.torch",
+            "rdzv.cli",
+            "rdzv.__main__",
+            "rdzv",
+        ),
     ),
 ]
 

@@ -54,7 +54,11 @@ def test_unknown_backend_lists_known_ones() -> None:
     reg = RendezvousHandlerRegistry(load_entry_points=False)
     reg.register("alpha", _creator)
     reg.register("beta", _other_creator)
-    with pytest.raises(ValueError, match="'gamma' is not registered; known backends: alpha, beta"):
+    with pytest.raises(
+        ValueError,
+        match=r"^The rendezvous backend 'gamma' is not registered\. Did you forget to call "
+        r"`register`\? Known backends: alpha, beta;",
+    ):
         reg.create_handler(RendezvousParameters("gamma", "e", "r", 1, 1))
 
 
@@ -65,9 +69,12 @@ def plugin_path(tmp_path: Path) -> Iterator[Path]:
             """
             from tests.unit.test_api import _Handler
             CALLS = []
+            class GoodHandler(_Handler):
+                def get_backend(self):
+                    return "good"
             def create(params):
                 CALLS.append(params)
-                return _Handler()
+                return GoodHandler()
             """
         )
     )
@@ -166,10 +173,15 @@ def store_plugin_path(tmp_path: Path) -> Path:
             from rdzv.backends.store import C10dRendezvousBackend
             from rdzv.endpoint import parse_endpoint
 
+            class MyStoreBackend(C10dRendezvousBackend):
+                @property
+                def name(self):
+                    return "mystore"
+
             def create(params):
                 host, port = parse_endpoint(params.endpoint)
                 store = TCPStore(host, port, timeout=10)
-                backend = C10dRendezvousBackend(store, params.run_id)
+                backend = MyStoreBackend(store, params.run_id)
                 return DynamicRendezvousHandler.from_backend(
                     params.run_id, store, backend, params.min_nodes, params.max_nodes
                 )

@@ -350,11 +350,12 @@ def validate_run_id(run_id: str) -> str:
         ``run_id`` unchanged.
 
     Raises:
-        ValueError: It is empty, longer than :data:`MAX_RUN_ID` characters, or
+        ValueError: It is empty (torch's message: ``The run id must be a
+            non-empty string.``), longer than :data:`MAX_RUN_ID` characters, or
             holds whitespace or control characters (printed escaped).
     """
     if not isinstance(run_id, str) or not run_id:
-        raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
+        raise ValueError(f"The run id must be a non-empty string. Got {run_id!r}.")
     if len(run_id) > MAX_RUN_ID:
         raise ValueError(
             f"run_id is {len(run_id)} characters long; the limit is {MAX_RUN_ID} "
@@ -375,7 +376,8 @@ def validate_node_key(node: str) -> str:
         ``node`` unchanged.
 
     Raises:
-        ValueError: It is empty, longer than 256 characters, or holds
+        ValueError: It is empty (torch's message: ``The run id must be a
+            non-empty string.``), longer than 256 characters, or holds
             whitespace or non-printable characters.
     """
     if isinstance(node, str) and _ASCII_NODE_KEY.fullmatch(node):

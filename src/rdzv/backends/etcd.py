@@ -58,7 +58,7 @@ from rdzv.backends.etcd_gateway import (
 )
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.backends.options import EtcdOptions, check_key_settings, parse_endpoints
-from rdzv.errors import RendezvousStateError
+from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
@@ -73,6 +73,8 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+_ETCD_FAILED = "The connection to etcd has failed. See inner exception for details."
 
 DEFAULT_KEY_PREFIX = EtcdOptions.DEFAULT_PREFIX
 _MAGIC = b"rdzv-state/1\n"
@@ -464,8 +466,21 @@ def open_etcd(options: EtcdOptions) -> tuple[EtcdRendezvousBackend, EtcdStore]:
 
     Returns:
         ``(backend, store)``; the store keeps its keys under the run's prefix.
+
+    Raises:
+        RendezvousConnectionError: No member answered one bounded request
+            (:meth:`~rdzv.backends.etcd_client.EtcdClient.check_reachable`);
+            torch's message first.
     """
     client = create_client(options)
+    try:
+        client.check_reachable()
+    except RendezvousConnectionError as exc:
+        client.close()
+        raise RendezvousConnectionError(f"{_ETCD_FAILED} {exc}") from exc
+    except BaseException:
+        client.close()
+        raise
     backend = EtcdRendezvousBackend(
         client,
         options.run_id,
@@ -489,6 +504,9 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         ``(backend, store)``; the store keeps its keys under the run's prefix.
 
     Raises:
-        ValueError: An option or the endpoint is invalid; the message names it.
+        ValueError: An option or the endpoint is invalid; the message names
+            it, torch's message first where torch checks the same.
+        RendezvousConnectionError: etcd is unreachable (checked with one
+            bounded request per member); torch's message first.
     """
     return open_etcd(EtcdOptions.from_params(params))

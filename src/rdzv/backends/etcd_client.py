@@ -283,6 +283,36 @@ class EtcdClient:
             time.sleep(min(backoff, remaining))
             backoff = min(backoff * 2, 0.5)
 
+    def check_reachable(self) -> str:
+        """Ask each member once, in order, for a count of no keys, until one answers.
+
+        One bounded round trip per member: each attempt may take the connect
+        timeout (or the read timeout, when shorter); no member is retried.
+
+        Returns:
+            The URL of the member that answered.
+
+        Raises:
+            RendezvousConnectionError: No member answered; the message names
+                every member and its failure.
+            EtcdRejectedError: A member answered and refused to read.
+        """
+        timeout = min(self._connect_timeout, self._read_timeout)
+        body = range_request(b"\0rdzv-probe", count_only=True, serializable=True)
+        errors: list[str] = []
+        for index in range(len(self._endpoints)):
+            try:
+                self._request_once(index, "/v3/kv/range", body, timeout)
+            except EtcdRetryableError as exc:
+                errors.append(str(exc))
+                continue
+            with self._lock:
+                self._current = index
+            return self._url(index)
+        raise RendezvousConnectionError(
+            f"no etcd member answered within {timeout:g} s: {'; '.join(errors)}" + self._tls_hint()
+        )
+
     # -- KV ---------------------------------------------------------------------
 
     def range(

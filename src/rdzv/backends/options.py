@@ -90,15 +90,27 @@ def _path_option(params: RendezvousParameters, *keys: str) -> tuple[str, str] | 
 
 
 def _read_timeout(params: RendezvousParameters) -> float:
-    return params.get_as_seconds("read_timeout") or DEFAULT_READ_TIMEOUT
+    seconds = params.get_as_seconds("read_timeout")
+    if seconds is None:
+        return DEFAULT_READ_TIMEOUT
+    if not seconds > 0:
+        raise ValueError(
+            f"The read timeout must be a positive integer. Got {params.get('read_timeout')!r}; "
+            "rdzv accepts any positive number of seconds."
+        )
+    return seconds
 
 
-def _choice(params: RendezvousParameters, key: str, allowed: tuple[str, ...], what: str) -> str:
-    """Return the lower-cased value of ``key`` (``allowed[0]`` when unset), checked."""
+def _choice(params: RendezvousParameters, key: str, allowed: tuple[str, ...], head: str) -> str:
+    """Return the lower-cased value of ``key`` (``allowed[0]`` when unset), checked.
+
+    A bad value is a ``ValueError`` starting with ``head`` (torch's message,
+    where torch checks the key).
+    """
     value = (text_option(params, key) or allowed[0]).strip().lower()
     if value not in allowed:
         names = " or ".join(repr(a) for a in allowed)
-        raise ValueError(f"{key}: {what} must be {names}, got {params.get(key)!r}")
+        raise ValueError(f"{head} Got {key}={params.get(key)!r}; expected {names}.")
     return value
 
 
@@ -293,22 +305,30 @@ class StoreTLS:
             ) from exc
 
 
+_TCP_ONLY_KEYS = ("auth_token_file", "ca_cert", "cacert", "ssl_cert", "ssl_cert_key")
+
+
 @dataclass(frozen=True)
 class StoreBackendOptions:
-    """The options of the TCP store backend (``c10d`` and its aliases).
+    """The options of the store backend (``c10d`` and its aliases).
 
     Args:
-        host: The endpoint's host.
-        port: The endpoint's port.
+        host: The endpoint's host (``store_type=tcp``; empty for a file).
+        port: The endpoint's port (``store_type=tcp``; 0 for a file).
         run_id: The run; it names the keys.
         read_timeout: The store's timeout for blocking reads, in seconds.
         auth_token_file: The file the shared secret was read from, or None.
         auth_token: The shared secret (from the file or ``$RDZV_AUTH_TOKEN``), or None.
         tls: The TLS settings.
         is_host: ``is_host`` as given (None: infer it, see :meth:`should_host`).
+        store_type: ``tcp`` (a TCP store, hosted by one node) or ``file``
+            (one file on a filesystem the nodes share, no server).
+        path: The file of ``store_type=file``; None: a private temporary
+            file, for processes of one job on one machine that share this
+            handler only.
     """
 
-    STORE_TYPES: ClassVar[tuple[str, ...]] = ("tcp",)
+    STORE_TYPES: ClassVar[tuple[str, ...]] = ("tcp", "file")
 
     #: The configuration keys :meth:`from_params` reads.
     KEYS: ClassVar[frozenset[str]] = frozenset(
@@ -332,31 +352,60 @@ class StoreBackendOptions:
     auth_token: bytes | None = field(default=None, repr=False)
     tls: StoreTLS = field(default_factory=StoreTLS)
     is_host: bool | None = None
+    store_type: str = "tcp"
+    path: str | None = None
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> StoreBackendOptions:
         """Parse the store backend's keys.
 
-        Keys: ``store_type`` (``tcp``, the only one), ``read_timeout`` (60 s),
-        ``auth_token_file`` (else ``$RDZV_AUTH_TOKEN``), ``ca_cert`` (or
-        ``cacert``), ``ssl_cert``, ``ssl_cert_key`` and ``is_host``.
+        Keys: ``store_type`` (``tcp``, the default, or ``file``: then the
+        endpoint is the file's path, and an empty endpoint a private
+        temporary file), ``read_timeout`` (60 s), ``is_host``, and for
+        ``tcp`` only: ``auth_token_file`` (else ``$RDZV_AUTH_TOKEN``),
+        ``ca_cert`` (or ``cacert``), ``ssl_cert`` and ``ssl_cert_key``.
 
         Args:
-            params: The rendezvous parameters; ``endpoint`` is ``host[:port]``.
+            params: The rendezvous parameters; ``endpoint`` is ``host[:port]``
+                (``tcp``) or a path (``file``).
 
         Returns:
             The options.
 
         Raises:
             ValueError: A bad value, naming its key (including ``is_host=1``
-                with TLS on and no server certificate, and a secret file that
-                is empty or cannot be read).
+                with TLS on and no server certificate, a secret file that is
+                empty or cannot be read, and secret or TLS keys with
+                ``store_type=file``); torch's message first where torch
+                checks the same.
         """
-        _choice(params, "store_type", cls.STORE_TYPES, "the store backend's store_type")
+        store_type = _choice(
+            params,
+            "store_type",
+            cls.STORE_TYPES,
+            "Invalid store type given. Currently only supports file and tcp.",
+        )
+        if store_type == "file":
+            given = [key for key in _TCP_ONLY_KEYS if text_option(params, key)]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} apply to store_type=tcp only: a file store has no "
+                    "server to authenticate or encrypt"
+                )
+            return cls(
+                "",
+                0,
+                params.run_id,
+                _read_timeout(params),
+                is_host=params.get_as_bool("is_host"),
+                store_type=store_type,
+                path=params.endpoint or None,
+            )
         host, port = parse_endpoint(params.endpoint)
+        is_host = params.get_as_bool("is_host")
+        read_timeout = _read_timeout(params)
         token_file = text_option(params, "auth_token_file")
         tls = StoreTLS.from_params(params)
-        is_host = params.get_as_bool("is_host")
         if is_host and not tls.can_host:
             raise ValueError(
                 f"{tls.ca[0] if tls.ca else 'ca_cert'} is set (TLS on) but this node hosts the "
@@ -369,7 +418,7 @@ class StoreBackendOptions:
                 f"auth_token_file {token_file!r} cannot be read: {exc.strerror or exc}"
             ) from exc
         return cls(
-            host, port, params.run_id, _read_timeout(params), token_file, token, tls, is_host
+            host, port, params.run_id, read_timeout, token_file, token, tls, is_host
         )
 
     @property
@@ -383,10 +432,13 @@ class StoreBackendOptions:
         ``is_host`` when given; otherwise this node hosts when it can (no
         TLS, or it has the server certificate) and the endpoint host resolves
         (``getaddrinfo``, IPv4 and IPv6) to one of this machine's addresses.
+        A file store has nothing to host.
 
         Returns:
             True when this node should try to serve the store.
         """
+        if self.store_type == "file":
+            return False
         if self.is_host is not None:
             return self.is_host
         return self.tls.can_host and endpoint_is_local(self.host)
@@ -492,7 +544,9 @@ class EtcdOptions:
         Raises:
             ValueError: A bad value, naming its key.
         """
-        protocol = _choice(params, "protocol", ("http", "https"), "the etcd protocol")
+        protocol = _choice(
+            params, "protocol", ("http", "https"), "The protocol must be HTTP or HTTPS."
+        )
         cert, key, ca = _tls_files(params, ("ca_cert", "cacert"), protocol == "https", "https")
         return cls(
             tuple(parse_endpoints(params.endpoint)),
@@ -573,7 +627,10 @@ class RedisOptions:
         """
         host, port = parse_endpoint(params.endpoint, DEFAULT_REDIS_PORT)
         protocol = _choice(
-            params, "protocol", ("redis", "rediss", "http", "https"), "the Redis protocol"
+            params,
+            "protocol",
+            ("redis", "rediss", "http", "https"),
+            "The Redis protocol must be redis or rediss (http and https are synonyms).",
         )
         use_tls = protocol in ("rediss", "https")
         cert, key, ca = _tls_files(params, ("ca_cert",), use_tls, "rediss")

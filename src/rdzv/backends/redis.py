@@ -48,7 +48,8 @@ from rdzv.backends.redis_connection import (
     redis_errors,
 )
 from rdzv.backends.redis_store import RedisStore
-from rdzv.errors import RendezvousStateError
+from rdzv.endpoint import format_endpoint
+from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 
 if TYPE_CHECKING:
     import redis
@@ -63,6 +64,8 @@ __all__ = [
 ]
 
 DEFAULT_KEY_PREFIX = RedisOptions.DEFAULT_PREFIX
+_REDIS_FAILED = "The connection to Redis has failed. See inner exception for details."
+
 _STREAM_MAXLEN = "100"
 
 _CAS = """
@@ -437,8 +440,23 @@ def open_redis(options: RedisOptions) -> tuple[RedisRendezvousBackend, RedisStor
 
     Returns:
         ``(backend, store)``.
+
+    Raises:
+        RendezvousConnectionError: Redis did not answer a ``PING`` (one
+            bounded round trip: the connect timeout, redis-py's three
+            retries); the message starts as torch's etcd backend's does.
     """
     client = create_client(options)
+    endpoint = format_endpoint(options.host, options.port)
+    try:
+        with redis_errors(endpoint, "checking that it is reachable (PING)"):
+            client.ping()
+    except RendezvousConnectionError as exc:
+        client.close()
+        raise RendezvousConnectionError(f"{_REDIS_FAILED} {exc}") from exc
+    except BaseException:
+        client.close()
+        raise
     backend = RedisRendezvousBackend(
         client,
         options.run_id,
@@ -463,5 +481,6 @@ def create_backend(params: RendezvousParameters) -> tuple[RedisRendezvousBackend
 
     Raises:
         ValueError: An option or the endpoint is invalid; the message names it.
+        RendezvousConnectionError: Redis is unreachable (one bounded ``PING``).
     """
     return open_redis(RedisOptions.from_params(params))

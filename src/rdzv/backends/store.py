@@ -16,11 +16,18 @@ and ``TpRendezvousBackend``. It offers every capability:
 
 Keys live under ``rdzv.backend/<run_id>/``. Store failures become
 :class:`~rdzv.errors.RendezvousConnectionError`.
+
+:func:`open_store` builds the store of ``store_type``: the TCP store (hosted
+by one node, the others its clients) or a :class:`~rdzv.store.file.FileStore`
+(one file on a filesystem the nodes share; no server). A store that cannot be
+reached, hosted or opened fails with torch's message first.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
+import tempfile
 import time
 from typing import TYPE_CHECKING
 
@@ -32,12 +39,13 @@ from rdzv.backends.options import (
     StoreTLS,
     endpoint_is_local,
 )
-from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
 from rdzv.retry import poll_backoff
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
     from rdzv.store.base import Store
+    from rdzv.store.file import FileStore
     from rdzv.store.tcp import TCPStore
 
 __all__ = [
@@ -52,6 +60,9 @@ __all__ = [
     "endpoint_is_local",
     "open_store",
 ]
+
+_C10D_FAILED = "The connection to the C10d store has failed. See inner exception for details."
+_FILE_FAILED = "The file creation for C10d store has failed. See inner exception for details."
 
 _MAGIC = b"RDZ1"
 _HEADER = len(_MAGIC) + 8 + 4
@@ -188,13 +199,46 @@ def _tcp_store(options: StoreBackendOptions, is_master: bool) -> TCPStore:
     )
 
 
+def _host_or_connect(options: StoreBackendOptions) -> TCPStore:
+    if options.should_host():
+        try:
+            return _tcp_store(options, True)
+        except (OSError, RendezvousConnectionError) as exc:
+            if options.is_host:
+                raise RendezvousConnectionError(
+                    f"could not host the rendezvous store on port {options.port}: {exc}"
+                ) from exc
+    return _tcp_store(options, False)
+
+
+def _file_store(options: StoreBackendOptions) -> FileStore:
+    from rdzv.store.file import FileStore  # noqa: PLC0415 - imported only when used
+
+    path = options.path
+    world_size = -1
+    if path is None:
+        try:
+            fd, path = tempfile.mkstemp(prefix="rdzv-filestore-")
+        except OSError as exc:
+            raise RendezvousError(f"{_FILE_FAILED} {exc}") from exc
+        os.close(fd)
+        # Private to this handler: removed when its last user (store, clone) closes.
+        world_size = 1
+    return FileStore(path, world_size, timeout=options.read_timeout)
+
+
 def open_store(options: StoreBackendOptions) -> tuple[C10dRendezvousBackend, Store]:
     """Build the store backend and its store from parsed options, hosting it when told.
 
-    When :meth:`~rdzv.backends.options.StoreBackendOptions.should_host`
-    says so, this process serves the TCP store; if binding fails and
-    ``is_host`` was inferred (another local process hosts it), the node
-    connects as a client instead.
+    ``store_type=file``: a :class:`~rdzv.store.file.FileStore` on
+    ``options.path`` (torch's ``FileStore`` format), or on a private
+    temporary file that is removed when the handler closes.
+
+    ``store_type=tcp``: when
+    :meth:`~rdzv.backends.options.StoreBackendOptions.should_host` says so,
+    this process serves the TCP store; if binding fails and ``is_host`` was
+    inferred (another local process hosts it), the node connects as a client
+    instead.
 
     Args:
         options: The store backend's options.
@@ -204,23 +248,24 @@ def open_store(options: StoreBackendOptions) -> tuple[C10dRendezvousBackend, Sto
 
     Raises:
         ValueError: A TLS file cannot be loaded; the message names it.
-        RendezvousConnectionError: The store could not be reached, or could
-            not be hosted with ``is_host=1``.
+        RendezvousConnectionError: The store could not be reached, hosted
+            with ``is_host=1``, or opened; torch's message first.
+        RendezvousError: The private temporary file could not be created
+            (torch's message first).
         StoreAuthenticationError: The store refused the secret, or needs one.
     """
-    store: TCPStore
-    if options.should_host():
+    store: FileStore | TCPStore
+    try:
+        store = _file_store(options) if options.store_type == "file" else _host_or_connect(options)
         try:
-            store = _tcp_store(options, True)
-        except (OSError, RendezvousConnectionError) as exc:
-            if options.is_host:
-                raise RendezvousConnectionError(
-                    f"could not host the rendezvous store on port {options.port}: {exc}"
-                ) from exc
-            store = _tcp_store(options, False)
-    else:
-        store = _tcp_store(options, False)
-    liveness = store.clone()
+            liveness = store.clone()
+        except BaseException:
+            store.close()
+            raise
+    except RendezvousConnectionError as exc:
+        if str(exc).startswith(_C10D_FAILED):
+            raise
+        raise RendezvousConnectionError(f"{_C10D_FAILED} {exc}") from exc
     return C10dRendezvousBackend(store, options.run_id, liveness_store=liveness), store
 
 
@@ -228,21 +273,23 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     """Build the store backend and its store from rendezvous parameters.
 
     Options: see :meth:`rdzv.backends.options.StoreBackendOptions.from_params`
-    (``store_type``, ``read_timeout``, ``auth_token_file``, ``ca_cert``,
+    (``store_type`` ``tcp`` or ``file``, ``read_timeout``, ``auth_token_file``, ``ca_cert``,
     ``ssl_cert``, ``ssl_cert_key``, ``is_host``) and :func:`open_store` for
     the hosting decision.
 
     Args:
         params: The parameters; ``endpoint`` is ``host[:port]`` (29400 by
-            default) and ``run_id`` names the keys.
+            default), or the file's path with ``store_type=file``, and
+            ``run_id`` names the keys.
 
     Returns:
         ``(backend, store)``.
 
     Raises:
         ValueError: An option is invalid (including TLS files that cannot
-            be loaded); the message names it.
-        RendezvousConnectionError: The store could not be reached or hosted.
+            be loaded); the message names it, torch's message first.
+        RendezvousConnectionError: The store could not be reached, hosted or
+            opened; torch's message first.
         StoreAuthenticationError: The store refused the secret, or needs one.
     """
     return open_store(StoreBackendOptions.from_params(params))

@@ -45,9 +45,6 @@ from rdzv.torchrun.stores import (
     _SharedServerStores,
 )
 
-# The store adapter's tests import it from here.
-from rdzv.torchrun.stores import _store_adapter_class as _store_adapter_class
-
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import api as torch_api
 
@@ -95,7 +92,7 @@ def to_rdzv_parameters(
     config.pop("timeout", None)
     rank = config.pop("rank", None)
     try:
-        node_rank = 0 if rank is None else int(rank)
+        node_rank = None if rank is None else int(rank)
     except (TypeError, ValueError):
         raise ValueError(f"the node rank must be an integer, got {rank!r}") from None
     return RendezvousParameters(
@@ -192,9 +189,9 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
     settings = RendezvousSettings.from_params(rdzv_params)
     server = _start_server_if_this_node_hosts(options)
     stores: _RoundStores = (
-        _AdapterStores()
-        if options.secured
-        else _SharedServerStores(options.host, options.port, options.read_timeout)
+        _SharedServerStores(options.host, options.port, options.read_timeout)
+        if options.store_type == "tcp" and not options.secured
+        else _AdapterStores()
     )
     resources = _Resources(stores, server=server)
     try:

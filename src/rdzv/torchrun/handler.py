@@ -10,7 +10,7 @@ rank 0 hosts a fresh store there, so a round never sees a former round's keys.
 rdzv's errors become torch's errors of the same meaning (``raise ... from``),
 so torch's agent reacts as it does to its own backends: rendezvous errors
 through :func:`_torch_errors`, the store errors of the ``torch.distributed.Store``
-adapter through :func:`_dist_errors`. One exception: a spare's graceful exit.
+adapter through :func:`rdzv.torch.dist_errors`. One exception: a spare's graceful exit.
 torch 2.13's agent catches its ``RendezvousGracefulExitError`` and returns
 None, on which torch's launcher then fails (``'NoneType' object has no
 attribute 'is_failed'``, exit status 1); so by default (``spare_exit=exit0``)
@@ -74,25 +74,6 @@ def _torch_errors() -> Iterator[None]:
         raise tr.RendezvousStateError(str(exc)) from exc
     except errors.RendezvousError as exc:
         raise tr.RendezvousError(str(exc)) from exc
-
-
-@contextlib.contextmanager
-def _dist_errors() -> Iterator[None]:
-    """Raise rdzv's store errors as torch's.
-
-    Timeouts become ``DistStoreError``, lost connections ``DistNetworkError``
-    and the rest ``DistError``.
-    """
-    import torch.distributed as dist  # noqa: PLC0415 - torch is optional
-
-    try:
-        yield
-    except errors.RendezvousTimeoutError as exc:
-        raise dist.DistStoreError(str(exc)) from exc
-    except errors.RendezvousConnectionError as exc:
-        raise dist.DistNetworkError(str(exc)) from exc
-    except errors.RendezvousError as exc:
-        raise dist.DistError(str(exc)) from exc
 
 
 class _Resources:

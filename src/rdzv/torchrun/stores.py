@@ -10,10 +10,9 @@ assigns worker ranks and runs its exit barrier through it). One of three
   round's prefix (``rdzv/<run_id>/round/<r>``), the same prefix rdzv's own
   round store uses.
 * ``rdzv`` with a shared secret or TLS (``auth_token_file``/
-  ``$RDZV_AUTH_TOKEN``, ``ca_cert``), which torch's client cannot speak,
-  :class:`_AdapterStores`: rdzv's own round store, through a
-  ``torch.distributed.Store`` subclass written in Python (torch's agent
-  calls it from Python only; :func:`_store_adapter_class`).
+  ``$RDZV_AUTH_TOKEN``, ``ca_cert``), which torch's client cannot speak, or
+  with ``store_type=file``, :class:`_AdapterStores`: rdzv's own round store,
+  through :func:`rdzv.torch.as_torch_store`.
 * ``rdzv-etcd`` / ``rdzv-redis``, :class:`_RankZeroStores`: group rank 0
   hosts a torch ``TCPStore`` for the round and publishes its address in
   rdzv's round store (:data:`AGENT_STORE_KEY`); the other ranks connect to
@@ -22,18 +21,15 @@ assigns worker ranks and runs its exit barrier through it). One of three
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from rdzv import errors
 from rdzv.api import RendezvousInfo
 from rdzv.endpoint import format_endpoint, parse_endpoint
-from rdzv.store.base import Store, Value
 from rdzv.store.memory import PrefixStore
-from rdzv.torchrun.handler import _dist_errors
+from rdzv.torch import as_torch_store
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store as TorchStore
@@ -85,88 +81,10 @@ class _SharedServerStores(_RoundStores):
 
 
 class _AdapterStores(_RoundStores):
-    """rdzv's own round store (authenticated, TLS), as a torch ``Store``."""
+    """rdzv's own round store (authenticated, TLS, a file), as a torch ``Store``."""
 
     def round_store(self, info: RendezvousInfo) -> TorchStore:
-        return _store_adapter_class()(info.store)
-
-
-@functools.cache
-def _store_adapter_class() -> Callable[[Store], TorchStore]:
-    """Define the torch ``Store`` adapter class (imports torch, so only on first use)."""
-    from torch._C._distributed_c10d import Store as TorchStoreBase  # noqa: PLC0415
-
-    class RdzvStoreAdapter(TorchStoreBase):
-        """A ``torch.distributed.Store`` over an rdzv :class:`~rdzv.store.base.Store`.
-
-        The calls torch's agent makes (``set``, ``get``, ``add``, ``check``,
-        ``wait``, ``multi_get``, ``multi_set``, ...) go to the rdzv store;
-        ``get`` and ``wait`` without a timeout use this store's timeout
-        (``set_timeout``), as torch's stores do. rdzv's timeouts become
-        torch's ``DistStoreError`` and its connection errors
-        ``DistNetworkError``.
-
-        Args:
-            inner: The rdzv store.
-        """
-
-        def __init__(self, inner: Store) -> None:
-            super().__init__()
-            self._inner = inner
-            self._timeout = inner.timeout
-            self.set_timeout(inner.timeout)
-
-        def set_timeout(self, timeout: timedelta) -> None:
-            super().set_timeout(timeout)
-            self._timeout = timeout
-
-        def set(self, key: str, value: Value) -> None:
-            with _dist_errors():
-                self._inner.set(key, value)
-
-        def get(self, key: str) -> bytes:
-            with _dist_errors():
-                self._inner.wait([key], self._timeout)
-                return self._inner.get(key)
-
-        def add(self, key: str, value: int) -> int:
-            with _dist_errors():
-                return self._inner.add(key, value)
-
-        def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:
-            with _dist_errors():
-                return self._inner.compare_set(key, expected_value, desired_value)
-
-        def check(self, keys: list[str]) -> bool:
-            with _dist_errors():
-                return self._inner.check(keys)
-
-        def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-            with _dist_errors():
-                self._inner.wait(keys, self._timeout if timeout is None else timeout)
-
-        def delete_key(self, key: str) -> bool:
-            with _dist_errors():
-                return self._inner.delete_key(key)
-
-        def num_keys(self) -> int:
-            with _dist_errors():
-                return self._inner.num_keys()
-
-        def append(self, key: str, value: Value) -> None:
-            with _dist_errors():
-                self._inner.append(key, value)
-
-        def multi_get(self, keys: list[str]) -> list[bytes]:
-            with _dist_errors():
-                self._inner.wait(keys, self._timeout)
-                return self._inner.multi_get(keys)
-
-        def multi_set(self, keys: list[str], values: list[Value]) -> None:
-            with _dist_errors():
-                self._inner.multi_set(keys, values)
-
-    return RdzvStoreAdapter
+        return as_torch_store(info.store)
 
 
 class _RankZeroStores(_RoundStores):
