@@ -417,9 +417,7 @@ class StoreBackendOptions:
             raise ValueError(
                 f"auth_token_file {token_file!r} cannot be read: {exc.strerror or exc}"
             ) from exc
-        return cls(
-            host, port, params.run_id, read_timeout, token_file, token, tls, is_host
-        )
+        return cls(host, port, params.run_id, read_timeout, token_file, token, tls, is_host)
 
     @property
     def secured(self) -> bool:
