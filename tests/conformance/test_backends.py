@@ -10,6 +10,7 @@ from __future__ import annotations
 import unittest
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from rdzv.backends.redis import RedisRendezvousBackend
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.errors import RendezvousConnectionError
 from rdzv.store.base import Store
+from rdzv.store.file import FileStore
 from rdzv.store.memory import HashStore
 from rdzv.store.tcp import TCPStore
 from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
@@ -123,6 +125,17 @@ def test_c10d_on_hash_store(check: Check, watch: bool) -> None:
 def test_c10d_on_tcp(check: Check) -> None:
     host = TCPStore("127.0.0.1", 0, is_master=True, timeout=10)
     harness = C10dHarness(host, lambda: TCPStore("127.0.0.1", host.port, timeout=10))
+    try:
+        run_all(check, harness)
+    finally:
+        harness.close()
+
+
+@EACH_CHECK
+def test_c10d_on_a_file(check: Check, tmp_path: Path) -> None:
+    # Every client opens the file on its own, as separate processes would.
+    path = tmp_path / "store"
+    harness = C10dHarness(FileStore(path, timeout=10), lambda: FileStore(path, timeout=10))
     try:
         run_all(check, harness)
     finally:

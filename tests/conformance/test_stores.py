@@ -12,6 +12,7 @@ from __future__ import annotations
 import unittest
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from rdzv.backends.etcd_client import EtcdClient
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.backends.redis_store import RedisStore
 from rdzv.store.base import Store, Timeout, Value
+from rdzv.store.file import FileStore
 from rdzv.store.memory import HashStore, PrefixStore
 from rdzv.store.tcp import TCPStore
 from rdzv.testing.conformance import ConformanceError
@@ -85,6 +87,21 @@ def test_hash_store(check: StoreCheck) -> None:
 def test_prefix_store(check: StoreCheck) -> None:
     base = HashStore(TIMEOUT)
     run(check, Clients(lambda: PrefixStore("pre", base), EVERY))
+
+
+# -- one file, no server ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "check",
+    [c for c in STORE_CHECKS if c.capability is None or c.capability in WATCH_ONLY],
+    ids=lambda c: c.name,
+)
+def test_file_store(check: StoreCheck, tmp_path: Path) -> None:
+    # Every client opens the file on its own, as separate processes would. A
+    # client serialises its calls (a blocking wait holds it), like the TCP client.
+    path = tmp_path / "store"
+    run(check, Clients(lambda: FileStore(path, timeout=TIMEOUT), WATCH_ONLY))
 
 
 # -- server/client pairings --------------------------------------------------

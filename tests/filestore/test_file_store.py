@@ -1,5 +1,6 @@
-"""rdzv's FileStore: the Store API over one file, the backend conformance suite over it,
-and a rendezvous across processes with no server."""
+"""rdzv's FileStore beyond the shared suites (tests/conformance runs the Store suite
+and the backend suite over a file): torch's on-disk format, locking, and a
+rendezvous across processes with no server."""
 
 from __future__ import annotations
 
@@ -10,17 +11,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rdzv import RendezvousParameters, create_handler
-from rdzv.backends.base import RendezvousBackend
-from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError, StoreTimeoutError
 from rdzv.store.file import FileStore
-from rdzv.testing.conformance import CHECKS, BackendHarness, Check
 from tests.procs import subprocess_env
 
 NODE = str(Path(__file__).with_name("file_node.py"))
@@ -161,44 +158,6 @@ def test_a_held_lock_ends_at_the_store_timeout(path: Path) -> None:
         with pytest.raises(RendezvousConnectionError, match="stayed locked"):
             store.set("k", "v")
     store.set("k", "v")
-
-
-class FileHarness(BackendHarness):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.stores: list[FileStore] = []
-
-    def _store(self) -> FileStore:
-        store = FileStore(self.path, timeout=10)
-        self.stores.append(store)
-        return store
-
-    def connect(self) -> RendezvousBackend:
-        return C10dRendezvousBackend(self._store(), "run1")
-
-    def connect_other_run(self) -> RendezvousBackend:
-        return C10dRendezvousBackend(self._store(), "run2")
-
-    def corrupt_state(self) -> None:
-        self._store().set("rdzv.backend/run1/state", b"\x80\x04garbage")
-
-    def close(self) -> None:
-        for store in self.stores:
-            store.close()
-
-
-@pytest.fixture
-def harness(path: Path) -> Iterator[FileHarness]:
-    h = FileHarness(path)
-    try:
-        yield h
-    finally:
-        h.close()
-
-
-@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
-def test_backend_conformance_over_a_file(check: Check, harness: FileHarness) -> None:
-    check.run(harness)
 
 
 @pytest.mark.slow
