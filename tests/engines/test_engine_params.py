@@ -73,7 +73,7 @@ def test_etcd_create_backend_rejects_bad_options(config: dict[str, Any], message
 def test_etcd_backend_rejects_bad_arguments() -> None:
     client = EtcdClient([("127.0.0.1", 1)])
     try:
-        with pytest.raises(ValueError, match="run_id must be a non-empty string"):
+        with pytest.raises(ValueError, match="The run id must be a non-empty string"):
             EtcdRendezvousBackend(client, "")
         with pytest.raises(ValueError, match="ttl"):
             EtcdRendezvousBackend(client, "r", ttl=0)
