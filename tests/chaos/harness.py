@@ -59,6 +59,9 @@ class Settings:
         max_nodes: ``max_nodes`` of the rendezvous.
         seconds: Stop after this long.
         rounds: Stop once this many distinct rounds completed (0: no limit).
+        min_faults: Run past ``seconds`` until the seeded schedule injected
+            this many faults (bounded by ``seconds + 60``), so a short run on
+            a loaded machine still meets every fault it plans.
         join_timeout: The agents' join timeout.
         interval: The agents' keep-alive interval.
         attempts: The agents' keep-alive attempts (dead after interval x attempts).
@@ -75,6 +78,7 @@ class Settings:
     max_nodes: int = 4
     seconds: float = 40.0
     rounds: int = 0
+    min_faults: int = 0
     join_timeout: float = 30.0
     interval: float = 0.3
     attempts: int = 3
@@ -426,7 +430,12 @@ class ChaosRun:
                 self._spawn()
             next_fault = time.monotonic() + self.rng.uniform(2.0, 4.0)
             end = self._t0 + settings.seconds
-            while time.monotonic() < end:
+            hard_end = end + (60.0 if settings.min_faults else 0.0)
+            while True:
+                now = time.monotonic()
+                injected = sum(self.figures.faults.values())
+                if now >= hard_end or (now >= end and injected >= settings.min_faults):
+                    break
                 if settings.rounds and len(self.checker.groups) >= settings.rounds:
                     break
                 try:

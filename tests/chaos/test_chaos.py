@@ -109,16 +109,17 @@ def test_proxy_forwards_cuts_and_delays() -> None:
         server.stop()
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend", ["tcp", "etcd", "etcd3", "redis"])
 def test_short_chaos_run_has_no_violations(backend: str) -> None:
     seed = int(os.environ.get("RDZV_CHAOS_SEED", random.randrange(1 << 31)))
     settings = Settings(
-        seed=seed, backend=backend, agents=4, min_nodes=2, max_nodes=4, seconds=10.0
+        seed=seed, backend=backend, agents=4, min_nodes=2, max_nodes=4, seconds=10.0, min_faults=3
     )
     figures = ChaosRun(settings).run()
     report = f"replay with RDZV_CHAOS_SEED={seed}\n{figures.summary()}"
     assert figures.violations == [], report
     assert figures.rounds >= 2, report
-    assert sum(figures.faults.values()) >= 3, report
+    # The schedule's faults, not how many fit into 10 s of a loaded machine.
+    assert sum(figures.faults.values()) >= settings.min_faults, report
     assert figures.state_reads > 0, report
