@@ -90,6 +90,10 @@ def test_splits_cut_exactly_the_pairs_across_groups(probed4: ProbedBed) -> None:
     assert probed4.connected_pairs() == {(2, 3), (3, 2)}
     bed.partition([[0, 2], [1, 3]])
     assert probed4.connected_pairs() == {(0, 2), (2, 0), (1, 3), (3, 1)}
+    # Pairwise cuts need not be transitive: 0 still reaches 1 and 2.
+    bed.cut([(1, 2), (3, 0)])
+    assert bed.cut_pairs() == {(1, 2), (0, 3)}
+    assert probed4.connected_pairs() == all_pairs(4) - {(1, 2), (2, 1), (0, 3), (3, 0)}
     bed.heal()
     assert probed4.connected_pairs() == all_pairs(4)
 

@@ -128,6 +128,22 @@ def test_three_agents_in_three_namespaces_rendezvous(bed3: NetnsBed, tmp_path: P
 
 
 @pytest.mark.timeout(60)
+def test_agents_cut_from_each_other_but_not_from_the_store_are_unaffected(
+    bed3: NetnsBed, tmp_path: Path
+) -> None:
+    procs = start_agents(bed3, tmp_path, 12)
+    deadline = time.monotonic() + 40
+    while len(records(tmp_path)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(records(tmp_path)) == 3
+    bed3.cut([(1, 2)])  # host 0 (the store) still reaches both
+    results = finish(procs)
+    assert [code for code, _ in results] == [0, 0, 0], results
+    check_one_round(bed3, tmp_path)
+    assert bed3.cut_pairs() == {(1, 2)}
+
+
+@pytest.mark.timeout(60)
 def test_a_partition_healed_before_the_keep_alive_bound_changes_nothing(
     bed3: NetnsBed, tmp_path: Path
 ) -> None:

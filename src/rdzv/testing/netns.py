@@ -11,10 +11,12 @@ real machine. Needs root and the ``ip`` command; standard library only::
     with NetnsBed(3) as bed:
         bed.hosts[0].run(["python3", "-c", "print('hello')"])
         bed.partition([[0], [1, 2]])  # 0 can reach neither 1 nor 2
+        bed.cut([(1, 2)])  # only 1 and 2 cannot reach each other
         bed.heal()
 
-**Partitions** drop packets silently, as a failed switch or a firewall
-would: for every pair of hosts in different groups, each host gets a policy
+**Partitions** (:meth:`NetnsBed.partition`, :meth:`NetnsBed.isolate`,
+:meth:`NetnsBed.cut`) drop packets silently, as a failed switch or a firewall
+would: for every pair cut, each of the two hosts gets a policy
 rule ``from <peer address> iif eth0 blackhole`` (IPv4 and IPv6), so packets
 from the peer are discarded on arrival. New connections time out and
 established ones stall (TCP retransmits) until :meth:`NetnsBed.heal`
@@ -377,12 +379,39 @@ class NetnsBed:
                     raise ValueError(f"host {index} is in two groups")
                 group_of[index] = number
         rest = len(groups)
-        wanted = {
-            (a, b)
-            for a in range(len(self.hosts))
-            for b in range(len(self.hosts))
-            if group_of.get(a, rest) != group_of.get(b, rest)
-        }
+        self._apply(
+            {
+                (a, b)
+                for a in range(len(self.hosts))
+                for b in range(len(self.hosts))
+                if group_of.get(a, rest) != group_of.get(b, rest)
+            }
+        )
+
+    def cut(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Cut exactly the given host pairs (both ways); every other pair connects.
+
+        Unlike :meth:`partition` this can make reachability non-transitive:
+        ``cut([(1, 2)])`` leaves host 0 reaching both 1 and 2. Replaces any
+        partition in force.
+
+        Args:
+            pairs: Pairs of host indices.
+
+        Raises:
+            ValueError: An index is out of range, or a pair names one host twice.
+        """
+        wanted: set[tuple[int, int]] = set()
+        for a, b in pairs:
+            for index in (a, b):
+                if not 0 <= index < len(self.hosts):
+                    raise ValueError(f"no host {index} (the bed has {len(self.hosts)})")
+            if a == b:
+                raise ValueError(f"cannot cut host {a} from itself")
+            wanted |= {(a, b), (b, a)}
+        self._apply(wanted)
+
+    def _apply(self, wanted: set[tuple[int, int]]) -> None:
         for receiver, sender in sorted(self._cut - wanted):
             self._rules(receiver, sender, "del")
             self._cut.discard((receiver, sender))
