@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.auth",
             "rdzv.store.base",
             "rdzv.store.protocol",
+            "rdzv.testing.netns",
         ),
     ),
     ("stores and API", ("rdzv.store", "rdzv.api", "rdzv.retry", "rdzv.testing.clock")),

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from rdzv.auth import resolve_auth_token
 from rdzv.backends.base import validate_run_id
 from rdzv.endpoint import parse_endpoint
-from rdzv.net import local_addresses
+from rdzv.net import is_local_address, local_addresses
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
@@ -205,13 +205,14 @@ def endpoint_is_local(host: str) -> bool:
         host: A host name or numeric address.
 
     Returns:
-        True when one of its ``getaddrinfo`` addresses is one of this
-        machine's addresses or a loopback address.
+        True when one of its ``getaddrinfo`` addresses is a loopback
+        address, one of :func:`rdzv.net.local_addresses`, or assigned to one
+        of this machine's interfaces (:func:`rdzv.net.is_local_address`).
     """
     found = _addresses_of(host)
     if any(ipaddress.ip_address(addr).is_loopback for addr in found):
         return True
-    return bool(found & set(local_addresses()))
+    return bool(found & set(local_addresses())) or any(is_local_address(a) for a in found)
 
 
 @dataclass(frozen=True)

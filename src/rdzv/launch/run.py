@@ -33,7 +33,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rdzv.api import RendezvousHandler, RendezvousParameters, RendezvousSettings
-from rdzv.backends.options import EtcdOptions, RedisOptions, StoreBackendOptions
+from rdzv.backends.options import (
+    EtcdOptions,
+    RedisOptions,
+    StoreBackendOptions,
+    parse_endpoints,
+)
 from rdzv.endpoint import format_endpoint, parse_config
 from rdzv.errors import RendezvousError
 from rdzv.launch.agent import EXIT_RENDEZVOUS, AgentConfig, AgentResult, ElasticAgent
@@ -50,6 +55,7 @@ from rdzv.launch.options import (
 from rdzv.launch.progress import EventListener
 from rdzv.launch.ranks import visible_device
 from rdzv.launch.workers import OutputSink, StdChoice, agent_line
+from rdzv.net import source_address
 from rdzv.registry import BACKEND_FACTORIES, create_handler
 
 __all__ = [
@@ -209,7 +215,7 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         monitor_interval=args.monitor_interval,
         role=args.role,
         log_dir=log_dir,
-        local_addr="127.0.0.1" if _standalone(args) else args.local_addr,
+        local_addr="127.0.0.1" if _standalone(args) else _advertised_addr(args),
         stop_grace=_stop_grace(args),
         python=python,
         redirects=redirects,
@@ -221,6 +227,25 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         signals=signals,
         virtual_local_rank=args.virtual_local_rank,
     )
+
+
+def _advertised_addr(args: argparse.Namespace) -> str | None:
+    """Return the address this node publishes: ``--local-addr``, else the one facing the endpoint.
+
+    Without ``--local-addr``, the address of the interface this machine
+    reaches the (first) rendezvous endpoint host through is the one the
+    other nodes can reach it at; the host name is not consulted, since on
+    many machines it resolves to a loopback address.
+    """
+    if args.local_addr:
+        return str(args.local_addr)
+    if not args.rdzv_endpoint:
+        return None
+    try:
+        host = parse_endpoints(args.rdzv_endpoint)[0][0]
+    except ValueError:
+        return None
+    return source_address(host)
 
 
 def _standalone(args: argparse.Namespace) -> bool:
@@ -316,7 +341,7 @@ def _build_handler(args: argparse.Namespace, nproc: int, notes: _Notices) -> Ren
             args.rdzv_id,
             min_nodes,
             max_nodes,
-            local_addr=args.local_addr,
+            local_addr=_advertised_addr(args),
             node_rank=args.node_rank,
             local_world_size=nproc,
             config=config,
