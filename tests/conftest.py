@@ -79,7 +79,7 @@ def torch_server() -> Iterator[Any]:
     """torch's C++ TCPStore server, hosted in this process."""
     import torch.distributed as dist
 
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
     try:
         yield master
     finally:

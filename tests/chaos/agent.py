@@ -17,6 +17,7 @@ import logging
 import random
 import sys
 import time
+from typing import Any
 
 import rdzv
 from rdzv.api import RendezvousParameters
@@ -76,7 +77,7 @@ def main() -> int:
     logger = logging.getLogger("rdzv.dynamic")
     logger.setLevel(logging.INFO)
     logger.addHandler(completions)
-    extra: dict[str, object] = {"is_host": False} if args.backend == "c10d" else {}
+    extra: dict[str, Any] = {"is_host": False} if args.backend == "c10d" else {}
     params = RendezvousParameters(
         args.backend,
         args.endpoint,

@@ -72,7 +72,7 @@ class Cluster(ABC):
         """Stop everything (by pid)."""
 
     def _params(self) -> RendezvousParameters:
-        extra: dict[str, object] = {"is_host": False} if self.rdzv_backend == "c10d" else {}
+        extra: dict[str, Any] = {"is_host": False} if self.rdzv_backend == "c10d" else {}
         return RendezvousParameters(
             self.rdzv_backend, self.direct_endpoint, RUN_ID, 1, 1, read_timeout=2, **extra
         )

@@ -50,7 +50,7 @@ class MemoryHarness(BackendHarness):
     def connect(self) -> RendezvousBackend:
         return InMemoryBackend(self.storage)
 
-    def connect_other_run(self) -> RendezvousBackend:
+    def connect_other_run(self) -> RendezvousBackend | None:
         return InMemoryBackend(InMemoryRendezvousStorage())
 
     def corrupt_state(self) -> None:

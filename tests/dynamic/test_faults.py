@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,7 +144,10 @@ def test_an_error_while_judging_never_stops_the_heartbeat() -> None:
     storage = InMemoryRendezvousStorage()
     failing = threading.Event()
     failing.set()
-    settings = {"timeout": RendezvousTimeout(join=10, last_call=0.1), "keep_alive_interval": 0.1}
+    settings: dict[str, Any] = {
+        "timeout": RendezvousTimeout(join=10, last_call=0.1),
+        "keep_alive_interval": 0.1,
+    }
     store = HashStore(timeout=5)
     observer = DynamicRendezvousHandler.from_backend(
         "job", store, FlakyMarks(storage, failing.is_set), 2, 2, "a", **settings

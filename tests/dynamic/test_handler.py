@@ -4,7 +4,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -79,7 +79,7 @@ class Cluster:
         self.handlers.append(h)
         return h
 
-    def join(self, handlers: list[DynamicRendezvousHandler]):  # type: ignore[no-untyped-def]
+    def join(self, handlers: list[DynamicRendezvousHandler]) -> list[Future[RendezvousInfo]]:
         return [self.pool.submit(h.next_rendezvous) for h in handlers]
 
     def close(self) -> None:
@@ -303,7 +303,7 @@ def test_every_transition_is_one_structured_event(
     h = c.handler("e1")
     with caplog.at_level(logging.INFO, logger="rdzv.dynamic"):
         h.next_rendezvous()
-    events = [r.rdzv_event for r in caplog.records if hasattr(r, "rdzv_event")]  # type: ignore[attr-defined]
+    events = [r.rdzv_event for r in caplog.records if hasattr(r, "rdzv_event")]
     actions = [e["action"] for e in events]
     assert actions == ["join", "enqueue", "sealed", "complete"]
     for event in events:
@@ -374,7 +374,7 @@ def test_rank0_dying_before_it_publishes_does_not_hold_the_others(
         with pytest.raises(RuntimeError, match="before publishing"):
             futures[0].result(timeout=10)
         infos = [f.result(timeout=15) for f in futures[1:]]
-    events = [r.rdzv_event for r in caplog.records if hasattr(r, "rdzv_event")]  # type: ignore[attr-defined]
+    events = [r.rdzv_event for r in caplog.records if hasattr(r, "rdzv_event")]
     _check_round(infos)
     assert infos[0].participants == ("r1", "r2")
     broken = [e for e in events if e["action"] == "broken"]

@@ -114,6 +114,7 @@ class World:
         state, token = self.read()
         members = [] if state is None else leaving_members(state, round_id, dead, False)
         if members:
+            assert state is not None  # members come from a state
             result = self.backend.set_state(encode_state(state.evict(members)), token)
             if result is not None and result[2]:
                 self.evicted.setdefault(round_id, set()).update(members)
@@ -199,6 +200,7 @@ class World:
         for n in self.nodes:
             running = not n.crashed and not n.done and n.progress is None and n.round is not None
             if running and state is not None and n.round != state.round:
+                assert n.round is not None  # running
                 assert n.key in self.evicted.get(n.round, set()), (
                     f"{n.key} still runs round {n.round} while round {state.round} is in force"
                 )

@@ -215,13 +215,13 @@ class EtcdCluster:
             time.sleep(0.05)
         raise RuntimeError("no etcd leader within 15 s")
 
-    def status(self, member: EtcdMember) -> dict[str, object] | None:
+    def status(self, member: EtcdMember) -> dict[str, Any] | None:
         request = urllib.request.Request(
             f"{member.client_url}/v3/maintenance/status", data=b"{}", method="POST"
         )
         try:
             with urllib.request.urlopen(request, timeout=1.0) as resp:
-                result: dict[str, object] = json.loads(resp.read())
+                result: dict[str, Any] = json.loads(resp.read())
                 return result
         except (OSError, ValueError):
             return None

@@ -42,7 +42,9 @@ def test_etcd_create_backend_with_several_members(etcd: EtcdCluster, unique: str
         ]
         assert backend.client.read_timeout == 5.0
         assert backend.key == f"/params/{unique}".encode()
-        _, token, _ = backend.set_state(b"s")
+        result = backend.set_state(b"s")
+        assert result is not None
+        _, token, _ = result
         kv, _ = backend.client.get(backend.key)
         assert kv is not None
         assert kv.mod_revision == token

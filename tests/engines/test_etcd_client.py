@@ -131,8 +131,12 @@ def test_watch_from_compacted_revision_raises(etcd_client: EtcdClient, unique: s
 
 def test_backend_and_store_recover_from_compaction(etcd_client: EtcdClient, unique: str) -> None:
     backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
-    _, token, _ = backend.set_state(b"one")
-    _, token2, _ = backend.set_state(b"two", token)
+    one = backend.set_state(b"one")
+    assert one is not None
+    _, token, _ = one
+    two = backend.set_state(b"two", token)
+    assert two is not None
+    _, token2, _ = two
     _compact(etcd_client)
     # The token is older than the compaction: the wait re-reads and returns the news.
     assert backend.wait_for_state(token, 5) == (b"two", token2)

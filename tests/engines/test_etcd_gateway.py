@@ -276,7 +276,8 @@ def test_lease_not_found_body_is_a_final_request_error_with_its_code(
     with pytest.raises(EtcdRejectedError) as info:
         decode_reply(404, body(error_body), EP, "/v3/kv/put")
     exc = info.value
-    assert exc.code == LEASE_NOT_FOUND == GrpcCode.NOT_FOUND == 5
+    assert exc.code == LEASE_NOT_FOUND == GrpcCode.NOT_FOUND
+    assert exc.code == 5
     assert exc.message == LEASE_MISSING
     assert isinstance(exc, RendezvousStateError)
     assert not isinstance(exc, RendezvousConnectionError)

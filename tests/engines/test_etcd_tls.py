@@ -41,7 +41,9 @@ def test_tls_with_client_certificate_works(tls_etcd: EtcdCluster, tls_files: TLS
     )
     backend, store = create_backend(params)
     try:
-        _, token, written = backend.set_state(b"secure")
+        result = backend.set_state(b"secure")
+        assert result is not None
+        _, token, written = result
         assert written
         assert backend.get_state() == (b"secure", token)
         store.set("k", b"v")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,7 @@ def tls_redis(tls_files: TLSFiles) -> Iterator[RedisServer]:
         yield server
 
 
-def _params(server: RedisServer, unique: str, **tls: str) -> RendezvousParameters:
+def _params(server: RedisServer, unique: str, **tls: Any) -> RendezvousParameters:
     return RendezvousParameters(
         "redis", server.endpoint, unique, protocol="rediss", read_timeout=5, **tls
     )
@@ -47,7 +48,9 @@ def test_rediss_with_client_certificate_works(
         )
     )
     try:
-        _, token, written = backend.set_state(b"secure")
+        result = backend.set_state(b"secure")
+        assert result is not None
+        _, token, written = result
         assert written
         assert backend.get_state() == (b"secure", token)
         store.set("k", b"v")

@@ -80,7 +80,7 @@ def main() -> None:
     out, mode, *rest = sys.argv[1:]
     outdir = Path(out)
     rank = int(os.environ["RANK"])
-    record = {key: os.environ.get(key) for key in KEYS}
+    record: dict[str, object] = {key: os.environ.get(key) for key in KEYS}
     record["pid"] = os.getpid()
     (outdir / f"env-{rank}-{os.getpid()}.json").write_text(json.dumps(record))
     for i in range(3):

@@ -28,6 +28,7 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 import rdzv
 from rdzv.api import RendezvousParameters, RendezvousSettings
@@ -56,7 +57,7 @@ class _EventPrinter(logging.Handler):
 
 
 def _dynamic_handler(args: argparse.Namespace) -> DynamicRendezvousHandler:
-    config: dict[str, object] = {
+    config: dict[str, Any] = {
         "join_timeout": args.join,
         "last_call_timeout": args.last_call,
         "keep_alive_interval": args.interval,

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,7 +136,7 @@ def test_rdzv_serve_has_no_option_taking_the_secret_itself() -> None:
 # -- the c10d rendezvous ------------------------------------------------------------
 
 
-def _params(endpoint: str, **config: object) -> RendezvousParameters:
+def _params(endpoint: str, **config: Any) -> RendezvousParameters:
     return RendezvousParameters(
         "c10d", endpoint, "authjob", 1, 1, local_addr="127.0.0.1", read_timeout=5, **config
     )
@@ -235,9 +236,9 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
     return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
-def _tls_conf(files: TLSFiles, host: bool, other_ca: bool = False) -> dict[str, object]:
+def _tls_conf(files: TLSFiles, host: bool, other_ca: bool = False) -> dict[str, Any]:
     ca = files.other_ca_cert if other_ca else files.ca_cert
-    conf: dict[str, object] = {"is_host": host, "ca_cert": ca}
+    conf: dict[str, Any] = {"is_host": host, "ca_cert": ca}
     if host:
         conf.update(ssl_cert=files.server_cert, ssl_cert_key=files.server_key)
     return conf

@@ -69,7 +69,7 @@ class TorchClientStore(Store):
         import torch.distributed as dist
 
         super().__init__(timeout)
-        self._store: Any = dist.TCPStore(
+        self._store: Any = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=to_seconds(timeout))
         )
 

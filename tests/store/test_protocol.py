@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import struct
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -232,7 +233,7 @@ def test_mutated_valid_requests_only_raise_protocol_error(
 def test_reply_reader_fields_byte_by_byte() -> None:
     stream = encode_u8(7) + encode_u32(0xDEADBEEF) + encode_i64(-3) + encode_bytes(b"val") + b"xy"
     reader = ReplyReader()
-    readers = [
+    readers: list[Callable[[], object]] = [
         reader.read_u8,
         reader.read_u32,
         reader.read_i64,

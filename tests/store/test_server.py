@@ -351,7 +351,8 @@ def test_busy_port_raises_and_backlog_is_somaxconn(server: TCPStoreServer) -> No
 
 def test_stop_is_idempotent_and_port_unavailable_after() -> None:
     srv = TCPStoreServer("127.0.0.1", 0).start()
-    assert srv.running
+    started = srv.running  # a name: mypy would keep srv.running narrowed past stop()
+    assert started
     srv.stop()
     srv.stop()
     assert not srv.running

@@ -21,14 +21,14 @@ from tests.store.helpers import serve_process
 pytestmark = [pytest.mark.timeout(60)]
 
 
-def torch_client(port: int, seconds: float = 5) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=seconds))
+def torch_client(port: int, seconds: float = 5) -> dist.TCPStore:  # type: ignore[name-defined]
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=seconds))  # type: ignore[attr-defined]
 
 
 @pytest.mark.torch
 def test_torch_prefix_store_on_an_rdzv_server(rdzv_server_process: int, uid: str) -> None:
     base = torch_client(rdzv_server_process)
-    prefixed = dist.PrefixStore(uid, base)
+    prefixed = dist.PrefixStore(uid, base)  # type: ignore[attr-defined]
     prefixed.set("k", "v")
     assert prefixed.get("k") == b"v"
     assert prefixed.add("n", 2) == 2
@@ -48,14 +48,18 @@ def test_torch_c10d_rendezvous_backend_on_an_rdzv_server(
     first = C10dRendezvousBackend(torch_client(rdzv_server_process), uid)
     second = C10dRendezvousBackend(torch_client(rdzv_server_process), uid)
     assert first.get_state() is None
-    state, token, written = first.set_state(b"round-1")
+    won = first.set_state(b"round-1")
+    assert won is not None
+    state, token, written = won
     assert (state, written) == (b"round-1", True)
     seen = second.get_state()
     assert seen is not None
     assert seen[0] == b"round-1"
     assert seen[1] == token
     # A write with the current token wins; a stale token loses and sees the winner.
-    state2, token2, written2 = second.set_state(b"round-2", seen[1])
+    won2 = second.set_state(b"round-2", seen[1])
+    assert won2 is not None
+    state2, token2, written2 = won2
     assert (state2, written2) == (b"round-2", True)
     lost = first.set_state(b"stale", token)
     assert lost is not None
@@ -100,7 +104,7 @@ def test_torch_worker_joins_an_rdzv_master_with_world_size() -> None:
 
 
 @pytest.mark.torch
-def test_rdzv_client_on_a_torch_server(torch_server: dist.TCPStore, uid: str) -> None:
+def test_rdzv_client_on_a_torch_server(torch_server: dist.TCPStore, uid: str) -> None:  # type: ignore[name-defined]
     with TCPStore("127.0.0.1", torch_server.port, timeout=5) as ours:
         assert not ours.supports_watch
         with pytest.raises(NotImplementedError, match="not an rdzv server"):

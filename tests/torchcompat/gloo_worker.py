@@ -32,7 +32,7 @@ def main() -> int:
     try:
         info = handler.next_rendezvous()
         store = as_torch_store(info.store)
-        assert isinstance(store, dist.Store)
+        assert isinstance(store, dist.Store)  # type: ignore[attr-defined]
         dist.init_process_group(
             "gloo",
             store=store,

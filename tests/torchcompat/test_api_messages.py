@@ -4,6 +4,7 @@ the message starting with torch 2.13's text."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch.distributed as torch_dist
@@ -76,12 +77,14 @@ def test_timeout_in_seconds_reads_as_torchs_timedelta() -> None:
 @pytest.mark.parametrize("key", ["join_timeout", "last_call_timeout", "close_timeout"])
 @pytest.mark.parametrize("value", ["0", "-7", "soon"])
 def test_timeouts_from_parameters(key: str, value: str) -> None:
+    config: dict[str, Any] = {key: value}
+
     def torch_call() -> object:
-        params = torch_api.RendezvousParameters("c10d", "h", "r", 1, 1, **{key: value})
-        return torch_dynamic.create_handler(torch_dist.HashStore(), _TorchBackend(), params)
+        params = torch_api.RendezvousParameters("c10d", "h", "r", 1, 1, **config)
+        return torch_dynamic.create_handler(torch_dist.HashStore(), _TorchBackend(), params)  # type: ignore[attr-defined]
 
     def rdzv_call() -> object:
-        params = rdzv.RendezvousParameters("c10d", "h", "r", 1, 1, **{key: value})
+        params = rdzv.RendezvousParameters("c10d", "h", "r", 1, 1, **config)
         return rdzv.RendezvousSettings.from_params(params)
 
     same_error(torch_call, rdzv_call, ValueError)
@@ -107,7 +110,11 @@ class _TorchBackend(torch_dynamic.RendezvousBackend):
 def test_from_backend(run_id: str, min_nodes: int, max_nodes: int) -> None:
     same_error(
         lambda: torch_dynamic.DynamicRendezvousHandler.from_backend(
-            run_id, torch_dist.HashStore(), _TorchBackend(), min_nodes, max_nodes
+            run_id,
+            torch_dist.HashStore(),  # type: ignore[attr-defined]
+            _TorchBackend(),
+            min_nodes,
+            max_nodes,
         ),
         lambda: rdzv.DynamicRendezvousHandler.from_backend(
             run_id, HashStore(), InMemoryBackend(), min_nodes, max_nodes

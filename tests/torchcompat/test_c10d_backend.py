@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as torch_dist
@@ -20,7 +21,7 @@ from tests.torchcompat.helpers import same_error
 pytestmark = pytest.mark.timeout(60)
 
 
-def both(endpoint: str, **config: str) -> tuple[object, object]:
+def both(endpoint: str, **config: Any) -> tuple[object, object]:
     return (
         lambda: torch_c10d.create_backend(
             torch_api.RendezvousParameters("c10d", endpoint, "run", 1, 1, **config)
@@ -73,7 +74,7 @@ def test_a_file_store_that_cannot_be_opened(tmp_path: Path) -> None:
 
 def test_store_type_file_opens_the_same_store_as_torchs(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    params = {"store_type": "file"}
+    params: dict[str, Any] = {"store_type": "file"}
     torch_backend, torch_store = torch_c10d.create_backend(
         torch_api.RendezvousParameters("c10d", path, "run", 1, 1, **params)
     )
@@ -81,7 +82,7 @@ def test_store_type_file_opens_the_same_store_as_torchs(tmp_path: Path) -> None:
         rdzv.RendezvousParameters("c10d", path, "run", 1, 1, **params)
     )
     assert torch_backend.name == rdzv_backend.name == "c10d"
-    assert isinstance(torch_store, torch_dist.FileStore)
+    assert isinstance(torch_store, torch_dist.FileStore)  # type: ignore[attr-defined]
     assert isinstance(rdzv_store, FileStore)
     rdzv_store.set("from-rdzv", "1")
     torch_store.set("from-torch", "2")
@@ -101,11 +102,11 @@ def test_rdzv_writes_torch_reads(tmp_path: Path) -> None:
     mine.multi_set(["m1", "m2"], ["1", "2"])
     mine.set("gone", "x")
     mine.delete_key("gone")
-    theirs = torch_dist.FileStore(path, -1)
+    theirs = torch_dist.FileStore(path, -1)  # type: ignore[attr-defined]
     assert theirs.get("k") == b"\x00\xffraw"
     assert theirs.add("n", 1) == 42
     assert theirs.compare_set("c", "first", "second") == b"second"
-    theirs.append("log", "cd")
+    theirs.append("log", "cd")  # type: ignore[attr-defined]
     assert theirs.multi_get(["m1", "m2", "log"]) == [b"1", b"2", b"abcd"]
     assert not theirs.check(["gone"])
     assert mine.get("c") == b"second"
@@ -114,7 +115,7 @@ def test_rdzv_writes_torch_reads(tmp_path: Path) -> None:
 
 def test_torch_writes_rdzv_reads(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    theirs = torch_dist.FileStore(path, -1)
+    theirs = torch_dist.FileStore(path, -1)  # type: ignore[attr-defined]
     theirs.set("k", "v")
     theirs.add("n", 7)
     theirs.compare_set("c", "", "x")
@@ -131,7 +132,7 @@ def test_torch_writes_rdzv_reads(tmp_path: Path) -> None:
 def test_concurrent_adds_from_torch_and_rdzv_are_not_lost(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
     mine = FileStore(path, timeout=10)
-    theirs = torch_dist.FileStore(path, -1)
+    theirs = torch_dist.FileStore(path, -1)  # type: ignore[attr-defined]
     threads = [
         threading.Thread(target=lambda: [mine.add("n", 1) for _ in range(150)]),
         threading.Thread(target=lambda: [theirs.add("n", 1) for _ in range(150)]),
@@ -146,7 +147,7 @@ def test_concurrent_adds_from_torch_and_rdzv_are_not_lost(tmp_path: Path) -> Non
 def test_an_rdzv_user_counts_toward_torchs_removal(tmp_path: Path) -> None:
     path = tmp_path / "store"
     mine = FileStore(path, world_size=2)
-    theirs = torch_dist.FileStore(str(path), 2)
+    theirs = torch_dist.FileStore(str(path), 2)  # type: ignore[attr-defined]
     theirs.set("k", "v")
     del theirs  # torch's user counts out; rdzv's still holds the file
     assert path.exists()

@@ -4,6 +4,7 @@ unreachable; Redis's checks its server the same way."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from torch.distributed.elastic.rendezvous import api as torch_api
@@ -17,7 +18,7 @@ from tests.torchcompat.helpers import same_error
 pytestmark = pytest.mark.timeout(60)
 
 
-def both(endpoint: str, **config: str) -> tuple[object, object]:
+def both(endpoint: str, **config: Any) -> tuple[object, object]:
     return (
         lambda: torch_etcd.create_backend(
             torch_api.RendezvousParameters("etcd-v2", endpoint, "run", 1, 1, **config)

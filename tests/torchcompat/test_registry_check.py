@@ -59,8 +59,12 @@ def test_a_handler_of_another_backend_is_a_runtime_error() -> None:
         return registry.create_handler(torch_api.RendezvousParameters("mine", "h", "r", 1, 1))
 
     def rdzv_call() -> object:
+        def create(params: rdzv.RendezvousParameters) -> _RdzvNamed:
+            built.append(_RdzvNamed("theirs"))
+            return built[-1]
+
         registry = rdzv.RendezvousHandlerRegistry(load_entry_points=False)
-        registry.register("mine", lambda params: built.append(_RdzvNamed("theirs")) or built[-1])
+        registry.register("mine", create)
         return registry.create_handler(rdzv.RendezvousParameters("mine", "h", "r", 1, 1))
 
     same_error(torch_call, rdzv_call, RuntimeError)

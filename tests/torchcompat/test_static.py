@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch.distributed as torch_dist
@@ -23,7 +24,7 @@ from tests.torchcompat.helpers import same_error
 pytestmark = pytest.mark.timeout(60)
 
 
-def both(endpoint: str, nodes: int, **config: str) -> tuple[object, object]:
+def both(endpoint: str, nodes: int, **config: Any) -> tuple[object, object]:
     return (
         lambda: torch_static.create_rdzv_handler(
             torch_api.RendezvousParameters("static", endpoint, "run", nodes, nodes, **config)

@@ -23,11 +23,11 @@ WORKER = str(Path(__file__).with_name("gloo_worker.py"))
 def test_a_real_torch_store_that_keeps_the_prefix() -> None:
     base = HashStore(timeout=5)
     store = as_torch_store(PrefixStore("rdzv/run/round/3", base))
-    assert isinstance(store, torch_dist.Store)
+    assert isinstance(store, torch_dist.Store)  # type: ignore[attr-defined]
     store.set("k", "v")
     assert base.get("rdzv/run/round/3/k") == b"v"
     # torch's own PrefixStore over it stacks its prefix on rdzv's, through C++.
-    stacked = torch_dist.PrefixStore("default_pg", store)
+    stacked = torch_dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
     stacked.set("k", "w")
     assert base.get("rdzv/run/round/3/default_pg/k") == b"w"
     assert stacked.get("k") == b"w"
@@ -35,8 +35,8 @@ def test_a_real_torch_store_that_keeps_the_prefix() -> None:
     assert stacked.compare_set("c", "", "x") == b"x"
     assert stacked.check(["k", "n"])
     stacked.wait(["k"], timedelta(seconds=1))
-    stacked.append("log", "ab")
-    stacked.multi_set(["m1", "m2"], ["1", "2"])
+    stacked.append("log", "ab")  # type: ignore[attr-defined]
+    stacked.multi_set(["m1", "m2"], ["1", "2"])  # type: ignore[attr-defined]
     assert stacked.multi_get(["m1", "m2", "log"]) == [b"1", b"2", b"ab"]
     assert store.list_keys() == list(PrefixStore("rdzv/run/round/3", base).list_keys())
     assert store.delete_key("k")
@@ -46,9 +46,9 @@ def test_a_real_torch_store_that_keeps_the_prefix() -> None:
     assert store.queue_pop("q") == b"item"
 
 
-def _script(store: torch_dist.Store) -> list[object]:
+def _script(store: torch_dist.Store) -> list[object]:  # type: ignore[name-defined]
     """The Store calls torch's own code makes, through torch's PrefixStore as a process group."""
-    pg = torch_dist.PrefixStore("default_pg/0", store)
+    pg = torch_dist.PrefixStore("default_pg/0", store)  # type: ignore[attr-defined]
     out: list[object] = []
     pg.set("k", "v")
     out.append(pg.get("k"))
@@ -60,9 +60,9 @@ def _script(store: torch_dist.Store) -> list[object]:
     out.append(pg.check(["k", "n"]))
     out.append(pg.check(["k", "absent"]))
     pg.wait(["k"], timedelta(seconds=1))
-    pg.append("log", "ab")
-    pg.append("log", "cd")
-    pg.multi_set(["m1", "m2"], ["1", "2"])
+    pg.append("log", "ab")  # type: ignore[attr-defined]
+    pg.append("log", "cd")  # type: ignore[attr-defined]
+    pg.multi_set(["m1", "m2"], ["1", "2"])  # type: ignore[attr-defined]
     out.append(pg.multi_get(["m1", "m2", "log"]))
     out.append(store.delete_key("default_pg/0/k"))
     out.append(store.check(["default_pg/0/k"]))
@@ -70,13 +70,13 @@ def _script(store: torch_dist.Store) -> list[object]:
 
 
 def test_the_calls_give_what_torchs_own_store_gives() -> None:
-    assert _script(as_torch_store(HashStore(timeout=5))) == _script(torch_dist.HashStore())
+    assert _script(as_torch_store(HashStore(timeout=5))) == _script(torch_dist.HashStore())  # type: ignore[attr-defined]
 
 
 def test_timeouts_and_wait_are_torchs() -> None:
     store = as_torch_store(HashStore(timeout=5))
     store.set_timeout(timedelta(seconds=0.2))
-    assert store.timeout == timedelta(seconds=0.2)
+    assert store.timeout == timedelta(seconds=0.2)  # type: ignore[attr-defined]
     with pytest.raises(torch_dist.DistStoreError):
         store.get("never")
     with pytest.raises(torch_dist.DistStoreError):
@@ -85,14 +85,14 @@ def test_timeouts_and_wait_are_torchs() -> None:
 
 def test_only_rdzv_stores_are_adapted() -> None:
     with pytest.raises(TypeError, match="rdzv Store"):
-        as_torch_store(torch_dist.HashStore())  # type: ignore[arg-type]
+        as_torch_store(torch_dist.HashStore())  # type: ignore[arg-type, attr-defined]
 
 
 def test_a_file_store_through_the_adapter_is_torchs_file_store_too(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
     store = as_torch_store(FileStore(path, timeout=5))
     store.set("k", "v")
-    assert torch_dist.FileStore(path, -1).get("k") == b"v"
+    assert torch_dist.FileStore(path, -1).get("k") == b"v"  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow

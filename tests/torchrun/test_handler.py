@@ -22,6 +22,8 @@ torch_api = pytest.importorskip("torch.distributed.elastic.rendezvous")
 from torch.distributed.elastic.utils.store import barrier  # noqa: E402
 
 from rdzv import torchrun  # noqa: E402
+from rdzv.torchrun.handler import _Resources, _torch_errors, _wrap  # noqa: E402
+from rdzv.torchrun.stores import _RankZeroStores  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -82,7 +84,7 @@ def test_a_bad_node_rank_is_named() -> None:
     ],
 )
 def test_rdzv_errors_become_torch_errors(raised: Exception, expected: str) -> None:
-    with pytest.raises(getattr(torch_api, expected)) as caught, torchrun._torch_errors():
+    with pytest.raises(getattr(torch_api, expected)) as caught, _torch_errors():
         raise raised
     assert type(caught.value) is getattr(torch_api, expected)
     assert caught.value.__cause__ is raised
@@ -190,9 +192,9 @@ def test_a_round_gives_torch_a_real_store_of_a_server_in_a_child_process(
         == 1
     )
     store0, store1 = first[0].store, first[1].store
-    assert isinstance(store0, dist.Store)
+    assert isinstance(store0, dist.Store)  # type: ignore[attr-defined]
     # What torch's agent does with it: multi_set/multi_get, add, wait/check, list_keys.
-    store0.multi_set(["a", "b"], ["1", "2"])
+    store0.multi_set(["a", "b"], ["1", "2"])  # type: ignore[attr-defined]
     assert store1.multi_get(["a", "b"]) == [b"1", b"2"]
     assert store1.add("n", 2) == 2
     store1.wait(["a"])
@@ -262,7 +264,7 @@ def test_tls_settings_errors_are_named_before_anything_starts(
     for name in ("ca.pem", "c.pem", "k.pem"):
         (tmp_path / name).write_text("not a certificate\n")
     conf = {k: v if k == "is_host" else str(tmp_path / v) for k, v in conf.items()}
-    params = torch_params("rdzv", f"127.0.0.1:{free_port()}", "job", **conf)
+    params = torch_params("rdzv", f"127.0.0.1:{free_port()}", "job", 1, 1, **conf)
     with pytest.raises(ValueError, match=message):
         torchrun.create_rdzv_handler(params)
 
@@ -285,9 +287,9 @@ def test_engine_backends_get_a_store_hosted_by_group_rank_zero() -> None:
             torch_params("rdzv-etcd", endpoint, run_id, 2, 2, **FAST), "c10d"
         )
         backend, store = create_backend(params)
-        resources = torchrun._Resources(torchrun._RankZeroStores(20), (backend.close, store.close))
+        resources = _Resources(_RankZeroStores(20), (backend.close, store.close))
         inner = create_handler(store, backend, params)
-        handlers.append(torchrun._wrap("rdzv-etcd", inner, resources, "raise"))
+        handlers.append(_wrap("rdzv-etcd", inner, resources, "raise"))
     try:
         first = sorted(rendezvous_all(handlers), key=lambda info: info.rank)
         first[0].store.set("k", "v")

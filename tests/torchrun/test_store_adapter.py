@@ -24,18 +24,18 @@ pytestmark = [pytest.mark.torch, pytest.mark.timeout(60)]
 def test_the_calls_torchs_agent_makes_reach_the_rdzv_store() -> None:
     inner = PrefixStore("round/3", HashStore(timeout=5))
     adapter = as_torch_store(inner)
-    assert adapter.timeout == timedelta(seconds=5)  # the rdzv store's timeout at first
-    adapter.set("role/0", b"info")
+    assert adapter.timeout == timedelta(seconds=5)  # type: ignore[attr-defined]  # the rdzv store's timeout at first
+    adapter.set("role/0", b"info")  # type: ignore[arg-type]
     assert inner.get("role/0") == b"info"
     assert adapter.get("role/0") == b"info"
-    adapter.multi_set(["ranks/0", "ranks/1"], ["[0, 2]", "[2, 2]"])
+    adapter.multi_set(["ranks/0", "ranks/1"], ["[0, 2]", "[2, 2]"])  # type: ignore[attr-defined]
     assert adapter.multi_get(["ranks/0", "ranks/1"]) == [b"[0, 2]", b"[2, 2]"]
     assert adapter.add("count", 2) == 2
     assert adapter.check(["count", "role/0"])
     assert not adapter.check(["absent"])
     assert adapter.compare_set("cas", "", "v1") == b"v1"
-    adapter.append("log", "a")
-    adapter.append("log", "b")
+    adapter.append("log", "a")  # type: ignore[attr-defined]
+    adapter.append("log", "b")  # type: ignore[attr-defined]
     assert inner.get("log") == b"ab"
     assert adapter.delete_key("log")
     assert adapter.num_keys() == inner.num_keys()
@@ -63,7 +63,7 @@ def test_torchs_exit_barrier_runs_over_two_adapters() -> None:
 def test_timeouts_follow_set_timeout_and_become_dist_store_errors() -> None:
     adapter = as_torch_store(HashStore(timeout=30))
     adapter.set_timeout(timedelta(seconds=0.2))
-    assert adapter.timeout == timedelta(seconds=0.2)
+    assert adapter.timeout == timedelta(seconds=0.2)  # type: ignore[attr-defined]
     with pytest.raises(torch_dist.DistStoreError, match=r"timed out after 0\.2 s"):
         adapter.get("never")
     with pytest.raises(torch_dist.DistStoreError):

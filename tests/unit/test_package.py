@@ -6,11 +6,21 @@ import logging
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 import rdzv
 from tests.procs import ROOT, subprocess_env
+
+
+def pyproject() -> dict[str, Any]:
+    """pyproject.toml, parsed; its callers are skipped before Python 3.11 (no tomllib)."""
+    if sys.version_info >= (3, 11):  # mypy checks as 3.10 (python_version): it skips this
+        import tomllib
+
+        return tomllib.loads((ROOT / "pyproject.toml").read_text())
+    raise AssertionError("tomllib is new in Python 3.11")
 
 
 def run_python(*args: str) -> subprocess.CompletedProcess[str]:
@@ -26,9 +36,7 @@ def run_python(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is new in Python 3.11")
 def test_the_version_is_written_once_and_pyproject_reads_it() -> None:
-    import tomllib
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = pyproject()
     assert "version" not in project["project"]
     assert "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "rdzv.__version__"}
@@ -37,9 +45,7 @@ def test_the_version_is_written_once_and_pyproject_reads_it() -> None:
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is new in Python 3.11")
 def test_the_licence_file_matches_the_metadata() -> None:
-    import tomllib
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = pyproject()["project"]
     assert project["license"] == "BSD-3-Clause"
     assert project["license-files"] == ["LICENSE"]
     text = (ROOT / "LICENSE").read_text()

@@ -84,4 +84,4 @@ def test_from_import_works_for_all_names() -> None:
 
 def test_unknown_attribute_raises_attribute_error() -> None:
     with pytest.raises(AttributeError, match="NoSuchThing"):
-        rdzv.NoSuchThing  # type: ignore[attr-defined]  # noqa: B018
+        rdzv.NoSuchThing  # noqa: B018

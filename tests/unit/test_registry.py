@@ -204,6 +204,7 @@ def test_rdzv_status_reads_a_plugin_backend(store_plugin_path: Path) -> None:
         handler = reg.create_handler(
             RendezvousParameters("mystore", f"127.0.0.1:{server.port}", "plugged", 1, 1)
         )
+        assert isinstance(handler, rdzv.DynamicRendezvousHandler)
         info = handler.next_rendezvous()
         assert info.world_size == 1
         out = subprocess.run(
