@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rdzv import RendezvousParameters, create_handler
+from rdzv import DynamicRendezvousHandler, RendezvousParameters, create_handler
 from rdzv.torch import as_torch_store
 
 
@@ -50,10 +50,20 @@ def main() -> int:
             json.dumps({"rank": info.rank, "sum": tensor.item(), "keys": keys}),
             flush=True,
         )
-        # Leave together: one of the nodes may host the store.
+        # Leave together: one of the nodes may host the store, and it must
+        # outlive the others' last calls (their shutdown included).
+        assert isinstance(handler, DynamicRendezvousHandler)
+        hosting = getattr(handler.store, "server", None) is not None
         info.store.add("left", 1)
         while info.store.add("left", 0) < info.world_size:
             time.sleep(0.01)
+        if not hosting:
+            handler.shutdown()
+            info.store.add("bye", 1)
+        else:
+            deadline = time.monotonic() + 30
+            while info.store.add("bye", 0) < info.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
     finally:
         handler.shutdown()
         handler.close()  # type: ignore[attr-defined]
