@@ -18,6 +18,10 @@ endpoint list, until the deadline. A call that was sent more than once
 reports it (``attempts``), so a caller can recognise its own write when the
 reply to the first attempt was lost.
 
+Size: just over the project's ~600-line guide; the encoding already lives in
+:mod:`rdzv.backends.etcd_gateway`, and what is left (pool, failover, the
+watch stream, the reachability check) is one concept: talking to a cluster.
+
 A watch runs on its own connection: ``POST /v3/watch`` answers with a stream
 of newline-delimited JSON objects. A watch from a compacted revision raises
 :class:`EtcdCompactedError`, telling the caller to re-read and watch again
