@@ -57,8 +57,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import hashlib
 import hmac
 import logging
 import os
@@ -69,13 +67,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Final
 
 from rdzv.auth import resolve_auth_token
+from rdzv.net import bind_listener, enable_keepalive, listen_backlog
 from rdzv.store.protocol import (
+    CLIENT_AUTH_LABEL,
     FEATURE_AUTH_REQUIRED,
     PROBE_NONCE,
+    SERVER_AUTH_LABEL,
     SERVER_HELLO,
     VALIDATE_MAGIC,
     AuthStatus,
@@ -87,6 +87,7 @@ from rdzv.store.protocol import (
     RequestParser,
     WaitResult,
     WatchStatus,
+    auth_tag,
     encode_bytes,
     encode_i64,
     encode_u32,
@@ -98,8 +99,6 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_TCP_KEEPALIVE",
     "TCPStoreServer",
-    "auth_tag",
-    "listen_backlog",
     "serve_main",
 ]
 
@@ -116,8 +115,6 @@ never reconnects, so the default keeps torch compatibility)."""
 DEFAULT_TCP_KEEPALIVE: Final = 60.0
 """Seconds of silence before the kernel's first keepalive probe; dead after 6 more
 probes 10 s apart, so a half-open peer is found in about two minutes."""
-_KEEPALIVE_INTERVAL: Final = 10
-_KEEPALIVE_PROBES: Final = 6
 
 _STOP_WAITING: Final = bytes([WaitResult.STOP_WAITING])
 _WAIT_CANCELED: Final = bytes([WaitResult.WAIT_CANCELED])
@@ -130,71 +127,6 @@ _WATCH_PRESENT: Final = bytes([WatchStatus.PRESENT])
 _WATCH_UNCHANGED: Final = bytes([WatchStatus.UNCHANGED])
 _ONE: Final = encode_i64(1)
 _ZERO: Final = encode_i64(0)
-
-CLIENT_AUTH_LABEL: Final = b"rdzv-store-auth client\x00"
-SERVER_AUTH_LABEL: Final = b"rdzv-store-auth server\x00"
-
-
-def auth_tag(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    """Compute the HMAC-SHA256 tag of one side of the authentication exchange.
-
-    Args:
-        secret: The shared secret.
-        label: Which side proves itself (client or server label).
-        server_nonce: The server's random nonce.
-        client_nonce: The client's random nonce.
-
-    Returns:
-        The 32-byte tag.
-    """
-    return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()
-
-
-def listen_backlog() -> int:
-    """Return the listen backlog: the kernel's ``somaxconn``, as torch uses.
-
-    Returns:
-        The value of ``/proc/sys/net/core/somaxconn``, or ``socket.SOMAXCONN``
-        where that file cannot be read.
-    """
-    try:
-        return max(1, int(Path("/proc/sys/net/core/somaxconn").read_text().strip()))
-    except (OSError, ValueError):
-        return socket.SOMAXCONN
-
-
-def _bind(host: str | None, port: int) -> socket.socket:
-    """Create a bound listening socket; ``None`` means every address, dual stack."""
-    if host in (None, "", "::"):
-        try:
-            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        except OSError:
-            sock = None
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                sock.bind(("::", port))
-            except OSError as exc:
-                sock.close()
-                if exc.errno == errno.EADDRINUSE:
-                    raise
-            else:
-                return sock
-        host = "0.0.0.0"  # noqa: S104 - the IPv4 fallback of a wildcard bind
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    last_error: OSError | None = None
-    for family, kind, proto, _name, address in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-        except OSError as exc:
-            sock.close()
-            last_error = exc
-            continue
-        return sock
-    raise last_error or OSError(f"no address to bind for host {host!r}")
 
 
 class _Disconnect(Exception):  # noqa: N818 - control flow, not an error report
@@ -322,7 +254,7 @@ class _Connection(asyncio.Protocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.server.tcp_keepalive is not None:
-                _enable_keepalive(sock, self.server.tcp_keepalive)
+                enable_keepalive(sock, self.server.tcp_keepalive)
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -870,7 +802,7 @@ class TCPStoreServer:
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            sock = _bind(self._host, self._requested_port)
+            sock = bind_listener(self._host, self._requested_port)
             server = await loop.create_server(
                 lambda: _Connection(self),
                 sock=sock,
@@ -924,20 +856,6 @@ class TCPStoreServer:
                 reason = conn.expired(now)
                 if reason is not None:
                     conn.close_expired(reason)
-
-
-def _enable_keepalive(sock: socket.socket, idle: float) -> None:
-    """Turn on TCP keepalive probes on ``sock`` after ``idle`` seconds of silence."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (
-            ("TCP_KEEPIDLE", max(1, round(idle))),
-            ("TCP_KEEPINTVL", _KEEPALIVE_INTERVAL),
-            ("TCP_KEEPCNT", _KEEPALIVE_PROBES),
-        ):
-            option = getattr(socket, name, None)
-            if option is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
