@@ -627,7 +627,7 @@ def encode_i64(value: int) -> bytes:
     return _I64.pack(value)
 
 
-def encode_bytes(value: bytes) -> bytes:
+def encode_bytes(value: bytes | bytearray) -> bytes:
     """Encode a length-prefixed byte string.
 
     Args:
