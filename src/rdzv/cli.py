@@ -11,14 +11,16 @@ import sys
 from collections.abc import Sequence
 
 import rdzv
+from rdzv.auth import resolve_auth_token
 from rdzv.launch.run import add_run_arguments
 from rdzv.launch.status import add_status_arguments
+from rdzv.net import server_tls_context
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.store.server import (
     DEFAULT_FRAME_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
-    serve_main,
+    TCPStoreServer,
 )
 
 __all__ = ["main"]
@@ -41,21 +43,50 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    """Run a store server in the foreground until SIGTERM or SIGINT.
+
+    Prints ``rdzv store listening on HOST:PORT`` once bound. The secret comes
+    from ``--auth-token-file`` (surrounding whitespace stripped) or else the
+    ``RDZV_AUTH_TOKEN`` environment variable, if set.
+
+    Raises:
+        ValueError: Only one of ``--tls-cert`` and ``--tls-key`` was given,
+            the token file is empty or a limit is not positive.
+        OSError: A file could not be read or the address could not be bound.
+    """
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    token = resolve_auth_token(args.auth_token_file)
+    context = None
+    if args.tls_cert is not None:
+        context = server_tls_context(args.tls_cert, args.tls_key)
+    server = TCPStoreServer(
+        args.host,
+        args.port,
+        auth_token=token,
+        ssl_context=context,
+        max_connections=args.max_connections,
+        frame_timeout=args.frame_timeout,
+        idle_timeout=args.idle_timeout,
+    )
+
+    def announce(srv: TCPStoreServer) -> None:
+        shown = f"[{srv.host}]" if ":" in srv.host else srv.host
+        extras = [name for name, on in (("auth", token), ("tls", context)) if on is not None]
+        suffix = f" ({', '.join(extras)})" if extras else ""
+        print(f"rdzv store listening on {shown}:{srv.port}{suffix}", flush=True)
+
+    server.serve(announce)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-        return serve_main(
-            args.host,
-            args.port,
-            auth_token_file=args.auth_token_file,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            max_connections=args.max_connections,
-            frame_timeout=args.frame_timeout,
-            idle_timeout=args.idle_timeout,
-        )
+        _serve(args)
     except (OSError, ValueError) as exc:
         print(f"rdzv serve: {exc}", file=sys.stderr)
         return 1
+    return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

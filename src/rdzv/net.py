@@ -15,6 +15,7 @@ import contextlib
 import errno
 import ipaddress
 import socket
+import ssl
 from pathlib import Path
 from typing import Final
 
@@ -26,6 +27,7 @@ __all__ = [
     "listen_backlog",
     "local_addresses",
     "primary_address",
+    "server_tls_context",
 ]
 
 KEEPALIVE_INTERVAL: Final = 10
@@ -153,3 +155,22 @@ def enable_keepalive(sock: socket.socket, idle: float) -> None:
             option = getattr(socket, name, None)
             if option is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """Build the TLS context a store server serves ``cert`` with.
+
+    Args:
+        cert: A PEM certificate chain.
+        key: The PEM private key of ``cert``.
+
+    Returns:
+        A server-side context (TLS 1.2 or later, no client certificates asked).
+
+    Raises:
+        OSError: A file cannot be read.
+        ssl.SSLError: The files do not hold a matching certificate and key.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context

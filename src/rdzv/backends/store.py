@@ -44,7 +44,7 @@ from rdzv.backends.base import (
 )
 from rdzv.endpoint import parse_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
-from rdzv.net import local_addresses
+from rdzv.net import local_addresses, server_tls_context
 from rdzv.store.base import Store
 
 __all__ = [
@@ -393,8 +393,6 @@ class StoreTLS:
                 f"{self.ca[0]} is set (TLS on) but this node hosts the store and has no "
                 "ssl_cert/ssl_cert_key to serve it with"
             )
-        from rdzv.store.server import server_tls_context  # noqa: PLC0415 - hosts only
-
         cert, key = self.server_files
         try:
             return server_tls_context(cert, key)

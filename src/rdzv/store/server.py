@@ -4,48 +4,39 @@ Theory of operation
 -------------------
 One asyncio event loop serves every connection. Each connection owns a
 :class:`~rdzv.store.protocol.RequestParser`; ``data_received`` feeds it and
-answers every complete request at once, joining the replies of a burst of
-requests into one write. The store itself (:class:`_StoreState`) is a pair of
-dicts touched only from the loop's thread, so no locks are needed.
+answers every complete request at once, joining the replies of a burst into
+one write. The store itself is a :class:`~rdzv.store.engine.StoreEngine`,
+touched only from the loop's thread (no locks); a connection hands it each
+store request and writes the replies it returns, to the sender and to the
+connections whose blocked requests the request answered.
 
 A connection moves through three dispatch tables: before ``VALIDATE`` only
-``VALIDATE`` is accepted; on a server with a secret, only the handshake and
-authentication requests until the client proves it knows the secret; then
-everything. A request outside the current table, garbage, an over-limit
-length or a truncated frame at close ends the connection with one log line;
-other connections are unaffected.
-
-Blocking requests (``WAIT``, ``BARRIER`` and rdzv's ``GET_WAIT`` and
-``WATCH``) that cannot be answered at once become a :class:`_Waiter`
-registered under each key it depends on. Every write (set, add, append,
-multi-set, compare-set, delete, queue push) re-checks the waiters of the keys
-it touched; a satisfied waiter writes its reply and leaves the index. A
-connection has at most one waiter (torch's client sends one request at a
-time); while it waits, the only request it may send is ``CANCEL_WAIT``, which
-drops the waiter and answers ``WAIT_CANCELED``. torch's client sends
-``CANCEL_WAIT`` after its own timeout, so the ``STOP_WAITING`` may already be
-on its way: the cancel is answered even when no waiter is left. A waiter also
-leaves the index when its connection closes, and the rdzv-only waiters carry
-their own timeout.
+``VALIDATE``; on a server with a secret, only the handshake and
+authentication until the client proves it knows the secret; then everything.
+While a request of its own is blocked (``WAIT``, ``BARRIER``, ``GET_WAIT``,
+``WATCH``), only ``CANCEL_WAIT``, which torch's client sends after its own
+timeout and which is answered even if the ``STOP_WAITING`` crossed it on the
+wire. The timeout of rdzv's ``GET_WAIT`` and ``WATCH`` is a loop timer that
+drops the request from the engine and sends the engine's timeout reply. A
+request outside the current table, garbage, an over-limit length, a request
+the engine refuses or a truncated frame at close ends the connection (and
+its blocked request) with one log line; other connections are unaffected.
 
 Limits against misbehaving peers
 --------------------------------
 Each limit has a named default and a constructor parameter. A connection past
 ``max_connections`` is closed as soon as it is accepted. Accepted TCP sockets
-get kernel keepalive probes (``tcp_keepalive`` seconds of silence before the
-first), so a peer that vanished without a FIN (half-open) is found even while
-it is blocked in a long ``WAIT``. One sweeper task checks every connection
-periodically: a request whose first byte arrived more than ``frame_timeout``
-seconds ago and is still incomplete (a slow writer, one byte a second) ends
-the connection, as do a handshake not finished within ``frame_timeout`` and
-a peer that leaves its replies unread that long (a slow reader: its writes
-stay paused, and with them its reads);
-with ``idle_timeout`` set, a connection that has no request pending, no
-partial frame buffered and no blocked request of its own for that long is
-closed too. A connection blocked in a ``WAIT``/``WATCH``/``BARRIER`` it asked
-for is never idle: it is waiting for the server, not the other way round.
-Oversize keys, values and key counts are refused by the parser as soon as
-their length prefix is readable.
+get kernel keepalive probes (after ``tcp_keepalive`` seconds of silence), so
+a peer gone without a FIN is found even while it is blocked in a long
+``WAIT``. One sweeper task periodically closes every connection with a
+request still incomplete ``frame_timeout`` seconds after its first byte (a
+slow writer), a handshake not finished within ``frame_timeout``, or replies
+left unread that long (a slow reader: its writes stay paused, and with them
+its reads); with ``idle_timeout`` set, also every connection with no request
+pending, no partial frame and no blocked request of its own for that long (a
+connection blocked in a request it asked for waits for the server, so it is
+never idle). The parser refuses oversize keys, values and key counts as soon
+as their length prefix is readable.
 
 The server runs either in a background thread of the current process
 (:meth:`TCPStoreServer.start`, what ``TCPStore(is_master=True)`` does) or in
@@ -65,12 +56,11 @@ import socket
 import ssl
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Final
 
-from rdzv.auth import resolve_auth_token
-from rdzv.net import bind_listener, enable_keepalive, listen_backlog
+from rdzv.net import bind_listener, enable_keepalive, listen_backlog, server_tls_context
+from rdzv.store.engine import BLOCKING_OPS, STORE_OPS, StoreEngine
 from rdzv.store.protocol import (
     CLIENT_AUTH_LABEL,
     FEATURE_AUTH_REQUIRED,
@@ -79,17 +69,11 @@ from rdzv.store.protocol import (
     SERVER_HELLO,
     VALIDATE_MAGIC,
     AuthStatus,
-    CheckResult,
-    GetWaitStatus,
     Op,
     ProtocolError,
     Request,
     RequestParser,
-    WaitResult,
-    WatchStatus,
     auth_tag,
-    encode_bytes,
-    encode_i64,
     encode_u32,
 )
 
@@ -99,7 +83,7 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_TCP_KEEPALIVE",
     "TCPStoreServer",
-    "serve_main",
+    "server_tls_context",
 ]
 
 _log = logging.getLogger(__name__)
@@ -116,18 +100,6 @@ DEFAULT_TCP_KEEPALIVE: Final = 60.0
 """Seconds of silence before the kernel's first keepalive probe; dead after 6 more
 probes 10 s apart, so a half-open peer is found in about two minutes."""
 
-_STOP_WAITING: Final = bytes([WaitResult.STOP_WAITING])
-_WAIT_CANCELED: Final = bytes([WaitResult.WAIT_CANCELED])
-_READY: Final = bytes([CheckResult.READY])
-_NOT_READY: Final = bytes([CheckResult.NOT_READY])
-_FOUND: Final = bytes([GetWaitStatus.FOUND])
-_TIMED_OUT: Final = bytes([GetWaitStatus.TIMED_OUT])
-_WATCH_ABSENT: Final = bytes([WatchStatus.ABSENT])
-_WATCH_PRESENT: Final = bytes([WatchStatus.PRESENT])
-_WATCH_UNCHANGED: Final = bytes([WatchStatus.UNCHANGED])
-_ONE: Final = encode_i64(1)
-_ZERO: Final = encode_i64(0)
-
 
 class _Disconnect(Exception):  # noqa: N818 - control flow, not an error report
     """Raised by a handler to send a last reply and close the connection."""
@@ -135,79 +107,6 @@ class _Disconnect(Exception):  # noqa: N818 - control flow, not an error report
     def __init__(self, reason: str, last_reply: bytes) -> None:
         super().__init__(reason)
         self.last_reply = last_reply
-
-
-class _Waiter:
-    """A blocked request: the keys it depends on, how to answer, when to give up."""
-
-    __slots__ = ("check", "conn", "keys", "timer")
-
-    def __init__(
-        self,
-        conn: _Connection,
-        keys: tuple[bytes, ...],
-        check: Callable[[], bytes | None],
-    ) -> None:
-        self.conn = conn
-        self.keys = keys
-        self.check = check
-        self.timer: asyncio.TimerHandle | None = None
-
-
-class _StoreState:
-    """The keys, queues and waiters of one server (loop thread only)."""
-
-    def __init__(self) -> None:
-        self.data: dict[bytes, bytes] = {}
-        self.queues: dict[bytes, deque[bytes]] = {}
-        self.waiters: dict[bytes, set[_Waiter]] = {}
-        self.active: set[_Waiter] = set()
-
-    def exists(self, key: bytes) -> bool:
-        return key in self.data or bool(self.queues.get(key))
-
-    def notify(self, key: bytes) -> None:
-        """Re-check the waiters of ``key`` after it changed."""
-        waiting = self.waiters.get(key)
-        if not waiting:
-            return
-        for waiter in list(waiting):
-            if waiter in self.active:
-                reply = waiter.check()
-                if reply is not None:
-                    self.finish(waiter, reply)
-
-    def add_waiter(self, waiter: _Waiter, timeout_ms: int | None, on_timeout: bytes) -> None:
-        self.active.add(waiter)
-        for key in waiter.keys:
-            self.waiters.setdefault(key, set()).add(waiter)
-        waiter.conn.waiter = waiter
-        if timeout_ms is not None:
-            loop = asyncio.get_running_loop()
-            waiter.timer = loop.call_later(timeout_ms / 1000.0, self.finish, waiter, on_timeout)
-
-    def drop(self, waiter: _Waiter) -> None:
-        """Remove ``waiter`` from every index without answering it."""
-        if waiter not in self.active:
-            return
-        self.active.discard(waiter)
-        for key in waiter.keys:
-            waiting = self.waiters.get(key)
-            if waiting is not None:
-                waiting.discard(waiter)
-                if not waiting:
-                    del self.waiters[key]
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-        if waiter.conn.waiter is waiter:
-            waiter.conn.waiter = None
-
-    def finish(self, waiter: _Waiter, reply: bytes) -> None:
-        """Answer ``waiter`` and remove it."""
-        if waiter not in self.active:
-            return
-        self.drop(waiter)
-        waiter.conn.write(reply)
 
 
 _Handler = Callable[["_Connection", Request], "bytes | None"]
@@ -218,11 +117,14 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: TCPStoreServer) -> None:
         self.server = server
-        self.state = server.state
+        self.engine = server.engine
         self.parser = RequestParser()
         self.table: dict[int, _Handler] = _BEFORE_VALIDATE
         self.transport: asyncio.Transport | None = None
-        self.waiter: _Waiter | None = None
+        self.waiting = False
+        """Whether a request of this connection is blocked in the engine."""
+        self.timer: asyncio.TimerHandle | None = None
+        """Ends the blocked request when its own timeout passes (WATCH, GET_WAIT)."""
         self.server_nonce: bytes | None = None
         self.peer = "?"
         self.opened_at = time.monotonic()
@@ -258,8 +160,8 @@ class _Connection(asyncio.Protocol):
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.waiter is not None:
-            self.state.drop(self.waiter)
+        self.engine.drop(self)
+        self._stop_waiting()
         if self.parser.pending:
             _log.warning(
                 "store client %s disconnected in the middle of a request (%d bytes unparsed)",
@@ -289,7 +191,7 @@ class _Connection(asyncio.Protocol):
         try:
             while (request := parser.next_request()) is not None:
                 self.frame_started = now
-                table = self.table if self.waiter is None else _WHILE_WAITING
+                table = _WHILE_WAITING if self.waiting else self.table
                 handler = table.get(request.op)
                 if handler is None:
                     self._refuse(request, replies)
@@ -336,7 +238,7 @@ class _Connection(asyncio.Protocol):
         if self.table is not _FULL and now - self.opened_at > server.frame_timeout:
             return f"the handshake was not completed within {server.frame_timeout:g} s"
         idle = server.idle_timeout
-        if idle is not None and self.waiter is None and now - self.last_activity > idle:
+        if idle is not None and not self.waiting and now - self.last_activity > idle:
             return f"the connection was idle for {idle:g} s (idle_timeout)"
         return None
 
@@ -356,7 +258,7 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
     def _refuse(self, request: Request, replies: list[bytes]) -> None:
-        if self.waiter is not None:
+        if self.waiting:
             why = "it sent a request other than CANCEL_WAIT while a wait was pending"
         elif self.table is _BEFORE_VALIDATE:
             why = "its first request was not VALIDATE"
@@ -402,187 +304,41 @@ class _Connection(asyncio.Protocol):
         proof = auth_tag(secret, SERVER_AUTH_LABEL, server_nonce, client_nonce)
         return bytes([AuthStatus.OK]) + proof
 
-    # -- torch's operations ------------------------------------------------
+    # -- the store ---------------------------------------------------------
 
-    def h_set(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        self.state.data[key] = request.values[0]
-        if self.state.waiters:
-            self.state.notify(key)
-        return None
-
-    def h_get(self, request: Request) -> bytes | None:
-        return encode_bytes(self.state.data.get(request.keys[0], b""))
-
-    def h_compare_set(self, request: Request) -> bytes | None:
-        state = self.state
-        key = request.keys[0]
-        expected, desired = request.values
-        current = state.data.get(key)
-        if current is None:
-            if expected:
-                return encode_bytes(expected)
-        elif current != expected:
-            return encode_bytes(current)
-        state.data[key] = desired
-        if state.waiters:
-            state.notify(key)
-        return encode_bytes(desired)
-
-    def _add(self, key: bytes, amount: int) -> int:
-        state = self.state
-        current = state.data.get(key)
-        try:
-            value = amount if current is None else int(current) + amount
-        except ValueError:
-            raise ProtocolError(f"ADD on key {key!r} whose value is not an integer") from None
-        state.data[key] = str(value).encode()
-        if state.waiters:
-            state.notify(key)
-        return value
-
-    def h_add(self, request: Request) -> bytes | None:
-        return encode_i64(self._add(request.keys[0], request.number))
-
-    def h_check(self, request: Request) -> bytes | None:
-        exists = self.state.exists
-        return _READY if all(exists(key) for key in request.keys) else _NOT_READY
-
-    def h_wait(self, request: Request) -> bytes | None:
-        state = self.state
-        keys = request.keys
-
-        def ready() -> bytes | None:
-            return _STOP_WAITING if all(state.exists(key) for key in keys) else None
-
-        reply = ready()
-        if reply is None:
-            missing = tuple(key for key in keys if not state.exists(key))
-            state.add_waiter(_Waiter(self, missing, ready), None, b"")
+    def h_store(self, request: Request) -> bytes | None:
+        reply, woken = self.engine.apply(self, request)
+        for conn, answer in woken:
+            conn.answer(answer)
+        if reply is None and request.op in BLOCKING_OPS:
+            self.waiting = True
+            timeout_ms = self.engine.timeout_ms(self)
+            if timeout_ms is not None:
+                loop = asyncio.get_running_loop()
+                self.timer = loop.call_later(timeout_ms / 1000.0, self._time_out)
         return reply
 
-    def h_num_keys(self, _request: Request) -> bytes | None:
-        return encode_i64(len(self.state.data))
+    def h_cancel_wait(self, request: Request) -> bytes | None:
+        self._stop_waiting()
+        return self.h_store(request)
 
-    def h_delete_key(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        if self.state.data.pop(key, None) is None:
-            return _ZERO
-        if self.state.waiters:
-            self.state.notify(key)
-        return _ONE
+    def answer(self, reply: bytes) -> None:
+        """Send the reply that ends this connection's blocked request."""
+        self._stop_waiting()
+        self.write(reply)
 
-    def h_append(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        data = self.state.data
-        data[key] = data.get(key, b"") + request.values[0]
-        if self.state.waiters:
-            self.state.notify(key)
-        return None
-
-    def h_multi_get(self, request: Request) -> bytes | None:
-        data = self.state.data
-        return b"".join(encode_bytes(data.get(key, b"")) for key in request.keys)
-
-    def h_multi_set(self, request: Request) -> bytes | None:
-        state = self.state
-        state.data.update(zip(request.keys, request.values, strict=True))
-        if state.waiters:
-            for key in request.keys:
-                state.notify(key)
-        return None
-
-    def h_cancel_wait(self, _request: Request) -> bytes | None:
-        if self.waiter is not None:
-            self.state.drop(self.waiter)
-        return _WAIT_CANCELED
-
-    def h_queue_push(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        self.state.queues.setdefault(key, deque()).append(request.values[0])
-        if self.state.waiters:
-            self.state.notify(key)
-        return None
-
-    def h_queue_pop(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        queue = self.state.queues.get(key)
-        if not queue:
-            return _ZERO
-        item = queue.popleft()
-        if not queue:
-            del self.state.queues[key]
-        return _ONE + encode_bytes(item)
-
-    def h_queue_len(self, request: Request) -> bytes | None:
-        return encode_i64(len(self.state.queues.get(request.keys[0], ())))
-
-    def h_list_keys(self, _request: Request) -> bytes | None:
-        keys = list(self.state.data)
-        return encode_i64(len(keys)) + b"".join(encode_bytes(key) for key in keys)
-
-    def h_barrier(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        world_size = request.number
-        state = self.state
-
-        def ready() -> bytes | None:
-            try:
-                arrived = int(state.data.get(key, b"0"))
-            except ValueError:
-                return None
-            return _STOP_WAITING if arrived >= world_size else None
-
-        self._add(key, 1)
-        reply = ready()
-        if reply is None:
-            state.add_waiter(_Waiter(self, (key,), ready), None, b"")
-        return reply
-
-    # -- rdzv's extensions -------------------------------------------------
-
-    def h_get_wait(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        data = self.state.data
-        value = data.get(key)
-        if value is not None:
-            return _FOUND + encode_bytes(value)
-        if request.number == 0:
-            return _TIMED_OUT
-
-        def ready() -> bytes | None:
-            found = data.get(key)
-            return None if found is None else _FOUND + encode_bytes(found)
-
-        self.state.add_waiter(_Waiter(self, (key,), ready), request.number, _TIMED_OUT)
-        return None
-
-    def h_watch(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        previous = request.values[0] if request.values else None
-        data = self.state.data
-
-        def changed() -> bytes | None:
-            current = data.get(key)
-            if current == previous:
-                return None
-            return _WATCH_ABSENT if current is None else _WATCH_PRESENT + encode_bytes(current)
-
-        reply = changed()
+    def _time_out(self) -> None:
+        self.timer = None
+        self.waiting = False
+        reply = self.engine.drop(self)
         if reply is not None:
-            return reply
-        if request.number == 0:
-            return _WATCH_UNCHANGED
-        self.state.add_waiter(_Waiter(self, (key,), changed), request.number, _WATCH_UNCHANGED)
-        return None
+            self.write(reply)
 
-    def h_multi_try_get(self, request: Request) -> bytes | None:
-        data = self.state.data
-        parts = []
-        for key in request.keys:
-            value = data.get(key)
-            parts.append(b"\x00" if value is None else b"\x01" + encode_bytes(value))
-        return b"".join(parts)
+    def _stop_waiting(self) -> None:
+        self.waiting = False
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 _BEFORE_VALIDATE: dict[int, _Handler] = {Op.VALIDATE: _Connection.h_validate}
@@ -593,28 +349,10 @@ _BEFORE_AUTH: dict[int, _Handler] = {
     Op.AUTH_RESPONSE: _Connection.h_auth_response,
 }
 _FULL: dict[int, _Handler] = {
+    **dict.fromkeys(STORE_OPS, _Connection.h_store),
     Op.VALIDATE: _Connection.h_validate,
-    Op.SET: _Connection.h_set,
-    Op.COMPARE_SET: _Connection.h_compare_set,
-    Op.GET: _Connection.h_get,
-    Op.ADD: _Connection.h_add,
-    Op.CHECK: _Connection.h_check,
-    Op.WAIT: _Connection.h_wait,
-    Op.GETNUMKEYS: _Connection.h_num_keys,
-    Op.DELETE_KEY: _Connection.h_delete_key,
-    Op.APPEND: _Connection.h_append,
-    Op.MULTI_GET: _Connection.h_multi_get,
-    Op.MULTI_SET: _Connection.h_multi_set,
-    Op.CANCEL_WAIT: _Connection.h_cancel_wait,
     Op.PING: _Connection.h_ping,
-    Op.QUEUE_PUSH: _Connection.h_queue_push,
-    Op.QUEUE_POP: _Connection.h_queue_pop,
-    Op.QUEUE_LEN: _Connection.h_queue_len,
-    Op.LIST_KEYS: _Connection.h_list_keys,
-    Op.BARRIER: _Connection.h_barrier,
-    Op.WATCH: _Connection.h_watch,
-    Op.GET_WAIT: _Connection.h_get_wait,
-    Op.MULTI_TRY_GET: _Connection.h_multi_try_get,
+    Op.CANCEL_WAIT: _Connection.h_cancel_wait,
 }
 # Dict lookups hash ints faster than IntEnum members: key the tables by int.
 for _table in (_BEFORE_VALIDATE, _WHILE_WAITING, _BEFORE_AUTH, _FULL):
@@ -688,7 +426,7 @@ class TCPStoreServer:
         self._requested_port = port
         self.secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
         self._ssl_context = ssl_context
-        self.state = _StoreState()
+        self.engine: StoreEngine[_Connection] = StoreEngine()
         self.connections: set[_Connection] = set()
         self._port: int | None = None
         self._bound_host = host or "::"
@@ -767,7 +505,7 @@ class TCPStoreServer:
 
     def waiter_count(self) -> int:
         """Return the number of blocked requests (for tests and monitoring)."""
-        return self._call(lambda: len(self.state.active))
+        return self._call(lambda: self.engine.waiter_count)
 
     def connection_count(self) -> int:
         """Return the number of open client connections."""
@@ -856,84 +594,3 @@ class TCPStoreServer:
                 reason = conn.expired(now)
                 if reason is not None:
                     conn.close_expired(reason)
-
-
-def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
-    """Build the TLS context a store server serves ``cert`` with.
-
-    Args:
-        cert: A PEM certificate chain.
-        key: The PEM private key of ``cert``.
-
-    Returns:
-        A server-side context (TLS 1.2 or later, no client certificates asked).
-
-    Raises:
-        OSError: A file cannot be read.
-        ssl.SSLError: The files do not hold a matching certificate and key.
-    """
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-    return context
-
-
-def serve_main(
-    host: str | None,
-    port: int,
-    *,
-    auth_token_file: str | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-    frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
-    idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
-) -> int:
-    """Run a store server in the foreground: the ``rdzv serve`` command.
-
-    Prints ``rdzv store listening on HOST:PORT`` once bound and stops cleanly
-    on SIGTERM or SIGINT.
-
-    Args:
-        host: The address to listen on; None for every address.
-        port: The port (0 picks a free one).
-        auth_token_file: A file holding the shared secret (surrounding
-            whitespace is stripped); without it the secret is read from the
-            ``RDZV_AUTH_TOKEN`` environment variable, if set.
-        tls_cert: A PEM certificate chain; enables TLS together with ``tls_key``.
-        tls_key: The PEM private key of ``tls_cert``.
-        max_connections: See :class:`TCPStoreServer`.
-        frame_timeout: See :class:`TCPStoreServer`.
-        idle_timeout: See :class:`TCPStoreServer`.
-
-    Returns:
-        The exit status.
-
-    Raises:
-        ValueError: Only one of ``tls_cert`` and ``tls_key`` was given, the
-            token file is empty or a limit is not positive.
-        OSError: A file could not be read or the address could not be bound.
-    """
-    token = resolve_auth_token(auth_token_file)
-    context: ssl.SSLContext | None = None
-    if (tls_cert is None) != (tls_key is None):
-        raise ValueError("--tls-cert and --tls-key must be given together")
-    if tls_cert is not None and tls_key is not None:
-        context = server_tls_context(tls_cert, tls_key)
-    server = TCPStoreServer(
-        host,
-        port,
-        auth_token=token,
-        ssl_context=context,
-        max_connections=max_connections,
-        frame_timeout=frame_timeout,
-        idle_timeout=idle_timeout,
-    )
-
-    def announce(srv: TCPStoreServer) -> None:
-        shown = f"[{srv.host}]" if ":" in srv.host else srv.host
-        extras = [name for name, on in (("auth", token), ("tls", context)) if on is not None]
-        suffix = f" ({', '.join(extras)})" if extras else ""
-        print(f"rdzv store listening on {shown}:{srv.port}{suffix}", flush=True)
-
-    server.serve(announce)
-    return 0
