@@ -201,6 +201,23 @@ def test_queue_pop_blocking_times_out(store: Store, uid: str) -> None:
         store.queue_pop(f"{uid}/never")
 
 
+def test_a_queue_with_items_is_an_existing_key(store: Store, uid: str) -> None:
+    """As on torch's server, which every pairing here matches: ``check`` and
+    ``wait`` see a queue's key while the queue holds items (torch's blocking
+    ``queue_pop`` is a ``wait`` on it), yet a queue is no value for
+    ``num_keys`` or ``list_keys``."""
+    queue = f"{uid}/cq"
+    assert not store.check([queue])
+    store.queue_push(queue, "item")
+    assert store.check([queue])
+    store.wait([queue], timedelta(seconds=5))
+    assert queue not in store.list_keys()
+    assert store.queue_pop(queue) == b"item"
+    assert not store.check([queue])
+    with pytest.raises(StoreTimeoutError):
+        store.wait([queue], timedelta(milliseconds=200))
+
+
 def test_try_multi_get(store: Store, uid: str) -> None:
     store.set(f"{uid}/t1", "one")
     store.set(f"{uid}/t3", b"")
