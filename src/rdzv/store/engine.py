@@ -76,11 +76,12 @@ from rdzv.store.protocol import (
 __all__ = ["BLOCKING_OPS", "MAX_APPENDED_BYTES", "STORE_OPS", "StoreEngine", "Woken"]
 
 MAX_APPENDED_BYTES: Final = MAX_VALUE_BYTES
-"""Largest value ``APPEND`` may build, in bytes. Clients read a value back in
-one ``GET`` reply, which rdzv's client (like torch's server for requests)
-refuses past :data:`~rdzv.store.protocol.MAX_VALUE_BYTES`; a longer value
-could be written but never read, so no value may outgrow a ``SET`` either,
-and one key costs the server at most this much however many appends arrive."""
+"""Largest value ``APPEND`` may build, in bytes: the largest value a request
+may carry. A value is read back whole in one reply, which rdzv's client
+refuses past :data:`~rdzv.store.protocol.MAX_VALUE_BYTES`, so a longer value
+could be written but never read; with this cap no value on a server outgrows
+what ``SET`` may write, and one key costs at most this much however many
+appends arrive."""
 
 ClientT = TypeVar("ClientT", bound=Hashable)
 
@@ -213,17 +214,6 @@ class StoreEngine(Generic[ClientT]):
         """
         waiter = self._blocked.get(client)
         return None if waiter is None else waiter.timeout_ms
-
-    def is_blocked(self, client: ClientT) -> bool:
-        """Return whether ``client`` has a blocked request.
-
-        Args:
-            client: The client.
-
-        Returns:
-            True while its request waits for a reply.
-        """
-        return client in self._blocked
 
     @property
     def waiter_count(self) -> int:
