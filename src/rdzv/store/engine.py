@@ -57,7 +57,8 @@ then closes the connection, as torch's server does.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from types import MethodType
 from typing import Any, Final, Generic, TypeAlias, TypeVar
 
 from rdzv.store.protocol import (
@@ -73,7 +74,7 @@ from rdzv.store.protocol import (
     encode_i64,
 )
 
-__all__ = ["BLOCKING_OPS", "MAX_APPENDED_BYTES", "STORE_OPS", "StoreEngine", "Woken"]
+__all__ = ["BLOCKING_OPS", "MAX_APPENDED_BYTES", "StoreEngine", "Woken"]
 
 MAX_APPENDED_BYTES: Final = MAX_VALUE_BYTES
 """Largest value ``APPEND`` may build, in bytes: the largest value a request
@@ -104,6 +105,8 @@ _WATCH_UNCHANGED: Final = bytes([WatchStatus.UNCHANGED])
 _ONE: Final = encode_i64(1)
 _ZERO: Final = encode_i64(0)
 _ABSENT: Final = b"\x00"
+_NOTHING: Final = (None, ())
+"""The outcome of a request without a reply that answered no one."""
 _PRESENT: Final = b"\x01"
 
 
@@ -143,6 +146,11 @@ class StoreEngine(Generic[ClientT]):
     """The keys, queues and blocked requests of one store (not thread-safe).
 
     Attributes:
+        handlers: The function behind :meth:`apply` for each store opcode
+            (the others, handshake and authentication, are the connection's),
+            for a driver that itself keeps a client with a blocked request to
+            ``CANCEL_WAIT`` (the server does, with its dispatch tables, and
+            saves a call per request).
         waiter_checks: How many times a write examined a blocked request, in
             total: the work of the waiter index (for tests and monitoring).
     """
@@ -152,6 +160,9 @@ class StoreEngine(Generic[ClientT]):
         self._queues: dict[bytes, deque[bytes]] = {}
         self._index: dict[bytes, set[_Waiter[ClientT]]] = {}
         self._blocked: dict[ClientT, _Waiter[ClientT]] = {}
+        self.handlers: Mapping[int, Callable[[ClientT, Request], _Outcome[ClientT]]] = {
+            op: MethodType(handler, self) for op, handler in _HANDLERS.items()
+        }
         self.waiter_checks = 0
 
     # -- the driver's interface ----------------------------------------------
@@ -161,7 +172,7 @@ class StoreEngine(Generic[ClientT]):
 
         Args:
             client: Who sent it.
-            request: The request; its opcode must be in :data:`STORE_OPS`.
+            request: The request; its opcode must be one of :attr:`handlers`.
 
         Returns:
             The reply to ``client`` (None when the request has no reply or is
@@ -171,7 +182,7 @@ class StoreEngine(Generic[ClientT]):
         Raises:
             ProtocolError: The request cannot be carried out; nothing changed.
         """
-        handler = _HANDLERS.get(request.op)
+        handler = self.handlers.get(request.op)
         if handler is None:
             raise ProtocolError(f"opcode {request.op} is not a store operation")
         if self._blocked and request.op != Op.CANCEL_WAIT and client in self._blocked:
@@ -179,7 +190,7 @@ class StoreEngine(Generic[ClientT]):
                 f"opcode {request.op} arrived while a request was blocked; "
                 "only CANCEL_WAIT may follow it"
             )
-        return handler(self, client, request)
+        return handler(client, request)
 
     def drop(self, client: ClientT) -> bytes | None:
         """End the blocked request of ``client``; the engine answers nothing.
@@ -276,8 +287,11 @@ class StoreEngine(Generic[ClientT]):
         return key in self._data or key in self._queues
 
     def _write(self, key: bytes, value: bytes) -> Woken[ClientT]:
-        """Store ``value`` under ``key`` and answer the waiters it satisfies."""
-        if self._index and key in self._index:
+        """Store ``value`` under ``key`` and answer the waiters it satisfies.
+
+        The hot handlers store directly while nothing is blocked at all.
+        """
+        if key in self._index:
             created = not self._exists(key)
             self._data[key] = value
             return self._notify(key, 1 if created else 0)
@@ -290,12 +304,18 @@ class StoreEngine(Generic[ClientT]):
             value = amount if current is None else int(current) + amount
         except ValueError:
             raise ProtocolError(f"ADD to key {_show(key)}, whose value is not an integer") from None
-        return value, self._write(key, str(value).encode())
+        if self._index:
+            return value, self._write(key, str(value).encode())
+        self._data[key] = str(value).encode()
+        return value, ()
 
     # -- torch's operations ----------------------------------------------------
 
     def _set(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
-        return None, self._write(request.keys[0], request.values[0])
+        if self._index:
+            return None, self._write(request.keys[0], request.values[0])
+        self._data[request.keys[0]] = request.values[0]
+        return _NOTHING
 
     def _get(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
         return encode_bytes(self._data.get(request.keys[0], b"")), ()
@@ -309,7 +329,10 @@ class StoreEngine(Generic[ClientT]):
                 return encode_bytes(expected), ()
         elif current != expected:
             return encode_bytes(current), ()
-        return encode_bytes(desired), self._write(key, desired)
+        if self._index:
+            return encode_bytes(desired), self._write(key, desired)
+        self._data[key] = desired
+        return encode_bytes(desired), ()
 
     def _add_request(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
         value, woken = self._add(request.keys[0], request.number)
@@ -322,12 +345,12 @@ class StoreEngine(Generic[ClientT]):
 
     def _wait(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
         data, queues = self._data, self._queues
+        if all(key in data or key in queues for key in request.keys):
+            return _STOP_WAITING, ()
         keys = tuple(dict.fromkeys(request.keys))
         missing = sum(1 for key in keys if key not in data and key not in queues)
-        if not missing:
-            return _STOP_WAITING, ()
         self._block(_Waiter(client, keys, missing=missing))
-        return None, ()
+        return _NOTHING
 
     def _num_keys(self, _client: ClientT, _request: Request) -> _Outcome[ClientT]:
         return encode_i64(len(self._data)), ()
@@ -363,7 +386,7 @@ class StoreEngine(Generic[ClientT]):
         pairs = zip(request.keys, request.values, strict=True)
         if not self._index:
             self._data.update(pairs)
-            return None, ()
+            return _NOTHING
         woken: list[tuple[ClientT, bytes]] = []
         for key, value in pairs:
             woken += self._write(key, value)
@@ -378,7 +401,7 @@ class StoreEngine(Generic[ClientT]):
         queue = self._queues.get(key)
         if queue is not None:
             queue.append(request.values[0])
-            return None, ()
+            return _NOTHING
         created = key not in self._data
         self._queues[key] = deque((request.values[0],))
         return None, (self._notify(key, 1) if created else ())
@@ -438,7 +461,7 @@ class StoreEngine(Generic[ClientT]):
         self._block(
             _Waiter(client, (key,), ready=found, timeout_ms=request.number, on_timeout=_TIMED_OUT)
         )
-        return None, ()
+        return _NOTHING
 
     def _watch(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
         key = request.keys[0]
@@ -465,7 +488,7 @@ class StoreEngine(Generic[ClientT]):
                 on_timeout=_WATCH_UNCHANGED,
             )
         )
-        return None, ()
+        return _NOTHING
 
     def _multi_try_get(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
         data = self._data
@@ -500,6 +523,3 @@ _HANDLERS: dict[int, Callable[[StoreEngine[Any], Any, Request], _Outcome[Any]]] 
 }
 # Dict lookups hash ints faster than IntEnum members: key the table by int.
 _HANDLERS = {int(op): handler for op, handler in _HANDLERS.items()}
-STORE_OPS: Final = frozenset(_HANDLERS)
-"""The opcodes :meth:`StoreEngine.apply` carries out; the others (handshake
-and authentication) belong to the connection."""

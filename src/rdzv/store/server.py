@@ -56,11 +56,12 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Final
 
 from rdzv.net import bind_listener, enable_keepalive, listen_backlog, server_tls_context
-from rdzv.store.engine import BLOCKING_OPS, STORE_OPS, StoreEngine
+from rdzv.store.engine import BLOCKING_OPS, StoreEngine, Woken
 from rdzv.store.protocol import (
     CLIENT_AUTH_LABEL,
     FEATURE_AUTH_REQUIRED,
@@ -110,6 +111,8 @@ class _Disconnect(Exception):  # noqa: N818 - control flow, not an error report
 
 
 _Handler = Callable[["_Connection", Request], "bytes | None"]
+_StoreHandler = Callable[["_Connection", Request], "tuple[bytes | None, Woken[_Connection]]"]
+_NO_HANDLERS: Mapping[int, _StoreHandler] = MappingProxyType({})
 
 
 class _Connection(asyncio.Protocol):
@@ -123,6 +126,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.waiting = False
         """Whether a request of this connection is blocked in the engine."""
+        self.store_handlers: Mapping[int, _StoreHandler] = _NO_HANDLERS
+        """The engine's handlers this connection may use: all of them once the
+        handshake is done, none while a request of its own is blocked."""
         self.timer: asyncio.TimerHandle | None = None
         """Ends the blocked request when its own timeout passes (WATCH, GET_WAIT)."""
         self.server_nonce: bytes | None = None
@@ -191,12 +197,21 @@ class _Connection(asyncio.Protocol):
         try:
             while (request := parser.next_request()) is not None:
                 self.frame_started = now
-                table = _WHILE_WAITING if self.waiting else self.table
-                handler = table.get(request.op)
-                if handler is None:
-                    self._refuse(request, replies)
-                    return
-                reply = handler(self, request)
+                run = self.store_handlers.get(request.op)
+                if run is not None:
+                    reply, woken = run(self, request)
+                    if woken:
+                        for conn, answer in woken:
+                            conn.answer(answer)
+                    if reply is None and request.op in BLOCKING_OPS:
+                        self._start_waiting()
+                else:
+                    table = _WHILE_WAITING if self.waiting else self.table
+                    handler = table.get(request.op)
+                    if handler is None:
+                        self._refuse(request, replies)
+                        return
+                    reply = handler(self, request)
                 if reply is not None:
                     replies.append(reply)
             if not parser.pending:
@@ -276,7 +291,10 @@ class _Connection(asyncio.Protocol):
     def h_validate(self, request: Request) -> bytes | None:
         if request.number != VALIDATE_MAGIC:
             raise ProtocolError(f"bad VALIDATE magic {request.number:#x}")
-        self.table = _BEFORE_AUTH if self.server.secret is not None else _FULL
+        if self.server.secret is not None:
+            self.table = _BEFORE_AUTH
+        else:
+            self._open()
         return None
 
     def h_ping(self, request: Request) -> bytes | None:
@@ -300,45 +318,49 @@ class _Connection(asyncio.Protocol):
         expected = auth_tag(secret, CLIENT_AUTH_LABEL, server_nonce, client_nonce)
         if not hmac.compare_digest(tag, expected):
             raise _Disconnect("authentication failed", bytes([AuthStatus.REFUSED]))
-        self.table = _FULL
+        self._open()
         proof = auth_tag(secret, SERVER_AUTH_LABEL, server_nonce, client_nonce)
         return bytes([AuthStatus.OK]) + proof
 
-    # -- the store ---------------------------------------------------------
-
-    def h_store(self, request: Request) -> bytes | None:
-        reply, woken = self.engine.apply(self, request)
-        for conn, answer in woken:
-            conn.answer(answer)
-        if reply is None and request.op in BLOCKING_OPS:
-            self.waiting = True
-            timeout_ms = self.engine.timeout_ms(self)
-            if timeout_ms is not None:
-                loop = asyncio.get_running_loop()
-                self.timer = loop.call_later(timeout_ms / 1000.0, self._time_out)
-        return reply
+    # -- blocked requests --------------------------------------------------
 
     def h_cancel_wait(self, request: Request) -> bytes | None:
         self._stop_waiting()
-        return self.h_store(request)
+        reply, _ = self.engine.apply(self, request)
+        return reply
 
     def answer(self, reply: bytes) -> None:
         """Send the reply that ends this connection's blocked request."""
         self._stop_waiting()
         self.write(reply)
 
-    def _time_out(self) -> None:
-        self.timer = None
-        self.waiting = False
-        reply = self.engine.drop(self)
-        if reply is not None:
-            self.write(reply)
+    def _open(self) -> None:
+        """Finish the handshake: every request is allowed from now on."""
+        self.table = _FULL
+        self.store_handlers = self.engine.handlers
+
+    def _start_waiting(self) -> None:
+        self.waiting = True
+        self.store_handlers = _NO_HANDLERS
+        timeout_ms = self.engine.timeout_ms(self)
+        if timeout_ms is not None:
+            loop = asyncio.get_running_loop()
+            self.timer = loop.call_later(timeout_ms / 1000.0, self._time_out)
 
     def _stop_waiting(self) -> None:
-        self.waiting = False
+        if self.waiting:
+            self.waiting = False
+            self.store_handlers = self.engine.handlers
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+    def _time_out(self) -> None:
+        self.timer = None
+        self._stop_waiting()
+        reply = self.engine.drop(self)
+        if reply is not None:
+            self.write(reply)
 
 
 _BEFORE_VALIDATE: dict[int, _Handler] = {Op.VALIDATE: _Connection.h_validate}
@@ -348,12 +370,7 @@ _BEFORE_AUTH: dict[int, _Handler] = {
     Op.AUTH_CHALLENGE: _Connection.h_auth_challenge,
     Op.AUTH_RESPONSE: _Connection.h_auth_response,
 }
-_FULL: dict[int, _Handler] = {
-    **dict.fromkeys(STORE_OPS, _Connection.h_store),
-    Op.VALIDATE: _Connection.h_validate,
-    Op.PING: _Connection.h_ping,
-    Op.CANCEL_WAIT: _Connection.h_cancel_wait,
-}
+_FULL: dict[int, _Handler] = {Op.VALIDATE: _Connection.h_validate, Op.PING: _Connection.h_ping}
 # Dict lookups hash ints faster than IntEnum members: key the tables by int.
 for _table in (_BEFORE_VALIDATE, _WHILE_WAITING, _BEFORE_AUTH, _FULL):
     for _op in list(_table):
