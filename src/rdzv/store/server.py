@@ -12,11 +12,11 @@ connections whose blocked requests the request answered.
 
 A connection moves through three dispatch tables: before ``VALIDATE`` only
 ``VALIDATE``; on a server with a secret, only the handshake and
-authentication until the client proves it knows the secret; then everything.
-While a request of its own is blocked (``WAIT``, ``BARRIER``, ``GET_WAIT``,
-``WATCH``), only ``CANCEL_WAIT``, which torch's client sends after its own
-timeout and which is answered even if the ``STOP_WAITING`` crossed it on the
-wire. The timeout of rdzv's ``GET_WAIT`` and ``WATCH`` is a loop timer that
+authentication until the client proves it knows the secret; then everything,
+store requests going straight to the engine's handlers. While a request of
+its own is blocked (``WAIT``, ``BARRIER``, ``GET_WAIT``, ``WATCH``), only
+``CANCEL_WAIT``, which torch's client sends after its own timeout and which
+is answered even if the ``STOP_WAITING`` crossed it on the wire. The timeout of rdzv's ``GET_WAIT`` and ``WATCH`` is a loop timer that
 drops the request from the engine and sends the engine's timeout reply. A
 request outside the current table, garbage, an over-limit length, a request
 the engine refuses or a truncated frame at close ends the connection (and
@@ -24,19 +24,15 @@ its blocked request) with one log line; other connections are unaffected.
 
 Limits against misbehaving peers
 --------------------------------
-Each limit has a named default and a constructor parameter. A connection past
-``max_connections`` is closed as soon as it is accepted. Accepted TCP sockets
-get kernel keepalive probes (after ``tcp_keepalive`` seconds of silence), so
-a peer gone without a FIN is found even while it is blocked in a long
-``WAIT``. One sweeper task periodically closes every connection with a
-request still incomplete ``frame_timeout`` seconds after its first byte (a
-slow writer), a handshake not finished within ``frame_timeout``, or replies
-left unread that long (a slow reader: its writes stay paused, and with them
-its reads); with ``idle_timeout`` set, also every connection with no request
-pending, no partial frame and no blocked request of its own for that long (a
-connection blocked in a request it asked for waits for the server, so it is
-never idle). The parser refuses oversize keys, values and key counts as soon
-as their length prefix is readable.
+Each limit has a named default and a constructor parameter (see
+:class:`TCPStoreServer`). Connections past ``max_connections`` are closed as
+soon as they are accepted; kernel keepalive probes find a peer gone without
+a FIN, even one blocked in a long ``WAIT``; one sweeper task closes every
+connection that broke ``frame_timeout`` (a request still incomplete that long
+after its first byte, an unfinished handshake, replies left unread: a slow
+writer or reader) or ``idle_timeout`` (which a connection blocked in a
+request it asked for never is: it waits for the server). The parser refuses
+oversize keys, values and key counts as soon as their length is readable.
 
 The server runs either in a background thread of the current process
 (:meth:`TCPStoreServer.start`, what ``TCPStore(is_master=True)`` does) or in
@@ -356,7 +352,6 @@ class _Connection(asyncio.Protocol):
             self.timer = None
 
     def _time_out(self) -> None:
-        self.timer = None
         self._stop_waiting()
         reply = self.engine.drop(self)
         if reply is not None:
