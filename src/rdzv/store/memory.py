@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+import struct
 import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TypeVar
 
 from rdzv.errors import StoreTimeoutError
 from rdzv.store.base import (
@@ -25,40 +25,31 @@ from rdzv.store.protocol import (
     GetWaitStatus,
     Op,
     ProtocolError,
-    ReplyReader,
     Request,
     WatchStatus,
 )
 
 __all__ = ["HashStore", "PrefixStore"]
 
-_T = TypeVar("_T")
+_I64 = struct.Struct("<q")
+_LENGTH = struct.Struct("<Q")
 
 
-class _Fields:
-    """The fields of one whole engine reply, read in order."""
+def _whole(reply: bytes | None) -> bytes:
+    assert reply is not None, "a request that always has a reply had none"
+    return reply
 
-    __slots__ = ("_limit", "_reader")
 
-    def __init__(self, reply: bytes | None) -> None:
-        data = reply or b""
-        self._reader = ReplyReader()
-        self._reader.feed(data)
-        self._limit = len(data)
+def _number(reply: bytes | None) -> int:
+    """Decode a reply that is one ``i64``."""
+    number: int = _I64.unpack(_whole(reply))[0]
+    return number
 
-    @staticmethod
-    def _whole(field: _T | None) -> _T:
-        assert field is not None, "the store engine's reply ended early"
-        return field
 
-    def u8(self) -> int:
-        return self._whole(self._reader.read_u8())
-
-    def i64(self) -> int:
-        return self._whole(self._reader.read_i64())
-
-    def blob(self) -> bytes:
-        return self._whole(self._reader.read_bytes(self._limit))
+def _value_at(reply: bytes, pos: int) -> tuple[bytes, int]:
+    """Decode the length-prefixed value at ``pos``; return it and where it ends."""
+    end = pos + 8 + _LENGTH.unpack_from(reply, pos)[0]
+    return reply[pos + 8 : end], end
 
 
 def _key(key: str) -> bytes:
@@ -140,17 +131,17 @@ class HashStore(Store):
 
     def get(self, key: str) -> bytes:  # noqa: D102
         seconds = self.timeout.total_seconds()
-        fields = _Fields(self._block(Request(Op.GET_WAIT, (_key(key),), (), _ms(seconds)), seconds))
-        if fields.u8() != GetWaitStatus.FOUND:
+        reply = _whole(self._block(Request(Op.GET_WAIT, (_key(key),), (), _ms(seconds)), seconds))
+        if reply[0] != GetWaitStatus.FOUND:
             raise StoreTimeoutError(f"timed out after {seconds:g} s waiting for key {key!r}")
-        return fields.blob()
+        return _value_at(reply, 1)[0]
 
     def add(self, key: str, amount: int) -> int:  # noqa: D102
-        return _Fields(self._apply(Request(Op.ADD, (_key(key),), (), int(amount)))).i64()
+        return _number(self._apply(Request(Op.ADD, (_key(key),), (), int(amount))))
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:  # noqa: D102
         values = (to_bytes(expected), to_bytes(desired))
-        return _Fields(self._apply(Request(Op.COMPARE_SET, (_key(key),), values))).blob()
+        return _value_at(_whole(self._apply(Request(Op.COMPARE_SET, (_key(key),), values))), 0)[0]
 
     def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:  # noqa: D102
         seconds = self.timeout.total_seconds() if timeout is None else to_seconds(timeout)
@@ -160,19 +151,23 @@ class HashStore(Store):
             )
 
     def check(self, keys: Sequence[str]) -> bool:  # noqa: D102
-        reply = _Fields(self._apply(Request(Op.CHECK, tuple(map(_key, keys)))))
-        return reply.u8() == CheckResult.READY
+        reply = _whole(self._apply(Request(Op.CHECK, tuple(map(_key, keys)))))
+        return reply[0] == CheckResult.READY
 
     def delete_key(self, key: str) -> bool:  # noqa: D102
-        return _Fields(self._apply(Request(Op.DELETE_KEY, (_key(key),)))).i64() > 0
+        return _number(self._apply(Request(Op.DELETE_KEY, (_key(key),)))) > 0
 
     def num_keys(self) -> int:  # noqa: D102
-        return _Fields(self._apply(Request(Op.GETNUMKEYS))).i64()
+        return _number(self._apply(Request(Op.GETNUMKEYS)))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # noqa: D102
         self.wait(keys)
-        fields = _Fields(self._apply(Request(Op.MULTI_GET, tuple(map(_key, keys)))))
-        return [fields.blob() for _ in keys]
+        reply = _whole(self._apply(Request(Op.MULTI_GET, tuple(map(_key, keys)))))
+        values, pos = [], 0
+        for _ in keys:
+            value, pos = _value_at(reply, pos)
+            values.append(value)
+        return values
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:  # noqa: D102
         check_multi_set(keys, values)
@@ -183,8 +178,12 @@ class HashStore(Store):
         self._apply(Request(Op.APPEND, (_key(key),), (to_bytes(value),)))
 
     def list_keys(self) -> list[str]:  # noqa: D102
-        fields = _Fields(self._apply(Request(Op.LIST_KEYS)))
-        return [fields.blob().decode("utf-8") for _ in range(fields.i64())]
+        reply = _whole(self._apply(Request(Op.LIST_KEYS)))
+        keys, pos = [], 8
+        for _ in range(_number(reply[:8])):
+            key, pos = _value_at(reply, pos)
+            keys.append(key.decode("utf-8"))
+        return keys
 
     def queue_push(self, key: str, value: Value) -> None:  # noqa: D102
         self._apply(Request(Op.QUEUE_PUSH, (_key(key),), (to_bytes(value),)))
@@ -194,9 +193,9 @@ class HashStore(Store):
         seconds = self.timeout.total_seconds()
         deadline = time.monotonic() + seconds
         while True:
-            fields = _Fields(self._apply(Request(Op.QUEUE_POP, wire)))
-            if fields.i64() > 0:
-                return fields.blob()
+            reply = _whole(self._apply(Request(Op.QUEUE_POP, wire)))
+            if _number(reply[:8]) > 0:
+                return _value_at(reply, 8)[0]
             remaining = deadline - time.monotonic()
             if (
                 not block
@@ -209,21 +208,29 @@ class HashStore(Store):
                 )
 
     def queue_len(self, key: str) -> int:  # noqa: D102
-        return _Fields(self._apply(Request(Op.QUEUE_LEN, (_key(key),)))).i64()
+        return _number(self._apply(Request(Op.QUEUE_LEN, (_key(key),))))
 
     def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:  # noqa: D102
-        fields = _Fields(self._apply(Request(Op.MULTI_TRY_GET, tuple(map(_key, keys)))))
-        return [fields.blob() if fields.u8() else None for _ in keys]
+        reply = _whole(self._apply(Request(Op.MULTI_TRY_GET, tuple(map(_key, keys)))))
+        values: list[bytes | None] = []
+        pos = 0
+        for _ in keys:
+            if reply[pos]:
+                value, pos = _value_at(reply, pos + 1)
+                values.append(value)
+            else:
+                values.append(None)
+                pos += 1
+        return values
 
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:  # noqa: D102
         seconds = to_seconds(timeout)
         values = () if previous is None else (previous,)
         request = Request(Op.WATCH, (_key(key),), values, _ms(seconds))
-        fields = _Fields(self._block(request, seconds))
-        status = fields.u8()
-        if status == WatchStatus.PRESENT:
-            return fields.blob()
-        return None if status == WatchStatus.ABSENT else previous
+        reply = _whole(self._block(request, seconds))
+        if reply[0] == WatchStatus.PRESENT:
+            return _value_at(reply, 1)[0]
+        return None if reply[0] == WatchStatus.ABSENT else previous
 
 
 class PrefixStore(Store):
