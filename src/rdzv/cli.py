@@ -16,11 +16,12 @@ import rdzv
 from rdzv.launch.options import add_run_arguments
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.status import add_status_arguments
+from rdzv.store.serve import ServerSecurity, secured_server
 from rdzv.store.server import (
     DEFAULT_FRAME_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
-    serve_main,
+    TCPStoreServer,
 )
 
 __all__ = ["main"]
@@ -66,22 +67,44 @@ def _warnings_to_stderr(prog: str) -> Iterator[None]:
         logger.removeHandler(handler)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    """Run a store server in the foreground until SIGTERM or SIGINT.
+
+    Prints ``rdzv store listening on HOST:PORT`` once bound. The secret comes
+    from ``--auth-token-file`` (surrounding whitespace stripped) or else the
+    ``RDZV_AUTH_TOKEN`` environment variable, if set.
+
+    Raises:
+        ValueError: Only one of ``--tls-cert`` and ``--tls-key`` was given,
+            the token file is empty or a limit is not positive.
+        OSError: A file could not be read or the address could not be bound.
+    """
+    security = ServerSecurity.from_files(args.auth_token_file, args.tls_cert, args.tls_key)
+    server = secured_server(
+        args.host,
+        args.port,
+        security,
+        max_connections=args.max_connections,
+        frame_timeout=args.frame_timeout,
+        idle_timeout=args.idle_timeout,
+    )
+
+    def announce(srv: TCPStoreServer) -> None:
+        shown = f"[{srv.host}]" if ":" in srv.host else srv.host
+        suffix = f" ({', '.join(security.features)})" if security.features else ""
+        print(f"rdzv store listening on {shown}:{srv.port}{suffix}", flush=True)
+
+    server.serve(announce)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         with _warnings_to_stderr("rdzv serve"):
-            return serve_main(
-                args.host,
-                args.port,
-                auth_token_file=args.auth_token_file,
-                tls_cert=args.tls_cert,
-                tls_key=args.tls_key,
-                max_connections=args.max_connections,
-                frame_timeout=args.frame_timeout,
-                idle_timeout=args.idle_timeout,
-            )
+            _serve(args)
     except (OSError, ValueError) as exc:
         print(f"rdzv serve: {exc}", file=sys.stderr)
         return 1
+    return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -1,15 +1,41 @@
-"""Finding this machine's addresses without DNS round trips.
+"""Sockets: this machine's addresses, and the listening side of a server.
 
 Nothing here calls ``socket.getfqdn()`` or does reverse lookups: those hang
 or return names that do not connect on machines without working DNS.
+
+A server listens the way torch's store does: on every address, IPv6 and IPv4
+on one dual-stack socket (falling back to IPv4 only), with the kernel's
+``somaxconn`` as backlog; accepted sockets get kernel keepalive probes so a
+peer that vanished without a FIN is found.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import ipaddress
 import socket
+import ssl
+from pathlib import Path
+from typing import Final
 
-__all__ = ["is_local_address", "local_addresses", "primary_address", "source_address"]
+__all__ = [
+    "KEEPALIVE_INTERVAL",
+    "KEEPALIVE_PROBES",
+    "bind_listener",
+    "enable_keepalive",
+    "is_local_address",
+    "listen_backlog",
+    "local_addresses",
+    "primary_address",
+    "server_tls_context",
+    "source_address",
+]
+
+KEEPALIVE_INTERVAL: Final = 10
+"""Seconds between two keepalive probes, once the first went unanswered."""
+KEEPALIVE_PROBES: Final = 6
+"""Unanswered keepalive probes after which the kernel closes the connection."""
 
 
 def local_addresses() -> list[str]:
@@ -106,3 +132,104 @@ def source_address(host: str, port: int = 9) -> str | None:
                 continue
             return str(sock.getsockname()[0]).split("%", 1)[0]
     return None
+
+
+def listen_backlog() -> int:
+    """Return the listen backlog: the kernel's ``somaxconn``, as torch uses.
+
+    Returns:
+        The value of ``/proc/sys/net/core/somaxconn``, or ``socket.SOMAXCONN``
+        where that file cannot be read.
+    """
+    try:
+        return max(1, int(Path("/proc/sys/net/core/somaxconn").read_text().strip()))
+    except (OSError, ValueError):
+        return socket.SOMAXCONN
+
+
+def bind_listener(host: str | None, port: int) -> socket.socket:
+    """Create a bound (not yet listening) TCP socket for a server.
+
+    Args:
+        host: The address; None, ``""`` or ``"::"`` mean every address, on a
+            dual-stack IPv6 socket where the machine has IPv6, else IPv4.
+        port: The port; 0 picks a free one.
+
+    Returns:
+        The bound socket, with ``SO_REUSEADDR`` set.
+
+    Raises:
+        OSError: The address is in use or cannot be bound.
+    """
+    if host in (None, "", "::"):
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        except OSError:
+            sock = None
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind(("::", port))
+            except OSError as exc:
+                sock.close()
+                if exc.errno == errno.EADDRINUSE:
+                    raise
+            else:
+                return sock
+        host = "0.0.0.0"  # noqa: S104 - the IPv4 fallback of a wildcard bind
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    last_error: OSError | None = None
+    for family, kind, proto, _name, address in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError as exc:
+            sock.close()
+            last_error = exc
+            continue
+        return sock
+    raise last_error or OSError(f"no address to bind for host {host!r}")
+
+
+def enable_keepalive(sock: socket.socket, idle: float) -> None:
+    """Turn on TCP keepalive probes on ``sock`` after ``idle`` seconds of silence.
+
+    Then a probe goes every :data:`KEEPALIVE_INTERVAL` seconds, and
+    :data:`KEEPALIVE_PROBES` unanswered ones close the connection. Options
+    the platform lacks, or refuses, are skipped.
+
+    Args:
+        sock: A connected TCP socket.
+        idle: Seconds of silence before the first probe (rounded, at least 1).
+    """
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", max(1, round(idle))),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+            ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        ):
+            option = getattr(socket, name, None)
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """Build the TLS context a store server serves ``cert`` with.
+
+    Args:
+        cert: A PEM certificate chain.
+        key: The PEM private key of ``cert``.
+
+    Returns:
+        A server-side context (TLS 1.2 or later, no client certificates asked).
+
+    Raises:
+        OSError: A file cannot be read.
+        ssl.SSLError: The files do not hold a matching certificate and key.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rdzv.net import listen_backlog
 from rdzv.store.protocol import (
     FEATURE_AUTH_REQUIRED,
     PROBE_NONCE,
@@ -28,7 +29,7 @@ from rdzv.store.protocol import (
     encode_bytes,
     encode_request,
 )
-from rdzv.store.server import TCPStoreServer, listen_backlog
+from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
 from tests.procs import subprocess_env
 
@@ -228,7 +229,7 @@ def test_waiters_of_a_closed_connection_are_dropped(server: TCPStoreServer) -> N
         for sock in socks:
             sock.close()
     assert eventually(lambda: server.waiter_count() == 0)
-    assert server.state.waiters == {}
+    assert server.engine.indexed_keys == 0
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from rdzv.auth import resolve_auth_token
 from rdzv.backends.base import validate_run_id
 from rdzv.endpoint import parse_endpoint
-from rdzv.net import is_local_address, local_addresses
+from rdzv.net import is_local_address, local_addresses, server_tls_context
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
@@ -299,8 +299,6 @@ class StoreTLS:
                 f"{self.ca[0]} is set (TLS on) but this node hosts the store and has no "
                 "ssl_cert/ssl_cert_key to serve it with"
             )
-        from rdzv.store.server import server_tls_context  # noqa: PLC0415 - hosts only
-
         cert, key = self.server_files
         try:
             return server_tls_context(cert, key)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import struct
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import TypeVar
 
 from rdzv.errors import StoreTimeoutError
 from rdzv.store.base import (
@@ -19,14 +19,55 @@ from rdzv.store.base import (
     to_bytes,
     to_seconds,
 )
+from rdzv.store.engine import StoreEngine
+from rdzv.store.protocol import (
+    CheckResult,
+    GetWaitStatus,
+    Op,
+    ProtocolError,
+    Request,
+    WatchStatus,
+)
 
 __all__ = ["HashStore", "PrefixStore"]
 
-_T = TypeVar("_T")
+_I64 = struct.Struct("<q")
+_LENGTH = struct.Struct("<Q")
+
+
+def _whole(reply: bytes | None) -> bytes:
+    assert reply is not None, "a request that always has a reply had none"
+    return reply
+
+
+def _number(reply: bytes | None) -> int:
+    """Decode a reply that is one ``i64``."""
+    number: int = _I64.unpack(_whole(reply))[0]
+    return number
+
+
+def _value_at(reply: bytes, pos: int) -> tuple[bytes, int]:
+    """Decode the length-prefixed value at ``pos``; return it and where it ends."""
+    end = pos + 8 + _LENGTH.unpack_from(reply, pos)[0]
+    return reply[pos + 8 : end], end
+
+
+def _key(key: str) -> bytes:
+    return key.encode("utf-8")
+
+
+def _ms(seconds: float) -> int:
+    """A request's own timeout: 0 answers at once, anything longer blocks."""
+    return max(1, math.ceil(seconds * 1000)) if seconds > 0 else 0
 
 
 class HashStore(Store):
     """A thread-safe in-memory store, for one process.
+
+    It runs the :class:`~rdzv.store.engine.StoreEngine` of the TCP store
+    server behind one lock, so the two answer every request alike. A call
+    that blocks waits on a condition until a write by another thread hands
+    it its reply, or until its timeout.
 
     Args:
         timeout: The timeout of blocking operations.
@@ -34,145 +75,162 @@ class HashStore(Store):
 
     def __init__(self, timeout: Timeout = DEFAULT_STORE_TIMEOUT) -> None:
         super().__init__(timeout)
-        self._data: dict[str, bytes] = {}
-        self._queues: dict[str, deque[bytes]] = {}
+        self._engine: StoreEngine[object] = StoreEngine()
         self._changed = threading.Condition()
+        self._replies: dict[object, bytes] = {}
+        self._caller = object()
+        """The client of every request that cannot block."""
 
     @property
     def supports_watch(self) -> bool:
         """Always True: the in-memory store can watch keys."""
         return True
 
-    def _wait_until(self, ready: Callable[[], _T | None], timeout: float, what: str) -> _T:
-        deadline = time.monotonic() + timeout
+    def _submit(self, client: object, request: Request) -> bytes | None:
+        """Apply ``request`` (lock held) and hand the woken clients their replies."""
+        try:
+            reply, woken = self._engine.apply(client, request)
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
+        if woken:
+            self._replies.update(woken)
+            self._changed.notify_all()
+        return reply
+
+    def _apply(self, request: Request) -> bytes | None:
         with self._changed:
-            while True:
-                result = ready()
-                if result is not None:
-                    return result
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StoreTimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-                self._changed.wait(remaining)
+            return self._submit(self._caller, request)
+
+    def _block(self, request: Request, seconds: float) -> bytes | None:
+        """Apply a request that may block, and wait up to ``seconds`` for its reply.
+
+        Returns:
+            The reply, or once the time ran out the engine's timeout reply
+            (None for ``WAIT``).
+        """
+        client = object()
+        deadline = time.monotonic() + seconds
+        with self._changed:
+            reply = self._submit(client, request)
+            if reply is not None:
+                return reply
+            try:
+                while (reply := self._replies.pop(client, None)) is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return self._engine.drop(client)
+                    self._changed.wait(remaining)
+                return reply
+            finally:
+                # Nothing of an interrupted wait stays behind.
+                self._engine.drop(client)
+                self._replies.pop(client, None)
 
     def set(self, key: str, value: Value) -> None:  # noqa: D102 - documented on Store
-        data = to_bytes(value)
-        with self._changed:
-            self._data[key] = data
-            self._changed.notify_all()
+        self._apply(Request(Op.SET, (_key(key),), (to_bytes(value),)))
 
     def get(self, key: str) -> bytes:  # noqa: D102
-        return self._wait_until(
-            lambda: self._data.get(key), self.timeout.total_seconds(), f"key {key!r}"
-        )
+        seconds = self.timeout.total_seconds()
+        reply = _whole(self._block(Request(Op.GET_WAIT, (_key(key),), (), _ms(seconds)), seconds))
+        if reply[0] != GetWaitStatus.FOUND:
+            raise StoreTimeoutError(f"timed out after {seconds:g} s waiting for key {key!r}")
+        return _value_at(reply, 1)[0]
 
     def add(self, key: str, amount: int) -> int:  # noqa: D102
-        with self._changed:
-            current = self._data.get(key, b"0")
-            try:
-                value = int(current) + int(amount)
-            except ValueError:
-                raise ValueError(
-                    f"the value of key {key!r} is not an integer: {current!r}"
-                ) from None
-            self._data[key] = str(value).encode()
-            self._changed.notify_all()
-            return value
+        return _number(self._apply(Request(Op.ADD, (_key(key),), (), int(amount))))
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:  # noqa: D102
-        expected_b, desired_b = to_bytes(expected), to_bytes(desired)
-        with self._changed:
-            current = self._data.get(key)
-            if current is None:
-                if expected_b:
-                    return expected_b
-                self._data[key] = desired_b
-                self._changed.notify_all()
-                return desired_b
-            if current == expected_b:
-                self._data[key] = desired_b
-                self._changed.notify_all()
-                return desired_b
-            return current
+        values = (to_bytes(expected), to_bytes(desired))
+        return _value_at(_whole(self._apply(Request(Op.COMPARE_SET, (_key(key),), values))), 0)[0]
 
     def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:  # noqa: D102
         seconds = self.timeout.total_seconds() if timeout is None else to_seconds(timeout)
-        self._wait_until(
-            lambda: True if all(k in self._data for k in keys) else None,
-            seconds,
-            f"keys {list(keys)!r}",
-        )
+        if self._block(Request(Op.WAIT, tuple(map(_key, keys))), seconds) is None:
+            raise StoreTimeoutError(
+                f"timed out after {seconds:g} s waiting for keys {list(keys)!r}"
+            )
 
     def check(self, keys: Sequence[str]) -> bool:  # noqa: D102
-        with self._changed:
-            return all(k in self._data for k in keys)
+        reply = _whole(self._apply(Request(Op.CHECK, tuple(map(_key, keys)))))
+        return reply[0] == CheckResult.READY
 
     def delete_key(self, key: str) -> bool:  # noqa: D102
-        with self._changed:
-            existed = self._data.pop(key, None) is not None
-            if existed:
-                self._changed.notify_all()
-            return existed
+        return _number(self._apply(Request(Op.DELETE_KEY, (_key(key),)))) > 0
 
     def num_keys(self) -> int:  # noqa: D102
-        with self._changed:
-            return len(self._data)
+        return _number(self._apply(Request(Op.GETNUMKEYS)))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # noqa: D102
         self.wait(keys)
-        with self._changed:
-            return [self._data[k] for k in keys]
+        reply = _whole(self._apply(Request(Op.MULTI_GET, tuple(map(_key, keys)))))
+        values, pos = [], 0
+        for _ in keys:
+            value, pos = _value_at(reply, pos)
+            values.append(value)
+        return values
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:  # noqa: D102
         check_multi_set(keys, values)
-        encoded = [to_bytes(v) for v in values]
-        with self._changed:
-            self._data.update(zip(keys, encoded, strict=True))
-            self._changed.notify_all()
+        wire = tuple(map(_key, keys))
+        self._apply(Request(Op.MULTI_SET, wire, tuple(map(to_bytes, values))))
 
     def append(self, key: str, value: Value) -> None:  # noqa: D102
-        data = to_bytes(value)
-        with self._changed:
-            self._data[key] = self._data.get(key, b"") + data
-            self._changed.notify_all()
+        self._apply(Request(Op.APPEND, (_key(key),), (to_bytes(value),)))
 
     def list_keys(self) -> list[str]:  # noqa: D102
-        with self._changed:
-            return list(self._data)
+        reply = _whole(self._apply(Request(Op.LIST_KEYS)))
+        keys, pos = [], 8
+        for _ in range(_number(reply[:8])):
+            key, pos = _value_at(reply, pos)
+            keys.append(key.decode("utf-8"))
+        return keys
 
     def queue_push(self, key: str, value: Value) -> None:  # noqa: D102
-        data = to_bytes(value)
-        with self._changed:
-            self._queues.setdefault(key, deque()).append(data)
-            self._changed.notify_all()
+        self._apply(Request(Op.QUEUE_PUSH, (_key(key),), (to_bytes(value),)))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:  # noqa: D102
-        def pop() -> bytes | None:
-            queue = self._queues.get(key)
-            return queue.popleft() if queue else None
-
-        timeout = self.timeout.total_seconds() if block else 0.0
-        return self._wait_until(pop, timeout, f"an item in queue {key!r}")
+        wire = (_key(key),)
+        seconds = self.timeout.total_seconds()
+        deadline = time.monotonic() + seconds
+        while True:
+            reply = _whole(self._apply(Request(Op.QUEUE_POP, wire)))
+            if _number(reply[:8]) > 0:
+                return _value_at(reply, 8)[0]
+            remaining = deadline - time.monotonic()
+            if (
+                not block
+                or remaining <= 0
+                or self._block(Request(Op.WAIT, wire), remaining) is None
+            ):
+                raise StoreTimeoutError(
+                    f"timed out after {seconds if block else 0:g} s waiting for an item in "
+                    f"queue {key!r}"
+                )
 
     def queue_len(self, key: str) -> int:  # noqa: D102
-        with self._changed:
-            return len(self._queues.get(key, ()))
+        return _number(self._apply(Request(Op.QUEUE_LEN, (_key(key),))))
 
     def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:  # noqa: D102
-        with self._changed:
-            return [self._data.get(k) for k in keys]
+        reply = _whole(self._apply(Request(Op.MULTI_TRY_GET, tuple(map(_key, keys)))))
+        values: list[bytes | None] = []
+        pos = 0
+        for _ in keys:
+            if reply[pos]:
+                value, pos = _value_at(reply, pos + 1)
+                values.append(value)
+            else:
+                values.append(None)
+                pos += 1
+        return values
 
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:  # noqa: D102
-        deadline = time.monotonic() + to_seconds(timeout)
-        with self._changed:
-            while True:
-                current = self._data.get(key)
-                if current != previous:
-                    return current
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return previous
-                self._changed.wait(remaining)
+        seconds = to_seconds(timeout)
+        values = () if previous is None else (previous,)
+        request = Request(Op.WATCH, (_key(key),), values, _ms(seconds))
+        reply = _whole(self._block(request, seconds))
+        if reply[0] == WatchStatus.PRESENT:
+            return _value_at(reply, 1)[0]
+        return None if reply[0] == WatchStatus.ABSENT else previous
 
 
 class PrefixStore(Store):

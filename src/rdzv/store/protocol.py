@@ -29,10 +29,18 @@ client first learns what it talks to with a ``PING`` carrying
 :data:`PROBE_NONCE` (a value above Linux's largest pid, so a torch client,
 which pings with its pid, never sends it). torch's server echoes the nonce;
 rdzv's server answers :data:`SERVER_HELLO` with feature bits.
+
+Authentication (rdzv only) is a challenge and response over HMAC-SHA256: the
+client asks for a server nonce (``AUTH_CHALLENGE``) and answers with its own
+nonce and :func:`auth_tag` under :data:`CLIENT_AUTH_LABEL`; the server replies
+with its tag under :data:`SERVER_AUTH_LABEL`, so each side proves it knows
+the secret without sending it, and neither tag can be replayed as the other.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from collections.abc import Callable
 from enum import IntEnum
@@ -41,6 +49,7 @@ from typing import NamedTuple
 __all__ = [
     "AUTH_MAC_BYTES",
     "AUTH_NONCE_BYTES",
+    "CLIENT_AUTH_LABEL",
     "EXTENSION_BASE",
     "FEATURE_AUTH_REQUIRED",
     "MAX_KEY_BYTES",
@@ -48,6 +57,7 @@ __all__ = [
     "MAX_REQUEST_BYTES",
     "MAX_VALUE_BYTES",
     "PROBE_NONCE",
+    "SERVER_AUTH_LABEL",
     "SERVER_HELLO",
     "SERVER_HELLO_MASK",
     "VALIDATE_MAGIC",
@@ -61,6 +71,7 @@ __all__ = [
     "RequestParser",
     "WaitResult",
     "WatchStatus",
+    "auth_tag",
     "encode_bytes",
     "encode_i64",
     "encode_key_list",
@@ -97,6 +108,10 @@ AUTH_NONCE_BYTES = 32
 """Length of the random nonces of the authentication exchange."""
 AUTH_MAC_BYTES = 32
 """Length of an HMAC-SHA256 tag."""
+CLIENT_AUTH_LABEL = b"rdzv-store-auth client\x00"
+"""What the client's authentication tag is computed over, before the nonces."""
+SERVER_AUTH_LABEL = b"rdzv-store-auth server\x00"
+"""What the server's authentication tag is computed over, before the nonces."""
 
 
 class Op(IntEnum):
@@ -612,7 +627,7 @@ def encode_i64(value: int) -> bytes:
     return _I64.pack(value)
 
 
-def encode_bytes(value: bytes) -> bytes:
+def encode_bytes(value: bytes | bytearray) -> bytes:
     """Encode a length-prefixed byte string.
 
     Args:
@@ -697,3 +712,18 @@ def encode_request(request: Request) -> bytes:
     except (IndexError, ValueError, struct.error) as exc:
         raise ProtocolError(f"request fields do not fit opcode {op}: {exc}") from exc
     raise ProtocolError(f"unknown opcode {op}")
+
+
+def auth_tag(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """Compute the HMAC-SHA256 tag of one side of the authentication exchange.
+
+    Args:
+        secret: The shared secret.
+        label: Which side proves itself (client or server label).
+        server_nonce: The server's random nonce.
+        client_nonce: The client's random nonce.
+
+    Returns:
+        The 32-byte tag.
+    """
+    return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()

@@ -4,48 +4,35 @@ Theory of operation
 -------------------
 One asyncio event loop serves every connection. Each connection owns a
 :class:`~rdzv.store.protocol.RequestParser`; ``data_received`` feeds it and
-answers every complete request at once, joining the replies of a burst of
-requests into one write. The store itself (:class:`_StoreState`) is a pair of
-dicts touched only from the loop's thread, so no locks are needed.
+answers every complete request at once, joining the replies of a burst into
+one write. The store itself is a :class:`~rdzv.store.engine.StoreEngine`,
+touched only from the loop's thread (no locks); a connection hands it each
+store request and writes the replies it returns, to the sender and to the
+connections whose blocked requests the request answered.
 
 A connection moves through three dispatch tables: before ``VALIDATE`` only
-``VALIDATE`` is accepted; on a server with a secret, only the handshake and
-authentication requests until the client proves it knows the secret; then
-everything. A request outside the current table, garbage, an over-limit
-length or a truncated frame at close ends the connection with one log line;
-other connections are unaffected.
-
-Blocking requests (``WAIT``, ``BARRIER`` and rdzv's ``GET_WAIT`` and
-``WATCH``) that cannot be answered at once become a :class:`_Waiter`
-registered under each key it depends on. Every write (set, add, append,
-multi-set, compare-set, delete, queue push) re-checks the waiters of the keys
-it touched; a satisfied waiter writes its reply and leaves the index. A
-connection has at most one waiter (torch's client sends one request at a
-time); while it waits, the only request it may send is ``CANCEL_WAIT``, which
-drops the waiter and answers ``WAIT_CANCELED``. torch's client sends
-``CANCEL_WAIT`` after its own timeout, so the ``STOP_WAITING`` may already be
-on its way: the cancel is answered even when no waiter is left. A waiter also
-leaves the index when its connection closes, and the rdzv-only waiters carry
-their own timeout.
+``VALIDATE``; on a server with a secret, only the handshake and
+authentication until the client proves it knows the secret; then everything,
+store requests going straight to the engine's handlers. While a request of
+its own is blocked (``WAIT``, ``BARRIER``, ``GET_WAIT``, ``WATCH``), only
+``CANCEL_WAIT``, which torch's client sends after its own timeout and which
+is answered even if the ``STOP_WAITING`` crossed it on the wire. The timeout of rdzv's ``GET_WAIT`` and ``WATCH`` is a loop timer that
+drops the request from the engine and sends the engine's timeout reply. A
+request outside the current table, garbage, an over-limit length, a request
+the engine refuses or a truncated frame at close ends the connection (and
+its blocked request) with one log line; other connections are unaffected.
 
 Limits against misbehaving peers
 --------------------------------
-Each limit has a named default and a constructor parameter. A connection past
-``max_connections`` is closed as soon as it is accepted. Accepted TCP sockets
-get kernel keepalive probes (``tcp_keepalive`` seconds of silence before the
-first), so a peer that vanished without a FIN (half-open) is found even while
-it is blocked in a long ``WAIT``. One sweeper task checks every connection
-periodically: a request whose first byte arrived more than ``frame_timeout``
-seconds ago and is still incomplete (a slow writer, one byte a second) ends
-the connection, as do a handshake not finished within ``frame_timeout`` and
-a peer that leaves its replies unread that long (a slow reader: its writes
-stay paused, and with them its reads);
-with ``idle_timeout`` set, a connection that has no request pending, no
-partial frame buffered and no blocked request of its own for that long is
-closed too. A connection blocked in a ``WAIT``/``WATCH``/``BARRIER`` it asked
-for is never idle: it is waiting for the server, not the other way round.
-Oversize keys, values and key counts are refused by the parser as soon as
-their length prefix is readable.
+Each limit has a named default and a constructor parameter (see
+:class:`TCPStoreServer`). Connections past ``max_connections`` are closed as
+soon as they are accepted; kernel keepalive probes find a peer gone without
+a FIN, even one blocked in a long ``WAIT``; one sweeper task closes every
+connection that broke ``frame_timeout`` (a request still incomplete that long
+after its first byte, an unfinished handshake, replies left unread: a slow
+writer or reader) or ``idle_timeout`` (which a connection blocked in a
+request it asked for never is: it waits for the server). The parser refuses
+oversize keys, values and key counts as soon as their length is readable.
 
 The server runs either in a background thread of the current process
 (:meth:`TCPStoreServer.start`, what ``TCPStore(is_master=True)`` does) or in
@@ -57,8 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import hashlib
 import hmac
 import logging
 import os
@@ -67,28 +52,25 @@ import socket
 import ssl
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Final
 
-from rdzv.auth import resolve_auth_token
+from rdzv.net import bind_listener, enable_keepalive, listen_backlog, server_tls_context
+from rdzv.store.engine import BLOCKING_OPS, StoreEngine, Woken
 from rdzv.store.protocol import (
+    CLIENT_AUTH_LABEL,
     FEATURE_AUTH_REQUIRED,
     PROBE_NONCE,
+    SERVER_AUTH_LABEL,
     SERVER_HELLO,
     VALIDATE_MAGIC,
     AuthStatus,
-    CheckResult,
-    GetWaitStatus,
     Op,
     ProtocolError,
     Request,
     RequestParser,
-    WaitResult,
-    WatchStatus,
-    encode_bytes,
-    encode_i64,
+    auth_tag,
     encode_u32,
 )
 
@@ -98,9 +80,7 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_TCP_KEEPALIVE",
     "TCPStoreServer",
-    "auth_tag",
-    "listen_backlog",
-    "serve_main",
+    "server_tls_context",
 ]
 
 _log = logging.getLogger(__name__)
@@ -116,85 +96,6 @@ never reconnects, so the default keeps torch compatibility)."""
 DEFAULT_TCP_KEEPALIVE: Final = 60.0
 """Seconds of silence before the kernel's first keepalive probe; dead after 6 more
 probes 10 s apart, so a half-open peer is found in about two minutes."""
-_KEEPALIVE_INTERVAL: Final = 10
-_KEEPALIVE_PROBES: Final = 6
-
-_STOP_WAITING: Final = bytes([WaitResult.STOP_WAITING])
-_WAIT_CANCELED: Final = bytes([WaitResult.WAIT_CANCELED])
-_READY: Final = bytes([CheckResult.READY])
-_NOT_READY: Final = bytes([CheckResult.NOT_READY])
-_FOUND: Final = bytes([GetWaitStatus.FOUND])
-_TIMED_OUT: Final = bytes([GetWaitStatus.TIMED_OUT])
-_WATCH_ABSENT: Final = bytes([WatchStatus.ABSENT])
-_WATCH_PRESENT: Final = bytes([WatchStatus.PRESENT])
-_WATCH_UNCHANGED: Final = bytes([WatchStatus.UNCHANGED])
-_ONE: Final = encode_i64(1)
-_ZERO: Final = encode_i64(0)
-
-CLIENT_AUTH_LABEL: Final = b"rdzv-store-auth client\x00"
-SERVER_AUTH_LABEL: Final = b"rdzv-store-auth server\x00"
-
-
-def auth_tag(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    """Compute the HMAC-SHA256 tag of one side of the authentication exchange.
-
-    Args:
-        secret: The shared secret.
-        label: Which side proves itself (client or server label).
-        server_nonce: The server's random nonce.
-        client_nonce: The client's random nonce.
-
-    Returns:
-        The 32-byte tag.
-    """
-    return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()
-
-
-def listen_backlog() -> int:
-    """Return the listen backlog: the kernel's ``somaxconn``, as torch uses.
-
-    Returns:
-        The value of ``/proc/sys/net/core/somaxconn``, or ``socket.SOMAXCONN``
-        where that file cannot be read.
-    """
-    try:
-        return max(1, int(Path("/proc/sys/net/core/somaxconn").read_text().strip()))
-    except (OSError, ValueError):
-        return socket.SOMAXCONN
-
-
-def _bind(host: str | None, port: int) -> socket.socket:
-    """Create a bound listening socket; ``None`` means every address, dual stack."""
-    if host in (None, "", "::"):
-        try:
-            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        except OSError:
-            sock = None
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                sock.bind(("::", port))
-            except OSError as exc:
-                sock.close()
-                if exc.errno == errno.EADDRINUSE:
-                    raise
-            else:
-                return sock
-        host = "0.0.0.0"  # noqa: S104 - the IPv4 fallback of a wildcard bind
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    last_error: OSError | None = None
-    for family, kind, proto, _name, address in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-        except OSError as exc:
-            sock.close()
-            last_error = exc
-            continue
-        return sock
-    raise last_error or OSError(f"no address to bind for host {host!r}")
 
 
 class _Disconnect(Exception):  # noqa: N818 - control flow, not an error report
@@ -205,80 +106,9 @@ class _Disconnect(Exception):  # noqa: N818 - control flow, not an error report
         self.last_reply = last_reply
 
 
-class _Waiter:
-    """A blocked request: the keys it depends on, how to answer, when to give up."""
-
-    __slots__ = ("check", "conn", "keys", "timer")
-
-    def __init__(
-        self,
-        conn: _Connection,
-        keys: tuple[bytes, ...],
-        check: Callable[[], bytes | None],
-    ) -> None:
-        self.conn = conn
-        self.keys = keys
-        self.check = check
-        self.timer: asyncio.TimerHandle | None = None
-
-
-class _StoreState:
-    """The keys, queues and waiters of one server (loop thread only)."""
-
-    def __init__(self) -> None:
-        self.data: dict[bytes, bytes] = {}
-        self.queues: dict[bytes, deque[bytes]] = {}
-        self.waiters: dict[bytes, set[_Waiter]] = {}
-        self.active: set[_Waiter] = set()
-
-    def exists(self, key: bytes) -> bool:
-        return key in self.data or bool(self.queues.get(key))
-
-    def notify(self, key: bytes) -> None:
-        """Re-check the waiters of ``key`` after it changed."""
-        waiting = self.waiters.get(key)
-        if not waiting:
-            return
-        for waiter in list(waiting):
-            if waiter in self.active:
-                reply = waiter.check()
-                if reply is not None:
-                    self.finish(waiter, reply)
-
-    def add_waiter(self, waiter: _Waiter, timeout_ms: int | None, on_timeout: bytes) -> None:
-        self.active.add(waiter)
-        for key in waiter.keys:
-            self.waiters.setdefault(key, set()).add(waiter)
-        waiter.conn.waiter = waiter
-        if timeout_ms is not None:
-            loop = asyncio.get_running_loop()
-            waiter.timer = loop.call_later(timeout_ms / 1000.0, self.finish, waiter, on_timeout)
-
-    def drop(self, waiter: _Waiter) -> None:
-        """Remove ``waiter`` from every index without answering it."""
-        if waiter not in self.active:
-            return
-        self.active.discard(waiter)
-        for key in waiter.keys:
-            waiting = self.waiters.get(key)
-            if waiting is not None:
-                waiting.discard(waiter)
-                if not waiting:
-                    del self.waiters[key]
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-        if waiter.conn.waiter is waiter:
-            waiter.conn.waiter = None
-
-    def finish(self, waiter: _Waiter, reply: bytes) -> None:
-        """Answer ``waiter`` and remove it."""
-        if waiter not in self.active:
-            return
-        self.drop(waiter)
-        waiter.conn.write(reply)
-
-
 _Handler = Callable[["_Connection", Request], "bytes | None"]
+_StoreHandler = Callable[["_Connection", Request], "tuple[bytes | None, Woken[_Connection]]"]
+_NO_HANDLERS: Mapping[int, _StoreHandler] = MappingProxyType({})
 
 
 class _Connection(asyncio.Protocol):
@@ -286,11 +116,17 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: TCPStoreServer) -> None:
         self.server = server
-        self.state = server.state
+        self.engine = server.engine
         self.parser = RequestParser()
         self.table: dict[int, _Handler] = _BEFORE_VALIDATE
         self.transport: asyncio.Transport | None = None
-        self.waiter: _Waiter | None = None
+        self.waiting = False
+        """Whether a request of this connection is blocked in the engine."""
+        self.store_handlers: Mapping[int, _StoreHandler] = _NO_HANDLERS
+        """The engine's handlers this connection may use: all of them once the
+        handshake is done, none while a request of its own is blocked."""
+        self.timer: asyncio.TimerHandle | None = None
+        """Ends the blocked request when its own timeout passes (WATCH, GET_WAIT)."""
         self.server_nonce: bytes | None = None
         self.peer = "?"
         self.opened_at = time.monotonic()
@@ -322,12 +158,12 @@ class _Connection(asyncio.Protocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.server.tcp_keepalive is not None:
-                _enable_keepalive(sock, self.server.tcp_keepalive)
+                enable_keepalive(sock, self.server.tcp_keepalive)
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.waiter is not None:
-            self.state.drop(self.waiter)
+        self.engine.drop(self)
+        self._stop_waiting()
         if self.parser.pending:
             _log.warning(
                 "store client %s disconnected in the middle of a request (%d bytes unparsed)",
@@ -357,12 +193,21 @@ class _Connection(asyncio.Protocol):
         try:
             while (request := parser.next_request()) is not None:
                 self.frame_started = now
-                table = self.table if self.waiter is None else _WHILE_WAITING
-                handler = table.get(request.op)
-                if handler is None:
-                    self._refuse(request, replies)
-                    return
-                reply = handler(self, request)
+                run = self.store_handlers.get(request.op)
+                if run is not None:
+                    reply, woken = run(self, request)
+                    if woken:
+                        for conn, answer in woken:
+                            conn.answer(answer)
+                    if reply is None and request.op in BLOCKING_OPS:
+                        self._start_waiting()
+                else:
+                    table = _WHILE_WAITING if self.waiting else self.table
+                    handler = table.get(request.op)
+                    if handler is None:
+                        self._refuse(request, replies)
+                        return
+                    reply = handler(self, request)
                 if reply is not None:
                     replies.append(reply)
             if not parser.pending:
@@ -404,7 +249,7 @@ class _Connection(asyncio.Protocol):
         if self.table is not _FULL and now - self.opened_at > server.frame_timeout:
             return f"the handshake was not completed within {server.frame_timeout:g} s"
         idle = server.idle_timeout
-        if idle is not None and self.waiter is None and now - self.last_activity > idle:
+        if idle is not None and not self.waiting and now - self.last_activity > idle:
             return f"the connection was idle for {idle:g} s (idle_timeout)"
         return None
 
@@ -424,7 +269,7 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
     def _refuse(self, request: Request, replies: list[bytes]) -> None:
-        if self.waiter is not None:
+        if self.waiting:
             why = "it sent a request other than CANCEL_WAIT while a wait was pending"
         elif self.table is _BEFORE_VALIDATE:
             why = "its first request was not VALIDATE"
@@ -442,7 +287,10 @@ class _Connection(asyncio.Protocol):
     def h_validate(self, request: Request) -> bytes | None:
         if request.number != VALIDATE_MAGIC:
             raise ProtocolError(f"bad VALIDATE magic {request.number:#x}")
-        self.table = _BEFORE_AUTH if self.server.secret is not None else _FULL
+        if self.server.secret is not None:
+            self.table = _BEFORE_AUTH
+        else:
+            self._open()
         return None
 
     def h_ping(self, request: Request) -> bytes | None:
@@ -466,191 +314,48 @@ class _Connection(asyncio.Protocol):
         expected = auth_tag(secret, CLIENT_AUTH_LABEL, server_nonce, client_nonce)
         if not hmac.compare_digest(tag, expected):
             raise _Disconnect("authentication failed", bytes([AuthStatus.REFUSED]))
-        self.table = _FULL
+        self._open()
         proof = auth_tag(secret, SERVER_AUTH_LABEL, server_nonce, client_nonce)
         return bytes([AuthStatus.OK]) + proof
 
-    # -- torch's operations ------------------------------------------------
+    # -- blocked requests --------------------------------------------------
 
-    def h_set(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        self.state.data[key] = request.values[0]
-        if self.state.waiters:
-            self.state.notify(key)
-        return None
-
-    def h_get(self, request: Request) -> bytes | None:
-        return encode_bytes(self.state.data.get(request.keys[0], b""))
-
-    def h_compare_set(self, request: Request) -> bytes | None:
-        state = self.state
-        key = request.keys[0]
-        expected, desired = request.values
-        current = state.data.get(key)
-        if current is None:
-            if expected:
-                return encode_bytes(expected)
-        elif current != expected:
-            return encode_bytes(current)
-        state.data[key] = desired
-        if state.waiters:
-            state.notify(key)
-        return encode_bytes(desired)
-
-    def _add(self, key: bytes, amount: int) -> int:
-        state = self.state
-        current = state.data.get(key)
-        try:
-            value = amount if current is None else int(current) + amount
-        except ValueError:
-            raise ProtocolError(f"ADD on key {key!r} whose value is not an integer") from None
-        state.data[key] = str(value).encode()
-        if state.waiters:
-            state.notify(key)
-        return value
-
-    def h_add(self, request: Request) -> bytes | None:
-        return encode_i64(self._add(request.keys[0], request.number))
-
-    def h_check(self, request: Request) -> bytes | None:
-        exists = self.state.exists
-        return _READY if all(exists(key) for key in request.keys) else _NOT_READY
-
-    def h_wait(self, request: Request) -> bytes | None:
-        state = self.state
-        keys = request.keys
-
-        def ready() -> bytes | None:
-            return _STOP_WAITING if all(state.exists(key) for key in keys) else None
-
-        reply = ready()
-        if reply is None:
-            missing = tuple(key for key in keys if not state.exists(key))
-            state.add_waiter(_Waiter(self, missing, ready), None, b"")
+    def h_cancel_wait(self, request: Request) -> bytes | None:
+        self._stop_waiting()
+        reply, _ = self.engine.apply(self, request)
         return reply
 
-    def h_num_keys(self, _request: Request) -> bytes | None:
-        return encode_i64(len(self.state.data))
+    def answer(self, reply: bytes) -> None:
+        """Send the reply that ends this connection's blocked request."""
+        self._stop_waiting()
+        self.write(reply)
 
-    def h_delete_key(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        if self.state.data.pop(key, None) is None:
-            return _ZERO
-        if self.state.waiters:
-            self.state.notify(key)
-        return _ONE
+    def _open(self) -> None:
+        """Finish the handshake: every request is allowed from now on."""
+        self.table = _FULL
+        self.store_handlers = self.engine.handlers
 
-    def h_append(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        data = self.state.data
-        data[key] = data.get(key, b"") + request.values[0]
-        if self.state.waiters:
-            self.state.notify(key)
-        return None
+    def _start_waiting(self) -> None:
+        self.waiting = True
+        self.store_handlers = _NO_HANDLERS
+        timeout_ms = self.engine.timeout_ms(self)
+        if timeout_ms is not None:
+            loop = asyncio.get_running_loop()
+            self.timer = loop.call_later(timeout_ms / 1000.0, self._time_out)
 
-    def h_multi_get(self, request: Request) -> bytes | None:
-        data = self.state.data
-        return b"".join(encode_bytes(data.get(key, b"")) for key in request.keys)
+    def _stop_waiting(self) -> None:
+        if self.waiting:
+            self.waiting = False
+            self.store_handlers = self.engine.handlers
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
-    def h_multi_set(self, request: Request) -> bytes | None:
-        state = self.state
-        state.data.update(zip(request.keys, request.values, strict=True))
-        if state.waiters:
-            for key in request.keys:
-                state.notify(key)
-        return None
-
-    def h_cancel_wait(self, _request: Request) -> bytes | None:
-        if self.waiter is not None:
-            self.state.drop(self.waiter)
-        return _WAIT_CANCELED
-
-    def h_queue_push(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        self.state.queues.setdefault(key, deque()).append(request.values[0])
-        if self.state.waiters:
-            self.state.notify(key)
-        return None
-
-    def h_queue_pop(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        queue = self.state.queues.get(key)
-        if not queue:
-            return _ZERO
-        item = queue.popleft()
-        if not queue:
-            del self.state.queues[key]
-        return _ONE + encode_bytes(item)
-
-    def h_queue_len(self, request: Request) -> bytes | None:
-        return encode_i64(len(self.state.queues.get(request.keys[0], ())))
-
-    def h_list_keys(self, _request: Request) -> bytes | None:
-        keys = list(self.state.data)
-        return encode_i64(len(keys)) + b"".join(encode_bytes(key) for key in keys)
-
-    def h_barrier(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        world_size = request.number
-        state = self.state
-
-        def ready() -> bytes | None:
-            try:
-                arrived = int(state.data.get(key, b"0"))
-            except ValueError:
-                return None
-            return _STOP_WAITING if arrived >= world_size else None
-
-        self._add(key, 1)
-        reply = ready()
-        if reply is None:
-            state.add_waiter(_Waiter(self, (key,), ready), None, b"")
-        return reply
-
-    # -- rdzv's extensions -------------------------------------------------
-
-    def h_get_wait(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        data = self.state.data
-        value = data.get(key)
-        if value is not None:
-            return _FOUND + encode_bytes(value)
-        if request.number == 0:
-            return _TIMED_OUT
-
-        def ready() -> bytes | None:
-            found = data.get(key)
-            return None if found is None else _FOUND + encode_bytes(found)
-
-        self.state.add_waiter(_Waiter(self, (key,), ready), request.number, _TIMED_OUT)
-        return None
-
-    def h_watch(self, request: Request) -> bytes | None:
-        key = request.keys[0]
-        previous = request.values[0] if request.values else None
-        data = self.state.data
-
-        def changed() -> bytes | None:
-            current = data.get(key)
-            if current == previous:
-                return None
-            return _WATCH_ABSENT if current is None else _WATCH_PRESENT + encode_bytes(current)
-
-        reply = changed()
+    def _time_out(self) -> None:
+        self._stop_waiting()
+        reply = self.engine.drop(self)
         if reply is not None:
-            return reply
-        if request.number == 0:
-            return _WATCH_UNCHANGED
-        self.state.add_waiter(_Waiter(self, (key,), changed), request.number, _WATCH_UNCHANGED)
-        return None
-
-    def h_multi_try_get(self, request: Request) -> bytes | None:
-        data = self.state.data
-        parts = []
-        for key in request.keys:
-            value = data.get(key)
-            parts.append(b"\x00" if value is None else b"\x01" + encode_bytes(value))
-        return b"".join(parts)
+            self.write(reply)
 
 
 _BEFORE_VALIDATE: dict[int, _Handler] = {Op.VALIDATE: _Connection.h_validate}
@@ -660,30 +365,7 @@ _BEFORE_AUTH: dict[int, _Handler] = {
     Op.AUTH_CHALLENGE: _Connection.h_auth_challenge,
     Op.AUTH_RESPONSE: _Connection.h_auth_response,
 }
-_FULL: dict[int, _Handler] = {
-    Op.VALIDATE: _Connection.h_validate,
-    Op.SET: _Connection.h_set,
-    Op.COMPARE_SET: _Connection.h_compare_set,
-    Op.GET: _Connection.h_get,
-    Op.ADD: _Connection.h_add,
-    Op.CHECK: _Connection.h_check,
-    Op.WAIT: _Connection.h_wait,
-    Op.GETNUMKEYS: _Connection.h_num_keys,
-    Op.DELETE_KEY: _Connection.h_delete_key,
-    Op.APPEND: _Connection.h_append,
-    Op.MULTI_GET: _Connection.h_multi_get,
-    Op.MULTI_SET: _Connection.h_multi_set,
-    Op.CANCEL_WAIT: _Connection.h_cancel_wait,
-    Op.PING: _Connection.h_ping,
-    Op.QUEUE_PUSH: _Connection.h_queue_push,
-    Op.QUEUE_POP: _Connection.h_queue_pop,
-    Op.QUEUE_LEN: _Connection.h_queue_len,
-    Op.LIST_KEYS: _Connection.h_list_keys,
-    Op.BARRIER: _Connection.h_barrier,
-    Op.WATCH: _Connection.h_watch,
-    Op.GET_WAIT: _Connection.h_get_wait,
-    Op.MULTI_TRY_GET: _Connection.h_multi_try_get,
-}
+_FULL: dict[int, _Handler] = {Op.VALIDATE: _Connection.h_validate, Op.PING: _Connection.h_ping}
 # Dict lookups hash ints faster than IntEnum members: key the tables by int.
 for _table in (_BEFORE_VALIDATE, _WHILE_WAITING, _BEFORE_AUTH, _FULL):
     for _op in list(_table):
@@ -756,7 +438,7 @@ class TCPStoreServer:
         self._requested_port = port
         self.secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
         self._ssl_context = ssl_context
-        self.state = _StoreState()
+        self.engine: StoreEngine[_Connection] = StoreEngine()
         self.connections: set[_Connection] = set()
         self._port: int | None = None
         self._bound_host = host or "::"
@@ -835,7 +517,7 @@ class TCPStoreServer:
 
     def waiter_count(self) -> int:
         """Return the number of blocked requests (for tests and monitoring)."""
-        return self._call(lambda: len(self.state.active))
+        return self._call(lambda: self.engine.waiter_count)
 
     def connection_count(self) -> int:
         """Return the number of open client connections."""
@@ -870,7 +552,7 @@ class TCPStoreServer:
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            sock = _bind(self._host, self._requested_port)
+            sock = bind_listener(self._host, self._requested_port)
             server = await loop.create_server(
                 lambda: _Connection(self),
                 sock=sock,
@@ -924,98 +606,3 @@ class TCPStoreServer:
                 reason = conn.expired(now)
                 if reason is not None:
                     conn.close_expired(reason)
-
-
-def _enable_keepalive(sock: socket.socket, idle: float) -> None:
-    """Turn on TCP keepalive probes on ``sock`` after ``idle`` seconds of silence."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (
-            ("TCP_KEEPIDLE", max(1, round(idle))),
-            ("TCP_KEEPINTVL", _KEEPALIVE_INTERVAL),
-            ("TCP_KEEPCNT", _KEEPALIVE_PROBES),
-        ):
-            option = getattr(socket, name, None)
-            if option is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, option, value)
-
-
-def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
-    """Build the TLS context a store server serves ``cert`` with.
-
-    Args:
-        cert: A PEM certificate chain.
-        key: The PEM private key of ``cert``.
-
-    Returns:
-        A server-side context (TLS 1.2 or later, no client certificates asked).
-
-    Raises:
-        OSError: A file cannot be read.
-        ssl.SSLError: The files do not hold a matching certificate and key.
-    """
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-    return context
-
-
-def serve_main(
-    host: str | None,
-    port: int,
-    *,
-    auth_token_file: str | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-    frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
-    idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
-) -> int:
-    """Run a store server in the foreground: the ``rdzv serve`` command.
-
-    Prints ``rdzv store listening on HOST:PORT`` once bound and stops cleanly
-    on SIGTERM or SIGINT.
-
-    Args:
-        host: The address to listen on; None for every address.
-        port: The port (0 picks a free one).
-        auth_token_file: A file holding the shared secret (surrounding
-            whitespace is stripped); without it the secret is read from the
-            ``RDZV_AUTH_TOKEN`` environment variable, if set.
-        tls_cert: A PEM certificate chain; enables TLS together with ``tls_key``.
-        tls_key: The PEM private key of ``tls_cert``.
-        max_connections: See :class:`TCPStoreServer`.
-        frame_timeout: See :class:`TCPStoreServer`.
-        idle_timeout: See :class:`TCPStoreServer`.
-
-    Returns:
-        The exit status.
-
-    Raises:
-        ValueError: Only one of ``tls_cert`` and ``tls_key`` was given, the
-            token file is empty or a limit is not positive.
-        OSError: A file could not be read or the address could not be bound.
-    """
-    token = resolve_auth_token(auth_token_file)
-    context: ssl.SSLContext | None = None
-    if (tls_cert is None) != (tls_key is None):
-        raise ValueError("--tls-cert and --tls-key must be given together")
-    if tls_cert is not None and tls_key is not None:
-        context = server_tls_context(tls_cert, tls_key)
-    server = TCPStoreServer(
-        host,
-        port,
-        auth_token=token,
-        ssl_context=context,
-        max_connections=max_connections,
-        frame_timeout=frame_timeout,
-        idle_timeout=idle_timeout,
-    )
-
-    def announce(srv: TCPStoreServer) -> None:
-        shown = f"[{srv.host}]" if ":" in srv.host else srv.host
-        extras = [name for name, on in (("auth", token), ("tls", context)) if on is not None]
-        suffix = f" ({', '.join(extras)})" if extras else ""
-        print(f"rdzv store listening on {shown}:{srv.port}{suffix}", flush=True)
-
-    server.serve(announce)
-    return 0

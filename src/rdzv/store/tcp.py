@@ -39,7 +39,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError, StoreTimeoutError
 from rdzv.store.base import (
@@ -54,12 +54,14 @@ from rdzv.store.base import (
 from rdzv.store.protocol import (
     AUTH_MAC_BYTES,
     AUTH_NONCE_BYTES,
+    CLIENT_AUTH_LABEL,
     FEATURE_AUTH_REQUIRED,
     MAX_KEY_BYTES,
     MAX_MULTI_KEYS,
     MAX_REPLY_ITEMS,
     MAX_VALUE_BYTES,
     PROBE_NONCE,
+    SERVER_AUTH_LABEL,
     SERVER_HELLO,
     SERVER_HELLO_MASK,
     VALIDATE_MAGIC,
@@ -72,9 +74,12 @@ from rdzv.store.protocol import (
     Request,
     WaitResult,
     WatchStatus,
+    auth_tag,
     encode_request,
 )
-from rdzv.store.server import CLIENT_AUTH_LABEL, SERVER_AUTH_LABEL, TCPStoreServer, auth_tag
+
+if TYPE_CHECKING:
+    from rdzv.store.server import TCPStoreServer
 
 __all__ = ["TCPStore"]
 
@@ -113,7 +118,10 @@ def _acquire_server(
             server, users = _shared_servers[port]
             _shared_servers[port] = (server, users + 1)
             return server
-        server = TCPStoreServer(None, port, auth_token=auth_token, ssl_context=ssl_context).start()
+        from rdzv.store.serve import ServerSecurity, secured_server  # noqa: PLC0415 - hosts only
+
+        secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
+        server = secured_server(None, port, ServerSecurity(secret, ssl_context)).start()
         if multi_tenant:
             _shared_servers[server.port] = (server, 1)
         return server

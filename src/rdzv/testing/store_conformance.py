@@ -58,6 +58,10 @@ class StoreCapability(enum.Enum):
     #: One client serves a blocking call from one thread while another thread
     #: uses it (torch's TCP clients serialise calls on their one connection).
     SHARED_CLIENT = "shared_client"
+    #: A queue that holds items is an existing key for ``check`` and ``wait``,
+    #: as on torch's server (rdzv's server and ``HashStore`` too; the etcd,
+    #: Redis and file stores keep queues apart from keys).
+    QUEUE_KEY = "queue_key"
 
 
 class StoreHarness(ABC):
@@ -360,6 +364,23 @@ def _queue_pop_times_out(harness: StoreHarness) -> None:
     _raises(StoreTimeoutError, lambda: store.queue_pop(queue), "a blocking pop of an empty queue")
 
 
+def _queue_key(harness: StoreHarness) -> None:
+    # As on torch's server: check and wait see a queue's key while the queue
+    # holds items (torch's blocking queue_pop is a wait on it), yet a queue
+    # is no value for list_keys.
+    store, queue = harness.connect(), f"{_uid()}/cq"
+    _expect(not store.check([queue]), "an unused queue's key does not exist")
+    store.queue_push(queue, "item")
+    _expect(store.check([queue]), "a queue that holds items is an existing key for check")
+    store.set_timeout(_PATIENT)
+    store.wait([queue])
+    _expect(queue not in store.list_keys(), "a queue is no value for list_keys")
+    _expect(store.queue_pop(queue) == b"item", "the item pushed comes back")
+    _expect(not store.check([queue]), "an emptied queue's key does not exist")
+    store.set_timeout(_IMPATIENT)
+    _raises(StoreTimeoutError, lambda: store.wait([queue]), "a wait on an emptied queue")
+
+
 def _queue_one_consumer(harness: StoreHarness) -> None:
     first, second, queue = harness.connect(), harness.connect(), f"{_uid()}/shared"
     items = [f"i{n}".encode() for n in range(30)]
@@ -467,6 +488,7 @@ STORE_CHECKS: list[StoreCheck] = [
     StoreCheck("queue_pop_blocks", None, _queue_pop_blocks),
     StoreCheck("queue_pop_times_out", None, _queue_pop_times_out),
     StoreCheck("queue_one_consumer", None, _queue_one_consumer),
+    StoreCheck("queue_key", StoreCapability.QUEUE_KEY, _queue_key),
     StoreCheck("try_multi_get", None, _try_multi_get),
     StoreCheck("odd_keys", None, _odd_keys),
     StoreCheck("prefix_view", None, _prefix_view),

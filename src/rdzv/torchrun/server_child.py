@@ -16,6 +16,7 @@ import logging
 import os
 import selectors
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -23,7 +24,6 @@ from pathlib import Path
 from typing import IO
 
 import rdzv
-from rdzv.auth import resolve_auth_token
 
 __all__ = ["main"]
 
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> int:
         return 1
     import argparse  # noqa: PLC0415 - only in the child
 
-    from rdzv.store.server import TCPStoreServer, server_tls_context  # noqa: PLC0415
+    from rdzv.store.serve import ServerSecurity, secured_server  # noqa: PLC0415 - child only
 
     parser = argparse.ArgumentParser(prog="python -m rdzv.torchrun serve")
     parser.add_argument("port", type=int)
@@ -138,14 +138,9 @@ def main(argv: list[str]) -> int:
     # go to stderr, which it shares with the agent.
     logging.basicConfig(level=logging.WARNING, format="rdzv store server: %(message)s")
     try:
-        tls = None
-        if args.tls_cert is not None and args.tls_key is not None:
-            tls = server_tls_context(args.tls_cert, args.tls_key)
-        server = TCPStoreServer(
-            None, args.port, auth_token=resolve_auth_token(args.auth_token_file), ssl_context=tls
-        )
-        server.start()
-    except (OSError, ValueError) as exc:
+        security = ServerSecurity.from_files(args.auth_token_file, args.tls_cert, args.tls_key)
+        server = secured_server(None, args.port, security).start()
+    except (OSError, ValueError, ssl.SSLError) as exc:
         print(f"error {exc}", flush=True)
         return 1
     print(f"listening {server.port}", flush=True)

@@ -1,0 +1,525 @@
+"""The store engine: keys, queues and blocked requests, with no I/O.
+
+Theory of operation
+-------------------
+:class:`StoreEngine` is everything a torch TCPStore server does with a
+request once it is decoded, and nothing else: no sockets, threads, event
+loop or clock. :meth:`StoreEngine.apply` takes one
+:class:`~rdzv.store.protocol.Request` from one client and returns the reply
+owed to that client (None when there is none, or none yet) together with the
+replies owed to *other* clients whose blocked requests it satisfied. A client
+is any hashable object the driver picks; the engine only compares clients
+and hands them back. Two drivers run the engine: the asyncio server
+(:mod:`rdzv.store.server`) writes the replies to connections, and
+:class:`~rdzv.store.memory.HashStore` runs it under a lock, so the networked
+and in-process stores cannot disagree.
+
+Keys. Values and queues are two dicts; the queue dict holds only non-empty
+queues. A key *exists* (for ``CHECK`` and ``WAIT``) when it has a value or a
+non-empty queue, as on torch's server, whose client pops a queue by sending
+``WAIT`` on its key, then ``QUEUE_POP``. ``GET``, ``GETNUMKEYS`` and
+``LIST_KEYS`` see values only. ``APPEND`` extends a value in place (it is
+kept as a ``bytearray`` once appended to), so n appends cost time linear in
+the final size, which :data:`MAX_APPENDED_BYTES` bounds.
+
+Blocked requests. A ``WAIT``, ``BARRIER``, ``GET_WAIT`` or ``WATCH`` that
+cannot be answered at once becomes a waiter, indexed under every key it
+depends on; a client has at most one, and may send nothing but
+``CANCEL_WAIT`` until it is answered. A write reaches only the waiters of
+the keys it wrote, in one of two ways:
+
+* A ``WAIT`` counts its missing keys. It is indexed under all its keys,
+  present ones too, and each change of a key's existence (value created or
+  deleted, queue filled or emptied) moves the count of the waiters on that
+  key by one; at zero the waiter is answered ``STOP_WAITING``. A write
+  therefore costs one step per waiter on its key, however many keys those
+  waiters name. Where torch's server counts arrivals, a key deleted again
+  counts as missing again here, so the reply always means that every key
+  exists now.
+* The others watch one key's value and re-evaluate a predicate after each
+  write to it: the counter reached the world size (``BARRIER``), a value
+  exists (``GET_WAIT``), the value differs from the caller's (``WATCH``).
+
+A waiter leaves the index when it is answered, on ``CANCEL_WAIT`` (answered
+``WAIT_CANCELED``), or on :meth:`StoreEngine.drop`, which the driver calls
+when the client went away or when the time of a request ran out: the engine
+reads no clock, so the driver keeps the timers (:meth:`StoreEngine.timeout_ms`
+tells it how long a request may block) and ``drop`` returns the reply a
+timeout calls for.
+
+Errors. A request the engine cannot carry out (``ADD`` to a value that is
+not an integer, an ``APPEND`` past the cap, a request from a client that is
+blocked, an opcode that is no store operation) raises
+:class:`~rdzv.store.protocol.ProtocolError` and changes nothing: the server
+then closes the connection, as torch's server does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from types import MethodType
+from typing import Any, Final, Generic, TypeAlias, TypeVar
+
+from rdzv.store.protocol import (
+    MAX_VALUE_BYTES,
+    CheckResult,
+    GetWaitStatus,
+    Op,
+    ProtocolError,
+    Request,
+    WaitResult,
+    WatchStatus,
+    encode_bytes,
+    encode_i64,
+)
+
+__all__ = ["BLOCKING_OPS", "MAX_APPENDED_BYTES", "StoreEngine", "Woken"]
+
+MAX_APPENDED_BYTES: Final = MAX_VALUE_BYTES
+"""Largest value ``APPEND`` may build, in bytes: the largest value a request
+may carry. A value is read back whole in one reply, which rdzv's client
+refuses past :data:`~rdzv.store.protocol.MAX_VALUE_BYTES`, so a longer value
+could be written but never read; with this cap no value on a server outgrows
+what ``SET`` may write, and one key costs at most this much however many
+appends arrive."""
+
+ClientT = TypeVar("ClientT", bound=Hashable)
+
+Woken: TypeAlias = Sequence[tuple[ClientT, bytes]]
+"""Replies owed to blocked clients: ``(client, reply)`` pairs."""
+_Outcome: TypeAlias = tuple["bytes | None", Woken[ClientT]]
+
+BLOCKING_OPS: Final = frozenset({Op.WAIT, Op.BARRIER, Op.GET_WAIT, Op.WATCH})
+"""The opcodes whose reply may come later, from another client's write."""
+
+_STOP_WAITING: Final = bytes([WaitResult.STOP_WAITING])
+_WAIT_CANCELED: Final = bytes([WaitResult.WAIT_CANCELED])
+_READY: Final = bytes([CheckResult.READY])
+_NOT_READY: Final = bytes([CheckResult.NOT_READY])
+_FOUND: Final = bytes([GetWaitStatus.FOUND])
+_TIMED_OUT: Final = bytes([GetWaitStatus.TIMED_OUT])
+_WATCH_ABSENT: Final = bytes([WatchStatus.ABSENT])
+_WATCH_PRESENT: Final = bytes([WatchStatus.PRESENT])
+_WATCH_UNCHANGED: Final = bytes([WatchStatus.UNCHANGED])
+_ONE: Final = encode_i64(1)
+_ZERO: Final = encode_i64(0)
+_ABSENT: Final = b"\x00"
+_NOTHING: Final = (None, ())
+"""The outcome of a request without a reply that answered no one."""
+_PRESENT: Final = b"\x01"
+
+
+def _show(key: bytes) -> str:
+    """Render a key for an error message, shortened."""
+    return repr(key) if len(key) <= 64 else f"{key[:64]!r}..."
+
+
+class _Waiter(Generic[ClientT]):
+    """A blocked request: its client, its keys, and what answers it.
+
+    ``ready`` is None for a ``WAIT``, which counts its ``missing`` keys;
+    otherwise it returns the reply once the one key's value allows it.
+    """
+
+    __slots__ = ("client", "keys", "missing", "on_timeout", "ready", "timeout_ms")
+
+    def __init__(
+        self,
+        client: ClientT,
+        keys: tuple[bytes, ...],
+        *,
+        missing: int = 0,
+        ready: Callable[[], bytes | None] | None = None,
+        timeout_ms: int | None = None,
+        on_timeout: bytes | None = None,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.missing = missing
+        self.ready = ready
+        self.timeout_ms = timeout_ms
+        self.on_timeout = on_timeout
+
+
+class StoreEngine(Generic[ClientT]):
+    """The keys, queues and blocked requests of one store (not thread-safe).
+
+    Attributes:
+        handlers: The function behind :meth:`apply` for each store opcode
+            (the others, handshake and authentication, are the connection's),
+            for a driver that itself keeps a client with a blocked request to
+            ``CANCEL_WAIT`` (the server does, with its dispatch tables, and
+            saves a call per request).
+        waiter_checks: How many times a write examined a blocked request, in
+            total: the work of the waiter index (for tests and monitoring).
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[bytes, bytes | bytearray] = {}
+        self._queues: dict[bytes, deque[bytes]] = {}
+        self._index: dict[bytes, set[_Waiter[ClientT]]] = {}
+        self._blocked: dict[ClientT, _Waiter[ClientT]] = {}
+        self.handlers: Mapping[int, Callable[[ClientT, Request], _Outcome[ClientT]]] = {
+            op: MethodType(handler, self) for op, handler in _HANDLERS.items()
+        }
+        self.waiter_checks = 0
+
+    # -- the driver's interface ----------------------------------------------
+
+    def apply(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
+        """Carry out one request.
+
+        Args:
+            client: Who sent it.
+            request: The request; its opcode must be one of :attr:`handlers`.
+
+        Returns:
+            The reply to ``client`` (None when the request has no reply or is
+            now blocked), and the ``(client, reply)`` pairs of the blocked
+            requests of other clients that this request answered.
+
+        Raises:
+            ProtocolError: The request cannot be carried out; nothing changed.
+        """
+        handler = self.handlers.get(request.op)
+        if handler is None:
+            raise ProtocolError(f"opcode {request.op} is not a store operation")
+        if self._blocked and request.op != Op.CANCEL_WAIT and client in self._blocked:
+            raise ProtocolError(
+                f"opcode {request.op} arrived while a request was blocked; "
+                "only CANCEL_WAIT may follow it"
+            )
+        return handler(client, request)
+
+    def drop(self, client: ClientT) -> bytes | None:
+        """End the blocked request of ``client``; the engine answers nothing.
+
+        The driver calls this when the client went away or when the time of
+        the request ran out.
+
+        Args:
+            client: The client.
+
+        Returns:
+            The reply a timeout calls for (``GET_WAIT``: timed out,
+            ``WATCH``: unchanged); None for a ``WAIT`` or ``BARRIER``, whose
+            clients cancel, or when ``client`` has no blocked request.
+        """
+        waiter = self._blocked.get(client)
+        if waiter is None:
+            return None
+        self._unindex(waiter)
+        return waiter.on_timeout
+
+    def timeout_ms(self, client: ClientT) -> int | None:
+        """Return how long the blocked request of ``client`` may block.
+
+        Args:
+            client: The client.
+
+        Returns:
+            Milliseconds after which the driver should :meth:`drop` it, or
+            None when it blocks until answered or cancelled (or is not
+            blocked).
+        """
+        waiter = self._blocked.get(client)
+        return None if waiter is None else waiter.timeout_ms
+
+    @property
+    def waiter_count(self) -> int:
+        """The number of blocked requests."""
+        return len(self._blocked)
+
+    @property
+    def indexed_keys(self) -> int:
+        """The number of keys that blocked requests wait on."""
+        return len(self._index)
+
+    # -- the waiter index ------------------------------------------------------
+
+    def _block(self, waiter: _Waiter[ClientT]) -> None:
+        self._blocked[waiter.client] = waiter
+        index = self._index
+        for key in waiter.keys:
+            waiting = index.get(key)
+            if waiting is None:
+                index[key] = {waiter}
+            else:
+                waiting.add(waiter)
+
+    def _unindex(self, waiter: _Waiter[ClientT]) -> None:
+        del self._blocked[waiter.client]
+        index = self._index
+        for key in waiter.keys:
+            waiting = index[key]
+            waiting.discard(waiter)
+            if not waiting:
+                del index[key]
+
+    def _notify(self, key: bytes, existence: int) -> Woken[ClientT]:
+        """Answer the waiters of ``key`` that its change satisfied.
+
+        Args:
+            key: The key that was written.
+            existence: +1 if it came into existence, -1 if it ceased to, 0
+                if only its value changed (or nothing did).
+        """
+        waiting = self._index.get(key)
+        if not waiting:
+            return ()
+        woken: list[tuple[ClientT, bytes]] = []
+        for waiter in list(waiting):
+            self.waiter_checks += 1
+            if waiter.ready is None:
+                if not existence:
+                    continue
+                waiter.missing -= existence
+                reply = None if waiter.missing else _STOP_WAITING
+            else:
+                reply = waiter.ready()
+            if reply is not None:
+                self._unindex(waiter)
+                woken.append((waiter.client, reply))
+        return woken
+
+    def _exists(self, key: bytes) -> bool:
+        return key in self._data or key in self._queues
+
+    def _write(self, key: bytes, value: bytes) -> Woken[ClientT]:
+        """Store ``value`` under ``key`` and answer the waiters it satisfies.
+
+        The hot handlers store directly while nothing is blocked at all.
+        """
+        if key in self._index:
+            created = not self._exists(key)
+            self._data[key] = value
+            return self._notify(key, 1 if created else 0)
+        self._data[key] = value
+        return ()
+
+    def _add(self, key: bytes, amount: int) -> tuple[int, Woken[ClientT]]:
+        current = self._data.get(key)
+        try:
+            value = amount if current is None else int(current) + amount
+        except ValueError:
+            raise ProtocolError(f"ADD to key {_show(key)}, whose value is not an integer") from None
+        if self._index:
+            return value, self._write(key, str(value).encode())
+        self._data[key] = str(value).encode()
+        return value, ()
+
+    # -- torch's operations ----------------------------------------------------
+
+    def _set(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        if self._index:
+            return None, self._write(request.keys[0], request.values[0])
+        self._data[request.keys[0]] = request.values[0]
+        return _NOTHING
+
+    def _get(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        return encode_bytes(self._data.get(request.keys[0], b"")), ()
+
+    def _compare_set(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        key = request.keys[0]
+        expected, desired = request.values
+        current = self._data.get(key)
+        if current is None:
+            if expected:
+                return encode_bytes(expected), ()
+        elif current != expected:
+            return encode_bytes(current), ()
+        if self._index:
+            return encode_bytes(desired), self._write(key, desired)
+        self._data[key] = desired
+        return encode_bytes(desired), ()
+
+    def _add_request(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        value, woken = self._add(request.keys[0], request.number)
+        return encode_i64(value), woken
+
+    def _check(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        data, queues = self._data, self._queues
+        ready = all(key in data or key in queues for key in request.keys)
+        return (_READY if ready else _NOT_READY), ()
+
+    def _wait(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
+        data, queues = self._data, self._queues
+        if all(key in data or key in queues for key in request.keys):
+            return _STOP_WAITING, ()
+        keys = tuple(dict.fromkeys(request.keys))
+        missing = sum(1 for key in keys if key not in data and key not in queues)
+        self._block(_Waiter(client, keys, missing=missing))
+        return _NOTHING
+
+    def _num_keys(self, _client: ClientT, _request: Request) -> _Outcome[ClientT]:
+        return encode_i64(len(self._data)), ()
+
+    def _delete_key(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        key = request.keys[0]
+        if self._data.pop(key, None) is None:
+            return _ZERO, ()
+        return _ONE, self._notify(key, 0 if key in self._queues else -1)
+
+    def _append(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        key, value = request.keys[0], request.values[0]
+        current = self._data.get(key)
+        size = len(value) if current is None else len(current) + len(value)
+        if size > MAX_APPENDED_BYTES:
+            raise ProtocolError(
+                f"APPEND to key {_show(key)} would make its value {size} bytes long, "
+                f"over the limit of {MAX_APPENDED_BYTES} bytes (MAX_APPENDED_BYTES)"
+            )
+        if current is None:
+            return None, self._write(key, value)
+        if isinstance(current, bytearray):
+            current += value  # in place: the dict holds this bytearray
+        else:
+            self._data[key] = bytearray(current) + value
+        return None, self._notify(key, 0)
+
+    def _multi_get(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        data = self._data
+        return b"".join(encode_bytes(data.get(key, b"")) for key in request.keys), ()
+
+    def _multi_set(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        pairs = zip(request.keys, request.values, strict=True)
+        if not self._index:
+            self._data.update(pairs)
+            return _NOTHING
+        woken: list[tuple[ClientT, bytes]] = []
+        for key, value in pairs:
+            woken += self._write(key, value)
+        return None, woken
+
+    def _cancel_wait(self, client: ClientT, _request: Request) -> _Outcome[ClientT]:
+        self.drop(client)
+        return _WAIT_CANCELED, ()
+
+    def _queue_push(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        key = request.keys[0]
+        queue = self._queues.get(key)
+        if queue is not None:
+            queue.append(request.values[0])
+            return _NOTHING
+        created = key not in self._data
+        self._queues[key] = deque((request.values[0],))
+        return None, (self._notify(key, 1) if created else ())
+
+    def _queue_pop(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        key = request.keys[0]
+        queue = self._queues.get(key)
+        if queue is None:
+            return _ZERO, ()
+        reply = _ONE + encode_bytes(queue.popleft())
+        if queue:
+            return reply, ()
+        del self._queues[key]
+        return reply, (() if key in self._data else self._notify(key, -1))
+
+    def _queue_len(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        queue = self._queues.get(request.keys[0])
+        return encode_i64(0 if queue is None else len(queue)), ()
+
+    def _list_keys(self, _client: ClientT, _request: Request) -> _Outcome[ClientT]:
+        keys = list(self._data)
+        return encode_i64(len(keys)) + b"".join(encode_bytes(key) for key in keys), ()
+
+    def _barrier(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
+        key = request.keys[0]
+        world_size = request.number
+        data = self._data
+
+        def arrived() -> bytes | None:
+            try:
+                count = int(data.get(key, b"0"))
+            except ValueError:
+                return None
+            return _STOP_WAITING if count >= world_size else None
+
+        _, woken = self._add(key, 1)
+        reply = arrived()
+        if reply is None:
+            self._block(_Waiter(client, (key,), ready=arrived))
+        return reply, woken
+
+    # -- rdzv's extensions -----------------------------------------------------
+
+    def _get_wait(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
+        key = request.keys[0]
+        data = self._data
+        value = data.get(key)
+        if value is not None:
+            return _FOUND + encode_bytes(value), ()
+        if request.number == 0:
+            return _TIMED_OUT, ()
+
+        def found() -> bytes | None:
+            value = data.get(key)
+            return None if value is None else _FOUND + encode_bytes(value)
+
+        self._block(
+            _Waiter(client, (key,), ready=found, timeout_ms=request.number, on_timeout=_TIMED_OUT)
+        )
+        return _NOTHING
+
+    def _watch(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
+        key = request.keys[0]
+        previous = request.values[0] if request.values else None
+        data = self._data
+
+        def changed() -> bytes | None:
+            current = data.get(key)
+            if current == previous:
+                return None
+            return _WATCH_ABSENT if current is None else _WATCH_PRESENT + encode_bytes(current)
+
+        reply = changed()
+        if reply is not None:
+            return reply, ()
+        if request.number == 0:
+            return _WATCH_UNCHANGED, ()
+        self._block(
+            _Waiter(
+                client,
+                (key,),
+                ready=changed,
+                timeout_ms=request.number,
+                on_timeout=_WATCH_UNCHANGED,
+            )
+        )
+        return _NOTHING
+
+    def _multi_try_get(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
+        data = self._data
+        parts = []
+        for key in request.keys:
+            value = data.get(key)
+            parts.append(_ABSENT if value is None else _PRESENT + encode_bytes(value))
+        return b"".join(parts), ()
+
+
+_HANDLERS: dict[int, Callable[[StoreEngine[Any], Any, Request], _Outcome[Any]]] = {
+    Op.SET: StoreEngine._set,
+    Op.COMPARE_SET: StoreEngine._compare_set,
+    Op.GET: StoreEngine._get,
+    Op.ADD: StoreEngine._add_request,
+    Op.CHECK: StoreEngine._check,
+    Op.WAIT: StoreEngine._wait,
+    Op.GETNUMKEYS: StoreEngine._num_keys,
+    Op.DELETE_KEY: StoreEngine._delete_key,
+    Op.APPEND: StoreEngine._append,
+    Op.MULTI_GET: StoreEngine._multi_get,
+    Op.MULTI_SET: StoreEngine._multi_set,
+    Op.CANCEL_WAIT: StoreEngine._cancel_wait,
+    Op.QUEUE_PUSH: StoreEngine._queue_push,
+    Op.QUEUE_POP: StoreEngine._queue_pop,
+    Op.QUEUE_LEN: StoreEngine._queue_len,
+    Op.LIST_KEYS: StoreEngine._list_keys,
+    Op.BARRIER: StoreEngine._barrier,
+    Op.WATCH: StoreEngine._watch,
+    Op.GET_WAIT: StoreEngine._get_wait,
+    Op.MULTI_TRY_GET: StoreEngine._multi_try_get,
+}
+# Dict lookups hash ints faster than IntEnum members: key the table by int.
+_HANDLERS = {int(op): handler for op, handler in _HANDLERS.items()}
