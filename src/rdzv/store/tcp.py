@@ -26,6 +26,11 @@ cancel on the wire.
 
 Keys follow torch's client: user key ``k`` is ``/k`` on the wire, so rdzv and
 torch clients on one server see each other's keys.
+
+Size: longer than the project's ~600-line guide because it carries torch's
+whole ``TCPStore`` client API (each call with its documented error
+contract) beside rdzv's extensions; the encoding lives in
+:mod:`rdzv.store.protocol` and the server in :mod:`rdzv.store.server`.
 """
 
 from __future__ import annotations
