@@ -56,6 +56,13 @@ def sleep_forever() -> None:
     sys.exit(99)
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers never see a partial file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def read_record(path: Path) -> dict[str, str] | None:
     try:
         record: dict[str, str] = json.loads(path.read_text())
@@ -82,7 +89,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     record: dict[str, object] = {key: os.environ.get(key) for key in KEYS}
     record["pid"] = os.getpid()
-    (outdir / f"env-{rank}-{os.getpid()}.json").write_text(json.dumps(record))
+    write_atomically(outdir / f"env-{rank}-{os.getpid()}.json", json.dumps(record))
     for i in range(3):
         print(f"line {i} from rank {rank}")
     print(f"err line from rank {rank}", file=sys.stderr)
@@ -91,7 +98,7 @@ def main() -> None:
         return
     if mode == "env":
         full = {"env": dict(os.environ), "argv": sys.orig_argv}
-        (outdir / f"fullenv-{rank}.json").write_text(json.dumps(full))
+        write_atomically(outdir / f"fullenv-{rank}.json", json.dumps(full))
         return
     if mode == "stdin":
         (outdir / f"stdin-{rank}").write_text(sys.stdin.readline())
