@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import ssl
 import sys
 from collections.abc import Iterator, Sequence
 
 import rdzv
+from rdzv.endpoint import format_endpoint
 from rdzv.launch.options import add_run_arguments
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.status import add_status_arguments
@@ -101,7 +103,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         with _warnings_to_stderr("rdzv serve"):
             _serve(args)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        if exc.filename is not None:
+            print(f"rdzv serve: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        else:
+            where = format_endpoint(args.host or "0.0.0.0", args.port)  # noqa: S104 - a message
+            print(f"rdzv serve: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except (ValueError, ssl.SSLError) as exc:
         print(f"rdzv serve: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -151,3 +152,32 @@ def test_rdzv_serve_reports_a_bad_tls_configuration(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "--tls-cert and --tls-key must be given together" in result.stderr
+
+
+def _serve_error(*args: str, cwd: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "rdzv.cli", "serve", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=30,
+        cwd=cwd,
+    )
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # one line, never a traceback
+    return lines[0]
+
+
+def test_rdzv_serve_errors_name_the_port_or_the_file(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _serve_error("--host", "127.0.0.1", "--port", str(port), cwd=tmp_path)
+        assert line == f"rdzv serve: cannot listen on 127.0.0.1:{port}: Address already in use"
+    line = _serve_error("--port", "0", "--tls-cert", "c.pem", "--tls-key", "k.pem", cwd=tmp_path)
+    assert line == "rdzv serve: cannot read c.pem: No such file or directory"
+    line = _serve_error("--port", "0", "--auth-token-file", "missing", cwd=tmp_path)
+    assert line == "rdzv serve: cannot read missing: No such file or directory"

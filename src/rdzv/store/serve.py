@@ -11,6 +11,8 @@ TLS context from a certificate and its key.
 
 from __future__ import annotations
 
+import errno
+import os
 import ssl
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +54,7 @@ class ServerSecurity:
         Raises:
             ValueError: Only one of ``tls_cert`` and ``tls_key`` is given, or
                 the secret file is empty.
-            OSError: A file cannot be read.
+            OSError: A file cannot be read (its ``filename`` names it).
             ssl.SSLError: The certificate and key do not match.
         """
         if (tls_cert is None) != (tls_key is None):
@@ -60,6 +62,9 @@ class ServerSecurity:
         token = resolve_auth_token(auth_token_file)
         context = None
         if tls_cert is not None and tls_key is not None:
+            for path in (tls_cert, tls_key):
+                if not os.path.isfile(path):  # ssl's own error does not name the file
+                    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
             context = server_tls_context(tls_cert, tls_key)
         return cls(token, context)
 
