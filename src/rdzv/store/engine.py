@@ -298,16 +298,13 @@ class StoreEngine(Generic[ClientT]):
         self._data[key] = value
         return ()
 
-    def _add(self, key: bytes, amount: int) -> tuple[int, Woken[ClientT]]:
+    def _sum(self, key: bytes, amount: int) -> int:
+        """Return the value of ``key`` plus ``amount``, as ``ADD`` computes it."""
         current = self._data.get(key)
         try:
-            value = amount if current is None else int(current) + amount
+            return amount if current is None else int(current) + amount
         except ValueError:
             raise ProtocolError(f"ADD to key {_show(key)}, whose value is not an integer") from None
-        if self._index:
-            return value, self._write(key, str(value).encode())
-        self._data[key] = str(value).encode()
-        return value, ()
 
     # -- torch's operations ----------------------------------------------------
 
@@ -335,8 +332,12 @@ class StoreEngine(Generic[ClientT]):
         return encode_bytes(desired), ()
 
     def _add_request(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
-        value, woken = self._add(request.keys[0], request.number)
-        return encode_i64(value), woken
+        key = request.keys[0]
+        value = self._sum(key, request.number)
+        if self._index:
+            return encode_i64(value), self._write(key, str(value).encode())
+        self._data[key] = str(value).encode()
+        return encode_i64(value), ()
 
     def _check(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
         data, queues = self._data, self._queues
@@ -437,7 +438,7 @@ class StoreEngine(Generic[ClientT]):
                 return None
             return _STOP_WAITING if count >= world_size else None
 
-        _, woken = self._add(key, 1)
+        woken = self._write(key, str(self._sum(key, 1)).encode())
         reply = arrived()
         if reply is None:
             self._block(_Waiter(client, (key,), ready=arrived))
