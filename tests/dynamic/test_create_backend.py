@@ -6,7 +6,8 @@ import pytest
 
 import rdzv
 from rdzv.api import RendezvousParameters
-from rdzv.backends.store import C10dRendezvousBackend, create_backend, endpoint_is_local
+from rdzv.backends.options import endpoint_is_local
+from rdzv.backends.store import C10dRendezvousBackend, create_backend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from tests.procs import free_port
 

@@ -63,21 +63,14 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def read_record(path: Path) -> dict[str, str] | None:
-    try:
-        record: dict[str, str] = json.loads(path.read_text())
-    except ValueError:
-        return None  # being written
-    return record
-
-
 def wait_for_peers(outdir: Path) -> None:
     """Wait until every worker of this attempt has written its record."""
     restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
     world = int(os.environ["WORLD_SIZE"])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        records = [r for r in map(read_record, outdir.glob("env-*.json")) if r is not None]
+        # Records are written atomically: a file that exists is whole.
+        records = [json.loads(p.read_text()) for p in outdir.glob("env-*.json")]
         if sum(r["TORCHELASTIC_RESTART_COUNT"] == restart for r in records) >= world:
             return
         time.sleep(0.02)

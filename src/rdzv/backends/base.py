@@ -376,8 +376,7 @@ def validate_node_key(node: str) -> str:
         ``node`` unchanged.
 
     Raises:
-        ValueError: It is empty (torch's message: ``The run id must be a
-            non-empty string.``), longer than 256 characters, or holds
+        ValueError: It is empty, longer than 256 characters, or holds
             whitespace or non-printable characters.
     """
     if isinstance(node, str) and _ASCII_NODE_KEY.fullmatch(node):

@@ -33,12 +33,7 @@ from typing import TYPE_CHECKING
 
 from rdzv.backends.base import RendezvousBackend, Token, WatchableBackend, validate_run_id
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
-from rdzv.backends.options import (
-    DEFAULT_READ_TIMEOUT,
-    StoreBackendOptions,
-    StoreTLS,
-    endpoint_is_local,
-)
+from rdzv.backends.options import StoreBackendOptions
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
 from rdzv.retry import poll_backoff
 
@@ -49,15 +44,12 @@ if TYPE_CHECKING:
     from rdzv.store.tcp import TCPStore
 
 __all__ = [
-    "DEFAULT_READ_TIMEOUT",
     "C10dRendezvousBackend",
     "P10dRendezvousBackend",
     "StoreJoinQueue",
     "StoreLiveness",
-    "StoreTLS",
     "TpRendezvousBackend",
     "create_backend",
-    "endpoint_is_local",
     "open_store",
 ]
 
