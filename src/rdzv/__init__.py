@@ -7,9 +7,10 @@ Names are imported lazily, so ``import rdzv`` stays cheap.
 
 from __future__ import annotations
 
-import importlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rdzv._lazy import lazy_exports
 
 #: The package version; the only place it is written (pyproject.toml reads it).
 __version__ = "0.1.0"
@@ -134,14 +135,4 @@ if TYPE_CHECKING:
     from rdzv.store.tcp import TCPStore
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rdzv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -6,8 +6,9 @@ the server and its event loop machinery unless it hosts one.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rdzv._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "HashStore": "rdzv.store.memory",
@@ -26,14 +27,4 @@ if TYPE_CHECKING:
     from rdzv.store.tcp import TCPStore
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rdzv.store' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
