@@ -98,12 +98,11 @@ def parse_rendezvous_endpoint(endpoint: str | None, default_port: int) -> tuple[
 
 
 def _parse_port(text: str, endpoint: str) -> int:
-    try:
-        port = int(text, 10)
-    except ValueError:
-        raise ValueError(
-            f"port {text!r} in endpoint {endpoint!r} is not an integer in 1-65535"
-        ) from None
+    # ASCII digits only: int() would also take " 1", "+1", "1_0" and other
+    # scripts' digits, which torch (and every socket API) rejects.
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"port {text!r} in endpoint {endpoint!r} is not an integer in 1-65535")
+    port = int(text)
     if not 1 <= port <= 65535:
         raise ValueError(f"port {port} in endpoint {endpoint!r} is not in 1-65535")
     return port

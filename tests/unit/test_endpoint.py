@@ -84,3 +84,9 @@ def test_parse_config() -> None:
 def test_parse_config_errors(text: str, needle: str) -> None:
     with pytest.raises(ValueError, match=re.escape(needle)):
         parse_config(text)
+
+
+@pytest.mark.parametrize("port", [" 1", "+80", "8_0", "\u0668\u0660"])
+def test_a_port_is_ascii_digits_only(port: str) -> None:
+    with pytest.raises(ValueError, match="is not an integer in 1-65535"):
+        parse_endpoint(f"h:{port}")
