@@ -35,6 +35,12 @@ joins the next round at once instead of waiting out the store timeout
 (which would also hold back everyone else's next round, since a seal
 waits for every live member to re-join).
 
+Every backend call of ``next_rendezvous`` runs under the join deadline
+(:func:`rdzv.retry.deadline_within`), and ``shutdown`` and ``set_closed``
+under their own few seconds (:func:`rdzv.retry.call_within`), so a backend
+that stopped answering costs a call its deadline, never the backend's read
+timeout.
+
 Every transition is logged as one structured event on the ``rdzv.dynamic``
 logger (no handlers attached: the application decides where logs go).
 
@@ -121,7 +127,7 @@ from rdzv.errors import (
     RendezvousTimeoutError,
 )
 from rdzv.net import primary_address
-from rdzv.retry import call_within
+from rdzv.retry import call_within, deadline_within
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 
@@ -131,6 +137,8 @@ LOGGER = logging.getLogger("rdzv.dynamic")
 
 _SHUTDOWN_WITHIN = 5.0
 """Seconds ``shutdown`` waits for the backend before giving up on leaving cleanly."""
+_JOIN_GRACE = 1.0
+"""Seconds a backend call may run past the join deadline (the machine fails the join at it)."""
 _STATE_WAIT_CAP = 1.0
 _QUEUE_WAIT_CAP = 0.25
 _BOOTSTRAP_CHECK = 0.5
@@ -390,7 +398,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             RendezvousStateError: The stored state is corrupt.
         """
         try:
-            return self._join()
+            # Backend calls honour this deadline (rdzv.retry), so a backend that
+            # stopped answering costs the join its timeout, not the read timeout.
+            with deadline_within(self._limits.join_timeout + _JOIN_GRACE):
+                return self._join()
         except BaseException:
             # A node whose join failed is no candidate: its beats would keep
             # it looking alive to the others. The next join starts them again.

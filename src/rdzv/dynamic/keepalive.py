@@ -17,6 +17,12 @@ tick it does two independent things:
   the successor; a successor judged dead is handed to ``on_dead`` (the
   handler evicts it).
 
+Each beat, and each judgement, runs under a caller's deadline of one
+``interval`` (:func:`rdzv.retry.deadline_within`): against a backend that
+stopped answering, the keep-alive gives up within about
+``interval x (max_attempt + 1)`` instead of the backend's read timeout per
+beat, and :meth:`KeepAlive.stop` never waits long for a beat in flight.
+
 The thread is supervised: an error in judging or evicting, of any kind, is
 logged as an event and retried on the next tick; it never ends the thread,
 so a node that is alive and connected keeps beating whatever else fails. A
@@ -34,8 +40,12 @@ from rdzv.backends.base import LivenessBackend
 from rdzv.dynamic.machine import MarkWatch, judge_marks, successor_of
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousConnectionError, RendezvousError
+from rdzv.retry import deadline_within
 
-__all__ = ["KeepAlive"]
+__all__ = ["STOP_WAIT", "KeepAlive"]
+
+STOP_WAIT = 1.0
+"""Seconds :meth:`KeepAlive.stop` waits for the thread to end."""
 
 Event = Callable[..., None]
 
@@ -111,12 +121,16 @@ class KeepAlive:
             self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and wait for it (unless called from the thread itself)."""
+        """Stop the thread; wait for it at most :data:`STOP_WAIT` seconds.
+
+        A beat or a judgement still in flight then (bounded by the interval)
+        may finish after this returns; the thread makes no other call.
+        """
         with self._lock:
             thread, self._thread = self._thread, None
             self._stop.set()
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(STOP_WAIT)
 
     @property
     def error(self) -> RendezvousConnectionError | None:
@@ -133,24 +147,26 @@ class KeepAlive:
         while not stop.is_set():
             now = self._clock()
             if now >= next_beat:
-                failures = self._beat(failures)
+                with deadline_within(self._interval):
+                    failures = self._beat(failures, stop)
                 if failures >= self._max_attempt:
                     return
                 next_beat = now + self._interval
             try:
-                judged = self._judge(judged, now)
+                with deadline_within(self._interval):
+                    judged = self._judge(judged, now)
             except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
                 self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
             stop.wait(self._judge_every * (0.75 + random.random() / 2))
 
-    def _beat(self, failures: int) -> int:
+    def _beat(self, failures: int, stop: threading.Event) -> int:
         """Beat once; return the number of failed beats in a row."""
         try:
             self._liveness.beat(self._node)
         except (RendezvousError, OSError) as exc:
             failures += 1
             self._event("keepalive-failed", -1, attempt=failures, error=str(exc))
-            if failures >= self._max_attempt:
+            if failures >= self._max_attempt and not stop.is_set():
                 with self._lock:
                     self._error = RendezvousConnectionError(
                         f"node {self._node} gave up after {failures} failed keep-alive "

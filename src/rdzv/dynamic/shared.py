@@ -11,7 +11,8 @@
   naming it, within one round trip rather than after the join timeout;
 * :meth:`SharedState.update` is the one compare-and-set loop: read, let a
   pure ``change`` decide the new state (or that none is needed), write,
-  retry with jittered backoff on a conflict, until a deadline;
+  retry with jittered backoff on a conflict, until a deadline (its own, or
+  the caller's: :class:`rdzv.retry.Retry`);
 * :meth:`SharedState.wait` blocks until the state changes (the backend's
   watch) or polls with backoff.
 """
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from rdzv.backends.base import RendezvousBackend, Token, WatchableBackend
 from rdzv.dynamic.state import RendezvousState, decode_state, encode_state
 from rdzv.errors import RendezvousStateError
-from rdzv.retry import poll_backoff
+from rdzv.retry import Retry, poll_backoff
 
 __all__ = ["SharedState"]
 
@@ -111,7 +112,8 @@ class SharedState:
             RendezvousConnectionError: The backend cannot be reached.
             RendezvousStateError: The stored state is corrupt.
         """
-        for attempt in range(CAS_ATTEMPTS):
+        retry = Retry(None, first=0.01, cap=0.1)
+        for _ in range(CAS_ATTEMPTS):
             state, token = self.read()
             desired = change(state)
             if desired is None:
@@ -119,9 +121,8 @@ class SharedState:
             result = self.write(encode_state(desired), token)
             if result is not None and result[2]:
                 return desired, True
-            if deadline is not None and clock() >= deadline:
+            if (deadline is not None and clock() >= deadline) or not retry.pause():
                 break
-            time.sleep(poll_backoff(attempt, cap=0.1))
         return None, False
 
     def wait(
