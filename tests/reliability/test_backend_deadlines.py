@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +29,8 @@ from rdzv.backends.options import EtcdOptions, RedisOptions
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousTimeoutError
 from rdzv.store.base import Store
-from tests.engines.servers import etcd_cluster, free_port, redis_server
+from tests.engines.servers import etcd_cluster, free_port, kill_process, redis_server
+from tests.procs import subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -160,3 +162,40 @@ def test_the_keep_alive_gives_up_on_a_paused_server_within_its_attempts(kind: st
             assert took < INTERVAL * (ATTEMPTS + 1) + SLACK, took
         finally:
             handler.close()
+
+
+@pytest.mark.parametrize("kind", ["etcd", "redis"])
+def test_sigterm_ends_rdzv_run_within_the_stop_grace_while_the_server_is_paused(
+    kind: str,
+) -> None:
+    grace = 2.0
+    with _server(kind) as (endpoint, proc):
+        run = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rdzv",
+                "run",
+                *("--nnodes", "1", "--rdzv-backend", kind, "--rdzv-endpoint", endpoint),
+                *("--rdzv-id", "sigterm", "--stop-grace", str(grace), "--no-python"),
+                *("sleep", "120"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=subprocess_env(),
+        )
+        try:
+            assert run.stderr is not None
+            while b"starting workers" not in run.stderr.readline():  # bounded by the test timeout
+                assert run.poll() is None, "rdzv run ended before starting its workers"
+            with _paused(proc):
+                started = time.monotonic()
+                run.send_signal(signal.SIGTERM)
+                code = run.wait(60)
+                took = time.monotonic() - started
+            assert code == 128 + signal.SIGTERM
+            assert took < grace + 5.0 + SLACK, took
+        finally:
+            kill_process(run)
+            if run.stderr is not None:
+                run.stderr.close()
