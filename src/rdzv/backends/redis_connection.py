@@ -78,20 +78,14 @@ def redis_errors(endpoint: str, what: str) -> Iterator[None]:
 class _DeadlineRetry(Retry):
     """redis-py's retry, which makes no new attempt once the caller's deadline has passed."""
 
-    def call_with_retry(  # type: ignore[override]
-        self,
-        do: Any,
-        fail: Any,
-        is_retryable: Any = None,
-        with_failure_count: bool = False,
-    ) -> Any:
-        def retryable(error: Exception) -> bool:
+    def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
+        def failed(error: Exception, *more: Any) -> None:
+            fail(error, *more)
             deadline = caller_deadline()
             if deadline is not None and time.monotonic() >= deadline:
-                return False
-            return is_retryable is None or bool(is_retryable(error))
+                raise error
 
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
+        return super().call_with_retry(do, failed, *args, **kwargs)
 
 
 class _DeadlineConnection:
