@@ -60,7 +60,16 @@ class SharedState:
         found = self._backend.get_state()
         if found is None:
             return None, None
-        return decode_state(found[0]), found[1]
+        return self._decode(found[0]), found[1]
+
+    def _decode(self, data: bytes) -> RendezvousState:
+        """Decode a stored state; a state error names the backend and its key."""
+        try:
+            return decode_state(data)
+        except RendezvousStateError as exc:
+            key = getattr(self._backend, "key", None)
+            where = f"the {self._name!r} backend" + ("" if key is None else f", key {key!r}")
+            raise RendezvousStateError(f"{exc} (read from {where})") from exc
 
     def write(self, data: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
         """Compare-and-set the encoded state.
@@ -141,6 +150,6 @@ class SharedState:
         """
         if isinstance(self._backend, WatchableBackend):
             found = self._backend.wait_for_state(token, timeout)
-            return (None, None) if found is None else (decode_state(found[0]), found[1])
+            return (None, None) if found is None else (self._decode(found[0]), found[1])
         time.sleep(min(timeout, poll_backoff(attempt)))
         return self.read()
