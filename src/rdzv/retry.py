@@ -16,6 +16,9 @@ it:
   healthy backend still answers the read that comes right at the deadline.
 * :func:`time_left` caps one blocking wait (a socket timeout, a watch) by
   the caller's deadline.
+* :class:`Clock` is the one time source of the rendezvous driver: it reads
+  monotonic time and sleeps and waits on the same time, so tests run the
+  driver's polls and keep-alive ticks on a fake clock.
 * :func:`poll_backoff` spaces out polls of a backend without watches: the
   delay doubles from 10 ms up to a cap, with jitter so that many nodes
   polling one server do not move in lock-step.
@@ -45,7 +48,9 @@ from rdzv.errors import RendezvousTimeoutError
 
 __all__ = [
     "LAST_ATTEMPT",
+    "Clock",
     "Retry",
+    "as_clock",
     "call_within",
     "caller_deadline",
     "deadline_within",
@@ -61,6 +66,61 @@ LAST_ATTEMPT = 0.25
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "rdzv_caller_deadline", default=None
 )
+
+
+class Clock:
+    """The time decisions and waits run on: a monotonic reading, and sleeping on the same time.
+
+    Call the instance to read it, as you would call ``time.monotonic``. This
+    one is real time; tests inject :class:`rdzv.testing.FakeClock`, whose
+    sleeps and waits end when its time has moved far enough.
+
+    Args:
+        read: The monotonic reading (``time.monotonic``).
+    """
+
+    def __init__(self, read: Callable[[], float] = time.monotonic) -> None:
+        self._read = read
+
+    def __call__(self) -> float:
+        """Return the current reading, in seconds."""
+        return self._read()
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds`` of this clock's time.
+
+        Args:
+            seconds: How long; nothing happens when it is not positive.
+        """
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def wait(self, event: threading.Event, seconds: float) -> bool:
+        """Wait until ``event`` is set or ``seconds`` of this clock's time passed.
+
+        Args:
+            event: The event.
+            seconds: The longest wait.
+
+        Returns:
+            Whether the event is set.
+        """
+        return event.wait(max(0.0, seconds))
+
+
+def as_clock(clock: Clock | Callable[[], float] | None) -> Clock:
+    """Return ``clock`` as a :class:`Clock`: a bare reading sleeps in real time.
+
+    Args:
+        clock: A clock, a monotonic reading (a skewed ``time.monotonic``), or
+            None for real time.
+
+    Returns:
+        The clock.
+    """
+    if isinstance(clock, Clock):
+        return clock
+    return Clock() if clock is None else Clock(clock)
 
 
 def caller_deadline() -> float | None:
@@ -118,9 +178,17 @@ class Retry:
             its own.
         first: The first pause, in seconds.
         cap: The longest pause, in seconds.
+        sleep: Sleeps between attempts (an injected clock's, in tests).
     """
 
-    def __init__(self, budget: float | None, first: float = 0.02, cap: float = 0.5) -> None:
+    def __init__(
+        self,
+        budget: float | None,
+        first: float = 0.02,
+        cap: float = 0.5,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._sleep = sleep
         self._started = time.monotonic()
         deadline = None if budget is None else self._started + max(0.0, budget)
         outer = _DEADLINE.get()
@@ -170,7 +238,7 @@ class Retry:
         if remaining <= 0:
             return False
         delay = self._pause * (0.5 + random.random() / 2)
-        time.sleep(min(delay, remaining))
+        self._sleep(min(delay, remaining))
         self._pause = min(self._pause * 2, self._cap)
         return True
 

@@ -127,7 +127,7 @@ from rdzv.errors import (
     RendezvousTimeoutError,
 )
 from rdzv.net import primary_address
-from rdzv.retry import call_within, deadline_within
+from rdzv.retry import Clock, as_clock, call_within, deadline_within
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 
@@ -144,8 +144,6 @@ _QUEUE_WAIT_CAP = 0.25
 _BOOTSTRAP_CHECK = 0.5
 """Seconds between checks that rank 0 is still a member while waiting for its address."""
 
-Clock = Callable[[], float]
-
 
 class DynamicRendezvousHandler(RendezvousHandler):
     """A rendezvous handler that forms rounds through a :class:`RendezvousBackend`.
@@ -160,7 +158,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         backend: The backend holding the shared state.
         local_addr: The address published for this node.
         node_rank: The rank this node asks for, or None.
-        clock: The monotonic clock (injected by tests).
+        clock: The clock decisions, polls and keep-alive ticks run on (a
+            bare monotonic reading sleeps in real time); real time when None.
     """
 
     def __init__(
@@ -172,7 +171,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         backend: RendezvousBackend,
         local_addr: str,
         node_rank: int | None = None,
-        clock: Clock = time.monotonic,
+        clock: Clock | Callable[[], float] | None = None,
     ) -> None:
         self._node = node
         self._settings = settings
@@ -181,7 +180,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend = backend
         self._local_addr = local_addr
         self._node_rank = -1 if node_rank is None else node_rank
-        self._clock = clock
+        self._clock = as_clock(clock)
         prefix = f"rdzv.handler/{settings.run_id}/"
         self._queue: JoinQueueBackend = (
             backend if isinstance(backend, JoinQueueBackend) else StoreJoinQueue(store, prefix)
@@ -201,10 +200,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             last_call=timeout.last_call.total_seconds(),
             grace=self._dead_after,
         )
-        self._shared = SharedState(backend, backend_name)
+        self._shared = SharedState(backend, backend_name, self._clock)
         # The keep-alive's evictions must not wait behind this node's own
         # blocking watch on a client that serialises requests.
-        self._side = SharedState(backend.side_channel(), backend_name)
+        self._side = SharedState(backend.side_channel(), backend_name, self._clock)
         self._lock = threading.Lock()
         self._member_of: RendezvousState | None = None
         # The last round this node completed, as this node sees it: its ring
@@ -219,7 +218,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             settings.keep_alive_max_attempt,
             self._dead_after,
             self._judge_every,
-            clock,
+            self._clock,
             self._watched_round,
             self._evict_dead,
             self._event,
@@ -241,7 +240,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
         *,
         node_rank: int | None = None,
-        clock: Clock | None = None,
+        clock: Clock | Callable[[], float] | None = None,
     ) -> DynamicRendezvousHandler:
         """Build a handler for one run.
 
@@ -259,7 +258,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             keep_alive_max_attempt: Missed heartbeats before a node is dead.
             node_rank: The rank this node asks for; honoured when every node of
                 a round asks for a distinct one.
-            clock: A monotonic clock, for tests.
+            clock: The clock (see the class); real time when None.
 
         Returns:
             The handler.
@@ -293,7 +292,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         local_addr: str | None = None,
         *,
         node_rank: int | None = None,
-        clock: Clock | None = None,
+        clock: Clock | Callable[[], float] | None = None,
     ) -> DynamicRendezvousHandler:
         """Build a handler from validated settings.
 
@@ -305,7 +304,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             local_addr: This node's address; found with ``getaddrinfo`` (never
                 reverse DNS) when None.
             node_rank: The rank this node asks for, or None.
-            clock: A monotonic clock, for tests.
+            clock: The clock (see the class); real time when None.
 
         Returns:
             The handler.
@@ -325,7 +324,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             backend,
             addr,
             node_rank,
-            clock or time.monotonic,
+            clock,
         )
 
     # -- small helpers ------------------------------------------------------

@@ -40,7 +40,7 @@ from rdzv.backends.base import LivenessBackend
 from rdzv.dynamic.machine import MarkWatch, judge_marks, successor_of
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousConnectionError, RendezvousError
-from rdzv.retry import deadline_within
+from rdzv.retry import Clock, deadline_within
 
 __all__ = ["STOP_WAIT", "KeepAlive"]
 
@@ -61,7 +61,7 @@ class KeepAlive:
         dead_after: Seconds without a change of a successor's mark after
             which it is dead.
         judge_every: Seconds between readings of the successor's mark.
-        clock: The monotonic clock.
+        clock: The clock; the ticks wait on it.
         watched: Returns the round whose ring is watched, or None.
         on_dead: Called with the nodes judged dead and the round they were
             judged in.
@@ -76,7 +76,7 @@ class KeepAlive:
         max_attempt: int,
         dead_after: float,
         judge_every: float,
-        clock: Callable[[], float],
+        clock: Clock,
         watched: Callable[[], RendezvousState | None],
         on_dead: Callable[[list[str], RendezvousState], None],
         event: Event,
@@ -157,7 +157,7 @@ class KeepAlive:
                     judged = self._judge(judged, now)
             except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
                 self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
-            stop.wait(self._judge_every * (0.75 + random.random() / 2))
+            self._clock.wait(stop, self._judge_every * (0.75 + random.random() / 2))
 
     def _beat(self, failures: int, stop: threading.Event) -> int:
         """Beat once; return the number of failed beats in a row."""

@@ -19,13 +19,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from rdzv.backends.base import RendezvousBackend, Token, WatchableBackend
 from rdzv.dynamic.state import RendezvousState, decode_state, encode_state
 from rdzv.errors import RendezvousStateError
-from rdzv.retry import Retry, poll_backoff
+from rdzv.retry import Clock, Retry, as_clock, poll_backoff
 
 __all__ = ["SharedState"]
 
@@ -41,11 +40,13 @@ class SharedState:
     Args:
         backend: The backend.
         name: The backend's name, for messages.
+        clock: The clock that polls and backoffs sleep on.
     """
 
-    def __init__(self, backend: RendezvousBackend, name: str) -> None:
+    def __init__(self, backend: RendezvousBackend, name: str, clock: Clock | None = None) -> None:
         self._backend = backend
         self._name = name
+        self._clock = as_clock(clock)
 
     def read(self) -> tuple[RendezvousState | None, Token | None]:
         """Read the state.
@@ -103,7 +104,7 @@ class SharedState:
         self,
         change: Change,
         deadline: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> tuple[RendezvousState | None, bool]:
         """Apply ``change`` to the stored state with compare-and-set, retrying on conflicts.
 
@@ -111,7 +112,7 @@ class SharedState:
             change: Given the stored state, returns the state to write, or
                 None when no write is needed.
             deadline: Give up after this time of ``clock``, or None.
-            clock: The clock of ``deadline``.
+            clock: The clock of ``deadline`` (this state's clock by default).
 
         Returns:
             ``(written, settled)``: the state this call wrote (None if none),
@@ -121,7 +122,7 @@ class SharedState:
             RendezvousConnectionError: The backend cannot be reached.
             RendezvousStateError: The stored state is corrupt.
         """
-        retry = Retry(None, first=0.01, cap=0.1)
+        retry = Retry(None, first=0.01, cap=0.1, sleep=self._clock.sleep)
         for _ in range(CAS_ATTEMPTS):
             state, token = self.read()
             desired = change(state)
@@ -130,7 +131,7 @@ class SharedState:
             result = self.write(encode_state(desired), token)
             if result is not None and result[2]:
                 return desired, True
-            if (deadline is not None and clock() >= deadline) or not retry.pause():
+            if (deadline is not None and (clock or self._clock)() >= deadline) or not retry.pause():
                 break
         return None, False
 
@@ -151,5 +152,5 @@ class SharedState:
         if isinstance(self._backend, WatchableBackend):
             found = self._backend.wait_for_state(token, timeout)
             return (None, None) if found is None else (self._decode(found[0]), found[1])
-        time.sleep(min(timeout, poll_backoff(attempt)))
+        self._clock.sleep(min(timeout, poll_backoff(attempt)))
         return self.read()
