@@ -41,6 +41,8 @@ class FakeClock(Clock):
         self._now = float(start)
         self._hang_after = hang_after
         self._moved = threading.Condition()
+        self._ends: list[float] = []
+        self._parks = 0
 
     def __call__(self) -> float:
         """Return the current reading, in seconds."""
@@ -65,6 +67,24 @@ class FakeClock(Clock):
             self._now += seconds
             self._moved.notify_all()
             return self._now
+
+    @property
+    def waiting(self) -> int:
+        """How many threads are blocked in :meth:`wait`."""
+        with self._moved:
+            return len(self._ends)
+
+    @property
+    def parks(self) -> int:
+        """How many :meth:`wait` calls began so far (a test sees a thread park again)."""
+        with self._moved:
+            return self._parks
+
+    @property
+    def next_wake(self) -> float | None:
+        """The reading at which the first blocked :meth:`wait` ends, or None."""
+        with self._moved:
+            return min(self._ends, default=None)
 
     def sleep(self, seconds: float) -> None:
         """Move the clock forward by ``seconds`` (when positive) and return at once.
@@ -91,11 +111,16 @@ class FakeClock(Clock):
         hang_at = time.monotonic() + self._hang_after
         with self._moved:
             end = self._now + max(0.0, seconds)
-            while not event.is_set() and self._now < end:
-                if time.monotonic() >= hang_at:
-                    raise TimeoutError(
-                        f"nothing moved the fake clock to {end:g} (it reads {self._now:g}) "
-                        f"within {self._hang_after:g} real seconds"
-                    )
-                self._moved.wait(_EVENT_POLL)
+            self._ends.append(end)
+            self._parks += 1
+            try:
+                while not event.is_set() and self._now < end:
+                    if time.monotonic() >= hang_at:
+                        raise TimeoutError(
+                            f"nothing moved the fake clock to {end:g} (it reads {self._now:g}) "
+                            f"within {self._hang_after:g} real seconds"
+                        )
+                    self._moved.wait(_EVENT_POLL)
+            finally:
+                self._ends.remove(end)
         return event.is_set()
