@@ -93,3 +93,24 @@ def test_a_reply_over_the_value_limit_is_a_state_error() -> None:
                 store.get("key")
         finally:
             store.close()
+
+
+def test_a_poisoned_redis_heartbeat_is_repaired_by_its_owners_next_beat(
+    redis_srv: RedisServer,
+) -> None:
+    params = RendezvousParameters("redis", redis_srv.endpoint, "poison", 1, 1)
+    backend, store = create_backend(params)
+    node = "10.0.0.1#1#aa"
+    try:
+        backend.beat(node)
+        backend.client.set(f"{backend.key}:alive:{node}", b"not a number")
+        poisoned = backend.heartbeat_mark(node)
+        backend.beat(node)  # INCR alone fails on a non-integer: every beat would fail
+        repaired = backend.heartbeat_mark(node)
+        assert repaired is not None
+        assert repaired != poisoned
+        backend.beat(node)
+        assert backend.heartbeat_mark(node) != repaired
+    finally:
+        backend.close()
+        store.close()
