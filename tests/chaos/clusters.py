@@ -132,6 +132,34 @@ class Cluster(ABC):
         for proxy in self.proxies:
             proxy.close()
 
+    def server_pids(self) -> list[int]:
+        """The pids of the running server processes (paused by the store-pause fault)."""
+        return []
+
+    def poison_heartbeat(self, node: str) -> bool:
+        """Write a value that is no heartbeat mark into ``node``'s heartbeat key.
+
+        Returns:
+            Whether the value was written (False while the servers are down).
+        """
+        from rdzv.backends.etcd import EtcdRendezvousBackend
+        from rdzv.backends.redis import RedisRendezvousBackend
+
+        try:
+            if self._reader is None:
+                self._reader = self._create_backend()
+            backend, store = self._reader
+            if isinstance(backend, RedisRendezvousBackend):
+                backend.client.set(f"{backend.key}:alive:{node}", b"poison")
+            elif isinstance(backend, EtcdRendezvousBackend):
+                backend.client.put(backend.run_prefix + f"alive/{node}".encode(), b"poison")
+            else:
+                store.set(f"rdzv.handler/{RUN_ID}/hb/{node}", b"poison")
+        except Exception:
+            self._close_reader()
+            return False
+        return True
+
 
 class TcpStoreCluster(Cluster):
     """``rdzv serve`` in a subprocess: the TCP store host of the c10d backend."""
@@ -187,6 +215,10 @@ class TcpStoreCluster(Cluster):
         self.proxies[0].target_port = self.port
         return True
 
+    def server_pids(self) -> list[int]:
+        proc = self.proc
+        return [] if proc is None or proc.poll() is not None else [proc.pid]
+
     def stop(self) -> None:
         self.close_proxies()
         proc, self.proc = self.proc, None
@@ -239,6 +271,9 @@ class EtcdChaosCluster(Cluster):
         for _, member in due:
             self.cluster.start_member(member, state="existing")
 
+    def server_pids(self) -> list[int]:
+        return [m.proc.pid for m in self.cluster.members if m.alive]
+
     def stop(self) -> None:
         self.close_proxies()
         self._stack.close()
@@ -273,6 +308,10 @@ class RedisChaosCluster(Cluster):
         self.server.start()
         self.server.wait_ready()
         return True  # no persistence: the restarted server is empty
+
+    def server_pids(self) -> list[int]:
+        proc = self.server.proc
+        return [] if proc is None or proc.poll() is not None else [proc.pid]
 
     def stop(self) -> None:
         self.close_proxies()
