@@ -43,10 +43,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rdzv.errors import RendezvousStateError
+from rdzv.retry import deadline_within
 from tests.chaos.clusters import make_cluster
 from tests.procs import subprocess_env
 
 READ_TIMEOUT = 5.0
+_HARNESS_CALL = 1.0
+"""Seconds the harness's own reads and writes of the servers may take (a paused store)."""
 
 
 @dataclass
@@ -385,7 +388,7 @@ class ChaosRun:
     def _monitor(self) -> None:
         """Read and decode the stored state every half second."""
         while not self._monitor_stop.wait(0.5):
-            with self._cluster_lock:
+            with self._cluster_lock, deadline_within(_HARNESS_CALL):
                 try:
                     data = self.cluster.read_state()
                 except Exception:
@@ -522,7 +525,7 @@ class ChaosRun:
         """Write a value that is no heartbeat mark into a live agent's heartbeat key."""
         nodes = [a.node for a in live if a.node is not None]
         if nodes:
-            with self._cluster_lock:
+            with self._cluster_lock, deadline_within(_HARNESS_CALL):
                 self.cluster.poison_heartbeat(self.rng.choice(nodes))
 
     def _run_pending(self, now: float) -> None:
@@ -591,6 +594,9 @@ class ChaosRun:
                     self._inject()
                     next_fault = now + self.rng.uniform(1.0, 3.0)
                     quiet_from = now
+                # Lines that queued up while the harness itself was slow end calls first.
+                while not self.lines.empty():
+                    self._handle(*self.lines.get_nowait())
                 self._watchdog()
             while not self.lines.empty():
                 self._handle(*self.lines.get_nowait())

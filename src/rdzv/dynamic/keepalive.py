@@ -17,11 +17,14 @@ tick it does two independent things:
   the successor; a successor judged dead is handed to ``on_dead`` (the
   handler evicts it).
 
-Each beat, and each judgement, runs under a caller's deadline of one
-``interval`` (:func:`rdzv.retry.deadline_within`): against a backend that
-stopped answering, the keep-alive gives up within about
-``interval x (max_attempt + 1)`` instead of the backend's read timeout per
-beat, and :meth:`KeepAlive.stop` never waits long for a beat in flight.
+Beats and judgements run under a caller's deadline
+(:func:`rdzv.retry.deadline_within`): the beats of one failure streak share
+the budget ``interval x max_attempt`` since the last good beat plus
+:data:`CALL_GRACE`, so against a backend that stopped answering the
+keep-alive gives up within that time instead of the backend's read timeout
+per beat, while a beat that is merely slow on a loaded machine still lands;
+a judgement may take the dead-node bound (past it, judging is late anyway).
+:meth:`KeepAlive.stop` waits at most :data:`STOP_WAIT` for a call in flight.
 
 The thread is supervised: an error in judging or evicting, of any kind, is
 logged as an event and retried on the next tick; it never ends the thread,
@@ -42,7 +45,10 @@ from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.retry import Clock, deadline_within
 
-__all__ = ["STOP_WAIT", "KeepAlive"]
+__all__ = ["CALL_GRACE", "STOP_WAIT", "KeepAlive"]
+
+CALL_GRACE = 5.0
+"""Seconds a heartbeat may take past the dead-node bound (the etcd client's connect timeout)."""
 
 STOP_WAIT = 1.0
 """Seconds :meth:`KeepAlive.stop` waits for the thread to end."""
@@ -139,6 +145,7 @@ class KeepAlive:
 
     def _run(self, stop: threading.Event) -> None:
         failures = 0
+        last_ok = self._clock()
         # The first beat is due one interval after joining: an observer only
         # starts judging a node when a round completes, and a round that
         # forms within one interval needs no heartbeat traffic at all.
@@ -147,13 +154,17 @@ class KeepAlive:
         while not stop.is_set():
             now = self._clock()
             if now >= next_beat:
-                with deadline_within(self._interval):
+                # The beats of one failure streak share one budget: the
+                # dead-node bound since the last good beat, plus a call's grace.
+                with deadline_within(last_ok + self._dead_after + CALL_GRACE - now):
                     failures = self._beat(failures, stop)
+                if failures == 0:
+                    last_ok = now
                 if failures >= self._max_attempt:
                     return
                 next_beat = now + self._interval
             try:
-                with deadline_within(self._interval):
+                with deadline_within(self._dead_after):
                     judged = self._judge(judged, now)
             except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
                 self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
