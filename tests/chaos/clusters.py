@@ -45,6 +45,8 @@ class Cluster(ABC):
     def __init__(self) -> None:
         self.proxies: list[FaultProxy] = []
         self._reader: tuple[RendezvousBackend, Store] | None = None
+        # Wall-clock windows in which no server could answer (nobody can judge then).
+        self.outages: list[tuple[float, float]] = []
 
     @property
     def agent_endpoint(self) -> str:
@@ -242,6 +244,7 @@ class EtcdChaosCluster(Cluster):
         self._stack = contextlib.ExitStack()
         self.cluster: Any = None
         self._restarts: list[tuple[float, Any]] = []
+        self._down_since = 0.0
 
     @property
     def direct_endpoint(self) -> str:
@@ -262,6 +265,8 @@ class EtcdChaosCluster(Cluster):
         member = rng.choice(running)
         kill_process(member.proc)
         self._restarts.append((time.monotonic() + rng.uniform(1.0, 4.0), member))
+        if self.size == 1:
+            self._down_since = time.time()
         return False  # a member restarts from its data directory: nothing is lost
 
     def tick(self) -> None:
@@ -270,6 +275,8 @@ class EtcdChaosCluster(Cluster):
         self._restarts = [(at, m) for at, m in self._restarts if at > now]
         for _, member in due:
             self.cluster.start_member(member, state="existing")
+            if self.size == 1:
+                self.outages.append((self._down_since, time.time()))
 
     def server_pids(self) -> list[int]:
         return [m.proc.pid for m in self.cluster.members if m.alive]

@@ -609,6 +609,8 @@ class ChaosRun:
             while not self.lines.empty():
                 self._handle(*self.lines.get_nowait())
             self.cluster.stop()
+        for start, end in self.cluster.outages:
+            self.checker.store_stalled(start, end)
         self.checker.finish(time.time())
         self.figures.seconds = time.monotonic() - self._t0
         return self.figures
