@@ -7,7 +7,8 @@ option's default comes from the environment variable ``PET_<DEST>`` (how
 Kubeflow's PyTorchJob configures torchrun): ``PET_NPROC_PER_NODE=2`` is
 ``--nproc-per-node 2``, and a flag such as ``--standalone`` is on when
 ``PET_STANDALONE`` is a non-zero integer. The command line wins over the
-environment. ``--stop-grace``, ``--log-level`` and ``--verbose`` are rdzv's
+environment. ``--stop-grace``, ``--reform-grace``, ``--log-level``, ``--verbose`` and
+the operations options (``--metrics-port``, ``--ready-file``) are rdzv's
 own.
 
 The values are checked and turned into a rendezvous and an agent by
@@ -236,6 +237,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "stop-grace",
         type=float,
         help="seconds between the signal and SIGKILL when stopping workers (10; rdzv only)",
+    )
+    work(
+        "reform-grace",
+        type=float,
+        metavar="SECONDS",
+        help="after a worker failure with no restart left, wait this long for a change of "
+        "the group (a node waiting, a member found dead) that makes it a re-form instead "
+        "(default: the time to find a dead member; rdzv only)",
     )
     work(
         "virtual-local-rank",

@@ -190,6 +190,8 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         raise RunOptionsError(f"--monitor-interval {args.monitor_interval} must be positive")
     if not args.role:
         raise RunOptionsError("--role must be a non-empty name")
+    if args.reform_grace is not None and not args.reform_grace >= 0:
+        raise RunOptionsError(f"--reform-grace {args.reform_grace:g} must be non-negative")
     redirects = _std_choice(args.redirects, "-r/--redirects")
     tee = _std_choice(args.tee, "-t/--tee")
     filters = parse_local_ranks_filter(args.local_ranks_filter)
@@ -226,6 +228,7 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         signals=signals,
         virtual_local_rank=args.virtual_local_rank,
+        reform_grace=args.reform_grace,
     )
 
 
