@@ -50,9 +50,11 @@ reports the failure.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
+import socket
 import string
 import sys
 import tempfile
@@ -84,6 +86,7 @@ from rdzv.launch.ranks import (
     DEFAULT_SIGNALS_TO_HANDLE,
     KEY_PREFIX,
     NodeRanks,
+    agent_key,
     assign_ranks,
     visible_device,
     worker_environment,
@@ -568,6 +571,15 @@ class ElasticAgent:
         except OSError as exc:
             raise RendezvousError(f"could not start the workers: {exc}") from exc
         self.stats.workers = len(specs)
+        self._publish(info.store, ranks.group_rank, len(specs))
+
+    def _publish(self, store: Store, group_rank: int, workers: int) -> None:
+        """Say in the round's store how this node runs, for ``rdzv status``."""
+        record = {"host": socket.gethostname(), "workers": workers, "restarts": self._restarts}
+        try:
+            store.set(agent_key(group_rank), json.dumps(record))
+        except RendezvousError as exc:
+            self._log(f"could not publish this node's status: {type(exc).__name__}: {exc}")
 
     def _monitor(self) -> AgentResult | None:
         attempt = self._attempt
