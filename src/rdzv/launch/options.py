@@ -309,6 +309,20 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         dest="log_level",
         help="the same as --log-level INFO (rdzv only)",
     )
+    ops = grouped(parser.add_argument_group("operations (rdzv only)"))
+    ops(
+        "metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port, "
+        "printed at start)",
+    )
+    ops(
+        "metrics-host",
+        default="0.0.0.0",  # noqa: S104 - scraped from other machines
+        metavar="HOST",
+        help="the address the metrics endpoint listens on (0.0.0.0)",
+    )
     compat(
         "start-method",
         action=EnvDefault,

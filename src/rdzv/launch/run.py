@@ -42,6 +42,7 @@ from rdzv.backends.options import (
 from rdzv.endpoint import format_endpoint, parse_config
 from rdzv.errors import RendezvousError
 from rdzv.launch.agent import EXIT_RENDEZVOUS, AgentConfig, AgentResult, ElasticAgent
+from rdzv.launch.metrics import agent_metrics
 from rdzv.launch.options import (
     LOG_LEVELS,
     BadEnvironment,
@@ -55,6 +56,7 @@ from rdzv.launch.options import (
 from rdzv.launch.progress import EventListener
 from rdzv.launch.ranks import visible_device
 from rdzv.launch.workers import OutputSink, StdChoice, agent_line
+from rdzv.metrics import MetricsServer
 from rdzv.net import source_address
 from rdzv.registry import BACKEND_FACTORIES, create_handler
 
@@ -427,7 +429,27 @@ def run_command(args: argparse.Namespace) -> int:
         )
         return EXIT_RENDEZVOUS
     notes.write(sink)
-    with _rdzv_logs_to(sink, args.log_level):
-        result: AgentResult = ElasticAgent(handler, config, sink=sink).run()
+    agent = ElasticAgent(handler, config, sink=sink)
+    with contextlib.ExitStack() as stack:
+        if args.metrics_port is not None:
+            try:
+                metrics = MetricsServer(
+                    agent_metrics(agent.stats, handler, config.max_restarts),
+                    args.metrics_host,
+                    args.metrics_port,
+                )
+            except (OSError, OverflowError) as exc:
+                where = format_endpoint(args.metrics_host, args.metrics_port)
+                print(
+                    f"rdzv run: error: --metrics-port: cannot listen on {where}: "
+                    f"{getattr(exc, 'strerror', None) or exc}",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
+            stack.callback(metrics.close)
+            shown = format_endpoint(metrics.host, metrics.port)
+            sink.write_line(agent_line(f"metrics at http://{shown}/metrics"), to_stderr=True)
+        with _rdzv_logs_to(sink, args.log_level):
+            result: AgentResult = agent.run()
     sink.write_line(agent_line(result.reason), to_stderr=True)
     return result.exit_code
