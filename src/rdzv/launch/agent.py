@@ -103,6 +103,7 @@ from rdzv.launch.workers import (
 from rdzv.store.base import Store
 
 __all__ = [
+    "DEFAULT_FORWARDED",
     "DEFAULT_SIGNALS",
     "EXIT_OK",
     "EXIT_RENDEZVOUS",
@@ -120,6 +121,10 @@ EXIT_RENDEZVOUS = 3
 
 #: The signals torchrun's agent handles by default.
 DEFAULT_SIGNALS = tuple(signal.Signals[name] for name in DEFAULT_SIGNALS_TO_HANDLE.split(","))
+
+#: Signals passed on to the workers without stopping anything (SLURM's
+#: pre-emption warning, ``#SBATCH --signal=USR1@90``, is SIGUSR1).
+DEFAULT_FORWARDED = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,9 @@ class AgentConfig:
             torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``), or None
             for ``[rank N]: ``.
         signals: The signals that stop the agent and are forwarded to the workers.
+        forwarded: Signals passed on to the running workers' process groups
+            while the agent and the workers go on (a signal also in
+            ``signals`` stops the agent instead).
         virtual_local_rank: ``LOCAL_RANK=0`` for every worker, which sees
             only its own device in ``CUDA_VISIBLE_DEVICES``.
         reform_grace: Seconds a worker failure with no restart left waits
@@ -187,6 +195,7 @@ class AgentConfig:
     duplicate_stderr_filters: Sequence[str] = ()
     log_line_prefix_template: str | None = None
     signals: Sequence[signal.Signals] = DEFAULT_SIGNALS
+    forwarded: Sequence[signal.Signals] = DEFAULT_FORWARDED
     virtual_local_rank: bool = False
     reform_grace: float | None = None
 
@@ -415,7 +424,15 @@ class ElasticAgent:
                 return
             raise AgentInterrupted(signum)
 
+        def forward(signum: int, _frame: FrameType | None) -> None:
+            attempt = self._attempt
+            if attempt is not None and not self._cleaning_up:
+                attempt.workers.send_signal(signal.Signals(signum))
+
         previous = {sig: signal.signal(sig, on_signal) for sig in self._config.signals}
+        for sig in self._config.forwarded:
+            if sig not in previous:
+                previous[sig] = signal.signal(sig, forward)
         try:
             yield
         finally:

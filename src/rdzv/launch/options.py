@@ -40,6 +40,8 @@ __all__ = [
     "RunOptionsError",
     "add_run_arguments",
     "comma_separated_list",
+    "from_environment",
+    "given",
     "local_world_size",
     "parse_local_ranks_filter",
     "parse_nnodes",
@@ -62,6 +64,27 @@ class RunOptionsError(ValueError):
 
 def _env_name(dest: str) -> str:
     return f"PET_{dest.upper()}"
+
+
+def given(namespace: argparse.Namespace) -> set[str]:
+    """Return the destinations of the options given on the command line (so far).
+
+    Args:
+        namespace: The namespace being filled by the parser.
+
+    Returns:
+        The live set (options with a ``PET_*`` default record themselves).
+    """
+    found: set[str] | None = getattr(namespace, "_given", None)
+    if found is None:
+        found = set()
+        namespace._given = found
+    return found
+
+
+def from_environment(dest: str) -> bool:
+    """Tell whether the ``PET_*`` variable of ``dest`` is set."""
+    return _env_name(dest) in os.environ
 
 
 class EnvDefault(argparse.Action):
@@ -87,8 +110,9 @@ class EnvDefault(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        """Store the value given on the command line."""
+        """Store the value given on the command line (and remember that it was given)."""
         setattr(namespace, self.dest, values)
+        given(namespace).add(self.dest)
 
 
 class BadEnvironment(str):
@@ -310,6 +334,18 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="the same as --log-level INFO (rdzv only)",
     )
     ops = grouped(parser.add_argument_group("operations (rdzv only)"))
+    ops(
+        "no-slurm",
+        action="store_true",
+        help="do not take --nnodes, --node-rank, --rdzv-id and --rdzv-endpoint from SLURM_* "
+        "variables (they are used, when set, for the options not given otherwise)",
+    )
+    ops(
+        "ready-file",
+        metavar="PATH",
+        help="write PATH once the first round completed and the workers started; removed "
+        "at exit (a Kubernetes readiness probe: test -e PATH)",
+    )
     ops(
         "metrics-port",
         type=int,

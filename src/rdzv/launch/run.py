@@ -23,16 +23,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rdzv.api import RendezvousHandler, RendezvousParameters, RendezvousSettings
+from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousSettings
 from rdzv.backends.options import (
     EtcdOptions,
     RedisOptions,
@@ -48,6 +50,8 @@ from rdzv.launch.options import (
     BadEnvironment,
     RunOptionsError,
     add_run_arguments,
+    from_environment,
+    given,
     local_world_size,
     parse_local_ranks_filter,
     parse_nnodes,
@@ -55,6 +59,7 @@ from rdzv.launch.options import (
 )
 from rdzv.launch.progress import EventListener
 from rdzv.launch.ranks import visible_device
+from rdzv.launch.slurm import slurm_settings
 from rdzv.launch.workers import OutputSink, StdChoice, agent_line
 from rdzv.metrics import MetricsServer
 from rdzv.net import source_address
@@ -356,6 +361,70 @@ def _build_handler(args: argparse.Namespace, nproc: int, notes: _Notices) -> Ren
         raise RunOptionsError(str(exc)) from None
 
 
+def _apply_slurm(args: argparse.Namespace, notes: _Notices) -> None:
+    """Fill ``--nnodes``, ``--node-rank``, ``--rdzv-id``, ``--rdzv-endpoint`` from SLURM_*.
+
+    Only options given neither on the command line nor as ``PET_*`` are
+    filled; ``--standalone`` and ``--no-slurm`` turn it off, and
+    ``--master-addr``/``--master-port`` keep the endpoint from being filled.
+    """
+    if args.no_slurm or args.standalone:
+        return
+    try:
+        found = slurm_settings(os.environ)
+    except ValueError as exc:
+        raise RunOptionsError(f"{exc} (--no-slurm ignores SLURM_*)") from None
+    explicit = given(args)
+    taken = []
+    for dest, (value, variable) in found.items():
+        if dest in explicit or from_environment(dest):
+            continue
+        if dest == "rdzv_endpoint" and (args.master_addr or args.master_port is not None):
+            continue
+        setattr(args, dest, int(value) if dest == "node_rank" else value)
+        taken.append(f"--{dest.replace('_', '-')} {value} ({variable})")
+    if taken:
+        notes.notice(
+            "SLURM",
+            f"{', '.join(taken)}; options on the command line and PET_* variables win, "
+            "--no-slurm ignores SLURM_*",
+        )
+
+
+def _ready_file(args: argparse.Namespace) -> Path | None:
+    """Return the readiness file, removing a stale one; None without ``--ready-file``."""
+    if not args.ready_file:
+        return None
+    path = Path(args.ready_file)
+    if not path.parent.is_dir():
+        raise RunOptionsError(f"--ready-file {args.ready_file!r}: {path.parent} is not a directory")
+    if path.is_dir():
+        raise RunOptionsError(f"--ready-file {args.ready_file!r} is a directory")
+    path.unlink(missing_ok=True)
+    return path
+
+
+def _ready_writer(path: Path, run_id: str, sink: OutputSink) -> Callable[[RendezvousInfo], None]:
+    """Return the callback that (re)writes the readiness file after each round."""
+
+    def write(info: RendezvousInfo) -> None:
+        record = {
+            "run_id": run_id,
+            "group_rank": info.rank,
+            "group_world_size": info.world_size,
+            "time": time.time(),
+        }
+        partial = path.with_name(f".{path.name}.partial")
+        try:
+            partial.write_text(json.dumps(record) + "\n")
+            os.replace(partial, path)
+        except OSError as exc:
+            line = f"could not write the readiness file {path}: {exc.strerror or exc}"
+            sink.write_line(agent_line(line), to_stderr=True)
+
+    return write
+
+
 class _SinkLogHandler(logging.Handler):
     """Writes log records as time-stamped agent lines through the output sink."""
 
@@ -413,6 +482,8 @@ def run_command(args: argparse.Namespace) -> int:
     notes = _Notices()
     try:
         _check_environment(args)
+        _apply_slurm(args, notes)
+        ready_file = _ready_file(args)
         nproc = local_world_size(args.nproc_per_node)
         config = _agent_config(args, nproc, notes)
         _compatibility_notices(args, notes)
@@ -429,8 +500,11 @@ def run_command(args: argparse.Namespace) -> int:
         )
         return EXIT_RENDEZVOUS
     notes.write(sink)
-    agent = ElasticAgent(handler, config, sink=sink)
+    on_round = None if ready_file is None else _ready_writer(ready_file, handler.get_run_id(), sink)
+    agent = ElasticAgent(handler, config, sink=sink, on_round=on_round)
     with contextlib.ExitStack() as stack:
+        if ready_file is not None:
+            stack.callback(ready_file.unlink, missing_ok=True)
         if args.metrics_port is not None:
             try:
                 metrics = MetricsServer(
