@@ -39,7 +39,8 @@ The signals to handle (torchrun's default: SIGTERM, SIGINT, SIGHUP and
 SIGQUIT) raise :class:`AgentInterrupted` in the main thread; the agent then
 stops the workers (the same signal to each worker's process group, grace,
 SIGKILL), leaves the rendezvous without closing it and exits
-``128 + signal``.
+``128 + signal``. SIGUSR1 and SIGUSR2 (SLURM's pre-emption warning) are
+passed on to the running workers, and everything goes on.
 
 Each worker gets an error file (``TORCHELASTIC_ERROR_FILE``) next to its log
 (in a private temporary directory, removed at the end, without a log
