@@ -59,6 +59,8 @@ def test_a_sigkilled_agent_of_a_ddp_job_costs_no_restart(endpoint: str, tmp_path
         out = "".join(o for _, o, _ in results)
         assert out.count("parameters in sync: True") == 2, out
         assert all("not counted as a restart" in err for _, _, err in results), results
+        # the survivors name the node that went: its key holds its agent's pid
+        assert all(f"#{victim.pid}#" in err for _, _, err in results), results
         assert {r["TORCHELASTIC_RESTART_COUNT"] for r in _records(tmp_path, 2)} == {"0"}
         victim_worker = next(
             int(r["pid"]) for r in _records(tmp_path, 3) if r["ppid"] == victim.pid

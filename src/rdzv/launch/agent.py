@@ -74,6 +74,7 @@ from rdzv.errors import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousTimeoutError,
     StoreTimeoutError,
 )
 from rdzv.launch.bootstrap import (
@@ -82,6 +83,7 @@ from rdzv.launch.bootstrap import (
     exchange_bootstrap,
     tcp_store_server,
 )
+from rdzv.launch.explain import describe_change, describe_timeout
 from rdzv.launch.progress import FIRST_LINE_AFTER, LINE_EVERY, EventListener, WaitProgress
 from rdzv.launch.ranks import (
     DEFAULT_SIGNALS_TO_HANDLE,
@@ -462,11 +464,13 @@ class ElasticAgent:
                     self._restarts,
                 )
             except RendezvousError as exc:
-                return AgentResult(
-                    EXIT_RENDEZVOUS,
-                    f"the rendezvous of run {self._run_id!r} failed: {type(exc).__name__}: {exc}",
-                    self._restarts,
+                reason = (
+                    f"the rendezvous of run {self._run_id!r} failed: {type(exc).__name__}: {exc}"
                 )
+                if isinstance(exc, RendezvousTimeoutError):
+                    details = describe_timeout(self._handler)
+                    reason += f" ({details})" if details else ""
+                return AgentResult(EXIT_RENDEZVOUS, reason, self._restarts)
             try:
                 self._start_attempt(info)
             except _GroupChanged:
@@ -621,7 +625,7 @@ class ElasticAgent:
                 waiting = 0
             if waiting > 0:
                 self._log(
-                    f"{waiting} node(s) waiting or a member left: stopping the workers to "
+                    f"{describe_change(self._handler, waiting)}: stopping the workers to "
                     "re-rendezvous (not counted as a restart)"
                 )
                 self.stats.reforms += 1
@@ -658,10 +662,12 @@ class ElasticAgent:
         self._end_attempt()
         self.stats.workers = 0
         cfg = self._config
-        if self._nodes_waiting() > 0:
+        waiting = self._nodes_waiting()
+        if waiting > 0:
             self.stats.reforms += 1
             self._log(
-                f"{failure.describe()} as nodes wait or a member left: re-rendezvous "
+                f"{failure.describe()} as the group changed "
+                f"({describe_change(self._handler, waiting)}): re-rendezvous "
                 "(not counted as a restart)"
             )
             return None
@@ -681,9 +687,10 @@ class ElasticAgent:
             )
             if self._group_changes(self._grace):
                 self.stats.reforms += 1
+                change = describe_change(self._handler, self._nodes_waiting() or 1)
                 self._log(
-                    "nodes wait or a member left: the failure came with a change of the "
-                    "group; re-rendezvous (not counted as a restart)"
+                    f"the failure came with a change of the group ({change}): "
+                    "re-rendezvous (not counted as a restart)"
                 )
                 return None
         self._close_run()
