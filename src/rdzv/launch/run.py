@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -41,8 +42,8 @@ from rdzv.backends.options import (
     StoreBackendOptions,
     parse_endpoints,
 )
-from rdzv.endpoint import format_endpoint, parse_config
-from rdzv.errors import RendezvousError
+from rdzv.endpoint import format_endpoint, parse_config, parse_endpoint
+from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.launch.agent import EXIT_RENDEZVOUS, AgentConfig, AgentResult, ElasticAgent
 from rdzv.launch.metrics import agent_metrics
 from rdzv.launch.options import (
@@ -361,6 +362,36 @@ def _build_handler(args: argparse.Namespace, nproc: int, notes: _Notices) -> Ren
         raise RunOptionsError(str(exc)) from None
 
 
+_PROBE_TIMEOUT = 2.0
+
+
+def _endpoint_hint(args: argparse.Namespace) -> str:
+    """Say what listens at a store endpoint that could not be used ("" when unknown).
+
+    A TCP connection that is accepted means some program holds the port; one
+    that is refused means nothing listens there.
+    """
+    backend = args.rdzv_backend or "c10d"
+    if BACKEND_FACTORIES.get(backend) != "rdzv.backends.store:create_backend":
+        return ""
+    try:
+        host, port = parse_endpoint(args.rdzv_endpoint)
+    except ValueError:
+        return ""
+    where = format_endpoint(host, port)
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT):
+            pass
+    except ConnectionRefusedError:
+        return f" (nothing listens at {where}: is the store's host up, and the port right?)"
+    except OSError:
+        return ""
+    return (
+        f" (a program accepts connections at {where} but did not answer as an rdzv or "
+        "torch TCP store: is the port used by another program?)"
+    )
+
+
 def _apply_slurm(args: argparse.Namespace, notes: _Notices) -> None:
     """Fill ``--nnodes``, ``--node-rank``, ``--rdzv-id``, ``--rdzv-endpoint`` from SLURM_*.
 
@@ -494,8 +525,9 @@ def run_command(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except RendezvousError as exc:
         notes.write(sink)
+        hint = _endpoint_hint(args) if isinstance(exc, RendezvousConnectionError) else ""
         print(
-            f"rdzv run: cannot set up the rendezvous: {type(exc).__name__}: {exc}",
+            f"rdzv run: cannot set up the rendezvous: {type(exc).__name__}: {exc}{hint}",
             file=sys.stderr,
         )
         return EXIT_RENDEZVOUS
