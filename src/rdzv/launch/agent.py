@@ -660,7 +660,6 @@ class ElasticAgent:
 
     def _on_failure(self, failure: WorkerExit, info: RendezvousInfo) -> AgentResult | None:
         self._end_attempt()
-        self.stats.workers = 0
         cfg = self._config
         waiting = self._nodes_waiting()
         if waiting > 0:
