@@ -191,3 +191,29 @@ def test_doc_block_runs_as_written(
     rdzv = shutil.which("rdzv", path=env["PATH"])
     assert rdzv is not None
     assert rdzv.startswith(env["VIRTUAL_ENV"])
+
+
+def test_blocks_that_cannot_run_here_are_valid_shell() -> None:
+    skipped = [b for b in all_blocks() if (b.info or "").startswith("sh skip-")]
+    bad = []
+    for block in skipped:
+        done = subprocess.run(
+            ["bash", "-n", "-c", block.text],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if done.returncode != 0:
+            bad.append(f"{block.where}: {done.stderr.strip()}")
+    assert bad == []
+
+
+def test_yaml_blocks_parse() -> None:
+    yaml = pytest.importorskip("yaml")
+    found = [b for b in all_blocks() if b.info == "yaml"]
+    assert found
+    for block in found:
+        documents = [d for d in yaml.safe_load_all(block.text) if d is not None]
+        assert documents, block.where
+        assert all(isinstance(d, dict) and "kind" in d for d in documents), block.where
