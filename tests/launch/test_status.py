@@ -243,7 +243,9 @@ def test_watch_redraws_in_place_and_says_when_the_job_finished(
         )
         screen = _Terminal()
         outcome: list[int] = []
-        watcher = threading.Thread(target=lambda: outcome.append(status_command(options, screen)))
+        watcher = threading.Thread(
+            target=lambda: outcome.append(status_command(options, screen)), daemon=True
+        )
         watcher.start()
         wait_for(lambda: screen.getvalue().count("\x1b[H\x1b[J") >= 2, what="two redraws")
         (tmp_path / "release-1").write_text("")
