@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 
 from rdzv.testing.netns import Host, NetnsBed, NetnsUnavailable
+from tests.torchrun.conftest import entry_points_path
 
 PROBE = str(Path(__file__).with_name("probe.py"))
 PROBE_PORT = 7311
+
+__all__ = ["entry_points_path"]  # the torchrun fixture, for torchrun jobs across hosts
 
 
 def open_bed(count: int) -> NetnsBed:

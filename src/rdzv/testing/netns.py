@@ -13,6 +13,11 @@ real machine. Needs root and the ``ip`` command; standard library only::
         bed.partition([[0], [1, 2]])  # 0 can reach neither 1 nor 2
         bed.cut([(1, 2)])  # only 1 and 2 cannot reach each other
         bed.heal()
+        bed.hosts[1].call(urllib.request.urlopen, "http://10.213.0.1:8000/")
+
+:meth:`Host.call` runs a Python function in a thread that has entered the
+host's namespace (``setns(2)`` through ``ctypes``), so the test process
+itself can reach servers on the hosts' addresses without a subprocess.
 
 **Partitions** (:meth:`NetnsBed.partition`, :meth:`NetnsBed.isolate`,
 :meth:`NetnsBed.cut`) drop packets silently, as a failed switch or a firewall
@@ -37,6 +42,8 @@ is killed outright (SIGKILL), the next :class:`NetnsBed` to start (or
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import itertools
 import os
 import re
@@ -44,9 +51,10 @@ import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any, TypeVar
 
 __all__ = ["Host", "NetnsBed", "NetnsUnavailable", "sweep_stale"]
 
@@ -57,6 +65,9 @@ MAX_HOSTS = 99
 _RULE_PREF = "10"
 _LOCAL_PREF = "100"
 _NAME = re.compile(rf"^{PREFIX}(\d+)[a-z]")
+_CLONE_NEWNET = 0x40000000
+_NETNS_DIR = "/run/netns"
+_T = TypeVar("_T")
 _letters = itertools.cycle("abcdefghijklmnopqrstuvwxyz")
 _letters_lock = threading.Lock()
 
@@ -142,6 +153,18 @@ def sweep_stale() -> list[str]:
     return namespaces + links
 
 
+def _enter_namespace(namespace: str) -> None:
+    """Move the calling thread (only it) into ``namespace`` with ``setns(2)``."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fd = os.open(os.path.join(_NETNS_DIR, namespace), os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {namespace}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True)
 class Host:
     """One host of a :class:`NetnsBed`: a network namespace and its addresses.
@@ -197,6 +220,46 @@ class Host:
             env=None if env is None else dict(env),
             check=check,
         )
+
+    def call(self, function: Callable[..., _T], *args: Any, timeout: float = 60.0) -> _T:
+        """Call ``function(*args)`` in a new thread that runs inside this host.
+
+        Sockets the function opens belong to the host's network namespace
+        (and stay there when used later from other threads); the calling
+        thread is not moved.
+
+        Args:
+            function: What to call.
+            *args: Its arguments.
+            timeout: Seconds to wait for the call to return.
+
+        Returns:
+            What ``function`` returned.
+
+        Raises:
+            TimeoutError: The call did not return within ``timeout`` (the
+                thread, a daemon, is left to finish on its own).
+            BaseException: Whatever ``function`` raised, re-raised here.
+        """
+        outcome: list[tuple[bool, Any]] = []
+
+        def inside() -> None:
+            try:
+                _enter_namespace(self.namespace)
+                outcome.append((True, function(*args)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                outcome.append((False, exc))
+
+        thread = threading.Thread(target=inside, name=f"netns-{self.namespace}", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if not outcome:
+            raise TimeoutError(f"{function!r} did not return within {timeout} s in {self.namespace}")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        result: _T = value
+        return result
 
     def popen(
         self,
