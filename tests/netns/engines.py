@@ -204,4 +204,3 @@ def engine(bed: NetnsBed, name: str) -> Iterator[str]:
     else:
         with NetnsRedis(bed.hosts[0]) as redis:
             yield redis.endpoint
-

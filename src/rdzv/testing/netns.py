@@ -54,7 +54,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 __all__ = ["Host", "NetnsBed", "NetnsUnavailable", "sweep_stale"]
 
@@ -254,7 +254,9 @@ class Host:
         thread.start()
         thread.join(timeout)
         if not outcome:
-            raise TimeoutError(f"{function!r} did not return within {timeout} s in {self.namespace}")
+            raise TimeoutError(
+                f"{function!r} did not return within {timeout} s in {self.namespace}"
+            )
         ok, value = outcome[0]
         if not ok:
             raise value
@@ -266,8 +268,8 @@ class Host:
         args: Sequence[str],
         *,
         env: Mapping[str, str] | None = None,
-        stdout: int | None = subprocess.PIPE,
-        stderr: int | None = subprocess.PIPE,
+        stdout: int | IO[Any] | None = subprocess.PIPE,
+        stderr: int | IO[Any] | None = subprocess.PIPE,
     ) -> subprocess.Popen[str]:
         """Start a command inside this host without waiting for it.
 
