@@ -21,6 +21,10 @@ state, read by a monitor every half second, always decodes. Rounds are told
 apart per store epoch; a round whose call straddled a store restart is not
 attributed to either epoch and is counted as straddled.
 
+With ``net="netns"`` every agent and every server runs in its own network
+namespace and partitions replace the proxy's cuts and delays
+(:mod:`tests.chaos.netns`).
+
 Everything is driven by one seed, printed first, so a run replays (as far as
 process scheduling allows).
 """
@@ -41,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rdzv.errors import RendezvousStateError
-from tests.chaos.clusters import make_cluster
+from tests.chaos.clusters import Cluster, make_cluster
+from tests.chaos.netns import FAULTS, NetnsTopology
 from tests.procs import subprocess_env
 
 READ_TIMEOUT = 5.0
@@ -69,6 +74,8 @@ class Settings:
         store_restarts: Allow the server-side fault (store host, Redis or an
             etcd member killed).
         log_dir: Each agent writes rdzv's debug log to a file here (None: no logs).
+        net: ``loopback`` (everything on 127.0.0.1, faults through proxies) or
+            ``netns`` (a host per agent and per server, partition faults).
     """
 
     seed: int
@@ -85,6 +92,7 @@ class Settings:
     faults: bool = True
     store_restarts: bool = True
     log_dir: str | None = None
+    net: str = "loopback"
 
     @property
     def dead_after(self) -> float:
@@ -225,8 +233,10 @@ class _Agent:
 
     def __init__(self, run: ChaosRun, seed: int) -> None:
         settings = run.settings
+        inside = [] if run.topology is None else run.topology.place(self, _Agent.running)
         self.proc = subprocess.Popen(
             [
+                *inside,
                 sys.executable,
                 "-m",
                 "tests.chaos.agent",
@@ -276,6 +286,10 @@ class _Agent:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @staticmethod
+    def running(agent: _Agent | None) -> bool:
+        return agent is not None and agent.alive
+
     def signal(self, signum: int) -> None:
         if self.alive:
             os.kill(self.proc.pid, signum)
@@ -307,7 +321,12 @@ class ChaosRun:
         self.agents: list[_Agent] = []
         self.log = log
         self.epoch = 0
-        self.cluster = make_cluster(settings.backend)
+        self.topology: NetnsTopology | None = None
+        if settings.net == "netns":
+            self.topology = NetnsTopology(settings.backend, settings.max_nodes + 2)
+            self.cluster: Cluster = self.topology.cluster
+        else:
+            self.cluster = make_cluster(settings.backend)
         self._cluster_lock = threading.Lock()
         self._monitor_stop = threading.Event()
 
@@ -369,15 +388,19 @@ class ChaosRun:
     def _inject(self) -> None:
         kinds = ["kill", "pause", "cut", "delay", "join"]
         weights = [3, 2, 2, 2, 1]
+        network = ["cut", "delay"]
+        if self.topology is not None:  # no proxies: partitions instead of cuts and delays
+            kinds, weights = ["kill", "pause", "join", *FAULTS], [3, 2, 1, *FAULTS.values()]
+            network = ["split", "split"]
         if self.settings.store_restarts:
             kinds.append(self.cluster.server_fault)
             weights.append(1)
         kind = self.rng.choices(kinds, weights)[0]
         live = [a for a in self._live_agents() if a.paused_until is None]
         if kind in ("kill", "pause") and (len(live) <= 1 or not live):
-            kind = "cut"
+            kind = network[0]
         if kind == "join" and len(self._live_agents()) >= self.settings.max_nodes + 1:
-            kind = "delay"
+            kind = network[1]
         self.figures.faults[kind] += 1
         if kind == "kill":
             victim = self.rng.choice(live)
@@ -401,6 +424,8 @@ class ChaosRun:
             self._delay_until = time.monotonic() + self.rng.uniform(1.0, 3.0)
         elif kind == "join":
             self._spawn()
+        elif kind in FAULTS and self.topology is not None:
+            kind = self.topology.inject(kind, self.rng)  # the fault log names the groups
         else:
             with self._cluster_lock:
                 if self.cluster.fault(self.rng):
@@ -454,6 +479,8 @@ class ChaosRun:
                     self._delay_until = 0.0
                 with self._cluster_lock:
                     self.cluster.tick()
+                if self.topology is not None and self.topology.tick():
+                    self._say("heal")
                 # Keep the population up: replace agents that died or exited.
                 while len(self._live_agents()) < settings.agents:
                     self._spawn()
@@ -471,6 +498,8 @@ class ChaosRun:
             while not self.lines.empty():
                 self._handle(*self.lines.get_nowait())
             self.cluster.stop()
+            if self.topology is not None:
+                self.topology.close()
         self.checker.finish()
         self.figures.seconds = time.monotonic() - self._t0
         return self.figures

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rdzv.testing.netns import Host, NetnsBed
-from tests.engines.servers import stop_process
+from tests.engines.servers import kill_process, stop_process
 from tests.procs import require_binary
 
 ETCD_CLIENT_PORT = 2479
@@ -73,9 +73,8 @@ class NetnsEtcd:
 
     def __enter__(self) -> NetnsEtcd:
         try:
-            cluster = ",".join(f"m{h.index}=http://{h.ipv4}:{ETCD_PEER_PORT}" for h in self.hosts)
             for host in self.hosts:
-                self._start(host, cluster)
+                self.start(host)
             self.wait_healthy()
         except BaseException:
             self.close()
@@ -85,14 +84,16 @@ class NetnsEtcd:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _start(self, host: Host, cluster: str) -> None:
+    def start(self, host: Host, state: str = "new") -> None:
+        """Start the member of ``host`` (``state="existing"``: again, from its data directory)."""
+        cluster = ",".join(f"m{h.index}=http://{h.ipv4}:{ETCD_PEER_PORT}" for h in self.hosts)
         peer = f"http://{host.ipv4}:{ETCD_PEER_PORT}"
         args = [
             require_binary("etcd"),
             *("--name", f"m{host.index}", "--data-dir", str(self.base / f"m{host.index}")),
             *("--listen-client-urls", self.url(host), "--advertise-client-urls", self.url(host)),
             *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
-            *("--initial-cluster", cluster, "--initial-cluster-state", "new"),
+            *("--initial-cluster", cluster, "--initial-cluster-state", state),
             *("--initial-cluster-token", f"rdzv-netns-{self.base.name}"),
             *("--heartbeat-interval", "50", "--election-timeout", "500"),
             *("--logger", "zap", "--log-level", "warn"),
@@ -116,15 +117,31 @@ class NetnsEtcd:
                 raise RuntimeError(f"etcd on hosts {[h.index for h in pending]} not healthy")
             time.sleep(0.1)
 
+    def kill(self, host: Host) -> None:
+        """SIGKILL the member of ``host`` (its data directory stays)."""
+        proc = self.procs.get(host.index)
+        if proc is not None:
+            kill_process(proc)
+
+    def alive(self, host: Host) -> bool:
+        proc = self.procs.get(host.index)
+        return proc is not None and proc.poll() is None
+
     def log(self, host: Host) -> str:
         path = self.base / f"m{host.index}.log"
         return path.read_text(errors="replace")[-2000:] if path.exists() else ""
 
     def leader(self, timeout: float = 30.0) -> Host:
-        """Return the host whose member is the raft leader (asked from inside each host)."""
+        """Return the host whose member is the raft leader (asked from inside each host).
+
+        Raises:
+            RuntimeError: No member said it leads within ``timeout``.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for host in self.hosts:
+                if not self.alive(host):
+                    continue
                 status = host.call(_post, f"{self.url(host)}/v3/maintenance/status", {})
                 if status and status.get("leader") == status.get("header", {}).get("member_id"):
                     return host
@@ -150,6 +167,11 @@ class NetnsRedis:
         return f"{self.host.ipv4}:{REDIS_PORT}"
 
     def __enter__(self) -> NetnsRedis:
+        self.start()
+        return self
+
+    def start(self) -> None:
+        """Start redis-server (empty: nothing persists) and wait until it answers."""
         args = [
             require_binary("redis-server"),
             *("--bind", self.host.ipv4, "--port", str(REDIS_PORT), "--dir", str(self.base)),
@@ -166,7 +188,11 @@ class NetnsRedis:
         except BaseException:
             self.close()
             raise
-        return self
+
+    def kill(self) -> None:
+        """SIGKILL redis-server."""
+        if self.proc is not None:
+            kill_process(self.proc)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
