@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import time
 
 import pytest
 
-from rdzv.testing.netns import NetnsUnavailable
+from rdzv.testing.netns import NetnsUnavailable, bed_names
 from tests.chaos.harness import ChaosRun, Settings
 from tests.chaos.netns import FAULTS, NetnsTopology
-
-
-def bed_names(tag: str) -> list[str]:
-    """Namespaces and links whose name starts with ``tag``."""
-    shown = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
-    return [
-        name
-        for name in [line.split()[0] for line in shown.stdout.splitlines() if line]
-        + [line.split(":", 2)[1].strip().split("@")[0] for line in links.stdout.splitlines()]
-        if name.startswith(tag)
-    ]
 
 
 @pytest.mark.timeout(180)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -10,13 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from rdzv.testing.netns import Host, NetnsBed, NetnsUnavailable
+from rdzv.testing.netns import PREFIX, Host, NetnsBed, NetnsUnavailable, bed_names
 from tests.torchrun.conftest import entry_points_path
 
 PROBE = str(Path(__file__).with_name("probe.py"))
 PROBE_PORT = 7311
 
 __all__ = ["entry_points_path"]  # the torchrun fixture, for torchrun jobs across hosts
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """After the last test here: no namespace, veth or bridge of this process remains."""
+    yield
+    if os.geteuid() == 0:
+        mine = f"{PREFIX}{os.getpid()}"
+        assert bed_names(mine) == [], f"left behind by this test run: {bed_names(mine)}"
 
 
 def open_bed(count: int) -> NetnsBed:

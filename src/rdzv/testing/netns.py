@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
-__all__ = ["Host", "NetnsBed", "NetnsUnavailable", "sweep_stale"]
+__all__ = ["Host", "NetnsBed", "NetnsUnavailable", "bed_names", "sweep_stale"]
 
 PREFIX = "rdzv"
 IPV4_NET = "10.213.0"
@@ -128,6 +128,20 @@ def _remove(namespaces: Sequence[str], links: Sequence[str]) -> None:
         _ip("link", "delete", link, check=False)
     for namespace in namespaces:
         _ip("netns", "delete", namespace, check=False)
+
+
+def bed_names(prefix: str = PREFIX) -> list[str]:
+    """Return the namespaces and links whose names start with ``prefix``.
+
+    Args:
+        prefix: ``rdzv`` (every bed's), or one bed's :attr:`NetnsBed.tag`.
+
+    Returns:
+        The names, namespaces first, then links.
+    """
+    return [n for n in _namespaces() if n.startswith(prefix)] + [
+        n for n in _links() if n.startswith(prefix)
+    ]
 
 
 def sweep_stale() -> list[str]:
