@@ -419,23 +419,17 @@ class NetnsBed:
         self.hosts = []
         self._cut.clear()
 
-    def _rules(self, receiver: int, sender: int, action: str) -> None:
-        host, peer = self.hosts[receiver], self.hosts[sender]
-        for family, addr in (("-4", peer.ipv4), ("-6", peer.ipv6)):
-            _ip(
-                "-n",
-                host.namespace,
-                family,
-                "rule",
-                action,
-                "pref",
-                _RULE_PREF,
-                "from",
-                addr,
-                "iif",
-                "eth0",
-                "blackhole",
+    def _rules(self, receiver: int, changes: Sequence[tuple[str, int]]) -> None:
+        """Add or delete the blackhole rules of ``receiver``: one ``ip -batch`` per family."""
+        host = self.hosts[receiver]
+        for family in ("-4", "-6"):
+            lines = "".join(
+                f"rule {action} pref {_RULE_PREF} from "
+                f"{self.hosts[sender].ipv4 if family == '-4' else self.hosts[sender].ipv6} "
+                "iif eth0 blackhole\n"
+                for action, sender in changes
             )
+            _ip("-n", host.namespace, family, "-batch", "-", stdin=lines)
 
     def partition(self, groups: Sequence[Sequence[int]]) -> None:
         """Split the hosts into groups that cannot reach each other.
@@ -491,12 +485,18 @@ class NetnsBed:
         self._apply(wanted)
 
     def _apply(self, wanted: set[tuple[int, int]]) -> None:
+        changes: dict[int, list[tuple[str, int]]] = {}
         for receiver, sender in sorted(self._cut - wanted):
-            self._rules(receiver, sender, "del")
-            self._cut.discard((receiver, sender))
+            changes.setdefault(receiver, []).append(("del", sender))
         for receiver, sender in sorted(wanted - self._cut):
-            self._rules(receiver, sender, "add")
-            self._cut.add((receiver, sender))
+            changes.setdefault(receiver, []).append(("add", sender))
+        for receiver, actions in sorted(changes.items()):
+            self._rules(receiver, actions)
+            for action, sender in actions:
+                if action == "add":
+                    self._cut.add((receiver, sender))
+                else:
+                    self._cut.discard((receiver, sender))
 
     def isolate(self, index: int) -> None:
         """Cut host ``index`` off from every other host (replaces any partition).
