@@ -227,3 +227,29 @@ def test_c10d_store_host_cut_off_from_half_the_nodes(bed5: NetnsBed, nodes: Node
     nodes.wait_for("all five re-forming after healing", full_round(nodes, everyone, healed_at))
     check_no_two_groups_complete_one_round(nodes)
     check_calls_bounded(nodes)
+
+
+@pytest.mark.timeout(300)
+def test_c10d_store_host_cut_off_from_every_other_node(bed5: NetnsBed, nodes: Nodes) -> None:
+    """Host 0 (the store, and a node) isolated: every node's calls end in bounded errors.
+
+    The others cannot reach the store; host 0's node is alone, below
+    ``min_nodes``. After healing all five form one round.
+    """
+    endpoint = f"{bed5.hosts[0].ipv4}:{C10D_PORT}"
+    for host in bed5.hosts:
+        nodes.start(host, ["c10d", endpoint, host.ipv4, "2", "5", "150"])
+    everyone = set(range(5))
+    nodes.wait_for("a round of all five", full_round(nodes, everyone, 0.0))
+    bed5.isolate(0)
+    cut_at = time.time()
+    nodes.wait_for(
+        "a failed next_rendezvous on every node",
+        rendezvous_failed(nodes, everyone, cut_at),
+        timeout=2 * CALL_DEADLINE + 30,
+    )
+    healed_at = time.time()
+    bed5.heal()
+    nodes.wait_for("all five re-forming after healing", full_round(nodes, everyone, healed_at))
+    check_no_two_groups_complete_one_round(nodes)
+    check_calls_bounded(nodes)
