@@ -67,6 +67,8 @@ class Settings:
         min_faults: Run past ``seconds`` until the seeded schedule injected
             this many faults (bounded by ``seconds + 60``), so a short run on
             a loaded machine still meets every fault it plans.
+        min_rounds: Likewise, run past ``seconds`` until this many distinct
+            rounds completed (the same bound).
         join_timeout: The agents' join timeout.
         interval: The agents' keep-alive interval.
         attempts: The agents' keep-alive attempts (dead after interval x attempts).
@@ -86,6 +88,7 @@ class Settings:
     seconds: float = 40.0
     rounds: int = 0
     min_faults: int = 0
+    min_rounds: int = 0
     join_timeout: float = 30.0
     interval: float = 0.3
     attempts: int = 3
@@ -455,11 +458,12 @@ class ChaosRun:
                 self._spawn()
             next_fault = time.monotonic() + self.rng.uniform(2.0, 4.0)
             end = self._t0 + settings.seconds
-            hard_end = end + (60.0 if settings.min_faults else 0.0)
+            hard_end = end + (60.0 if settings.min_faults or settings.min_rounds else 0.0)
             while True:
                 now = time.monotonic()
                 injected = sum(self.figures.faults.values())
-                if now >= hard_end or (now >= end and injected >= settings.min_faults):
+                enough = len(self.checker.groups) >= settings.min_rounds
+                if now >= hard_end or (now >= end and injected >= settings.min_faults and enough):
                     break
                 if settings.rounds and len(self.checker.groups) >= settings.rounds:
                     break

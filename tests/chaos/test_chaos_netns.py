@@ -32,6 +32,7 @@ def test_short_netns_chaos_run_has_no_violations(backend: str) -> None:
         max_nodes=4,
         seconds=10.0,
         min_faults=4,
+        min_rounds=2,
         net="netns",
     )
     try:
@@ -43,7 +44,7 @@ def test_short_netns_chaos_run_has_no_violations(backend: str) -> None:
     figures = run.run()
     report = f"replay with RDZV_CHAOS_SEED={seed}\n{figures.summary()}"
     assert figures.violations == [], report
-    assert figures.rounds >= 2, report
+    assert figures.rounds >= 2, report  # 2 within 70 s, however loaded the machine
     assert sum(figures.faults.values()) >= settings.min_faults, report
     assert figures.state_reads > 0, report
     assert bed_names(tag) == []
