@@ -21,6 +21,10 @@ state, read by a monitor every half second, always decodes. Rounds are told
 apart per store epoch; a round whose call straddled a store restart is not
 attributed to either epoch and is counted as straddled.
 
+With ``net="netns"`` every agent and every server runs in its own network
+namespace and partitions replace the proxy's cuts and delays
+(:mod:`tests.chaos.netns`).
+
 Everything is driven by one seed, printed first, so a run replays (as far as
 process scheduling allows).
 """
@@ -44,7 +48,8 @@ from typing import Any
 
 from rdzv.errors import RendezvousStateError
 from rdzv.retry import deadline_within
-from tests.chaos.clusters import make_cluster
+from tests.chaos.clusters import Cluster, make_cluster
+from tests.chaos.netns import FAULTS, NetnsTopology
 from tests.procs import subprocess_env
 
 READ_TIMEOUT = 5.0
@@ -67,6 +72,8 @@ class Settings:
         min_faults: Run past ``seconds`` until the seeded schedule injected
             this many faults (bounded by ``seconds + 60``), so a short run on
             a loaded machine still meets every fault it plans.
+        min_rounds: Likewise, run past ``seconds`` until this many distinct
+            rounds completed (the same bound).
         join_timeout: The agents' join timeout.
         interval: The agents' keep-alive interval.
         attempts: The agents' keep-alive attempts (dead after interval x attempts).
@@ -81,6 +88,8 @@ class Settings:
             seeded random mix), so a short run meets each of them.
         quiet_tail: Inject no fault in the last this many seconds (a quiet
             window the liveness check covers).
+        net: ``loopback`` (everything on 127.0.0.1, faults through proxies) or
+            ``netns`` (a host per agent and per server, partition faults).
     """
 
     seed: int
@@ -91,6 +100,7 @@ class Settings:
     seconds: float = 40.0
     rounds: int = 0
     min_faults: int = 0
+    min_rounds: int = 0
     join_timeout: float = 30.0
     interval: float = 0.3
     attempts: int = 3
@@ -100,6 +110,7 @@ class Settings:
     steady: bool = False
     kinds: tuple[str, ...] = ()
     quiet_tail: float = 0.0
+    net: str = "loopback"
 
     @property
     def dead_after(self) -> float:
@@ -290,8 +301,10 @@ class _Agent:
 
     def __init__(self, run: ChaosRun, seed: int) -> None:
         settings = run.settings
+        inside = [] if run.topology is None else run.topology.place(self, _Agent.running)
         self.proc = subprocess.Popen(
             [
+                *inside,
                 sys.executable,
                 "-m",
                 "tests.chaos.agent",
@@ -342,6 +355,10 @@ class _Agent:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @staticmethod
+    def running(agent: _Agent | None) -> bool:
+        return agent is not None and agent.alive
+
     def signal(self, signum: int) -> None:
         if self.alive:
             os.kill(self.proc.pid, signum)
@@ -373,7 +390,12 @@ class ChaosRun:
         self.agents: list[_Agent] = []
         self.log = log
         self.epoch = 0
-        self.cluster = make_cluster(settings.backend)
+        self.topology: NetnsTopology | None = None
+        if settings.net == "netns":
+            self.topology = NetnsTopology(settings.backend, settings.max_nodes + 2)
+            self.cluster: Cluster = self.topology.cluster
+        else:
+            self.cluster = make_cluster(settings.backend)
         self._cluster_lock = threading.Lock()
         self._monitor_stop = threading.Event()
         # Actions a fault schedules for later (a cut, a resumed store), by monotonic time.
@@ -445,6 +467,10 @@ class ChaosRun:
         self.checker.disturbed(time.time())
         kinds = ["kill", "pause", "cut", "delay", "join", *self._extra_faults]
         weights = [3, 2, 2, 2, 1, *([1] * len(self._extra_faults))]
+        network = ["cut", "delay"]
+        if self.topology is not None:  # no proxies: partitions instead of cuts and delays
+            kinds, weights = ["kill", "pause", "join", *FAULTS], [3, 2, 1, *FAULTS.values()]
+            network = ["split", "split"]
         if self.settings.store_restarts:
             kinds.append(self.cluster.server_fault)
             weights.append(1)
@@ -455,9 +481,9 @@ class ChaosRun:
             kind = self.rng.choices(kinds, weights)[0]
         live = [a for a in self._live_agents() if a.paused_until is None]
         if kind in ("kill", "pause", "kill-cut") and (len(live) <= 1 or not live):
-            kind = "cut"
+            kind = network[0]
         if kind == "join" and len(self._live_agents()) >= self.settings.max_nodes + 1:
-            kind = "delay"
+            kind = network[1]
         self.figures.faults[kind] += 1
         if kind in self._extra_faults:
             self._extra_faults[kind](live)
@@ -483,6 +509,8 @@ class ChaosRun:
             self._delay_until = time.monotonic() + self.rng.uniform(1.0, 3.0)
         elif kind == "join":
             self._spawn()
+        elif kind in FAULTS and self.topology is not None:
+            kind = self.topology.inject(kind, self.rng)  # the fault log names the groups
         else:
             with self._cluster_lock:
                 if self.cluster.fault(self.rng):
@@ -556,14 +584,17 @@ class ChaosRun:
                 self._spawn()
             next_fault = time.monotonic() + self.rng.uniform(2.0, 4.0)
             end = self._t0 + settings.seconds
-            hard_end = end + (60.0 if settings.min_faults else 0.0) + settings.quiet_tail
+            hard_end = end + (60.0 if settings.min_faults or settings.min_rounds else 0.0)
+            hard_end += settings.quiet_tail
             # The quiet tail runs from the last fault, however late a loaded machine made it.
             quiet_from = 0.0
             while True:
                 now = time.monotonic()
                 injected = sum(self.figures.faults.values())
                 settled = now >= quiet_from + settings.quiet_tail
-                if now >= hard_end or (now >= end and injected >= settings.min_faults and settled):
+                enough = len(self.checker.groups) >= settings.min_rounds
+                done = injected >= settings.min_faults and settled and enough
+                if now >= hard_end or (now >= end and done):
                     break
                 if settings.rounds and len(self.checker.groups) >= settings.rounds:
                     break
@@ -586,6 +617,9 @@ class ChaosRun:
                 with self._cluster_lock:
                     self.cluster.tick()
                 self._run_pending(now)
+                if self.topology is not None and self.topology.tick():
+                    self._say("heal")
+                    self.checker.disturbed(time.time())
                 # Keep the population up: replace agents that died or exited.
                 while len(self._live_agents()) < settings.agents:
                     self._spawn()
@@ -609,6 +643,8 @@ class ChaosRun:
             while not self.lines.empty():
                 self._handle(*self.lines.get_nowait())
             self.cluster.stop()
+            if self.topology is not None:
+                self.topology.close()
         for start, end in self.cluster.outages:
             self.checker.store_stalled(start, end)
         self.checker.finish(time.time())

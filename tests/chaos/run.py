@@ -25,10 +25,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=[*BACKENDS, "all"], default="all")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--log-dir", default=None, help="one rdzv debug log per agent here")
+    parser.add_argument(
+        "--net",
+        choices=["loopback", "netns"],
+        default="loopback",
+        help="netns: each agent and server in its own network namespace, partition faults (root)",
+    )
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     backends = list(BACKENDS) if args.backend == "all" else [args.backend]
-    print(f"chaos seed={seed} backends={backends} minutes={args.minutes} each", flush=True)
+    print(
+        f"chaos seed={seed} backends={backends} net={args.net} minutes={args.minutes} each",
+        flush=True,
+    )
     violations = 0
     for backend in backends:
         settings = Settings(
@@ -40,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds=args.minutes * 60,
             rounds=args.rounds,
             log_dir=args.log_dir,
+            net=args.net,
         )
         figures = ChaosRun(settings, log=None if args.quiet else sys.stdout).run()
         print(figures.summary(), flush=True)

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from rdzv.testing.netns import Host, NetnsBed, NetnsUnavailable
+from rdzv.testing.netns import PREFIX, Host, NetnsBed, NetnsUnavailable, bed_names
+from tests.netns import probe
+from tests.torchrun.conftest import entry_points_path
 
 PROBE = str(Path(__file__).with_name("probe.py"))
 PROBE_PORT = 7311
+
+__all__ = ["entry_points_path"]  # the torchrun fixture, for torchrun jobs across hosts
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """After the last test here: no namespace, veth or bridge of this process remains."""
+    yield
+    if os.geteuid() == 0:
+        mine = f"{PREFIX}{os.getpid()}"
+        assert bed_names(mine) == [], f"left behind by this test run: {bed_names(mine)}"
 
 
 def open_bed(count: int) -> NetnsBed:
@@ -39,22 +53,22 @@ class ProbedBed:
             assert proc.stdout.readline().strip() == "ready"
 
     def reachable(self, source: Host, targets: list[str], timeout: float = 1.0) -> dict[str, bool]:
-        """Try a TCP connect from ``source`` to each ``addr`` (probe port)."""
+        """Try a TCP connect from ``source`` to each ``addr`` (probe port), from inside it."""
         wanted = [f"[{t}]:{PROBE_PORT}" if ":" in t else f"{t}:{PROBE_PORT}" for t in targets]
-        done = source.run([sys.executable, PROBE, "connect", str(timeout), *wanted], timeout=60)
-        assert done.returncode == 0, done.stderr
-        found = json.loads(done.stdout)
+        found = source.call(probe.attempt_all, wanted, timeout)
         return {t: found[w] for t, w in zip(targets, wanted, strict=True)}
 
     def connected_pairs(self, ipv6: bool = False) -> set[tuple[int, int]]:
-        """Return the ordered pairs (a, b), a != b, where a can connect to b."""
+        """Return the ordered pairs (a, b), a != b, where a can connect to b (all tried at once)."""
         hosts = self.bed.hosts
-        pairs = set()
-        for a in hosts:
+
+        def from_host(a: Host) -> set[tuple[int, int]]:
             peers = [b for b in hosts if b is not a]
             found = self.reachable(a, [b.ipv6 if ipv6 else b.ipv4 for b in peers])
-            pairs |= {(a.index, b.index) for b in peers if found[b.ipv6 if ipv6 else b.ipv4]}
-        return pairs
+            return {(a.index, b.index) for b in peers if found[b.ipv6 if ipv6 else b.ipv4]}
+
+        with ThreadPoolExecutor(len(hosts)) as pool:
+            return set().union(*pool.map(from_host, hosts))
 
     def stop(self) -> None:
         for proc in self.servers:

@@ -2,7 +2,8 @@
 
 ``probe.py serve PORT`` accepts (and closes) connections on every IPv4 and
 IPv6 address until killed; ``probe.py connect TIMEOUT HOST:PORT...`` prints
-one JSON object mapping each target to whether a connection was made.
+one JSON object mapping each target to whether a connection was made
+(:func:`attempt_all`, also called in-process through ``Host.call``).
 """
 
 from __future__ import annotations
@@ -34,10 +35,15 @@ def attempt(target: str, timeout: float) -> bool:
         return False
 
 
-def connect(timeout: float, targets: list[str]) -> None:
+def attempt_all(targets: list[str], timeout: float) -> dict[str, bool]:
+    """Try every target at once (threads started here share the caller's namespace)."""
     with ThreadPoolExecutor(len(targets)) as pool:
         outcomes = list(pool.map(lambda t: attempt(t, timeout), targets))
-    print(json.dumps(dict(zip(targets, outcomes, strict=True))))
+    return dict(zip(targets, outcomes, strict=True))
+
+
+def connect(timeout: float, targets: list[str]) -> None:
+    print(json.dumps(attempt_all(targets, timeout)))
 
 
 if __name__ == "__main__":

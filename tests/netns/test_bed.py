@@ -12,21 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rdzv.testing.netns import NetnsBed, sweep_stale
+from rdzv.testing.netns import NetnsBed, bed_names, sweep_stale
 from tests.netns.conftest import ProbedBed, all_pairs, open_bed
 from tests.procs import subprocess_env
-
-
-def leftovers(tag: str) -> list[str]:
-    """Namespaces and links whose name starts with ``tag``."""
-    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
-    found = [line.split()[0] for line in names.stdout.splitlines() if line.startswith(tag)]
-    for line in links.stdout.splitlines():
-        name = line.split(":", 2)[1].strip().split("@", 1)[0]
-        if name.startswith(tag):
-            found.append(name)
-    return found
 
 
 def gone_or_zombie(pid: int) -> bool:
@@ -111,13 +99,13 @@ def test_nothing_is_left_after_exit_even_on_an_error() -> None:
                     ["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
                 )
             )
-            assert leftovers(bed.tag)
+            assert bed_names(bed.tag)
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
         fail_inside()
     tag, sleeper = bed.tag, sleepers[0]
-    assert leftovers(tag) == []
+    assert bed_names(tag) == []
     assert sleeper.wait(timeout=10) == -signal.SIGKILL
 
 
@@ -146,7 +134,7 @@ def test_a_sigkilled_creator_is_swept_by_the_next_run() -> None:
     os.kill(creator.pid, signal.SIGKILL)
     creator.wait(timeout=10)
     creator.stdout.close()
-    left = leftovers(tag)
+    left = bed_names(tag)
     assert sorted(left) == sorted([f"{tag}h0", f"{tag}h1", f"{tag}b", f"{tag}v0", f"{tag}v1"])
     orphans = subprocess.run(
         ["ip", "netns", "pids", f"{tag}h0"], capture_output=True, text=True, check=True
@@ -154,6 +142,6 @@ def test_a_sigkilled_creator_is_swept_by_the_next_run() -> None:
     assert len(orphans) == 1
     with NetnsBed(1) as bed:  # entering sweeps stale beds
         assert not bed.tag.startswith(tag)
-        assert leftovers(tag) == []
+        assert bed_names(tag) == []
     assert gone_or_zombie(int(orphans[0]))
     assert sweep_stale() == []

@@ -6,6 +6,7 @@ hosted by whichever agent owns the endpoint address.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from rdzv.testing.netns import NetnsBed
 from tests.netns.conftest import open_bed
+from tests.netns.engines import NetnsEtcd
 from tests.procs import subprocess_env
 
 WORKER = str(Path(__file__).with_name("worker.py"))
@@ -61,9 +63,15 @@ def test_is_host_is_inferred_from_the_namespace_addresses(bed3: NetnsBed) -> Non
 
 
 def start_agents(
-    bed: NetnsBed, out: Path, seconds: float, nnodes: str = "3", conf: str = ""
+    bed: NetnsBed,
+    out: Path,
+    seconds: float,
+    nnodes: str = "3",
+    conf: str = "",
+    backend: str = "c10d",
+    endpoint: str = "",
 ) -> list[subprocess.Popen[str]]:
-    """Start one ``rdzv run`` agent per host, the endpoint on host 0."""
+    """Start one ``rdzv run`` agent per host (the c10d endpoint on host 0 by default)."""
     procs = []
     for host in bed.hosts:
         args = [
@@ -76,9 +84,9 @@ def start_agents(
             "--nproc-per-node",
             "1",
             "--rdzv-backend",
-            "c10d",
+            backend,
             "--rdzv-endpoint",
-            f"{bed.hosts[0].ipv4}:{PORT}",
+            endpoint or f"{bed.hosts[0].ipv4}:{PORT}",
             "--rdzv-id",
             "job",
         ]
@@ -110,6 +118,13 @@ def records(out: Path) -> list[dict[str, str]]:
     )
 
 
+def wait_for_records(out: Path, count: int) -> None:
+    deadline = time.monotonic() + 40
+    while len(records(out)) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(records(out)) == count
+
+
 def check_one_round(bed: NetnsBed, out: Path) -> None:
     """Three workers of one round: ranks 0..2, MASTER_ADDR a namespace address."""
     found = records(out)
@@ -127,34 +142,48 @@ def test_three_agents_in_three_namespaces_rendezvous(bed3: NetnsBed, tmp_path: P
     check_one_round(bed3, tmp_path)
 
 
-@pytest.mark.timeout(60)
+@contextlib.contextmanager
+def backend_on(bed: NetnsBed, backend: str) -> Iterator[str]:
+    """The endpoint: c10d hosted by the agent on host 0, or an etcd member per host."""
+    if backend == "c10d":
+        yield f"{bed.hosts[0].ipv4}:{PORT}"
+    else:
+        with NetnsEtcd(bed.hosts) as etcd:
+            yield etcd.endpoints
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
 def test_agents_cut_from_each_other_but_not_from_the_store_are_unaffected(
-    bed3: NetnsBed, tmp_path: Path
+    bed3: NetnsBed, tmp_path: Path, backend: str
 ) -> None:
-    procs = start_agents(bed3, tmp_path, 12)
-    deadline = time.monotonic() + 40
-    while len(records(tmp_path)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert len(records(tmp_path)) == 3
-    bed3.cut([(1, 2)])  # host 0 (the store) still reaches both
-    results = finish(procs)
+    """Hosts 1 and 2 cut from each other; both reach host 0 (the store, or an etcd member).
+
+    With etcd the members on hosts 1 and 2 are cut from each other too: the
+    cluster keeps its quorum through host 0's member.
+    """
+    with backend_on(bed3, backend) as endpoint:
+        procs = start_agents(bed3, tmp_path, 12, backend=backend, endpoint=endpoint)
+        wait_for_records(tmp_path, 3)
+        bed3.cut([(1, 2)])  # host 0 (the store) still reaches both
+        results = finish(procs)
     assert [code for code, _ in results] == [0, 0, 0], results
     check_one_round(bed3, tmp_path)
     assert bed3.cut_pairs() == {(1, 2)}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
 def test_a_partition_healed_before_the_keep_alive_bound_changes_nothing(
-    bed3: NetnsBed, tmp_path: Path
+    bed3: NetnsBed, tmp_path: Path, backend: str
 ) -> None:
-    procs = start_agents(bed3, tmp_path, 15)
-    deadline = time.monotonic() + 40
-    while len(records(tmp_path)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert len(records(tmp_path)) == 3
-    bed3.isolate(2)  # cut from the store host too, for less than 5 s * 3 beats
-    time.sleep(4)
-    bed3.heal()
-    results = finish(procs)
+    """Host 2 cut from everyone (the store host, or the other etcd members) for 4 s < 15 s."""
+    with backend_on(bed3, backend) as endpoint:
+        procs = start_agents(bed3, tmp_path, 15, backend=backend, endpoint=endpoint)
+        wait_for_records(tmp_path, 3)
+        bed3.isolate(2)  # cut from the store host too, for less than 5 s * 3 beats
+        time.sleep(4)
+        bed3.heal()
+        results = finish(procs)
     assert [code for code, _ in results] == [0, 0, 0], results
     check_one_round(bed3, tmp_path)

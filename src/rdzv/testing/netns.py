@@ -13,6 +13,11 @@ real machine. Needs root and the ``ip`` command; standard library only::
         bed.partition([[0], [1, 2]])  # 0 can reach neither 1 nor 2
         bed.cut([(1, 2)])  # only 1 and 2 cannot reach each other
         bed.heal()
+        bed.hosts[1].call(urllib.request.urlopen, "http://10.213.0.1:8000/")
+
+:meth:`Host.call` runs a Python function in a thread that has entered the
+host's namespace (``setns(2)`` through ``ctypes``), so the test process
+itself can reach servers on the hosts' addresses without a subprocess.
 
 **Partitions** (:meth:`NetnsBed.partition`, :meth:`NetnsBed.isolate`,
 :meth:`NetnsBed.cut`) drop packets silently, as a failed switch or a firewall
@@ -37,6 +42,8 @@ is killed outright (SIGKILL), the next :class:`NetnsBed` to start (or
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import itertools
 import os
 import re
@@ -44,11 +51,12 @@ import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import IO, Any, TypeVar
 
-__all__ = ["Host", "NetnsBed", "NetnsUnavailable", "sweep_stale"]
+__all__ = ["Host", "NetnsBed", "NetnsUnavailable", "bed_names", "sweep_stale"]
 
 PREFIX = "rdzv"
 IPV4_NET = "10.213.0"
@@ -57,6 +65,9 @@ MAX_HOSTS = 99
 _RULE_PREF = "10"
 _LOCAL_PREF = "100"
 _NAME = re.compile(rf"^{PREFIX}(\d+)[a-z]")
+_CLONE_NEWNET = 0x40000000
+_NETNS_DIR = "/run/netns"
+_T = TypeVar("_T")
 _letters = itertools.cycle("abcdefghijklmnopqrstuvwxyz")
 _letters_lock = threading.Lock()
 
@@ -119,6 +130,20 @@ def _remove(namespaces: Sequence[str], links: Sequence[str]) -> None:
         _ip("netns", "delete", namespace, check=False)
 
 
+def bed_names(prefix: str = PREFIX) -> list[str]:
+    """Return the namespaces and links whose names start with ``prefix``.
+
+    Args:
+        prefix: ``rdzv`` (every bed's), or one bed's :attr:`NetnsBed.tag`.
+
+    Returns:
+        The names, namespaces first, then links.
+    """
+    return [n for n in _namespaces() if n.startswith(prefix)] + [
+        n for n in _links() if n.startswith(prefix)
+    ]
+
+
 def sweep_stale() -> list[str]:
     """Remove the namespaces and links of test beds whose creating process is gone.
 
@@ -140,6 +165,18 @@ def sweep_stale() -> list[str]:
     links = stale(_links())
     _remove(namespaces, links)
     return namespaces + links
+
+
+def _enter_namespace(namespace: str) -> None:
+    """Move the calling thread (only it) into ``namespace`` with ``setns(2)``."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fd = os.open(os.path.join(_NETNS_DIR, namespace), os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {namespace}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -198,13 +235,55 @@ class Host:
             check=check,
         )
 
+    def call(self, function: Callable[..., _T], *args: Any, timeout: float = 60.0) -> _T:
+        """Call ``function(*args)`` in a new thread that runs inside this host.
+
+        Sockets the function opens belong to the host's network namespace
+        (and stay there when used later from other threads); the calling
+        thread is not moved.
+
+        Args:
+            function: What to call.
+            *args: Its arguments.
+            timeout: Seconds to wait for the call to return.
+
+        Returns:
+            What ``function`` returned.
+
+        Raises:
+            TimeoutError: The call did not return within ``timeout`` (the
+                thread, a daemon, is left to finish on its own).
+            BaseException: Whatever ``function`` raised, re-raised here.
+        """
+        outcome: list[tuple[bool, Any]] = []
+
+        def inside() -> None:
+            try:
+                _enter_namespace(self.namespace)
+                outcome.append((True, function(*args)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                outcome.append((False, exc))
+
+        thread = threading.Thread(target=inside, name=f"netns-{self.namespace}", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if not outcome:
+            raise TimeoutError(
+                f"{function!r} did not return within {timeout} s in {self.namespace}"
+            )
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        result: _T = value
+        return result
+
     def popen(
         self,
         args: Sequence[str],
         *,
         env: Mapping[str, str] | None = None,
-        stdout: int | None = subprocess.PIPE,
-        stderr: int | None = subprocess.PIPE,
+        stdout: int | IO[Any] | None = subprocess.PIPE,
+        stderr: int | IO[Any] | None = subprocess.PIPE,
     ) -> subprocess.Popen[str]:
         """Start a command inside this host without waiting for it.
 
@@ -340,23 +419,17 @@ class NetnsBed:
         self.hosts = []
         self._cut.clear()
 
-    def _rules(self, receiver: int, sender: int, action: str) -> None:
-        host, peer = self.hosts[receiver], self.hosts[sender]
-        for family, addr in (("-4", peer.ipv4), ("-6", peer.ipv6)):
-            _ip(
-                "-n",
-                host.namespace,
-                family,
-                "rule",
-                action,
-                "pref",
-                _RULE_PREF,
-                "from",
-                addr,
-                "iif",
-                "eth0",
-                "blackhole",
+    def _rules(self, receiver: int, changes: Sequence[tuple[str, int]]) -> None:
+        """Add or delete the blackhole rules of ``receiver``: one ``ip -batch`` per family."""
+        host = self.hosts[receiver]
+        for family in ("-4", "-6"):
+            lines = "".join(
+                f"rule {action} pref {_RULE_PREF} from "
+                f"{self.hosts[sender].ipv4 if family == '-4' else self.hosts[sender].ipv6} "
+                "iif eth0 blackhole\n"
+                for action, sender in changes
             )
+            _ip("-n", host.namespace, family, "-batch", "-", stdin=lines)
 
     def partition(self, groups: Sequence[Sequence[int]]) -> None:
         """Split the hosts into groups that cannot reach each other.
@@ -412,12 +485,18 @@ class NetnsBed:
         self._apply(wanted)
 
     def _apply(self, wanted: set[tuple[int, int]]) -> None:
+        changes: dict[int, list[tuple[str, int]]] = {}
         for receiver, sender in sorted(self._cut - wanted):
-            self._rules(receiver, sender, "del")
-            self._cut.discard((receiver, sender))
+            changes.setdefault(receiver, []).append(("del", sender))
         for receiver, sender in sorted(wanted - self._cut):
-            self._rules(receiver, sender, "add")
-            self._cut.add((receiver, sender))
+            changes.setdefault(receiver, []).append(("add", sender))
+        for receiver, actions in sorted(changes.items()):
+            self._rules(receiver, actions)
+            for action, sender in actions:
+                if action == "add":
+                    self._cut.add((receiver, sender))
+                else:
+                    self._cut.discard((receiver, sender))
 
     def isolate(self, index: int) -> None:
         """Cut host ``index`` off from every other host (replaces any partition).
