@@ -121,7 +121,7 @@ REQUESTS_PER_TURN: Final = 64
 ACCEPT_BACKLOG: Final = 512
 """The largest listen backlog used (the kernel's ``somaxconn`` when smaller)."""
 ACCEPT_BACKOFF: Final = 0.1
-"""Longest pause of the accept loop while it refuses connections or lacks files."""
+"""Longest pause of the accept loop while it lacks file descriptors or memory."""
 FD_HEADROOM: Final = 64
 """File descriptors kept free of connections, for the process's other needs."""
 LOG_INTERVAL: Final = 10.0
@@ -758,13 +758,13 @@ class TCPStoreServer:
             else:
                 del self._per_address[conn.address]
 
-    def _accepted(self, sock: socket.socket, address: str, peer: str) -> bool:
-        """Take in a connection just accepted; return whether it was refused."""
+    def _accepted(self, sock: socket.socket, address: str, peer: str) -> None:
+        """Take in a connection just accepted, or refuse it (close it at once)."""
         why = self._refusal(address)
         if why is not None:
             self._refuse(peer, why)
             sock.close()
-            return True
+            return
         while len(self.handshaking) >= self.handshake_cap:
             oldest = next(iter(self.handshaking))
             self.release(oldest)
@@ -785,7 +785,6 @@ class TCPStoreServer:
         conn = _Connection(self, address, peer)
         self.handshaking[conn] = None
         conn.attaching = asyncio.get_running_loop().create_task(self._attach(conn, sock))
-        return False
 
     async def _attach(self, conn: _Connection, sock: socket.socket) -> None:
         """Give ``conn`` its transport, after the TLS handshake on a TLS server."""
@@ -814,14 +813,14 @@ class TCPStoreServer:
             conn.attaching = None
 
     async def _accept(self, listener: socket.socket) -> None:
-        """Accept connections until cancelled, backing off when refusing or out of files.
+        """Accept connections until cancelled, backing off when out of files.
 
-        Every accepted connection is taken in or refused at once. While the
-        server refuses, each refusal waits a little longer before the next
-        accept (up to :data:`ACCEPT_BACKOFF`), and an accept that fails for
-        lack of file descriptors or memory waits likewise and is logged at
-        most once per :data:`LOG_INTERVAL`: a flood costs bounded CPU and
-        log lines, and the real clients in the backlog are answered.
+        Every accepted connection is taken in or refused (closed) at once,
+        which costs a few microseconds, and the loop yields to the
+        connections after each. An accept that fails for lack of file
+        descriptors or memory waits twice as long as the last one did (up
+        to :data:`ACCEPT_BACKOFF`) before the next, and is logged at most
+        once per :data:`LOG_INTERVAL`: no busy loop, no flood of log lines.
         """
         loop = asyncio.get_running_loop()
         delay = 0.0
@@ -840,14 +839,10 @@ class TCPStoreServer:
                 )
                 await asyncio.sleep(delay)
                 continue
+            delay = 0.0
             address = str(addr[0])
-            peer = f"{address}:{addr[1]}"
-            if self._accepted(sock, address, peer):
-                delay = min(ACCEPT_BACKOFF, max(0.001, delay * 2))
-                await asyncio.sleep(delay)
-            else:
-                delay = 0.0
-                await asyncio.sleep(0)  # let the connection start before the next accept
+            self._accepted(sock, address, f"{address}:{addr[1]}")
+            await asyncio.sleep(0)  # accepting must not starve the connections
 
     def _apply_descriptor_limit(self) -> None:
         """Lower the caps to what the open-file limit leaves room for."""
