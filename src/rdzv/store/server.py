@@ -2,9 +2,11 @@
 
 Theory of operation
 -------------------
-One asyncio event loop serves every connection. Each connection owns a
-:class:`~rdzv.store.protocol.RequestParser`; ``data_received`` feeds it and
-answers every complete request at once, joining the replies of a burst into
+One asyncio event loop serves every connection. The server runs its own
+accept loop; each accepted socket becomes a :class:`_Connection` at once
+(before any TLS handshake, so handshakes in progress are counted), which
+owns a :class:`~rdzv.store.protocol.RequestParser`. ``data_received`` feeds
+it and executes the complete requests, joining the replies of a burst into
 one write. The store itself is a :class:`~rdzv.store.engine.StoreEngine`,
 touched only from the loop's thread (no locks); a connection hands it each
 store request and writes the replies it returns, to the sender and to the
@@ -16,28 +18,52 @@ authentication until the client proves it knows the secret; then everything,
 store requests going straight to the engine's handlers. While a request of
 its own is blocked (``WAIT``, ``BARRIER``, ``GET_WAIT``, ``WATCH``), only
 ``CANCEL_WAIT``, which torch's client sends after its own timeout and which
-is answered even if the ``STOP_WAITING`` crossed it on the wire. The timeout of rdzv's ``GET_WAIT`` and ``WATCH`` is a loop timer that
-drops the request from the engine and sends the engine's timeout reply. A
-request outside the current table, garbage, an over-limit length, a request
-the engine refuses or a truncated frame at close ends the connection (and
-its blocked request) with one log line; other connections are unaffected.
+is answered even if the ``STOP_WAITING`` crossed it on the wire. The
+parser's ``allowed`` opcodes follow the table, so a request outside it is
+refused when its opcode byte arrives, before any of it is buffered. The
+timeout of rdzv's ``GET_WAIT`` and ``WATCH`` is a loop timer that drops the
+request from the engine and sends the engine's timeout reply. A request
+outside the current table, garbage, an over-limit length, a request the
+engine refuses or a truncated frame at close ends the connection (and its
+blocked request) with one log line; other connections are unaffected.
 
 Limits against misbehaving peers
 --------------------------------
 Each limit has a named default and a constructor parameter (see
-:class:`TCPStoreServer`). Connections past ``max_connections`` are closed as
-soon as they are accepted; kernel keepalive probes find a peer gone without
-a FIN, even one blocked in a long ``WAIT``; one sweeper task closes every
-connection that broke ``frame_timeout`` (a request still incomplete that long
-after its first byte, an unfinished handshake, replies left unread: a slow
-writer or reader) or ``idle_timeout`` (which a connection blocked in a
-request it asked for never is: it waits for the server). The parser refuses
-oversize keys, values and key counts as soon as their length is readable.
+:class:`TCPStoreServer`).
+
+* Two tiers of connections. A connection is in its handshake (TLS,
+  ``VALIDATE``, authentication) until it finishes it; those are capped by
+  ``max_handshakes``, where a newcomer closes the oldest (a real client
+  finishes in milliseconds, a stalling one is what gets reclaimed), and by
+  a deadline, ``handshake_timeout``. Only a finished handshake takes one of
+  the ``max_connections`` slots, so peers without the secret never hold
+  one. Without a secret anyone finishes the handshake with ``VALIDATE``, so
+  one peer address may hold at most ``max_connections_per_address`` slots.
+* Both caps are lowered at start to what the open-file limit leaves room
+  for (with :data:`FD_HEADROOM` spare), so a refusal is a clean accept and
+  close, not an ``EMFILE``; the accept loop backs off when accept fails
+  anyway, and the log lines a flood repeats are throttled.
+* Work per connection. A turn executes at most :data:`REQUESTS_PER_TURN`
+  requests; once the connection's unsent replies pass ``max_unsent_bytes``
+  it executes nothing more, and reads nothing, until the peer has read; the
+  engine refuses a reply past its own bound. The parser refuses oversize
+  keys, values and key counts as soon as their length is readable, and
+  costs time linear in a request's size however it is split.
+* Time. Kernel keepalive probes find a peer gone without a FIN, even one
+  blocked in a long ``WAIT``; one sweeper task closes every connection that
+  broke ``frame_timeout`` (a request still incomplete that long after its
+  first byte, replies left unread that long), the handshake deadline, or
+  ``idle_timeout`` (which a connection blocked in a request it asked for
+  never is: it waits for the server).
 
 The server runs either in a background thread of the current process
 (:meth:`TCPStoreServer.start`, what ``TCPStore(is_master=True)`` does) or in
 the foreground until a signal (:meth:`TCPStoreServer.serve`, what
 ``rdzv serve`` does).
+
+Size: longer than the project's ~600-line guide: the connection and the
+server that admits, sweeps and counts it share every limit's bookkeeping.
 """
 
 from __future__ import annotations
