@@ -329,9 +329,7 @@ def make_certificate(files: Path) -> None:
     )  # fmt: skip
 
 
-def probe(
-    port: int, duration: float, auth: bool, tls: Path | None
-) -> tuple[list[float], int, str]:
+def probe(port: int, duration: float, auth: bool, tls: Path | None) -> tuple[list[float], int, str]:
     """Time a well-behaved client's set + get for ``duration`` s.
 
     Returns:
@@ -355,7 +353,7 @@ def probe(
             store.set("probe", "x")
             store.get("probe")
             taken.append(time.perf_counter() - started)
-        except Exception as exc:  # noqa: BLE001 - every failed call counts, whatever it raised
+        except Exception as exc:  # every failed call counts, whatever it raised
             failures += 1
             first = first or f"{type(exc).__name__}: {exc}"
             if store is not None:
@@ -400,7 +398,9 @@ def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -
         try:
             time.sleep(1.0)  # let the attack build up
             tls = files / "cert.pem" if setup.tls and kind == "rdzv" else None
-            taken, failures, first = probe(server.port, duration, setup.auth and kind == "rdzv", tls)
+            taken, failures, first = probe(
+                server.port, duration, setup.auth and kind == "rdzv", tls
+            )
         finally:
             child.wait(duration + 120)
             stop.set()
@@ -438,7 +438,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of each attack")
     parser.add_argument("--attacks", nargs="+", choices=list(ATTACKS), default=list(ATTACKS))
-    parser.add_argument("--servers", nargs="+", choices=["rdzv", "torch"], default=["rdzv", "torch"])
+    parser.add_argument(
+        "--servers", nargs="+", choices=["rdzv", "torch"], default=["rdzv", "torch"]
+    )
     parser.add_argument("--memory-limit-mib", type=int, default=2048, help="rdzv's RLIMIT_AS")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
