@@ -120,6 +120,32 @@ def test_a_store_request_before_authenticating_is_refused_at_its_opcode(tmp_path
     assert "sent opcode 1 and was disconnected: it sent a request before authenticating" in log
 
 
+def test_without_a_secret_incomplete_requests_are_bounded_in_total(tmp_path: Path) -> None:
+    # Row 2 without a secret: VALIDATE is the whole handshake, so the 8 MiB
+    # values are read; past max_buffered_bytes in total, the connections
+    # whose requests have been arriving the longest are closed.
+    header = b"\x01" + encode_bytes(b"/big") + struct.pack("<Q", 8 * MiB)
+    limit = 16 * MiB
+    with server_process(tmp_path, max_buffered_bytes=limit) as server, ExitStack() as stack:
+        idle_rss = server.rss()
+        socks = []
+        for _ in range(8):
+            sock = stack.enter_context(attacker(server.port))
+            send_quietly(sock, VALIDATE + header + b"x" * (4 * MiB))
+            socks.append(sock)
+            time.sleep(0.2)  # each one's request starts later than the one before
+        assert eventually(lambda: "max_buffered_bytes" in server.log())
+        grown = server.rss() - idle_rss
+        for sock in socks:
+            sock.settimeout(1.0)
+        closed = [closed_by_server(sock) for sock in socks]
+        taken = latencies(server.port, 1.0)
+    assert grown < RSS_BOUND, grown
+    assert closed[:4] == [True] * 4, closed  # the oldest went first ...
+    assert closed[-1] is False, closed  # ... and the newest is still being read
+    assert quantile(taken, 0.5) < LATENCY_BOUND, taken
+
+
 def test_a_request_before_validate_is_refused_at_its_first_byte(
     make_server: type[TCPStoreServer], caplog: pytest.LogCaptureFixture
 ) -> None:

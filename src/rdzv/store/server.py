@@ -47,7 +47,10 @@ Each limit has a named default and a constructor parameter (see
 * Work per connection. A turn executes at most :data:`REQUESTS_PER_TURN`
   requests; once the connection's unsent replies pass ``max_unsent_bytes``
   it executes nothing more, and reads nothing, until the peer has read; the
-  engine refuses a reply past its own bound. The parser refuses oversize
+  engine refuses a reply past its own bound. Received bytes not executed
+  yet (mostly incomplete requests) are counted over all connections; past
+  ``max_buffered_bytes`` the slowest incomplete request's connection is
+  closed. The parser refuses oversize
   keys, values and key counts as soon as their length is readable, and
   costs time linear in a request's size however it is split.
 * Time. Kernel keepalive probes find a peer gone without a FIN, even one
@@ -89,6 +92,7 @@ from rdzv.store.engine import BLOCKING_OPS, StoreEngine, Woken
 from rdzv.store.protocol import (
     CLIENT_AUTH_LABEL,
     FEATURE_AUTH_REQUIRED,
+    MAX_REQUEST_BYTES,
     PROBE_NONCE,
     SERVER_AUTH_LABEL,
     SERVER_HELLO,
@@ -111,6 +115,7 @@ __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_CONNECTIONS_PER_ADDRESS",
+    "DEFAULT_MAX_BUFFERED_BYTES",
     "DEFAULT_MAX_HANDSHAKES",
     "DEFAULT_MAX_UNSENT_BYTES",
     "DEFAULT_TCP_KEEPALIVE",
@@ -133,6 +138,8 @@ DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: Final[int | None] = None
 """None: three quarters of the connection cap without a secret, no cap with one."""
 DEFAULT_MAX_UNSENT_BYTES: Final = 1 << 20
 """Bytes of replies a connection may leave unread before its requests wait."""
+DEFAULT_MAX_BUFFERED_BYTES: Final = MAX_REQUEST_BYTES
+"""Bytes of received, unexecuted requests held over every connection at once."""
 DEFAULT_FRAME_TIMEOUT: Final = 60.0
 """Seconds within which a started request (or the handshake) must arrive in full."""
 DEFAULT_IDLE_TIMEOUT: Final[float | None] = None
@@ -231,6 +238,8 @@ class _Connection(asyncio.Protocol):
         self.write_blocked_since: float | None = None
         self.stalled = False
         """Whether execution stopped with requests buffered (reply budget or turn spent)."""
+        self.buffered = 0
+        """The bytes of received, unexecuted requests counted in the server's total."""
 
     # -- asyncio callbacks -------------------------------------------------
 
@@ -271,6 +280,7 @@ class _Connection(asyncio.Protocol):
             self.frame_started = now
         if not self.stalled:
             self._serve(now)
+        self.server.account(self)
 
     # -- serving -----------------------------------------------------------
 
@@ -345,6 +355,7 @@ class _Connection(asyncio.Protocol):
             return
         self.stalled = False
         self._serve(time.monotonic())
+        self.server.account(self)
         if not self.stalled and self.write_blocked_since is None and self.transport is not None:
             self.transport.resume_reading()
 
@@ -535,6 +546,12 @@ class TCPStoreServer:
             can finish the handshake, and no per-address cap with one.
         max_unsent_bytes: Replies a connection may leave unread before the
             server stops executing its requests until it reads.
+        max_buffered_bytes: Received bytes of requests not executed yet
+            (mostly incomplete ones) the server holds over all connections;
+            past it, the connection whose incomplete request has been
+            arriving the longest is closed, and so on until under. At
+            least :data:`~rdzv.store.protocol.MAX_REQUEST_BYTES` (the
+            default) lets one request of the largest size through.
         frame_timeout: Seconds within which a request must arrive in full once
             its first byte has, and for which a peer may leave its replies
             unread; a slower peer is disconnected.
@@ -563,6 +580,7 @@ class TCPStoreServer:
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
         max_connections_per_address: int | None = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
         max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         tcp_keepalive: float | None = DEFAULT_TCP_KEEPALIVE,
@@ -576,6 +594,7 @@ class TCPStoreServer:
             ("max_handshakes", max_handshakes),
             ("max_connections_per_address", max_connections_per_address),
             ("max_unsent_bytes", max_unsent_bytes),
+            ("max_buffered_bytes", max_buffered_bytes),
         ):
             if count is not None and count < 1:
                 raise ValueError(f"{name} must be at least 1, got {count}")
@@ -591,6 +610,9 @@ class TCPStoreServer:
         self.max_handshakes = max_handshakes
         self.max_connections_per_address = max_connections_per_address
         self.max_unsent_bytes = max_unsent_bytes
+        self.max_buffered_bytes = max_buffered_bytes
+        self.buffered = 0
+        """Bytes of received requests not executed yet, over every connection."""
         self.handshake_timeout = float(handshake_timeout)
         self.frame_timeout = float(frame_timeout)
         self.handshake_deadline = min(self.handshake_timeout, self.frame_timeout)
@@ -608,6 +630,8 @@ class TCPStoreServer:
         """Connections closed at once because a connection cap was reached."""
         self.reclaimed_connections = 0
         """Connections in their handshake closed to make room for a newer one."""
+        self.shed_connections = 0
+        """Connections closed because incomplete requests passed ``max_buffered_bytes``."""
         self.expired_connections = 0
         """Connections closed for breaking ``frame_timeout``, ``idle_timeout``
         or the handshake deadline."""
@@ -762,7 +786,6 @@ class TCPStoreServer:
         self.handshaking.pop(conn, None)
         why = self._refusal(conn.address)
         if why is not None:
-            conn.released = True
             self._refuse(conn.peer, why)
             return False
         conn.is_open = True
@@ -775,6 +798,8 @@ class TCPStoreServer:
         if conn.released:
             return
         conn.released = True
+        self.buffered -= conn.buffered
+        conn.buffered = 0
         self.handshaking.pop(conn, None)
         if conn.is_open:
             self.connections.discard(conn)
@@ -783,6 +808,42 @@ class TCPStoreServer:
                 self._per_address[conn.address] = left
             else:
                 del self._per_address[conn.address]
+
+    def account(self, conn: _Connection) -> None:
+        """Count what ``conn`` buffers now; shed the oldest partial requests past the total."""
+        if conn.released:
+            return
+        held = conn.parser.pending
+        if held != conn.buffered:
+            self.buffered += held - conn.buffered
+            conn.buffered = held
+            if self.buffered > self.max_buffered_bytes:
+                self._shed()
+
+    def _shed(self) -> None:
+        """Close the connections whose incomplete requests started first until under the total."""
+        while self.buffered > self.max_buffered_bytes:
+            started = [
+                conn
+                for conn in [*self.handshaking, *self.connections]
+                if conn.buffered and conn.frame_started is not None and not conn.stalled
+            ]
+            if not started:
+                return
+            oldest = min(started, key=lambda conn: conn.frame_started or 0.0)
+            held = oldest.buffered
+            self.release(oldest)
+            oldest.abort()
+            self.shed_connections += 1
+            self._throttled.warning(
+                "shed",
+                "store client %s disconnected: the server held more than %d bytes of "
+                "incomplete requests (max_buffered_bytes), and its %d bytes had been "
+                "arriving the longest",
+                oldest.peer,
+                self.max_buffered_bytes,
+                held,
+            )
 
     def _accepted(self, sock: socket.socket, address: str, peer: str) -> None:
         """Take in a connection just accepted, or refuse it (close it at once)."""
