@@ -253,7 +253,8 @@ class _Connection(asyncio.Protocol):
         self.engine.drop(self)
         self._stop_waiting()
         if self.parser.pending and self.is_open:
-            _log.warning(
+            self.server.throttled.warning(
+                "partial",
                 "store client %s disconnected in the middle of a request (%d bytes unparsed)",
                 self.peer,
                 self.parser.pending,
@@ -645,7 +646,8 @@ class TCPStoreServer:
         self.handshaking: dict[_Connection, None] = {}
         """Connections in their handshake, oldest first."""
         self._per_address: dict[str, int] = {}
-        self._throttled = _ThrottledLog(LOG_INTERVAL)
+        self.throttled = _ThrottledLog(LOG_INTERVAL)
+        """The log of the warnings a flood of connections could repeat."""
         self._port: int | None = None
         self._bound_host = host or "::"
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -772,7 +774,7 @@ class TCPStoreServer:
 
     def _refuse(self, peer: str, why: str) -> None:
         self.refused_connections += 1
-        self._throttled.warning("refused", "store client %s refused: %s", peer, why)
+        self.throttled.warning("refused", "store client %s refused: %s", peer, why)
 
     def admit(self, conn: _Connection) -> bool:
         """Move ``conn``, whose handshake is done, into a connection slot.
@@ -835,7 +837,7 @@ class TCPStoreServer:
             self.release(oldest)
             oldest.abort()
             self.shed_connections += 1
-            self._throttled.warning(
+            self.throttled.warning(
                 "shed",
                 "store client %s disconnected: the server held more than %d bytes of "
                 "incomplete requests (max_buffered_bytes), and its %d bytes had been "
@@ -857,7 +859,7 @@ class TCPStoreServer:
             self.release(oldest)
             oldest.abort()
             self.reclaimed_connections += 1
-            self._throttled.warning(
+            self.throttled.warning(
                 "reclaimed",
                 "store client %s disconnected: its handshake was the oldest unfinished one "
                 "when %s connected and all %d handshake slots were taken (max_handshakes)",
@@ -893,7 +895,7 @@ class TCPStoreServer:
         except (OSError, ssl.SSLError, TimeoutError) as exc:
             self.release(conn)
             sock.close()
-            self._throttled.warning(
+            self.throttled.warning(
                 "tls", "store client %s disconnected: TLS handshake failed: %s", conn.peer, exc
             )
         finally:
@@ -918,7 +920,7 @@ class TCPStoreServer:
                 if exc.errno not in _ACCEPT_OUT_OF_RESOURCES:
                     continue  # the peer went away between SYN and accept
                 delay = min(ACCEPT_BACKOFF, max(0.01, delay * 2))
-                self._throttled.warning(
+                self.throttled.warning(
                     "accept",
                     "store server cannot accept connections (%s); retrying in %.2f s",
                     exc,
@@ -1014,7 +1016,7 @@ class TCPStoreServer:
                     if conn.is_open:
                         _log.warning("store client %s disconnected: %s", conn.peer, reason)
                     else:
-                        self._throttled.warning(
+                        self.throttled.warning(
                             "handshake", "store client %s disconnected: %s", conn.peer, reason
                         )
                     conn.abort()
