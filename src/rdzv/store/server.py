@@ -44,8 +44,9 @@ Each limit has a named default and a constructor parameter (see
   for (with :data:`FD_HEADROOM` spare), so a refusal is a clean accept and
   close, not an ``EMFILE``; the accept loop backs off when accept fails
   anyway, and the log lines a flood repeats are throttled.
-* Work per connection. A turn executes at most :data:`REQUESTS_PER_TURN`
-  requests; once the connection's unsent replies pass ``max_unsent_bytes``
+* Work per connection. A turn parses at most :data:`FEED_SLICE` received
+  bytes (a large read waits in the connection's inbox for later turns) and
+  executes at most :data:`REQUESTS_PER_TURN` requests; once the connection's unsent replies pass ``max_unsent_bytes``
   it executes nothing more, and reads nothing, until the peer has read; the
   engine refuses a reply past its own bound. Received bytes not executed
   yet (mostly incomplete requests) are counted over all connections; past
@@ -120,6 +121,7 @@ __all__ = [
     "DEFAULT_MAX_UNSENT_BYTES",
     "DEFAULT_TCP_KEEPALIVE",
     "FD_HEADROOM",
+    "FEED_SLICE",
     "LOG_INTERVAL",
     "REQUESTS_PER_TURN",
     "TCPStoreServer",
@@ -130,7 +132,7 @@ _log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONNECTIONS: Final = 4096
 """Most client connections past the handshake a server keeps open at once."""
-DEFAULT_MAX_HANDSHAKES: Final = 256
+DEFAULT_MAX_HANDSHAKES: Final = 128
 """Most connections in their handshake (TLS, ``VALIDATE``, authentication) at once."""
 DEFAULT_HANDSHAKE_TIMEOUT: Final = 10.0
 """Seconds within which a new connection must finish its handshake."""
@@ -151,6 +153,8 @@ DEFAULT_TCP_KEEPALIVE: Final = 60.0
 probes 10 s apart, so a half-open peer is found in about two minutes."""
 REQUESTS_PER_TURN: Final = 64
 """Requests of one connection executed before the others get their turn."""
+FEED_SLICE: Final = 64 * 1024
+"""Received bytes of one connection parsed before the others get their turn."""
 ACCEPT_BACKLOG: Final = 512
 """The largest listen backlog used (the kernel's ``somaxconn`` when smaller)."""
 ACCEPT_BACKOFF: Final = 0.1
@@ -240,6 +244,9 @@ class _Connection(asyncio.Protocol):
         """Whether execution stopped with requests buffered (reply budget or turn spent)."""
         self.buffered = 0
         """The bytes of received, unexecuted requests counted in the server's total."""
+        self.inbox = bytearray()
+        """Received bytes not fed to the parser yet: a large read is parsed
+        :data:`FEED_SLICE` bytes per turn, other connections' turns between."""
 
     # -- asyncio callbacks -------------------------------------------------
 
@@ -275,7 +282,10 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
-        self.parser.feed(data)
+        if self.inbox or len(data) > FEED_SLICE:
+            self.inbox += data
+        else:
+            self.parser.feed(data)
         now = self.last_activity = time.monotonic()
         if self.frame_started is None:
             self.frame_started = now
@@ -298,6 +308,10 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
+        inbox = self.inbox
+        if inbox:
+            parser.feed(inbox[:FEED_SLICE])
+            del inbox[:FEED_SLICE]
         budget = self.server.max_unsent_bytes - transport.get_write_buffer_size()
         replies: list[bytes] = []
         size = 0
@@ -329,7 +343,10 @@ class _Connection(asyncio.Protocol):
                     transport.pause_reading()
                     break
             else:
-                if not parser.pending:
+                if inbox:
+                    self.stalled = True
+                    transport.pause_reading()
+                elif not parser.pending:
                     self.frame_started = None
         except RefusedOpcodeError as exc:
             self._refuse(exc.op, replies)
@@ -405,6 +422,7 @@ class _Connection(asyncio.Protocol):
         if replies:
             self.transport.write(b"".join(replies))
         self.parser = RequestParser()
+        self.inbox.clear()
         self.transport.close()
 
     def _refuse(self, op: int, replies: list[bytes]) -> None:
@@ -815,7 +833,7 @@ class TCPStoreServer:
         """Count what ``conn`` buffers now; shed the oldest partial requests past the total."""
         if conn.released:
             return
-        held = conn.parser.pending
+        held = conn.parser.pending + len(conn.inbox)
         if held != conn.buffered:
             self.buffered += held - conn.buffered
             conn.buffered = held
