@@ -422,7 +422,7 @@ class RequestParser:
         self._count = -1
         """Items of the list field being read (-1 before its count is read)."""
 
-    def feed(self, data: bytes | bytearray) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append received bytes.
 
         Args:

@@ -122,6 +122,7 @@ __all__ = [
     "DEFAULT_TCP_KEEPALIVE",
     "FD_HEADROOM",
     "FEED_SLICE",
+    "RECEIVE_BUFFER_BYTES",
     "LOG_INTERVAL",
     "REQUESTS_PER_TURN",
     "TCPStoreServer",
@@ -155,6 +156,8 @@ REQUESTS_PER_TURN: Final = 64
 """Requests of one connection executed before the others get their turn."""
 FEED_SLICE: Final = 64 * 1024
 """Received bytes of one connection parsed before the others get their turn."""
+RECEIVE_BUFFER_BYTES: Final = 256 * 1024
+"""The most one read takes from a connection (asyncio's own read size)."""
 ACCEPT_BACKLOG: Final = 512
 """The largest listen backlog used (the kernel's ``somaxconn`` when smaller)."""
 ACCEPT_BACKOFF: Final = 0.1
@@ -211,8 +214,15 @@ _StoreHandler = Callable[["_Connection", Request], "tuple[bytes | None, Woken[_C
 _NO_HANDLERS: Mapping[int, _StoreHandler] = MappingProxyType({})
 
 
-class _Connection(asyncio.Protocol):
-    """One client connection, from its accept to its close."""
+class _Connection(asyncio.BufferedProtocol):
+    """One client connection, from its accept to its close.
+
+    It receives into the server's one receive buffer (the loop runs one
+    callback at a time, and the bytes are copied out at once), so a read
+    allocates nothing: a plain protocol gets a new 256 KiB ``bytes`` per
+    read from asyncio, which glibc may serve with ``mmap``, doubling the
+    server's CPU time per request.
+    """
 
     def __init__(self, server: TCPStoreServer, address: str, peer: str) -> None:
         self.server = server
@@ -281,7 +291,13 @@ class _Connection(asyncio.Protocol):
         elif self.transport is not None:
             self.transport.resume_reading()
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.server.receive_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self.server.receive_buffer[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
         if self.inbox or len(data) > FEED_SLICE:
             self.inbox += data
         else:
@@ -632,6 +648,8 @@ class TCPStoreServer:
         self.max_buffered_bytes = max_buffered_bytes
         self.buffered = 0
         """Bytes of received requests not executed yet, over every connection."""
+        self.receive_buffer = memoryview(bytearray(RECEIVE_BUFFER_BYTES))
+        """Where every connection receives (see :class:`_Connection`)."""
         self.handshake_timeout = float(handshake_timeout)
         self.frame_timeout = float(frame_timeout)
         self.handshake_deadline = min(self.handshake_timeout, self.frame_timeout)
