@@ -48,7 +48,8 @@ tells it how long a request may block) and ``drop`` returns the reply a
 timeout calls for.
 
 Errors. A request the engine cannot carry out (``ADD`` to a value that is
-not an integer, an ``APPEND`` past the cap, a request from a client that is
+not an integer, an ``APPEND`` past the cap, a reply that would be larger
+than :data:`MAX_REPLY_BYTES`, a request from a client that is
 blocked, an opcode that is no store operation) raises
 :class:`~rdzv.store.protocol.ProtocolError` and changes nothing: the server
 then closes the connection, as torch's server does.
@@ -74,7 +75,7 @@ from rdzv.store.protocol import (
     encode_i64,
 )
 
-__all__ = ["BLOCKING_OPS", "MAX_APPENDED_BYTES", "StoreEngine", "Woken"]
+__all__ = ["BLOCKING_OPS", "MAX_APPENDED_BYTES", "MAX_REPLY_BYTES", "StoreEngine", "Woken"]
 
 MAX_APPENDED_BYTES: Final = MAX_VALUE_BYTES
 """Largest value ``APPEND`` may build, in bytes: the largest value a request
@@ -83,6 +84,12 @@ refuses past :data:`~rdzv.store.protocol.MAX_VALUE_BYTES`, so a longer value
 could be written but never read; with this cap no value on a server outgrows
 what ``SET`` may write, and one key costs at most this much however many
 appends arrive."""
+
+MAX_REPLY_BYTES: Final = 2 * MAX_VALUE_BYTES
+"""Largest reply a request may produce, in bytes. Only requests naming many
+keys (``MULTI_GET``, ``MULTI_TRY_GET``) or all of them (``LIST_KEYS``) can
+go past it, and they are refused, before the reply is built: a 24 KB
+``MULTI_GET`` naming one 1 MiB key 2,000 times would otherwise cost 2 GiB."""
 
 ClientT = TypeVar("ClientT", bound=Hashable)
 
@@ -108,6 +115,15 @@ _ABSENT: Final = b"\x00"
 _NOTHING: Final = (None, ())
 """The outcome of a request without a reply that answered no one."""
 _PRESENT: Final = b"\x01"
+
+
+def _check_reply_size(op: Op, size: int) -> None:
+    """Refuse a reply of ``size`` bytes past :data:`MAX_REPLY_BYTES`."""
+    if size > MAX_REPLY_BYTES:
+        raise ProtocolError(
+            f"the reply to {op.name} would be {size} bytes, over the limit of "
+            f"{MAX_REPLY_BYTES} bytes (MAX_REPLY_BYTES); ask for fewer keys at a time"
+        )
 
 
 def _show(key: bytes) -> str:
@@ -381,7 +397,9 @@ class StoreEngine(Generic[ClientT]):
 
     def _multi_get(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
         data = self._data
-        return b"".join(encode_bytes(data.get(key, b"")) for key in request.keys), ()
+        values = [data.get(key, b"") for key in request.keys]
+        _check_reply_size(Op.MULTI_GET, 8 * len(values) + sum(map(len, values)))
+        return b"".join(map(encode_bytes, values)), ()
 
     def _multi_set(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
         pairs = zip(request.keys, request.values, strict=True)
@@ -424,6 +442,7 @@ class StoreEngine(Generic[ClientT]):
 
     def _list_keys(self, _client: ClientT, _request: Request) -> _Outcome[ClientT]:
         keys = list(self._data)
+        _check_reply_size(Op.LIST_KEYS, 8 + 8 * len(keys) + sum(map(len, keys)))
         return encode_i64(len(keys)) + b"".join(encode_bytes(key) for key in keys), ()
 
     def _barrier(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
@@ -493,11 +512,12 @@ class StoreEngine(Generic[ClientT]):
 
     def _multi_try_get(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
         data = self._data
-        parts = []
-        for key in request.keys:
-            value = data.get(key)
-            parts.append(_ABSENT if value is None else _PRESENT + encode_bytes(value))
-        return b"".join(parts), ()
+        values = [data.get(key) for key in request.keys]
+        size = sum(1 if value is None else 9 + len(value) for value in values)
+        _check_reply_size(Op.MULTI_TRY_GET, size)
+        return b"".join(
+            _ABSENT if value is None else _PRESENT + encode_bytes(value) for value in values
+        ), ()
 
 
 _HANDLERS: dict[int, Callable[[StoreEngine[Any], Any, Request], _Outcome[Any]]] = {

@@ -10,14 +10,20 @@ self-describing either: the client knows what shape to expect from the
 request it sent.
 
 :class:`RequestParser` (the server side) buffers whatever bytes arrive and
-hands out complete :class:`Request` records. Each attempt parses from the
-start of the pending request; when the buffer ends too early, nothing is
-consumed and the parser waits for more bytes, so a request split anywhere
-(byte by byte even) decodes the same as one delivered whole. Lengths and
-counts are checked against the named limits as soon as they are readable,
-before anything is buffered for them, so an over-limit or garbage request
-fails fast. Every kind of bad input raises :class:`ProtocolError` and nothing
-else.
+hands out complete :class:`Request` records. Each opcode has a layout, a
+tuple of field kinds (key, value, integer, key list...); the parser reads one
+field at a time and keeps the fields, and in a list the items, it has read,
+with a cursor at the first byte it has not. When the buffer ends inside a
+field, it stops there and the next call resumes at that field, so a request
+split anywhere (byte by byte even) decodes the same as one delivered whole,
+and costs time linear in its size however it is split (a field is re-examined
+only for its fixed-size length prefix). Consumed bytes are dropped from the
+buffer as it grows. Lengths and counts are checked against the named limits
+as soon as they are readable, before anything is buffered for them, and the
+opcode against :attr:`RequestParser.allowed` as soon as its byte arrives, so
+a server refuses a request that is not allowed yet (one before the
+handshake) before reading any of it. Every kind of bad input raises
+:class:`ProtocolError` and nothing else.
 
 :class:`ReplyReader` (the client side) is the mirror image: the client feeds
 it received bytes and asks for the next field of the shape it expects; a read
@@ -47,9 +53,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from enum import IntEnum
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Any, Final, NamedTuple
 
 __all__ = [
     "AUTH_MAC_BYTES",
@@ -57,6 +64,7 @@ __all__ = [
     "CLIENT_AUTH_LABEL",
     "EXTENSION_BASE",
     "FEATURE_AUTH_REQUIRED",
+    "FRAME_BYTES",
     "MAX_KEY_BYTES",
     "MAX_MULTI_KEYS",
     "MAX_REQUEST_BYTES",
@@ -71,6 +79,7 @@ __all__ = [
     "GetWaitStatus",
     "Op",
     "ProtocolError",
+    "RefusedOpcodeError",
     "ReplyReader",
     "Request",
     "RequestParser",
@@ -199,6 +208,18 @@ class ProtocolError(Exception):
     """Raised for any malformed, over-limit or unknown request or reply."""
 
 
+class RefusedOpcodeError(ProtocolError):
+    """Raised when a request's opcode is not one the parser accepts now.
+
+    Attributes:
+        op: The refused opcode.
+    """
+
+    def __init__(self, op: int) -> None:
+        super().__init__(f"opcode {op} is not allowed here")
+        self.op = op
+
+
 class _IncompleteError(Exception):
     """Internal: the buffer ends before the current request or field does."""
 
@@ -222,32 +243,10 @@ class Request(NamedTuple):
     number: int = 0
 
 
-_Parser = Callable[[bytearray, int], tuple[Request, int]]
-
 _U8 = struct.Struct("<B")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
-
-
-def _u32(buf: bytearray, pos: int) -> tuple[int, int]:
-    end = pos + 4
-    if end > len(buf):
-        raise _IncompleteError
-    return _U32.unpack_from(buf, pos)[0], end
-
-
-def _i64(buf: bytearray, pos: int) -> tuple[int, int]:
-    end = pos + 8
-    if end > len(buf):
-        raise _IncompleteError
-    return _I64.unpack_from(buf, pos)[0], end
-
-
-def _u8(buf: bytearray, pos: int) -> tuple[int, int]:
-    if pos >= len(buf):
-        raise _IncompleteError
-    return buf[pos], pos + 1
 
 
 def _blob(buf: bytearray, pos: int, limit: int, what: str) -> tuple[bytes, int]:
@@ -263,15 +262,7 @@ def _blob(buf: bytearray, pos: int, limit: int, what: str) -> tuple[bytes, int]:
     return bytes(buf[start:end]), end
 
 
-def _key(buf: bytearray, pos: int) -> tuple[bytes, int]:
-    return _blob(buf, pos, MAX_KEY_BYTES, "key")
-
-
-def _value(buf: bytearray, pos: int) -> tuple[bytes, int]:
-    return _blob(buf, pos, MAX_VALUE_BYTES, "value")
-
-
-def _count(buf: bytearray, pos: int) -> tuple[int, int]:
+def _read_count(buf: bytearray, pos: int) -> tuple[int, int]:
     end = pos + 8
     if end > len(buf):
         raise _IncompleteError
@@ -281,166 +272,157 @@ def _count(buf: bytearray, pos: int) -> tuple[int, int]:
     return count, end
 
 
-def _keys(buf: bytearray, pos: int) -> tuple[tuple[bytes, ...], int]:
-    count, pos = _count(buf, pos)
-    keys = []
-    for _ in range(count):
-        key, pos = _key(buf, pos)
-        keys.append(key)
-    return tuple(keys), pos
+# The kinds of field a request is made of; a request's layout is a tuple of them.
+_KEY = 0
+_VALUE = 1
+_I64_FIELD = 2
+_U32_FIELD = 3
+_KEYS = 4
+"""A ``u64`` count, then that many keys: one field, a tuple of keys."""
+_PAIRS = 5
+"""A count, then that many key and value pairs: one field, (keys, values)."""
+_PREVIOUS = 6
+"""WATCH's presence flag, then the previous value when the flag is 1: a tuple."""
+_AUTH = 7
+"""AUTH_RESPONSE's fixed-size nonce and tag: a tuple of the two."""
+
+_Build = Callable[[Op, list[Any]], Request]
+_Layout = tuple[Op, tuple[int, ...], _Build]
 
 
-# Each parser gets the buffer and the offset just past the opcode and returns
-# the request and the offset just past it.
+def _b_number(op: Op, f: list[Any]) -> Request:
+    return Request(op, number=f[0])
 
 
-def _p_validate(buf: bytearray, pos: int) -> tuple[Request, int]:
-    magic, pos = _u32(buf, pos)
-    return Request(Op.VALIDATE, number=magic), pos
+def _b_key(op: Op, f: list[Any]) -> Request:
+    return Request(op, (f[0],))
 
 
-def _p_ping(buf: bytearray, pos: int) -> tuple[Request, int]:
-    nonce, pos = _u32(buf, pos)
-    return Request(Op.PING, number=nonce), pos
+def _b_key_value(op: Op, f: list[Any]) -> Request:
+    return Request(op, (f[0],), (f[1],))
 
 
-def _p_key(op: int) -> _Parser:
-    def parse(buf: bytearray, pos: int) -> tuple[Request, int]:
-        key, pos = _key(buf, pos)
-        return Request(op, (key,)), pos
-
-    return parse
+def _b_key_number(op: Op, f: list[Any]) -> Request:
+    return Request(op, (f[0],), (), f[1])
 
 
-def _p_key_value(op: int) -> _Parser:
-    def parse(buf: bytearray, pos: int) -> tuple[Request, int]:
-        key, pos = _key(buf, pos)
-        value, pos = _value(buf, pos)
-        return Request(op, (key,), (value,)), pos
-
-    return parse
+def _b_keys(op: Op, f: list[Any]) -> Request:
+    return Request(op, f[0])
 
 
-def _p_key_number(op: int) -> _Parser:
-    def parse(buf: bytearray, pos: int) -> tuple[Request, int]:
-        key, pos = _key(buf, pos)
-        number, pos = _i64(buf, pos)
-        return Request(op, (key,), (), number), pos
-
-    return parse
+def _b_bare(op: Op, _f: list[Any]) -> Request:
+    return Request(op)
 
 
-def _p_keys(op: int) -> _Parser:
-    def parse(buf: bytearray, pos: int) -> tuple[Request, int]:
-        keys, pos = _keys(buf, pos)
-        return Request(op, keys), pos
-
-    return parse
+def _b_compare_set(op: Op, f: list[Any]) -> Request:
+    return Request(op, (f[0],), (f[1], f[2]))
 
 
-def _p_bare(op: int) -> _Parser:
-    def parse(_buf: bytearray, pos: int) -> tuple[Request, int]:
-        return Request(op), pos
-
-    return parse
+def _b_multi_set(op: Op, f: list[Any]) -> Request:
+    keys, values = f[0]
+    return Request(op, keys, values)
 
 
-def _p_compare_set(buf: bytearray, pos: int) -> tuple[Request, int]:
-    key, pos = _key(buf, pos)
-    expected, pos = _value(buf, pos)
-    desired, pos = _value(buf, pos)
-    return Request(Op.COMPARE_SET, (key,), (expected, desired)), pos
+def _b_auth_response(op: Op, f: list[Any]) -> Request:
+    return Request(op, (), f[0])
 
 
-def _p_multi_set(buf: bytearray, pos: int) -> tuple[Request, int]:
-    count, pos = _count(buf, pos)
-    keys = []
-    values = []
-    for _ in range(count):
-        key, pos = _key(buf, pos)
-        value, pos = _value(buf, pos)
-        keys.append(key)
-        values.append(value)
-    return Request(Op.MULTI_SET, tuple(keys), tuple(values)), pos
-
-
-def _p_auth_response(buf: bytearray, pos: int) -> tuple[Request, int]:
-    end = pos + AUTH_NONCE_BYTES + AUTH_MAC_BYTES
-    if end > len(buf):
-        raise _IncompleteError
-    nonce = bytes(buf[pos : pos + AUTH_NONCE_BYTES])
-    mac = bytes(buf[pos + AUTH_NONCE_BYTES : end])
-    return Request(Op.AUTH_RESPONSE, (), (nonce, mac)), end
-
-
-def _p_watch(buf: bytearray, pos: int) -> tuple[Request, int]:
-    key, pos = _key(buf, pos)
-    has_previous, pos = _u8(buf, pos)
-    if has_previous > 1:
-        raise ProtocolError(f"WATCH presence flag must be 0 or 1, got {has_previous}")
-    previous: tuple[bytes, ...] = ()
-    if has_previous:
-        value, pos = _value(buf, pos)
-        previous = (value,)
-    timeout_ms, pos = _i64(buf, pos)
+def _b_timed(op: Op, f: list[Any]) -> Request:
+    """WATCH (key, previous, timeout) and GET_WAIT (key, timeout)."""
+    timeout_ms = f[-1]
     if timeout_ms < 0:
-        raise ProtocolError(f"WATCH timeout must be non-negative, got {timeout_ms} ms")
-    return Request(Op.WATCH, (key,), previous, timeout_ms), pos
+        raise ProtocolError(f"{op.name} timeout must be non-negative, got {timeout_ms} ms")
+    return Request(op, (f[0],), f[1] if len(f) == 3 else (), timeout_ms)
 
 
-def _p_get_wait(buf: bytearray, pos: int) -> tuple[Request, int]:
-    key, pos = _key(buf, pos)
-    timeout_ms, pos = _i64(buf, pos)
-    if timeout_ms < 0:
-        raise ProtocolError(f"GET_WAIT timeout must be non-negative, got {timeout_ms} ms")
-    return Request(Op.GET_WAIT, (key,), (), timeout_ms), pos
-
-
-_PARSERS = {
-    Op.VALIDATE: _p_validate,
-    Op.SET: _p_key_value(Op.SET),
-    Op.COMPARE_SET: _p_compare_set,
-    Op.GET: _p_key(Op.GET),
-    Op.ADD: _p_key_number(Op.ADD),
-    Op.CHECK: _p_keys(Op.CHECK),
-    Op.WAIT: _p_keys(Op.WAIT),
-    Op.GETNUMKEYS: _p_bare(Op.GETNUMKEYS),
-    Op.DELETE_KEY: _p_key(Op.DELETE_KEY),
-    Op.APPEND: _p_key_value(Op.APPEND),
-    Op.MULTI_GET: _p_keys(Op.MULTI_GET),
-    Op.MULTI_SET: _p_multi_set,
-    Op.CANCEL_WAIT: _p_bare(Op.CANCEL_WAIT),
-    Op.PING: _p_ping,
-    Op.QUEUE_PUSH: _p_key_value(Op.QUEUE_PUSH),
-    Op.QUEUE_POP: _p_key(Op.QUEUE_POP),
-    Op.QUEUE_LEN: _p_key(Op.QUEUE_LEN),
-    Op.LIST_KEYS: _p_bare(Op.LIST_KEYS),
-    Op.BARRIER: _p_key_number(Op.BARRIER),
-    Op.AUTH_CHALLENGE: _p_bare(Op.AUTH_CHALLENGE),
-    Op.AUTH_RESPONSE: _p_auth_response,
-    Op.WATCH: _p_watch,
-    Op.GET_WAIT: _p_get_wait,
-    Op.MULTI_TRY_GET: _p_keys(Op.MULTI_TRY_GET),
+_LAYOUTS: dict[int, _Layout] = {
+    int(op): (op, kinds, build)
+    for op, kinds, build in (
+        (Op.VALIDATE, (_U32_FIELD,), _b_number),
+        (Op.SET, (_KEY, _VALUE), _b_key_value),
+        (Op.COMPARE_SET, (_KEY, _VALUE, _VALUE), _b_compare_set),
+        (Op.GET, (_KEY,), _b_key),
+        (Op.ADD, (_KEY, _I64_FIELD), _b_key_number),
+        (Op.CHECK, (_KEYS,), _b_keys),
+        (Op.WAIT, (_KEYS,), _b_keys),
+        (Op.GETNUMKEYS, (), _b_bare),
+        (Op.DELETE_KEY, (_KEY,), _b_key),
+        (Op.APPEND, (_KEY, _VALUE), _b_key_value),
+        (Op.MULTI_GET, (_KEYS,), _b_keys),
+        (Op.MULTI_SET, (_PAIRS,), _b_multi_set),
+        (Op.CANCEL_WAIT, (), _b_bare),
+        (Op.PING, (_U32_FIELD,), _b_number),
+        (Op.QUEUE_PUSH, (_KEY, _VALUE), _b_key_value),
+        (Op.QUEUE_POP, (_KEY,), _b_key),
+        (Op.QUEUE_LEN, (_KEY,), _b_key),
+        (Op.LIST_KEYS, (), _b_bare),
+        (Op.BARRIER, (_KEY, _I64_FIELD), _b_key_number),
+        (Op.AUTH_CHALLENGE, (), _b_bare),
+        (Op.AUTH_RESPONSE, (_AUTH,), _b_auth_response),
+        (Op.WATCH, (_KEY, _PREVIOUS, _I64_FIELD), _b_timed),
+        (Op.GET_WAIT, (_KEY, _I64_FIELD), _b_timed),
+        (Op.MULTI_TRY_GET, (_KEYS,), _b_keys),
+    )
 }
-_PARSER_TABLE = {int(op): parser for op, parser in _PARSERS.items()}
+
+
+def _fixed_size(kinds: tuple[int, ...]) -> int | None:
+    sizes = {_I64_FIELD: 8, _U32_FIELD: 4, _AUTH: AUTH_NONCE_BYTES + AUTH_MAC_BYTES}
+    if not all(kind in sizes for kind in kinds):
+        return None
+    return 1 + sum(sizes[kind] for kind in kinds)
+
+
+FRAME_BYTES: Final[Mapping[int, int]] = MappingProxyType(
+    {
+        code: size
+        for code, (_op, kinds, _build) in _LAYOUTS.items()
+        if (size := _fixed_size(kinds)) is not None
+    }
+)
+"""The size in bytes of every request whose size is fixed (opcode included),
+by opcode: the handshake's requests all are, so a server that accepts only
+those before the handshake buffers at most the largest of them for a peer
+that never completed it."""
 
 
 class RequestParser:
     """Incremental decoder of a stream of requests (the server side).
 
     Feed it bytes as they arrive with :meth:`feed`; take complete requests
-    with :meth:`next_request` until it returns None.
+    with :meth:`next_request` until it returns None. A request is decoded
+    field by field as its bytes arrive: the fields already read (and, in a
+    list, the items already read) are kept, and the next attempt resumes at
+    the first unread byte, so a request costs time linear in its size however
+    it is split.
+
+    Attributes:
+        allowed: The opcodes accepted now, or None for every known opcode;
+            any other opcode raises :class:`RefusedOpcodeError` as soon as its
+            byte arrives, before any of its fields is read. The caller may
+            change it between requests (a server does, as a client moves
+            through the handshake).
     """
 
-    __slots__ = ("_buf", "_pos")
+    __slots__ = ("_buf", "_count", "_fields", "_items", "_layout", "_pos", "_start", "allowed")
 
     _COMPACT_AT = 64 * 1024
 
     def __init__(self) -> None:
+        self.allowed: Container[int] | None = None
         self._buf = bytearray()
         self._pos = 0
+        """Where decoding resumes: everything before it is decoded."""
+        self._start = 0
+        """Where the current request's opcode is (negative once dropped from the buffer)."""
+        self._layout: _Layout | None = None
+        """The layout of the request being decoded, or None between requests."""
+        self._fields: list[Any] = []
+        self._items: list[bytes] = []
+        self._count = -1
+        """Items of the list field being read (-1 before its count is read)."""
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append received bytes.
 
         Args:
@@ -451,7 +433,8 @@ class RequestParser:
     @property
     def pending(self) -> int:
         """The number of buffered bytes not yet decoded into a request."""
-        return len(self._buf) - self._pos
+        start = self._pos if self._layout is None else self._start
+        return len(self._buf) - start
 
     def next_request(self) -> Request | None:
         """Decode the next complete request.
@@ -461,31 +444,131 @@ class RequestParser:
             complete one yet.
 
         Raises:
+            RefusedOpcodeError: The opcode is not in :attr:`allowed`.
             ProtocolError: The bytes are not a valid request.
         """
         buf = self._buf
         pos = self._pos
-        if pos >= len(buf):
-            if pos:
-                buf.clear()
-                self._pos = 0
-            return None
-        parse = _PARSER_TABLE.get(buf[pos])
-        if parse is None:
-            raise ProtocolError(f"unknown opcode {buf[pos]}")
+        layout = self._layout
+        if layout is None:
+            if pos >= len(buf):
+                if pos:
+                    buf.clear()
+                    self._pos = 0
+                return None
+            code = buf[pos]
+            layout = _LAYOUTS.get(code)
+            if layout is None:
+                raise ProtocolError(f"unknown opcode {code}")
+            allowed = self.allowed
+            if allowed is not None and code not in allowed:
+                raise RefusedOpcodeError(code)
+            self._start = pos
+            pos += 1
+            fields: list[Any] = []
+        else:
+            fields = self._fields
+        op, kinds, build = layout
+        field: Any
         try:
-            request, end = parse(buf, pos + 1)
-        except _IncompleteError:
-            if len(buf) - pos > MAX_REQUEST_BYTES:
-                raise ProtocolError(
-                    f"request {buf[pos]} exceeds {MAX_REQUEST_BYTES} bytes and is still incomplete"
-                ) from None
-            if pos >= self._COMPACT_AT:
-                del buf[:pos]
-                self._pos = 0
+            for kind in kinds[len(fields) :] if fields else kinds:
+                if kind == _KEY:
+                    field, pos = _blob(buf, pos, MAX_KEY_BYTES, "key")
+                elif kind == _VALUE:
+                    field, pos = _blob(buf, pos, MAX_VALUE_BYTES, "value")
+                elif kind == _I64_FIELD:
+                    field, pos = _read_fixed(buf, pos, _I64)
+                elif kind == _U32_FIELD:
+                    field, pos = _read_fixed(buf, pos, _U32)
+                elif kind in (_KEYS, _PAIRS):
+                    field, pos = self._read_list(buf, pos, kind == _PAIRS)
+                elif kind == _PREVIOUS:
+                    field, pos = _read_previous(buf, pos)
+                else:
+                    field, pos = _read_auth(buf, pos)
+                fields.append(field)
+        except _IncompleteError as exc:
+            self._suspend(layout, fields, exc.args[0] if exc.args else pos)
             return None
-        self._pos = end
-        return request
+        self._layout = None
+        self._pos = pos
+        return build(op, fields)
+
+    def _suspend(self, layout: _Layout, fields: list[Any], resume: int) -> None:
+        """Keep what was decoded of an incomplete request and where to resume."""
+        self._layout = layout
+        self._fields = fields
+        buf = self._buf
+        if len(buf) - self._start > MAX_REQUEST_BYTES:
+            raise ProtocolError(
+                f"request {layout[0]} exceeds {MAX_REQUEST_BYTES} bytes and is still incomplete"
+            )
+        if resume >= self._COMPACT_AT:
+            del buf[:resume]
+            self._start -= resume
+            resume = 0
+        self._pos = resume
+
+    def _read_list(
+        self, buf: bytearray, pos: int, pairs: bool
+    ) -> tuple[tuple[bytes, ...] | tuple[tuple[bytes, ...], tuple[bytes, ...]], int]:
+        """Read a counted list of keys (or of key and value pairs), resumably.
+
+        Raises:
+            _IncompleteError: Carrying where to resume: after the last whole item.
+        """
+        count = self._count
+        if count < 0:
+            count, pos = _read_count(buf, pos)
+            if pairs:
+                count *= 2
+            self._count = count
+            self._items = []
+        items = self._items
+        try:
+            for index in range(len(items), count):
+                if pairs and index & 1:
+                    item, pos = _blob(buf, pos, MAX_VALUE_BYTES, "value")
+                else:
+                    item, pos = _blob(buf, pos, MAX_KEY_BYTES, "key")
+                items.append(item)
+        except _IncompleteError:
+            raise _IncompleteError(pos) from None
+        self._count = -1
+        self._items = []
+        if pairs:
+            return (tuple(items[0::2]), tuple(items[1::2])), pos
+        return tuple(items), pos
+
+
+def _read_fixed(buf: bytearray, pos: int, fmt: struct.Struct) -> tuple[int, int]:
+    end = pos + fmt.size
+    if end > len(buf):
+        raise _IncompleteError
+    value: int = fmt.unpack_from(buf, pos)[0]
+    return value, end
+
+
+def _read_auth(buf: bytearray, pos: int) -> tuple[tuple[bytes, bytes], int]:
+    """Read AUTH_RESPONSE's client nonce and tag."""
+    nonce_end = pos + AUTH_NONCE_BYTES
+    end = nonce_end + AUTH_MAC_BYTES
+    if end > len(buf):
+        raise _IncompleteError
+    return (bytes(buf[pos:nonce_end]), bytes(buf[nonce_end:end])), end
+
+
+def _read_previous(buf: bytearray, pos: int) -> tuple[tuple[bytes, ...], int]:
+    """Read WATCH's presence flag and, when it is set, the previous value."""
+    if pos >= len(buf):
+        raise _IncompleteError
+    flag = buf[pos]
+    if flag > 1:
+        raise ProtocolError(f"WATCH presence flag must be 0 or 1, got {flag}")
+    if not flag:
+        return (), pos + 1
+    value, pos = _blob(buf, pos + 1, MAX_VALUE_BYTES, "value")
+    return (value,), pos
 
 
 class ReplyReader:

@@ -2,9 +2,11 @@
 
 Theory of operation
 -------------------
-One asyncio event loop serves every connection. Each connection owns a
-:class:`~rdzv.store.protocol.RequestParser`; ``data_received`` feeds it and
-answers every complete request at once, joining the replies of a burst into
+One asyncio event loop serves every connection. The server runs its own
+accept loop; each accepted socket becomes a :class:`_Connection` at once
+(before any TLS handshake, so handshakes in progress are counted), which
+owns a :class:`~rdzv.store.protocol.RequestParser`. ``data_received`` feeds
+it and executes the complete requests, joining the replies of a burst into
 one write. The store itself is a :class:`~rdzv.store.engine.StoreEngine`,
 touched only from the loop's thread (no locks); a connection hands it each
 store request and writes the replies it returns, to the sender and to the
@@ -16,37 +18,67 @@ authentication until the client proves it knows the secret; then everything,
 store requests going straight to the engine's handlers. While a request of
 its own is blocked (``WAIT``, ``BARRIER``, ``GET_WAIT``, ``WATCH``), only
 ``CANCEL_WAIT``, which torch's client sends after its own timeout and which
-is answered even if the ``STOP_WAITING`` crossed it on the wire. The timeout of rdzv's ``GET_WAIT`` and ``WATCH`` is a loop timer that
-drops the request from the engine and sends the engine's timeout reply. A
-request outside the current table, garbage, an over-limit length, a request
-the engine refuses or a truncated frame at close ends the connection (and
-its blocked request) with one log line; other connections are unaffected.
+is answered even if the ``STOP_WAITING`` crossed it on the wire. The
+parser's ``allowed`` opcodes follow the table, so a request outside it is
+refused when its opcode byte arrives, before any of it is buffered. The
+timeout of rdzv's ``GET_WAIT`` and ``WATCH`` is a loop timer that drops the
+request from the engine and sends the engine's timeout reply. A request
+outside the current table, garbage, an over-limit length, a request the
+engine refuses or a truncated frame at close ends the connection (and its
+blocked request) with one log line; other connections are unaffected.
 
 Limits against misbehaving peers
 --------------------------------
 Each limit has a named default and a constructor parameter (see
-:class:`TCPStoreServer`). Connections past ``max_connections`` are closed as
-soon as they are accepted; kernel keepalive probes find a peer gone without
-a FIN, even one blocked in a long ``WAIT``; one sweeper task closes every
-connection that broke ``frame_timeout`` (a request still incomplete that long
-after its first byte, an unfinished handshake, replies left unread: a slow
-writer or reader) or ``idle_timeout`` (which a connection blocked in a
-request it asked for never is: it waits for the server). The parser refuses
-oversize keys, values and key counts as soon as their length is readable.
+:class:`TCPStoreServer`).
+
+* Two tiers of connections. A connection is in its handshake (TLS,
+  ``VALIDATE``, authentication) until it finishes it; those are capped by
+  ``max_handshakes``, where a newcomer closes the oldest (a real client
+  finishes in milliseconds, a stalling one is what gets reclaimed), and by
+  a deadline, ``handshake_timeout``. Only a finished handshake takes one of
+  the ``max_connections`` slots, so peers without the secret never hold
+  one. Without a secret anyone finishes the handshake with ``VALIDATE``, so
+  one peer address may hold at most ``max_connections_per_address`` slots.
+* Both caps are lowered at start to what the open-file limit leaves room
+  for (with :data:`FD_HEADROOM` spare), so a refusal is a clean accept and
+  close, not an ``EMFILE``; the accept loop backs off when accept fails
+  anyway, and the log lines a flood repeats are throttled.
+* Work per connection. A turn parses at most :data:`FEED_SLICE` received
+  bytes (a large read waits in the connection's inbox for later turns) and
+  executes at most :data:`REQUESTS_PER_TURN` requests; once the connection's unsent replies pass ``max_unsent_bytes``
+  it executes nothing more, and reads nothing, until the peer has read; the
+  engine refuses a reply past its own bound. Received bytes not executed
+  yet (mostly incomplete requests) are counted over all connections; past
+  ``max_buffered_bytes`` the slowest incomplete request's connection is
+  closed. The parser refuses oversize
+  keys, values and key counts as soon as their length is readable, and
+  costs time linear in a request's size however it is split.
+* Time. Kernel keepalive probes find a peer gone without a FIN, even one
+  blocked in a long ``WAIT``; one sweeper task closes every connection that
+  broke ``frame_timeout`` (a request still incomplete that long after its
+  first byte, replies left unread that long), the handshake deadline, or
+  ``idle_timeout`` (which a connection blocked in a request it asked for
+  never is: it waits for the server).
 
 The server runs either in a background thread of the current process
 (:meth:`TCPStoreServer.start`, what ``TCPStore(is_master=True)`` does) or in
 the foreground until a signal (:meth:`TCPStoreServer.serve`, what
 ``rdzv serve`` does).
+
+Size: longer than the project's ~600-line guide: the connection and the
+server that admits, sweeps and counts it share every limit's bookkeeping.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -61,6 +93,7 @@ from rdzv.store.engine import BLOCKING_OPS, StoreEngine, Woken
 from rdzv.store.protocol import (
     CLIENT_AUTH_LABEL,
     FEATURE_AUTH_REQUIRED,
+    MAX_REQUEST_BYTES,
     PROBE_NONCE,
     SERVER_AUTH_LABEL,
     SERVER_HELLO,
@@ -68,6 +101,7 @@ from rdzv.store.protocol import (
     AuthStatus,
     Op,
     ProtocolError,
+    RefusedOpcodeError,
     Request,
     RequestParser,
     auth_tag,
@@ -75,10 +109,22 @@ from rdzv.store.protocol import (
 )
 
 __all__ = [
+    "ACCEPT_BACKLOG",
+    "ACCEPT_BACKOFF",
     "DEFAULT_FRAME_TIMEOUT",
+    "DEFAULT_HANDSHAKE_TIMEOUT",
     "DEFAULT_IDLE_TIMEOUT",
     "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_CONNECTIONS_PER_ADDRESS",
+    "DEFAULT_MAX_BUFFERED_BYTES",
+    "DEFAULT_MAX_HANDSHAKES",
+    "DEFAULT_MAX_UNSENT_BYTES",
     "DEFAULT_TCP_KEEPALIVE",
+    "FD_HEADROOM",
+    "FEED_SLICE",
+    "RECEIVE_BUFFER_BYTES",
+    "LOG_INTERVAL",
+    "REQUESTS_PER_TURN",
     "TCPStoreServer",
     "server_tls_context",
 ]
@@ -86,7 +132,17 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONNECTIONS: Final = 4096
-"""Most client connections a server keeps open at once; more are closed at once."""
+"""Most client connections past the handshake a server keeps open at once."""
+DEFAULT_MAX_HANDSHAKES: Final = 128
+"""Most connections in their handshake (TLS, ``VALIDATE``, authentication) at once."""
+DEFAULT_HANDSHAKE_TIMEOUT: Final = 10.0
+"""Seconds within which a new connection must finish its handshake."""
+DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: Final[int | None] = None
+"""None: three quarters of the connection cap without a secret, no cap with one."""
+DEFAULT_MAX_UNSENT_BYTES: Final = 1 << 20
+"""Bytes of replies a connection may leave unread before its requests wait."""
+DEFAULT_MAX_BUFFERED_BYTES: Final = MAX_REQUEST_BYTES
+"""Bytes of received, unexecuted requests held over every connection at once."""
 DEFAULT_FRAME_TIMEOUT: Final = 60.0
 """Seconds within which a started request (or the handshake) must arrive in full."""
 DEFAULT_IDLE_TIMEOUT: Final[float | None] = None
@@ -96,14 +152,61 @@ never reconnects, so the default keeps torch compatibility)."""
 DEFAULT_TCP_KEEPALIVE: Final = 60.0
 """Seconds of silence before the kernel's first keepalive probe; dead after 6 more
 probes 10 s apart, so a half-open peer is found in about two minutes."""
+REQUESTS_PER_TURN: Final = 64
+"""Requests of one connection executed before the others get their turn."""
+FEED_SLICE: Final = 64 * 1024
+"""Received bytes of one connection parsed before the others get their turn."""
+RECEIVE_BUFFER_BYTES: Final = 256 * 1024
+"""The most one read takes from a connection (asyncio's own read size)."""
+ACCEPT_BACKLOG: Final = 512
+"""The largest listen backlog used (the kernel's ``somaxconn`` when smaller)."""
+ACCEPT_BACKOFF: Final = 0.1
+"""Longest pause of the accept loop while it lacks file descriptors or memory."""
+FD_HEADROOM: Final = 64
+"""File descriptors kept free of connections, for the process's other needs."""
+LOG_INTERVAL: Final = 10.0
+"""Seconds between two log lines of one kind that a flood of connections can repeat."""
+
+_ACCEPT_OUT_OF_RESOURCES: Final = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+)
 
 
 class _Disconnect(Exception):  # noqa: N818 - control flow, not an error report
     """Raised by a handler to send a last reply and close the connection."""
 
-    def __init__(self, reason: str, last_reply: bytes) -> None:
+    def __init__(self, reason: str, last_reply: bytes, *, logged: bool = False) -> None:
         super().__init__(reason)
         self.last_reply = last_reply
+        self.logged = logged
+        """Whether the reason was logged already (the server throttles some)."""
+
+
+class _ThrottledLog:
+    """Warnings of one kind at most once per interval, counting those held back.
+
+    A flood of connections must not become a flood of log lines: the kinds
+    that a peer can repeat at the rate it connects (refusals, reclaimed and
+    expired handshakes, accept errors) go through here.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        held = self._held.pop(kind, 0)
+        if held:
+            message += " (and %d more like it since the last such line)"
+            args = (*args, held)
+        _log.warning(message, *args)
 
 
 _Handler = Callable[["_Connection", Request], "bytes | None"]
@@ -111,15 +214,30 @@ _StoreHandler = Callable[["_Connection", Request], "tuple[bytes | None, Woken[_C
 _NO_HANDLERS: Mapping[int, _StoreHandler] = MappingProxyType({})
 
 
-class _Connection(asyncio.Protocol):
-    """One client connection."""
+class _Connection(asyncio.BufferedProtocol):
+    """One client connection, from its accept to its close.
 
-    def __init__(self, server: TCPStoreServer) -> None:
+    It receives into the server's one receive buffer (the loop runs one
+    callback at a time, and the bytes are copied out at once), so a read
+    allocates nothing: a plain protocol gets a new 256 KiB ``bytes`` per
+    read from asyncio, which glibc may serve with ``mmap``, doubling the
+    server's CPU time per request.
+    """
+
+    def __init__(self, server: TCPStoreServer, address: str, peer: str) -> None:
         self.server = server
         self.engine = server.engine
         self.parser = RequestParser()
+        self.parser.allowed = _BEFORE_VALIDATE
         self.table: dict[int, _Handler] = _BEFORE_VALIDATE
         self.transport: asyncio.Transport | None = None
+        self.attaching: asyncio.Task[None] | None = None
+        """Makes the transport (the TLS handshake, on a TLS server); None once done."""
+        self.address = address
+        self.peer = peer
+        self.is_open = False
+        """Whether the handshake is done (the connection counts in ``max_connections``)."""
+        self.released = False
         self.waiting = False
         """Whether a request of this connection is blocked in the engine."""
         self.store_handlers: Mapping[int, _StoreHandler] = _NO_HANDLERS
@@ -128,50 +246,37 @@ class _Connection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         """Ends the blocked request when its own timeout passes (WATCH, GET_WAIT)."""
         self.server_nonce: bytes | None = None
-        self.peer = "?"
         self.opened_at = time.monotonic()
         self.last_activity = self.opened_at
         self.frame_started: float | None = None
         self.write_blocked_since: float | None = None
+        self.stalled = False
+        """Whether execution stopped with requests buffered (reply budget or turn spent)."""
+        self.buffered = 0
+        """The bytes of received, unexecuted requests counted in the server's total."""
+        self.inbox = bytearray()
+        """Received bytes not fed to the parser yet: a large read is parsed
+        :data:`FEED_SLICE` bytes per turn, other connections' turns between."""
 
     # -- asyncio callbacks -------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        peer = transport.get_extra_info("peername")
-        if peer:
-            self.peer = f"{peer[0]}:{peer[1]}"
-        if len(self.server.connections) >= self.server.max_connections:
-            _log.warning(
-                "store client %s refused: the server already has %d connections "
-                "(max_connections=%d)",
-                self.peer,
-                len(self.server.connections),
-                self.server.max_connections,
-            )
-            self.server.refused_connections += 1
-            transport.abort()
-            return
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.server.tcp_keepalive is not None:
-                enable_keepalive(sock, self.server.tcp_keepalive)
-        self.server.connections.add(self)
-        self.server.accepted_connections += 1
+        budget = self.server.max_unsent_bytes
+        transport.set_write_buffer_limits(high=budget, low=budget // 4)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.engine.drop(self)
         self._stop_waiting()
-        if self.parser.pending:
-            _log.warning(
+        if self.parser.pending and self.is_open:
+            self.server.throttled.warning(
+                "partial",
                 "store client %s disconnected in the middle of a request (%d bytes unparsed)",
                 self.peer,
                 self.parser.pending,
             )
-        self.server.connections.discard(self)
+        self.server.release(self)
         self.transport = None
 
     def pause_writing(self) -> None:
@@ -181,16 +286,52 @@ class _Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_blocked_since = None
-        if self.transport is not None:
+        if self.stalled:
+            self._resume()
+        elif self.transport is not None:
             self.transport.resume_reading()
 
-    def data_received(self, data: bytes) -> None:
-        parser = self.parser
-        parser.feed(data)
-        replies: list[bytes] = []
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.server.receive_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self.server.receive_buffer[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
+        if self.inbox or len(data) > FEED_SLICE:
+            self.inbox += data
+        else:
+            self.parser.feed(data)
         now = self.last_activity = time.monotonic()
         if self.frame_started is None:
             self.frame_started = now
+        if not self.stalled:
+            self._serve(now)
+        self.server.account(self)
+
+    # -- serving -----------------------------------------------------------
+
+    def _serve(self, now: float) -> None:
+        """Execute buffered requests until none is complete or this turn is spent.
+
+        A turn ends after :data:`REQUESTS_PER_TURN` requests, or once the
+        replies not yet taken by the peer pass ``max_unsent_bytes``; the
+        connection then stops reading and executes nothing more until the
+        peer has read (``resume_writing``) or, when the kernel took the
+        replies at once, until the loop has served everyone else.
+        """
+        parser = self.parser
+        transport = self.transport
+        if transport is None:
+            return
+        inbox = self.inbox
+        if inbox:
+            parser.feed(inbox[:FEED_SLICE])
+            del inbox[:FEED_SLICE]
+        budget = self.server.max_unsent_bytes - transport.get_write_buffer_size()
+        replies: list[bytes] = []
+        size = 0
+        turn = REQUESTS_PER_TURN
         try:
             while (request := parser.next_request()) is not None:
                 self.frame_started = now
@@ -207,24 +348,51 @@ class _Connection(asyncio.Protocol):
                     table = _WHILE_WAITING if self.waiting else self.table
                     handler = table.get(request.op)
                     if handler is None:
-                        self._refuse(request, replies)
+                        self._refuse(request.op, replies)
                         return
                     reply = handler(self, request)
                 if reply is not None:
                     replies.append(reply)
-            if not parser.pending:
-                self.frame_started = None
+                    size += len(reply)
+                turn -= 1
+                if size > budget or not turn:
+                    self.stalled = True
+                    transport.pause_reading()
+                    break
+            else:
+                if inbox:
+                    self.stalled = True
+                    transport.pause_reading()
+                elif not parser.pending:
+                    self.frame_started = None
+        except RefusedOpcodeError as exc:
+            self._refuse(exc.op, replies)
+            return
         except ProtocolError as exc:
             _log.warning("store client %s sent a bad request, disconnecting: %s", self.peer, exc)
             self._close(replies)
             return
         except _Disconnect as exc:
-            _log.warning("store client %s disconnected: %s", self.peer, exc)
+            if not exc.logged:
+                _log.warning("store client %s disconnected: %s", self.peer, exc)
             replies.append(exc.last_reply)
             self._close(replies)
             return
         if replies:
             self.write(b"".join(replies) if len(replies) > 1 else replies[0])
+        if self.stalled and self.write_blocked_since is None:
+            asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        """Go on executing the requests a spent turn left buffered."""
+        transport = self.transport
+        if transport is None or not self.stalled or self.write_blocked_since is not None:
+            return
+        self.stalled = False
+        self._serve(time.monotonic())
+        self.server.account(self)
+        if not self.stalled and self.write_blocked_since is None and self.transport is not None:
+            self.transport.resume_reading()
 
     # -- helpers -----------------------------------------------------------
 
@@ -236,7 +404,12 @@ class _Connection(asyncio.Protocol):
     def expired(self, now: float) -> str | None:
         """Return why this connection broke a time limit, or None if it did not."""
         server = self.server
-        if self.frame_started is not None and now - self.frame_started > server.frame_timeout:
+        if not self.is_open:
+            if now - self.opened_at > server.handshake_deadline:
+                return f"the handshake was not completed within {server.handshake_deadline:g} s"
+            return None
+        started = self.frame_started
+        if not self.stalled and started is not None and now - started > server.frame_timeout:
             return (
                 f"a request was still incomplete after {server.frame_timeout:g} s "
                 f"(frame_timeout; {self.parser.pending} bytes buffered)"
@@ -248,19 +421,17 @@ class _Connection(asyncio.Protocol):
                 f"(frame_timeout; {self.transport.get_write_buffer_size() if self.transport else 0}"
                 " bytes unsent)"
             )
-        if self.table is not _FULL and now - self.opened_at > server.frame_timeout:
-            return f"the handshake was not completed within {server.frame_timeout:g} s"
         idle = server.idle_timeout
         if idle is not None and not self.waiting and now - self.last_activity > idle:
             return f"the connection was idle for {idle:g} s (idle_timeout)"
         return None
 
-    def close_expired(self, reason: str) -> None:
-        """Close this connection because it broke a time limit."""
-        _log.warning("store client %s disconnected: %s", self.peer, reason)
-        self.server.expired_connections += 1
+    def abort(self) -> None:
+        """Close at once, whatever stage the connection is in."""
         if self.transport is not None:
             self.transport.abort()
+        elif self.attaching is not None:
+            self.attaching.cancel()
 
     def _close(self, replies: list[bytes]) -> None:
         if self.transport is None:
@@ -268,9 +439,10 @@ class _Connection(asyncio.Protocol):
         if replies:
             self.transport.write(b"".join(replies))
         self.parser = RequestParser()
+        self.inbox.clear()
         self.transport.close()
 
-    def _refuse(self, request: Request, replies: list[bytes]) -> None:
+    def _refuse(self, op: int, replies: list[bytes]) -> None:
         if self.waiting:
             why = "it sent a request other than CANCEL_WAIT while a wait was pending"
         elif self.table is _BEFORE_VALIDATE:
@@ -279,9 +451,7 @@ class _Connection(asyncio.Protocol):
             why = "it sent a request before authenticating"
         else:
             why = "the request is not allowed here"
-        _log.warning(
-            "store client %s sent opcode %d and was disconnected: %s", self.peer, request.op, why
-        )
+        _log.warning("store client %s sent opcode %d and was disconnected: %s", self.peer, op, why)
         self._close(replies)
 
     # -- handshake and authentication --------------------------------------
@@ -289,8 +459,11 @@ class _Connection(asyncio.Protocol):
     def h_validate(self, request: Request) -> bytes | None:
         if request.number != VALIDATE_MAGIC:
             raise ProtocolError(f"bad VALIDATE magic {request.number:#x}")
+        if self.is_open:
+            return None
         if self.server.secret is not None:
             self.table = _BEFORE_AUTH
+            self.parser.allowed = _BEFORE_AUTH
         else:
             self._open()
         return None
@@ -333,13 +506,21 @@ class _Connection(asyncio.Protocol):
         self.write(reply)
 
     def _open(self) -> None:
-        """Finish the handshake: every request is allowed from now on."""
+        """Finish the handshake: every request is allowed from now on.
+
+        Raises:
+            _Disconnect: The server has no slot left for another client.
+        """
+        if not self.server.admit(self):
+            raise _Disconnect("no connection slot left", b"", logged=True)
         self.table = _FULL
+        self.parser.allowed = None
         self.store_handlers = self.engine.handlers
 
     def _start_waiting(self) -> None:
         self.waiting = True
         self.store_handlers = _NO_HANDLERS
+        self.parser.allowed = _WHILE_WAITING
         timeout_ms = self.engine.timeout_ms(self)
         if timeout_ms is not None:
             loop = asyncio.get_running_loop()
@@ -349,6 +530,7 @@ class _Connection(asyncio.Protocol):
         if self.waiting:
             self.waiting = False
             self.store_handlers = self.engine.handlers
+            self.parser.allowed = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -384,12 +566,31 @@ class TCPStoreServer:
         auth_token: A shared secret; when given, clients must authenticate
             (rdzv clients only: torch's client cannot).
         ssl_context: A server-side TLS context; when given, connections use TLS.
-        max_connections: Most client connections open at once; a connection
-            past it is closed as soon as it is accepted, with a log line.
+        max_connections: Most connections past the handshake open at once; a
+            connection past it is closed as soon as it is accepted (or, if
+            the slots filled during its handshake, once that is done), with
+            a log line. Lowered at start to what the open-file limit allows.
+        max_handshakes: Most connections still in their handshake (TLS,
+            ``VALIDATE``, authentication) at once, apart from
+            ``max_connections``; when they are all taken, a new connection
+            closes the oldest of them.
+        handshake_timeout: Seconds within which a new connection must finish
+            its handshake (at most ``frame_timeout``).
+        max_connections_per_address: Most connections past the handshake
+            from one peer address. None (the default) is three quarters of
+            the connection cap on a server without a secret, where anyone
+            can finish the handshake, and no per-address cap with one.
+        max_unsent_bytes: Replies a connection may leave unread before the
+            server stops executing its requests until it reads.
+        max_buffered_bytes: Received bytes of requests not executed yet
+            (mostly incomplete ones) the server holds over all connections;
+            past it, the connection whose incomplete request has been
+            arriving the longest is closed, and so on until under. At
+            least :data:`~rdzv.store.protocol.MAX_REQUEST_BYTES` (the
+            default) lets one request of the largest size through.
         frame_timeout: Seconds within which a request must arrive in full once
-            its first byte has, within which a new connection must finish
-            the handshake (and authentication), and for which a peer may
-            leave its replies unread; a slower peer is disconnected.
+            its first byte has, and for which a peer may leave its replies
+            unread; a slower peer is disconnected.
         idle_timeout: Seconds after which a connection with nothing pending is
             closed; a connection blocked in a request it asked for (``WAIT``,
             ``WATCH``, ``BARRIER``...) is never idle. None (the default) keeps
@@ -400,7 +601,7 @@ class TCPStoreServer:
 
     Raises:
         ValueError: ``port`` is out of range, ``auth_token`` is empty or a
-            limit is not positive.
+            limit is not positive (the message names it).
     """
 
     def __init__(
@@ -411,6 +612,11 @@ class TCPStoreServer:
         auth_token: str | bytes | None = None,
         ssl_context: ssl.SSLContext | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        max_connections_per_address: int | None = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+        max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         tcp_keepalive: float | None = DEFAULT_TCP_KEEPALIVE,
@@ -419,9 +625,17 @@ class TCPStoreServer:
             raise ValueError(f"port must be in 0..65535, got {port}")
         if auth_token is not None and not auth_token:
             raise ValueError("auth_token must not be empty")
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        for name, count in (
+            ("max_connections", max_connections),
+            ("max_handshakes", max_handshakes),
+            ("max_connections_per_address", max_connections_per_address),
+            ("max_unsent_bytes", max_unsent_bytes),
+            ("max_buffered_bytes", max_buffered_bytes),
+        ):
+            if count is not None and count < 1:
+                raise ValueError(f"{name} must be at least 1, got {count}")
         for name, value in (
+            ("handshake_timeout", handshake_timeout),
             ("frame_timeout", frame_timeout),
             ("idle_timeout", idle_timeout),
             ("tcp_keepalive", tcp_keepalive),
@@ -429,15 +643,38 @@ class TCPStoreServer:
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.max_connections = max_connections
+        self.max_handshakes = max_handshakes
+        self.max_connections_per_address = max_connections_per_address
+        self.max_unsent_bytes = max_unsent_bytes
+        self.max_buffered_bytes = max_buffered_bytes
+        self.buffered = 0
+        """Bytes of received requests not executed yet, over every connection."""
+        self.receive_buffer = memoryview(bytearray(RECEIVE_BUFFER_BYTES))
+        """Where every connection receives (see :class:`_Connection`)."""
+        self.handshake_timeout = float(handshake_timeout)
         self.frame_timeout = float(frame_timeout)
+        self.handshake_deadline = min(self.handshake_timeout, self.frame_timeout)
+        """Seconds a connection may spend in its handshake."""
         self.idle_timeout = None if idle_timeout is None else float(idle_timeout)
         self.tcp_keepalive = None if tcp_keepalive is None else float(tcp_keepalive)
+        self.connection_cap = max_connections
+        """The connection cap in force: ``max_connections``, or less when the
+        open-file limit does not allow it (set when the server starts)."""
+        self.handshake_cap = max_handshakes
+        """The cap on connections in their handshake in force (likewise)."""
+        self.address_cap = self._address_cap(max_connections, auth_token is not None)
+        """The per-address cap in force, or None."""
         self.refused_connections = 0
-        """Connections closed at once because ``max_connections`` was reached."""
+        """Connections closed at once because a connection cap was reached."""
+        self.reclaimed_connections = 0
+        """Connections in their handshake closed to make room for a newer one."""
+        self.shed_connections = 0
+        """Connections closed because incomplete requests passed ``max_buffered_bytes``."""
         self.expired_connections = 0
-        """Connections closed for breaking ``frame_timeout`` or ``idle_timeout``."""
+        """Connections closed for breaking ``frame_timeout``, ``idle_timeout``
+        or the handshake deadline."""
         self.accepted_connections = 0
-        """Connections accepted (not refused) since the server started."""
+        """Connections given a slot (not refused) since the server started."""
         self.requests = 0
         """Requests parsed since the server started."""
         self._host = host
@@ -446,6 +683,12 @@ class TCPStoreServer:
         self._ssl_context = ssl_context
         self.engine: StoreEngine[_Connection] = StoreEngine()
         self.connections: set[_Connection] = set()
+        """Connections past the handshake."""
+        self.handshaking: dict[_Connection, None] = {}
+        """Connections in their handshake, oldest first."""
+        self._per_address: dict[str, int] = {}
+        self.throttled = _ThrottledLog(LOG_INTERVAL)
+        """The log of the warnings a flood of connections could repeat."""
         self._port: int | None = None
         self._bound_host = host or "::"
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -453,6 +696,13 @@ class TCPStoreServer:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+
+    def _address_cap(self, cap: int, has_secret: bool) -> int | None:
+        if self.max_connections_per_address is not None:
+            return self.max_connections_per_address
+        if has_secret:
+            return None
+        return max(1, cap - cap // 4)
 
     @property
     def port(self) -> int:
@@ -526,8 +776,8 @@ class TCPStoreServer:
         return self._call(lambda: self.engine.waiter_count)
 
     def connection_count(self) -> int:
-        """Return the number of open client connections."""
-        return self._call(lambda: len(self.connections))
+        """Return the number of open client connections, handshakes included."""
+        return self._call(lambda: len(self.connections) + len(self.handshaking))
 
     def _call(self, func: Callable[[], int]) -> int:
         loop = self._loop
@@ -549,6 +799,202 @@ class TCPStoreServer:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    # -- admission (on the loop's thread) --------------------------------------
+
+    def _refusal(self, address: str) -> str | None:
+        """Return why a connection from ``address`` cannot have a slot, or None."""
+        if len(self.connections) >= self.connection_cap:
+            return (
+                f"the server already has {len(self.connections)} connections "
+                f"(max_connections={self.connection_cap})"
+            )
+        cap = self.address_cap
+        if cap is not None and self._per_address.get(address, 0) >= cap:
+            return f"{address} already has {cap} connections (max_connections_per_address={cap})"
+        return None
+
+    def _refuse(self, peer: str, why: str) -> None:
+        self.refused_connections += 1
+        self.throttled.warning("refused", "store client %s refused: %s", peer, why)
+
+    def admit(self, conn: _Connection) -> bool:
+        """Move ``conn``, whose handshake is done, into a connection slot.
+
+        Returns:
+            Whether it has a slot; if not, it was counted and logged, and
+            must be closed.
+        """
+        if conn.is_open:
+            return True
+        self.handshaking.pop(conn, None)
+        why = self._refusal(conn.address)
+        if why is not None:
+            self._refuse(conn.peer, why)
+            return False
+        conn.is_open = True
+        self.connections.add(conn)
+        self.accepted_connections += 1
+        self._per_address[conn.address] = self._per_address.get(conn.address, 0) + 1
+        return True
+
+    def release(self, conn: _Connection) -> None:
+        """Give back the slot of a connection that ended (idempotent)."""
+        if conn.released:
+            return
+        conn.released = True
+        self.buffered -= conn.buffered
+        conn.buffered = 0
+        self.handshaking.pop(conn, None)
+        if conn.is_open:
+            self.connections.discard(conn)
+            left = self._per_address[conn.address] - 1
+            if left:
+                self._per_address[conn.address] = left
+            else:
+                del self._per_address[conn.address]
+
+    def account(self, conn: _Connection) -> None:
+        """Count what ``conn`` buffers now; shed the oldest partial requests past the total."""
+        if conn.released:
+            return
+        held = conn.parser.pending + len(conn.inbox)
+        if held != conn.buffered:
+            self.buffered += held - conn.buffered
+            conn.buffered = held
+            if self.buffered > self.max_buffered_bytes:
+                self._shed()
+
+    def _shed(self) -> None:
+        """Close the connections whose incomplete requests started first until under the total."""
+        while self.buffered > self.max_buffered_bytes:
+            started = [
+                conn
+                for conn in [*self.handshaking, *self.connections]
+                if conn.buffered and conn.frame_started is not None and not conn.stalled
+            ]
+            if not started:
+                return
+            oldest = min(started, key=lambda conn: conn.frame_started or 0.0)
+            held = oldest.buffered
+            self.release(oldest)
+            oldest.abort()
+            self.shed_connections += 1
+            self.throttled.warning(
+                "shed",
+                "store client %s disconnected: the server held more than %d bytes of "
+                "incomplete requests (max_buffered_bytes), and its %d bytes had been "
+                "arriving the longest",
+                oldest.peer,
+                self.max_buffered_bytes,
+                held,
+            )
+
+    def _accepted(self, sock: socket.socket, address: str, peer: str) -> None:
+        """Take in a connection just accepted, or refuse it (close it at once)."""
+        why = self._refusal(address)
+        if why is not None:
+            self._refuse(peer, why)
+            sock.close()
+            return
+        while len(self.handshaking) >= self.handshake_cap:
+            oldest = next(iter(self.handshaking))
+            self.release(oldest)
+            oldest.abort()
+            self.reclaimed_connections += 1
+            self.throttled.warning(
+                "reclaimed",
+                "store client %s disconnected: its handshake was the oldest unfinished one "
+                "when %s connected and all %d handshake slots were taken (max_handshakes)",
+                oldest.peer,
+                peer,
+                self.handshake_cap,
+            )
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tcp_keepalive is not None:
+            enable_keepalive(sock, self.tcp_keepalive)
+        conn = _Connection(self, address, peer)
+        self.handshaking[conn] = None
+        conn.attaching = asyncio.get_running_loop().create_task(self._attach(conn, sock))
+
+    async def _attach(self, conn: _Connection, sock: socket.socket) -> None:
+        """Give ``conn`` its transport, after the TLS handshake on a TLS server."""
+        loop = asyncio.get_running_loop()
+        context = self._ssl_context
+        try:
+            if context is None:
+                await loop.connect_accepted_socket(lambda: conn, sock)
+            else:
+                await loop.connect_accepted_socket(
+                    lambda: conn,
+                    sock,
+                    ssl=context,
+                    ssl_handshake_timeout=self.handshake_deadline,
+                )
+        except asyncio.CancelledError:
+            self.release(conn)
+            sock.close()
+        except (OSError, ssl.SSLError, TimeoutError) as exc:
+            self.release(conn)
+            sock.close()
+            self.throttled.warning(
+                "tls", "store client %s disconnected: TLS handshake failed: %s", conn.peer, exc
+            )
+        finally:
+            conn.attaching = None
+
+    async def _accept(self, listener: socket.socket) -> None:
+        """Accept connections until cancelled, backing off when out of files.
+
+        Every accepted connection is taken in or refused (closed) at once,
+        which costs a few microseconds, and the loop yields to the
+        connections after each. An accept that fails for lack of file
+        descriptors or memory waits twice as long as the last one did (up
+        to :data:`ACCEPT_BACKOFF`) before the next, and is logged at most
+        once per :data:`LOG_INTERVAL`: no busy loop, no flood of log lines.
+        """
+        loop = asyncio.get_running_loop()
+        delay = 0.0
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(listener)
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_OUT_OF_RESOURCES:
+                    continue  # the peer went away between SYN and accept
+                delay = min(ACCEPT_BACKOFF, max(0.01, delay * 2))
+                self.throttled.warning(
+                    "accept",
+                    "store server cannot accept connections (%s); retrying in %.2f s",
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                continue
+            delay = 0.0
+            address = str(addr[0])
+            self._accepted(sock, address, f"{address}:{addr[1]}")
+            await asyncio.sleep(0)  # accepting must not starve the connections
+
+    def _apply_descriptor_limit(self) -> None:
+        """Lower the caps to what the open-file limit leaves room for."""
+        room = _descriptor_room()
+        wanted = self.max_connections + self.max_handshakes
+        if room is None or wanted <= room:
+            return
+        self.handshake_cap = max(1, min(self.max_handshakes, room // 8))
+        self.connection_cap = max(1, min(self.max_connections, room - self.handshake_cap))
+        self.address_cap = self._address_cap(self.connection_cap, self.secret is not None)
+        _log.warning(
+            "store server: max_connections=%d lowered to %d and max_handshakes=%d to %d: "
+            "the open-file limit (RLIMIT_NOFILE) leaves room for %d sockets; raise it "
+            "(ulimit -n) to serve more clients",
+            self.max_connections,
+            self.connection_cap,
+            self.max_handshakes,
+            self.handshake_cap,
+            room,
+        )
+
     async def _main(
         self,
         on_ready: Callable[[TCPStoreServer], None] | None,
@@ -559,16 +1005,13 @@ class TCPStoreServer:
         self._stop = asyncio.Event()
         try:
             sock = bind_listener(self._host, self._requested_port)
-            server = await loop.create_server(
-                lambda: _Connection(self),
-                sock=sock,
-                backlog=listen_backlog(),
-                ssl=self._ssl_context,
-            )
+            sock.listen(min(listen_backlog(), ACCEPT_BACKLOG))
+            sock.setblocking(False)
         except (OSError, ValueError) as exc:
             self._error = exc
             self._ready.set()
             return
+        self._apply_descriptor_limit()
         address = sock.getsockname()
         self._bound_host = str(address[0])
         self._port = int(address[1])
@@ -577,20 +1020,20 @@ class TCPStoreServer:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self._stop.set)
         self._ready.set()
-        sweeper = loop.create_task(self._sweep())
+        tasks = [loop.create_task(self._sweep()), loop.create_task(self._accept(sock))]
         try:
             if on_ready is not None:
                 on_ready(self)
             await self._stop.wait()
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
-            server.close()
-            for conn in list(self.connections):
-                if conn.transport is not None:
-                    conn.transport.abort()
-            await server.wait_closed()
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            sock.close()
+            for conn in [*self.handshaking, *self.connections]:
+                conn.abort()
             for _ in range(3):
                 await asyncio.sleep(0)
             if install_signals:
@@ -601,14 +1044,38 @@ class TCPStoreServer:
 
     async def _sweep(self) -> None:
         """Close, periodically, every connection that broke a time limit."""
-        limits = [self.frame_timeout]
+        limits = [self.frame_timeout, self.handshake_deadline]
         if self.idle_timeout is not None:
             limits.append(self.idle_timeout)
         period = min(1.0, max(0.05, min(limits) / 4))
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            for conn in list(self.connections):
+            for conn in [*self.handshaking, *self.connections]:
                 reason = conn.expired(now)
                 if reason is not None:
-                    conn.close_expired(reason)
+                    self.expired_connections += 1
+                    if conn.is_open:
+                        _log.warning("store client %s disconnected: %s", conn.peer, reason)
+                    else:
+                        self.throttled.warning(
+                            "handshake", "store client %s disconnected: %s", conn.peer, reason
+                        )
+                    conn.abort()
+
+
+def _descriptor_room() -> int | None:
+    """Return how many more sockets the open-file limit allows, keeping headroom.
+
+    Returns:
+        The soft ``RLIMIT_NOFILE`` minus the descriptors open now and
+        :data:`FD_HEADROOM`; None when there is no limit.
+    """
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_now = 0
+    return max(2, soft - open_now - FD_HEADROOM)

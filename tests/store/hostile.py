@@ -1,0 +1,155 @@
+"""Helpers of the hostile-client tests: a store server in a subprocess whose
+memory and CPU can be read, raw attacker sockets, and a well-behaved client
+whose latency is measured while an attack runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rdzv.store.protocol import VALIDATE_MAGIC, Op, Request, encode_request
+from rdzv.store.tcp import TCPStore
+from tests.procs import subprocess_env
+
+VALIDATE = encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
+
+_SERVER = """
+import json, logging, resource, sys
+from rdzv.net import server_tls_context
+from rdzv.store.server import TCPStoreServer
+
+logging.basicConfig(level=logging.WARNING)
+options = json.loads(sys.argv[1])
+nofile = options.pop("nofile", None)
+if nofile is not None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+tls = options.pop("tls", None)
+context = None if tls is None else server_tls_context(*tls)
+server = TCPStoreServer("127.0.0.1", 0, ssl_context=context, **options)
+server.serve(lambda s: print(s.port, flush=True))
+"""
+
+
+class ServerProcess:
+    """A :class:`~rdzv.store.server.TCPStoreServer` serving in a subprocess.
+
+    Its log (warnings go to stderr) is written to a file, so a flood of log
+    lines can neither block it nor be missed.
+    """
+
+    def __init__(self, proc: subprocess.Popen[str], port: int, log: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self._log = log
+
+    def rss(self) -> int:
+        """Return the server's resident memory in bytes."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS line")
+
+    def cpu(self) -> float:
+        """Return the CPU seconds (user and system) the server has used."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def log(self) -> str:
+        """Return what the server logged so far."""
+        return self._log.read_text()
+
+
+@contextmanager
+def server_process(tmp_path: Path, **options: Any) -> Iterator[ServerProcess]:
+    """Run a store server in a subprocess with ``options``; stop it (by pid) at the end.
+
+    ``nofile`` sets the server's open-file limit; ``tls`` is a (cert, key) pair.
+    """
+    log = tmp_path / f"server-{uuid.uuid4().hex[:8]}.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, json.dumps(options)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=subprocess_env(),
+        )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), (line, log.read_text())
+        yield ServerProcess(proc, int(line), log)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(15)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def attacker(port: int, source: str = "127.0.0.1", rcvbuf: int | None = None) -> socket.socket:
+    """Open a raw connection to the server from ``source`` (any 127/8 address)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(15)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def send_quietly(sock: socket.socket, data: bytes) -> bool:
+    """Send ``data``; return False if the server closed the connection meanwhile."""
+    try:
+        sock.sendall(data)
+    except OSError:
+        return False
+    return True
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Block (up to the socket timeout) until the server closes ``sock``; read what comes."""
+    try:
+        while chunk := sock.recv(65536):
+            del chunk
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def latencies(
+    port: int, seconds: float, auth_token: str | None = None, **client: Any
+) -> list[float]:
+    """Time ``set`` + ``get`` round trips of a fresh client for ``seconds``; sorted."""
+    key = f"probe-{uuid.uuid4().hex}"
+    taken: list[float] = []
+    with TCPStore("127.0.0.1", port, timeout=30, auth_token=auth_token, **client) as store:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline or len(taken) < 5:
+            started = time.perf_counter()
+            store.set(key, "x")
+            assert store.get(key) == b"x"
+            taken.append(time.perf_counter() - started)
+            time.sleep(0.01)
+    return sorted(taken)
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    """Return the ``q`` quantile of already sorted values."""
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]

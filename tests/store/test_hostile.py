@@ -1,0 +1,335 @@
+"""The store server under hostile clients: each attack of issue #14, scaled
+down to seconds, on real loopback sockets, asserting the bound it must stay
+within (the server's memory growth and CPU, the connection refused with a log
+line, a well-behaved client still served quickly), not just survival.
+
+Bounds on time are generous: these tests share two cores with other work.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from rdzv.errors import RendezvousConnectionError
+from rdzv.store.engine import MAX_APPENDED_BYTES, MAX_REPLY_BYTES
+from rdzv.store.protocol import MAX_MULTI_KEYS, Op, Request, encode_bytes, encode_request
+from rdzv.store.server import TCPStoreServer
+from rdzv.store.tcp import TCPStore
+from tests.certs import TLSFiles, make_tls_files
+from tests.reliability.sockets import eventually
+from tests.store.hostile import (
+    VALIDATE,
+    attacker,
+    closed_by_server,
+    latencies,
+    quantile,
+    send_quietly,
+    server_process,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+RSS_BOUND = 64 * MiB
+"""The issue's bound on the server's memory growth under each attack."""
+LATENCY_BOUND = 0.5
+"""Seconds: a well-behaved client's median set+get must stay well under a
+second during an attack (it is a millisecond on a quiet machine; before the
+fixes, the slow-frame attack made it seconds)."""
+SECRET = "hostile-test-secret"
+
+
+@pytest.fixture
+def make_server() -> Iterator[type[TCPStoreServer]]:
+    started: list[TCPStoreServer] = []
+
+    class Tracked(TCPStoreServer):
+        def start(self) -> TCPStoreServer:
+            started.append(self)
+            return super().start()
+
+    try:
+        yield Tracked
+    finally:
+        for server in started:
+            server.stop()
+
+
+def _incomplete_check(keys: int) -> bytes:
+    """A CHECK of ``keys`` empty keys (8 bytes each on the wire), its last 100 bytes missing."""
+    frame = encode_request(Request(Op.CHECK, (b"",) * keys))
+    return frame[:-100]
+
+
+def test_slow_incomplete_requests_cost_little_cpu_and_others_are_served(tmp_path: Path) -> None:
+    # Row 1: connections each hold a 1 MiB incomplete CHECK of 131,072 keys
+    # and add one byte every 50 ms. A parser that re-read the request on
+    # every byte spent ~100 ms per byte per connection and starved the loop.
+    with server_process(tmp_path) as server, ExitStack() as stack:
+        socks = [stack.enter_context(attacker(server.port)) for _ in range(8)]
+        for sock in socks:
+            assert send_quietly(sock, VALIDATE + _incomplete_check(MAX_MULTI_KEYS))
+        stop = threading.Event()
+
+        def drip() -> None:
+            for _ in range(90):  # 90 bytes per connection: the frame never completes
+                if stop.wait(0.05):
+                    return
+                for sock in socks:
+                    send_quietly(sock, b"\x00")
+
+        dripper = threading.Thread(target=drip)
+        cpu_before = server.cpu()
+        started = time.monotonic()
+        dripper.start()
+        try:
+            taken = latencies(server.port, seconds=3.0)
+        finally:
+            stop.set()
+            dripper.join(30)
+        elapsed = time.monotonic() - started
+        cpu = server.cpu() - cpu_before
+    assert quantile(taken, 0.5) < LATENCY_BOUND, taken
+    assert cpu < 0.5 * elapsed, (cpu, elapsed)
+
+
+def test_a_store_request_before_authenticating_is_refused_at_its_opcode(tmp_path: Path) -> None:
+    # Row 2: connections that never authenticate each start an 8 MiB value.
+    # The SET's opcode byte ends the connection: nothing of it is buffered.
+    header = b"\x01" + encode_bytes(b"/big") + struct.pack("<Q", 8 * MiB)
+    with server_process(tmp_path, auth_token=SECRET) as server, ExitStack() as stack:
+        idle_rss = server.rss()
+        socks = [stack.enter_context(attacker(server.port)) for _ in range(50)]
+        for sock in socks:
+            send_quietly(sock, VALIDATE + header + b"x" * MiB)
+        assert all(closed_by_server(sock) for sock in socks)
+        grown = server.rss() - idle_rss
+        taken = latencies(server.port, 1.0, auth_token=SECRET)
+        log = server.log()
+    assert grown < RSS_BOUND, grown
+    assert quantile(taken, 0.5) < LATENCY_BOUND, taken
+    assert "sent opcode 1 and was disconnected: it sent a request before authenticating" in log
+
+
+def test_without_a_secret_incomplete_requests_are_bounded_in_total(tmp_path: Path) -> None:
+    # Row 2 without a secret: VALIDATE is the whole handshake, so the 8 MiB
+    # values are read; past max_buffered_bytes in total, the connections
+    # whose requests have been arriving the longest are closed.
+    header = b"\x01" + encode_bytes(b"/big") + struct.pack("<Q", 8 * MiB)
+    limit = 16 * MiB
+    with server_process(tmp_path, max_buffered_bytes=limit) as server, ExitStack() as stack:
+        idle_rss = server.rss()
+        socks = []
+        for _ in range(8):
+            sock = stack.enter_context(attacker(server.port))
+            send_quietly(sock, VALIDATE + header + b"x" * (4 * MiB))
+            socks.append(sock)
+            time.sleep(0.2)  # each one's request starts later than the one before
+        assert eventually(lambda: "max_buffered_bytes" in server.log())
+        grown = server.rss() - idle_rss
+        for sock in socks:
+            sock.settimeout(1.0)
+        closed = [closed_by_server(sock) for sock in socks]
+        taken = latencies(server.port, 1.0)
+    assert grown < RSS_BOUND, grown
+    assert closed[:4] == [True] * 4, closed  # the oldest went first ...
+    assert closed[-1] is False, closed  # ... and the newest is still being read
+    assert quantile(taken, 0.5) < LATENCY_BOUND, taken
+
+
+def test_a_request_before_validate_is_refused_at_its_first_byte(
+    make_server: type[TCPStoreServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = make_server("127.0.0.1", 0).start()
+    with attacker(server.port) as sock, caplog.at_level(logging.WARNING):
+        sock.sendall(b"\x06")  # the first byte of a WAIT, nothing more
+        assert closed_by_server(sock)
+    assert "its first request was not VALIDATE" in caplog.text
+
+
+def test_a_client_that_never_reads_cannot_pile_up_replies(tmp_path: Path) -> None:
+    # Row 3: small GETs of a 1 MiB value, never read: the server stops
+    # executing them once 1 MiB of replies is unsent.
+    get_big = encode_request(Request(Op.GET, (b"/big",)))
+    with server_process(tmp_path, frame_timeout=5.0) as server:
+        with TCPStore("127.0.0.1", server.port, timeout=30) as client:
+            client.set("big", b"x" * MiB)
+            assert client.check(["big"])  # acknowledged: the set was applied
+        idle_rss = server.rss()
+        with attacker(server.port, rcvbuf=4096) as lazy:
+            lazy.sendall(VALIDATE + get_big * 300)  # 4 KB asking for 300 MiB
+            time.sleep(1.0)
+            grown = server.rss() - idle_rss
+            taken = latencies(server.port, 1.0)
+            # ... and it is dropped after frame_timeout (it still reads nothing).
+            assert eventually(lambda: "did not read its replies" in server.log(), 30)
+    assert grown < RSS_BOUND, grown
+    assert quantile(taken, 0.5) < LATENCY_BOUND, taken
+
+
+def test_a_multi_get_whose_reply_is_too_large_is_refused_naming_the_limit(
+    tmp_path: Path,
+) -> None:
+    # Row 3: one 24 KB MULTI_GET naming a 1 MiB key 2,000 times (2 GiB of reply).
+    multi_get = encode_request(Request(Op.MULTI_GET, (b"/big",) * 2000))
+    with server_process(tmp_path) as server:
+        with TCPStore("127.0.0.1", server.port, timeout=30) as client:
+            client.set("big", b"x" * MiB)
+            assert client.check(["big"])  # acknowledged: the set was applied
+            idle_rss = server.rss()
+            with attacker(server.port) as sock:
+                sock.sendall(VALIDATE + multi_get)
+                assert closed_by_server(sock), server.log()
+            grown = server.rss() - idle_rss
+            assert client.get("big") == b"x" * MiB  # others are still served
+        log = server.log()
+    assert grown < RSS_BOUND, grown
+    assert f"over the limit of {MAX_REPLY_BYTES} bytes (MAX_REPLY_BYTES)" in log
+
+
+def test_writes_to_a_key_cost_one_step_per_waiter_on_it(
+    make_server: type[TCPStoreServer],
+) -> None:
+    # Row 4: 8 WAITs of many keys, then 100 SET/DELETE pairs on one of them.
+    server = make_server("127.0.0.1", 0).start()
+    keys = (b"/hot", *(b"/absent-%06d" % i for i in range(16384)))
+    with ExitStack() as stack:
+        for _ in range(8):
+            sock = stack.enter_context(attacker(server.port))
+            sock.sendall(VALIDATE + encode_request(Request(Op.WAIT, keys)))
+        assert eventually(lambda: server.waiter_count() == 8)
+        checks_before = server.engine.waiter_checks
+        with TCPStore("127.0.0.1", server.port, timeout=30) as client:
+            for _ in range(100):
+                client.set("hot", "1")
+                client.delete_key("hot")
+            assert client.add("done", 1) == 1  # acknowledged: every write was applied
+        work = server.engine.waiter_checks - checks_before
+    assert work <= 8 * 200, work  # one step per waiter per write, not per key it names
+
+
+def test_appends_stop_at_the_cap_naming_it_and_cost_linear_time(tmp_path: Path) -> None:
+    # Row 5: repeated 32 KiB APPENDs to one key.
+    chunk = b"a" * (32 * 1024)
+    with server_process(tmp_path) as server:
+        idle_rss = server.rss()
+        cpu_before = server.cpu()
+        with TCPStore("127.0.0.1", server.port, timeout=30) as client:
+            for _ in range(MAX_APPENDED_BYTES // len(chunk)):
+                client.append("grown", chunk)
+            assert client.check(["grown"])  # acknowledged: every append was applied
+            client.append("grown", chunk)  # one too many: the server hangs up
+            with pytest.raises(RendezvousConnectionError):
+                client.check(["grown"])
+        cpu = server.cpu() - cpu_before
+        with TCPStore("127.0.0.1", server.port, timeout=30) as reader:
+            assert len(reader.get("grown")) == MAX_APPENDED_BYTES
+        grown = server.rss() - idle_rss
+        log = server.log()
+    assert f"over the limit of {MAX_APPENDED_BYTES} bytes (MAX_APPENDED_BYTES)" in log
+    assert cpu < 5.0, cpu  # 256 appends of 32 KiB: linear; quadratic copying took minutes
+    assert grown < RSS_BOUND, grown
+
+
+def test_the_connection_cap_follows_the_open_file_limit_and_refusals_do_not_flood_the_log(
+    tmp_path: Path,
+) -> None:
+    # Row 6: more idle connections than the open-file limit allows.
+    with server_process(tmp_path, nofile=256) as server, ExitStack() as stack:
+        opened = 0
+        for _ in range(400):
+            sock = stack.enter_context(attacker(server.port, source="127.0.0.2"))
+            if send_quietly(sock, VALIDATE):
+                opened += 1
+        taken = latencies(server.port, 1.0)  # from 127.0.0.1: a slot is left for it
+        log = server.log()
+    assert quantile(taken, 0.5) < LATENCY_BOUND, taken
+    assert "max_connections=4096 lowered to" in log
+    assert "refused" in log
+    assert "Too many open files" not in log
+    assert len(log.splitlines()) < 20, log  # throttled: not one line per refusal
+
+
+def test_unauthenticated_connections_cannot_take_an_authenticated_clients_slot(
+    make_server: type[TCPStoreServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Row 7 with a secret: idle sockets that never authenticate only ever
+    # hold handshake slots; a newcomer takes the oldest one's.
+    server = make_server(
+        "127.0.0.1", 0, auth_token=SECRET, max_connections=16, max_handshakes=8
+    ).start()
+    with ExitStack() as stack, caplog.at_level(logging.WARNING):
+        for _ in range(40):
+            sock = stack.enter_context(attacker(server.port))
+            send_quietly(sock, VALIDATE)
+        assert eventually(lambda: server.reclaimed_connections >= 32)
+        assert server.connection_count() <= 8
+        taken = latencies(server.port, 1.0, auth_token=SECRET)
+    assert quantile(taken, 0.5) < LATENCY_BOUND, taken
+    assert "max_handshakes" in caplog.text
+
+
+def test_unauthenticated_connections_expire_after_the_handshake_timeout(
+    make_server: type[TCPStoreServer],
+) -> None:
+    server = make_server("127.0.0.1", 0, auth_token=SECRET, handshake_timeout=0.5).start()
+    with attacker(server.port) as sock:
+        sock.sendall(VALIDATE)
+        assert closed_by_server(sock)
+    assert server.expired_connections == 1
+
+
+def test_without_a_secret_one_address_cannot_take_every_slot(
+    make_server: type[TCPStoreServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Row 7 without a secret: VALIDATE is the whole handshake, so idle
+    # connections are kept (torch's clients idle for a whole job); one
+    # address may hold three quarters of the slots.
+    server = make_server("127.0.0.1", 0, max_connections=20).start()
+    with ExitStack() as stack, caplog.at_level(logging.WARNING):
+        held = []
+        for _ in range(40):
+            sock = stack.enter_context(attacker(server.port, source="127.0.0.2"))
+            send_quietly(sock, VALIDATE)
+            held.append(sock)
+        assert eventually(lambda: server.refused_connections == 25)
+        assert server.connection_count() == 15
+        taken = latencies(server.port, 1.0)  # from 127.0.0.1
+        time.sleep(0.5)
+        assert server.connection_count() == 15  # the idle ones are kept
+    assert quantile(taken, 0.5) < LATENCY_BOUND, taken
+    assert "max_connections_per_address=15" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+def test_tls_handshakes_in_progress_count_and_expire(
+    make_server: type[TCPStoreServer], tls_files: TLSFiles
+) -> None:
+    # Row 8: TCP connections to a TLS store that never start the TLS handshake.
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls_files.server_cert, tls_files.server_key)
+    server = make_server(
+        "127.0.0.1", 0, ssl_context=context, max_handshakes=8, handshake_timeout=1.0
+    ).start()
+    client_context = ssl.create_default_context(cafile=tls_files.ca_cert)
+    with ExitStack() as stack:
+        socks = [stack.enter_context(attacker(server.port)) for _ in range(40)]
+        assert eventually(lambda: server.reclaimed_connections >= 32)
+        assert server.connection_count() <= 8
+        taken = latencies(server.port, 1.0, ssl_context=client_context)
+        assert all(closed_by_server(sock) for sock in socks)  # reclaimed or expired
+    assert quantile(taken, 0.5) < LATENCY_BOUND, taken
+    assert eventually(lambda: server.connection_count() == 0)
