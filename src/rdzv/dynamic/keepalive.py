@@ -9,7 +9,8 @@ tick it does two independent things:
   beat's own failures count toward ``max_attempt``; after that many in a row
   the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
-* **judge**: more often, it reads the mark of its ring successor in the last
+* **judge**: more often (once the node is a member; until then the thread
+  wakes only to beat), it reads the mark of its ring successor in the last
   round it completed (:func:`~rdzv.dynamic.machine.successor_of`) and judges
   it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`),
   crediting at most one ``interval`` between two readings, so a stalled
@@ -141,7 +142,13 @@ class KeepAlive:
                 judged = self._judge(judged, now)
             except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
                 self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
-            stop.wait(self._judge_every * (0.75 + random.random() / 2))
+            if self._watched() is None:
+                # Nobody to judge (not a member yet): wake only to beat. A
+                # thousand joining handlers in one process would otherwise
+                # wake dozens of times a second each, for nothing.
+                stop.wait(max(0.0, next_beat - self._clock()))
+            else:
+                stop.wait(self._judge_every * (0.75 + random.random() / 2))
 
     def _beat(self, failures: int) -> int:
         """Beat once; return the number of failed beats in a row."""

@@ -320,7 +320,10 @@ def plan_seal(
     participants = assign_ranks(records, previous, limits.max_nodes)
     if len(participants) < limits.min_nodes:
         return None
-    return RendezvousState(round_id, participants)
+    # Rank 0's record (its first, should it have enqueued twice) names the
+    # port it holds, so the seal publishes the bootstrap address.
+    port = next((r.port for r in records if r.node == participants[0]), 0)
+    return RendezvousState(round_id, participants, bootstrap_port=port)
 
 
 def nodes_waiting(
