@@ -370,9 +370,11 @@ def test_the_seal_publishes_rank0s_address_so_nobody_waits_for_rank0(
     with pytest.raises(RuntimeError, match="before publishing"):
         futures[0].result(timeout=10)
     infos = [f.result(timeout=10) for f in futures[1:]]
-    boot = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
-    assert len(boot) == 1
-    addr, port = boot.pop()
+    boots = {i.bootstrap_store_info for i in infos}
+    assert len(boots) == 1
+    boot = boots.pop()
+    assert boot is not None
+    addr, port = boot.master_addr, boot.master_port
     assert addr == "r0"
     assert 0 < port <= 65535
     assert [i.rank for i in infos] == [1, 2]

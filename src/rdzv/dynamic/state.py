@@ -304,18 +304,18 @@ def decode_record(data: bytes) -> JoinRecord:
     """
     try:
         node, rank_text, *port_text = data.decode("utf-8").split(" ")
-        if len(port_text) > 1 or not all(t.isascii() and t.isdigit() for t in port_text):
-            raise ValueError("expected <node key> <node rank>[ <port>]")
         node_rank = int(rank_text)
-        port = int(port_text[0]) if port_text else 0
         validate_node_key(node)
     except (UnicodeDecodeError, ValueError) as exc:
         raise RendezvousStateError(f"a stored join record is invalid: {data[:80]!r}") from exc
     if node_rank < -1:
         raise RendezvousStateError(f"a stored join record has a bad node rank: {data[:80]!r}")
-    if not 0 < port <= 65535 and port_text:
+    if not port_text:
+        return JoinRecord(node, node_rank)
+    port = port_text[0]
+    if len(port_text) > 1 or not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
         raise RendezvousStateError(f"a stored join record has a bad port: {data[:80]!r}")
-    return JoinRecord(node, node_rank, port)
+    return JoinRecord(node, node_rank, int(port))
 
 
 def assign_ranks(
