@@ -10,8 +10,9 @@ tick it does two independent things:
   the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
 * **judge**: more often (once the node is a member; until then the thread
-  wakes only to beat), it reads the mark of its ring successor in the last
-  round it completed (:func:`~rdzv.dynamic.machine.successor_of`) and judges
+  wakes only to beat; in a large ring less often, so that the whole ring
+  stays within :data:`~rdzv.dynamic.machine.RING_READS_PER_SECOND`), it
+  reads the mark of its ring successor in the last round it completed (:func:`~rdzv.dynamic.machine.successor_of`) and judges
   it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`),
   crediting at most one ``interval`` between two readings, so a stalled
   backend or this node's own failed or starved reads never count against
@@ -32,7 +33,7 @@ import threading
 from collections.abc import Callable
 
 from rdzv.backends.base import LivenessBackend
-from rdzv.dynamic.machine import MarkWatch, judge_marks, successor_of
+from rdzv.dynamic.machine import MarkWatch, judge_marks, ring_judge_period, successor_of
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 
@@ -142,13 +143,17 @@ class KeepAlive:
                 judged = self._judge(judged, now)
             except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
                 self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
-            if self._watched() is None:
+            member = self._watched()
+            if member is None:
                 # Nobody to judge (not a member yet): wake only to beat. A
                 # thousand joining handlers in one process would otherwise
                 # wake dozens of times a second each, for nothing.
                 stop.wait(max(0.0, next_beat - self._clock()))
             else:
-                stop.wait(self._judge_every * (0.75 + random.random() / 2))
+                period = ring_judge_period(
+                    self._judge_every, self._interval, len(member.participants)
+                )
+                stop.wait(period * (0.75 + random.random() / 2))
 
     def _beat(self, failures: int) -> int:
         """Beat once; return the number of failed beats in a row."""
