@@ -241,6 +241,23 @@ def make_handler(impl: str, cfg: dict[str, Any], addr: str, counter: Counter) ->
     )
 
 
+def sample_stacks(stop: threading.Event, every: float = 0.01) -> None:
+    """Print where this process's threads spend their time (``--sample``), on stderr."""
+    import collections
+    import traceback
+
+    seen: collections.Counter[str] = collections.Counter()
+    me = threading.get_ident()
+    while not stop.wait(every):
+        for ident, frame in sys._current_frames().items():
+            if ident != me:
+                stack = traceback.extract_stack(frame, limit=4)
+                seen[" <- ".join(f"{f.name}:{f.lineno}" for f in reversed(stack))] += 1
+    total = sum(seen.values()) or 1
+    for where, count in seen.most_common(25):
+        print(f"{100 * count / total:5.1f}% {where}", file=sys.stderr)
+
+
 def agent_process(impl: str, cfg: dict[str, Any]) -> None:
     """Run ``cfg['threads']`` handlers; report each round on stdout as one JSON line."""
     threading.stack_size(512 * 1024)
@@ -310,6 +327,9 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
                 return
             done[k].release()
 
+    sampling = threading.Event()
+    if cfg.get("sample") and cfg["proc"] == 0:
+        threading.Thread(target=sample_stacks, args=(sampling,), daemon=True).start()
     cpu0 = time.process_time()
     threads = [
         threading.Thread(target=run, args=(i, h), daemon=True) for i, h in enumerate(handlers)
@@ -331,6 +351,8 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
         print(json.dumps(report), flush=True)
         if any("error" in r for r in results[k]):
             break
+    sampling.set()
+    time.sleep(0.1 if cfg.get("sample") else 0)
     stop.wait()
     with log.guard:
         print(json.dumps({"dead": list(log.dead)}), flush=True)
@@ -422,6 +444,7 @@ class Run:
             "attempts": opts.attempts,
             "poll": opts.poll,
             "two_clients": not opts.one_client,
+            "sample": opts.sample,
         }
         self.server_pid = endpoints.get(f"{impl}-pid")
         if impl in ("rdzv", "torch"):
@@ -683,6 +706,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--join", type=float, default=300.0, help="join timeout (s)")
     parser.add_argument("--one-client", action="store_true", help="one store client per node")
     parser.add_argument("--max-connections", type=int, default=65536)
+    parser.add_argument(
+        "--sample", action="store_true", help="print where the first agent process's threads are"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     opts = parser.parse_args(argv)
     sizes = [int(x) for x in opts.n.split(",")]
