@@ -11,11 +11,12 @@ import contextlib
 import logging
 import ssl
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import rdzv
 from rdzv.endpoint import format_endpoint
 from rdzv.launch.options import add_run_arguments
+from rdzv.metrics import Family, MetricsServer, counter, gauge
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.status import add_status_arguments
 from rdzv.store.serve import ServerSecurity, secured_server
@@ -69,6 +70,34 @@ def _warnings_to_stderr(prog: str) -> Iterator[None]:
         logger.removeHandler(handler)
 
 
+def _server_metrics(server: TCPStoreServer) -> Callable[[], list[Family]]:
+    """Return the collect function of ``rdzv serve --metrics-port``."""
+
+    def collect() -> list[Family]:
+        return [
+            gauge("rdzv_store_connections", "open client connections", server.connection_count()),
+            counter(
+                "rdzv_store_connections_accepted_total",
+                "client connections accepted",
+                server.accepted_connections,
+            ),
+            counter(
+                "rdzv_store_connections_refused_total",
+                "client connections closed at once: max_connections was reached",
+                server.refused_connections,
+            ),
+            counter(
+                "rdzv_store_connections_expired_total",
+                "client connections closed for breaking the frame or idle timeout",
+                server.expired_connections,
+            ),
+            counter("rdzv_store_requests_total", "requests received", server.requests),
+            gauge("rdzv_store_waiters", "requests blocked in wait or watch", server.waiter_count()),
+        ]
+
+    return collect
+
+
 def _serve(args: argparse.Namespace) -> None:
     """Run a store server in the foreground until SIGTERM or SIGINT.
 
@@ -91,12 +120,30 @@ def _serve(args: argparse.Namespace) -> None:
         idle_timeout=args.idle_timeout,
     )
 
-    def announce(srv: TCPStoreServer) -> None:
-        shown = f"[{srv.host}]" if ":" in srv.host else srv.host
-        suffix = f" ({', '.join(security.features)})" if security.features else ""
-        print(f"rdzv store listening on {shown}:{srv.port}{suffix}", flush=True)
+    with contextlib.ExitStack() as stack:
+        metrics: MetricsServer | None = None
+        if args.metrics_port is not None:
+            try:
+                metrics = MetricsServer(
+                    _server_metrics(server), args.metrics_host, args.metrics_port
+                )
+            except (OSError, OverflowError) as exc:
+                where = format_endpoint(args.metrics_host, args.metrics_port)
+                raise ValueError(
+                    f"--metrics-port: cannot listen on {where}: "
+                    f"{getattr(exc, 'strerror', None) or exc}"
+                ) from None
+            stack.callback(metrics.close)
 
-    server.serve(announce)
+        def announce(srv: TCPStoreServer) -> None:
+            shown = f"[{srv.host}]" if ":" in srv.host else srv.host
+            suffix = f" ({', '.join(security.features)})" if security.features else ""
+            print(f"rdzv store listening on {shown}:{srv.port}{suffix}", flush=True)
+            if metrics is not None:
+                where = format_endpoint(metrics.host, metrics.port)
+                print(f"rdzv store metrics at http://{where}/metrics", flush=True)
+
+        server.serve(announce)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -183,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_IDLE_TIMEOUT,
         help="close connections idle this long, never those blocked in a wait (default: off)",
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)",
+    )
+    serve.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",  # noqa: S104 - scraped from other machines
+        metavar="HOST",
+        help="the address the metrics endpoint listens on (default: %(default)s)",
     )
     serve.set_defaults(func=_cmd_serve, command_parser=serve)
     return parser

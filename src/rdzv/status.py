@@ -8,6 +8,13 @@ machines' clocks), so a heartbeat's age is measured here: the marks are
 sampled for a short window on this machine's monotonic clock, and the age
 is the time since the mark was last seen to change (with ``--watch`` the
 observation keeps running, so ages stay accurate over time).
+
+Before the first round completes there is no state, but nodes may already
+be queued for round 0: they are shown. A run with neither is unknown
+(:data:`EXIT_UNKNOWN_RUN`), and the message lists the runs the store holds
+(``--list-runs`` lists them with their rounds). Each agent of ``rdzv run``
+writes its host, worker count and restart count into the round's store;
+the table shows them when present.
 """
 
 from __future__ import annotations
@@ -15,30 +22,54 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from rdzv.api import RendezvousParameters
 from rdzv.backends.base import JoinQueueBackend, LivenessBackend, RendezvousBackend
+from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.machine import MarkWatch
 from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError
+from rdzv.launch.ranks import agent_key
 from rdzv.registry import open_backend as open_registered_backend
+from rdzv.store.base import Store
+from rdzv.store.memory import PrefixStore
 
 __all__ = [
+    "EXIT_UNKNOWN_RUN",
     "HeartbeatTracker",
     "MemberStatus",
     "RunStatus",
     "add_status_arguments",
     "format_status",
+    "list_runs",
     "open_backend",
     "read_status",
     "status_command",
 ]
+
+EXIT_USAGE = 2
+EXIT_BACKEND = 3
+
+#: The exit status of ``rdzv status`` for a run the backend does not know.
+EXIT_UNKNOWN_RUN = 4
+
+# The keys the store backend writes for a run: its state, join queues, heartbeats.
+_RUN_KEY = re.compile(r"rdzv\.backend/(.+)/(?:state|q/\d+(?:/n)?|hb/[^/]+)")
+
+# Terminal control characters (C0, DEL, C1) in names read from the store.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str) -> str:
+    """Escape terminal control characters of a name read from the store."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 @dataclass(frozen=True)
@@ -52,6 +83,9 @@ class MemberStatus:
         evicted: Removed since the round sealed (dead or departed).
         heartbeat_age: Seconds since its heartbeat mark was seen to change,
             or None when no change was seen.
+        host: The host name its agent reported (``rdzv run``), or None.
+        workers: The workers its agent started, or None when not reported.
+        restarts: Its agent's restarts after worker failures, or None.
     """
 
     rank: int
@@ -59,6 +93,9 @@ class MemberStatus:
     address: str
     evicted: bool
     heartbeat_age: float | None
+    host: str | None = None
+    workers: int | None = None
+    restarts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,8 +107,11 @@ class RunStatus:
         round: The last sealed round (-1: none yet).
         closed: Whether the run is closed.
         members: The participants of that round, in rank order.
-        waiting: Addresses of the nodes queued for the next round.
+        waiting: The node keys of the nodes queued for the next round.
         observed_for: Seconds the heartbeats were watched.
+        time: When it was read (seconds since the epoch).
+        known: Whether the backend holds anything of the run (a state or
+            a queued node).
     """
 
     run_id: str
@@ -80,6 +120,8 @@ class RunStatus:
     members: list[MemberStatus] = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)
     observed_for: float = 0.0
+    time: float = 0.0
+    known: bool = True
 
     @property
     def complete(self) -> bool:
@@ -186,6 +228,53 @@ def _sample(backend: RendezvousBackend, nodes: list[str], tracker: HeartbeatTrac
             tracker.observe(node, backend.heartbeat_mark(node))
 
 
+def _queued(backend: RendezvousBackend, round_id: int) -> list[str]:
+    if not isinstance(backend, JoinQueueBackend):
+        return []
+    return [decode_record(r).node for r in backend.queue_records(round_id)]
+
+
+def _agents(store: Store | None, run_id: str, state: RendezvousState) -> list[dict[str, Any]]:
+    """Read what each member's agent wrote into the round's store (``{}`` when nothing)."""
+    if store is None or not state.participants:
+        return [{} for _ in state.participants]
+    # The dynamic handler's round store: its prefix of the run's store.
+    round_store = PrefixStore(f"rdzv/{run_id}/round/{state.round}", store)
+    keys = [agent_key(rank) for rank in range(len(state.participants))]
+    found: list[dict[str, Any]] = []
+    for raw in round_store.try_multi_get(keys):
+        try:
+            record = json.loads(raw) if raw is not None else {}
+        except ValueError:
+            record = {}
+        found.append(record if isinstance(record, dict) else {})
+    return found
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def list_runs(store: Store) -> list[str]:
+    """Return the run ids the store backend (``c10d``, ...) holds keys of, sorted.
+
+    Args:
+        store: The rendezvous store (not a prefix of it).
+
+    Returns:
+        The run ids.
+
+    Raises:
+        RendezvousError: The store cannot be read.
+    """
+    runs = set()
+    for key in store.list_keys():
+        match = _RUN_KEY.fullmatch(key)
+        if match is not None:
+            runs.add(match.group(1))
+    return sorted(runs)
+
+
 def read_status(
     backend: RendezvousBackend,
     run_id: str,
@@ -193,8 +282,12 @@ def read_status(
     sample: float = 0.0,
     poll: float = 0.1,
     sleep: Callable[[float], None] = time.sleep,
+    store: Store | None = None,
 ) -> RunStatus:
     """Read a run's status, watching the heartbeats for ``sample`` seconds.
+
+    While sampling, the state is read again at every reading: a change of
+    round, or the run closing, ends the sample early.
 
     Args:
         backend: The run's backend.
@@ -203,6 +296,8 @@ def read_status(
         sample: Seconds to watch the heartbeats before answering.
         poll: Seconds between heartbeat readings while sampling.
         sleep: Sleeps between readings.
+        store: The run's store, to read what the agents wrote (host,
+            workers, restarts); None to skip it.
 
     Returns:
         The status.
@@ -211,19 +306,29 @@ def read_status(
         RendezvousError: The backend cannot be read or its state is corrupt.
     """
     state = _state_of(backend)
+    now = time.time()
     if state is None:
-        return RunStatus(run_id, -1, False, observed_for=tracker.observed_for)
+        queued = _queued(backend, 0)
+        return RunStatus(
+            run_id,
+            -1,
+            False,
+            waiting=queued,
+            observed_for=tracker.observed_for,
+            time=now,
+            known=bool(queued),
+        )
     nodes = list(state.participants)
     _sample(backend, nodes, tracker)
     readings = max(int(sample / poll), 0) if poll > 0 else 0
     for _ in range(readings):
         sleep(poll)
         _sample(backend, nodes, tracker)
-    waiting: list[str] = []
-    if isinstance(backend, JoinQueueBackend):
-        waiting = [
-            node_address(decode_record(r).node) for r in backend.queue_records(state.next_round)
-        ]
+        latest = _state_of(backend)
+        if latest is not None and (latest.round, latest.closed) != (state.round, state.closed):
+            state = latest
+            break
+    agents = _agents(store, run_id, state)
     members = [
         MemberStatus(
             rank,
@@ -231,14 +336,32 @@ def read_status(
             node_address(node),
             rank in state.evicted,
             tracker.age(node),
+            agent.get("host") if isinstance(agent.get("host"), str) else None,
+            _int_or_none(agent.get("workers")),
+            _int_or_none(agent.get("restarts")),
         )
-        for rank, node in enumerate(state.participants)
+        for (rank, node), agent in zip(enumerate(state.participants), agents, strict=True)
     ]
-    return RunStatus(run_id, state.round, state.closed, members, waiting, tracker.observed_for)
+    return RunStatus(
+        run_id,
+        state.round,
+        state.closed,
+        members,
+        _queued(backend, state.next_round),
+        tracker.observed_for,
+        now,
+    )
+
+
+def _stamp(when: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
 
 
 def format_status(status: RunStatus) -> str:
     """Render a status as a readable table.
+
+    Names read from the store (run id, node keys, hosts) have their
+    terminal control characters escaped.
 
     Args:
         status: The status.
@@ -246,23 +369,42 @@ def format_status(status: RunStatus) -> str:
     Returns:
         Lines of text, ending in a newline.
     """
+    run = _printable(repr(status.run_id))
     if not status.complete:
-        head = f"run {status.run_id!r}: no round has completed yet"
+        head = f"run {run}: no round has completed yet"
     else:
-        head = f"run {status.run_id!r}: round {status.round} complete"
+        head = f"run {run}: round {status.round} complete"
     head += ", closed" if status.closed else ", open"
-    lines = [head]
+    lines = [f"{_stamp(status.time)} {head}" if status.time else head]
     if status.members:
-        width = max(len(m.node) for m in status.members)
-        lines.append(f"{'rank':>4}  {'node':<{width}}  {'state':<8} heartbeat")
+        rows = []
         for m in status.members:
             if m.heartbeat_age is not None:
                 beat = f"{m.heartbeat_age:.1f} s ago"
             else:
                 beat = f"none seen in {status.observed_for:.1f} s"
-            state = "evicted" if m.evicted else "member"
-            lines.append(f"{m.rank:>4}  {m.node:<{width}}  {state:<8} {beat}")
-    waiting = ", ".join(status.waiting) if status.waiting else "none"
+            rows.append(
+                (
+                    f"{m.rank:>4}",
+                    _printable(m.node),
+                    "evicted" if m.evicted else "member",
+                    beat,
+                    "-" if m.workers is None else str(m.workers),
+                    "-" if m.restarts is None else str(m.restarts),
+                    "-" if m.host is None else _printable(m.host),
+                )
+            )
+        header = ("rank", "node", "state", "heartbeat", "workers", "restarts", "host")
+        reported = any(m.workers is not None for m in status.members)
+        columns = len(header) if reported else 4
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(columns)]
+        for row in [header, *rows]:
+            cells = [
+                row[0].rjust(widths[0]),
+                *(cell.ljust(widths[i + 1]) for i, cell in enumerate(row[1:columns])),
+            ]
+            lines.append("  ".join(cells).rstrip())
+    waiting = ", ".join(_printable(w) for w in status.waiting) if status.waiting else "none"
     lines.append(f"waiting for round {status.round + 1}: {waiting}")
     return "\n".join(lines) + "\n"
 
@@ -275,9 +417,14 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d", help="(c10d)")
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="host[:port]")
-    parser.add_argument("--rdzv-id", "--rdzv_id", required=True, help="the run id")
+    parser.add_argument("--rdzv-id", "--rdzv_id", help="the run id (required without --list-runs)")
     parser.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="backend settings k=v,...")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--list-runs",
+        action="store_true",
+        help="list the runs the store holds, with their rounds (store backends: c10d, ...)",
+    )
     parser.add_argument(
         "--sample",
         type=float,
@@ -291,46 +438,150 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
         const=2.0,
         default=None,
         metavar="SECONDS",
-        help="refresh every SECONDS (2) until interrupted",
+        help="refresh every SECONDS (2) until interrupted or the job ends",
     )
 
 
-def status_command(args: argparse.Namespace) -> int:
+def _error(message: str) -> None:
+    print(f"rdzv status: {message}", file=sys.stderr)
+
+
+def _runs_text(store: Store | None, backend: RendezvousBackend) -> str:
+    """Say which runs the store holds, for the message about an unknown run."""
+    if store is None or not isinstance(backend, C10dRendezvousBackend):
+        return "it has no state and no node is queued"
+    try:
+        runs = list_runs(store)
+    except RendezvousError as exc:
+        return f"listing the runs failed: {exc}"
+    if not runs:
+        return "the store holds no run"
+    return "runs there: " + ", ".join(_printable(repr(r)) for r in runs)
+
+
+def _list_runs(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        backend, close = open_backend(
+            args.rdzv_backend, args.rdzv_endpoint, "rdzv-status", parse_config(args.rdzv_conf)
+        )
+    except ValueError as exc:
+        _error(f"error: {exc}")
+        return EXIT_USAGE
+    except RendezvousError as exc:
+        _error(f"cannot reach the backend: {exc}")
+        return EXIT_BACKEND
+    try:
+        if not isinstance(backend, C10dRendezvousBackend):
+            _error(
+                f"error: --list-runs reads the store backends (c10d, p10d, core, tcp), "
+                f"not {args.rdzv_backend!r}"
+            )
+            return EXIT_USAGE
+        rows = []
+        for run_id in list_runs(backend.store):
+            status = read_status(
+                C10dRendezvousBackend(backend.store, run_id), run_id, HeartbeatTracker()
+            )
+            rows.append(status)
+        if args.json:
+            print(json.dumps([_summary(r) for r in rows], sort_keys=True), file=out)
+        elif not rows:
+            print("no runs", file=out)
+        for status in [] if args.json else rows:
+            print(_summary_line(status), file=out)
+        return 0
+    except RendezvousError as exc:
+        _error(f"{type(exc).__name__}: {exc}")
+        return EXIT_BACKEND
+    finally:
+        close()
+
+
+def _summary(status: RunStatus) -> dict[str, Any]:
+    live = sum(1 for m in status.members if not m.evicted)
+    return {
+        "run_id": status.run_id,
+        "round": status.round,
+        "closed": status.closed,
+        "members": live,
+        "waiting": len(status.waiting),
+    }
+
+
+def _summary_line(status: RunStatus) -> str:
+    data = _summary(status)
+    where = f"round {status.round}" if status.complete else "no round yet"
+    state = "closed" if status.closed else "open"
+    return (
+        f"{_printable(status.run_id)}: {where}, {state}, {data['members']} member(s), "
+        f"{data['waiting']} waiting"
+    )
+
+
+_REDRAW = "\x1b[H\x1b[J"
+
+
+def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``rdzv status``.
+
+    With ``--watch`` the table is redrawn in place when the output is a
+    terminal, and the command ends with 0 and ``job finished`` once the
+    run is closed (the state is read every 0.1 s while watching, so the
+    close is seen before the job's store host goes away).
 
     Args:
         args: The parsed options.
+        out: Where the status goes (stdout when None).
 
     Returns:
-        0, 2 for bad options, 3 when the backend cannot be read.
+        0, 2 for bad options, 3 when the backend cannot be read, 4
+        (:data:`EXIT_UNKNOWN_RUN`) when the run is unknown.
     """
+    out = out or sys.stdout
     if args.sample < 0 or (args.watch is not None and not args.watch > 0):
-        print("rdzv status: error: --sample and --watch must be positive", file=sys.stderr)
-        return 2
+        _error("error: --sample and --watch must be positive")
+        return EXIT_USAGE
+    if args.list_runs:
+        return _list_runs(args, out)
+    if not args.rdzv_id:
+        _error("error: --rdzv-id is required (or --list-runs)")
+        return EXIT_USAGE
     try:
         backend, close = open_backend(
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, parse_config(args.rdzv_conf)
         )
     except ValueError as exc:
-        print(f"rdzv status: error: {exc}", file=sys.stderr)
-        return 2
+        _error(f"error: {exc}")
+        return EXIT_USAGE
     except RendezvousError as exc:
-        print(f"rdzv status: cannot reach the backend: {exc}", file=sys.stderr)
-        return 3
+        _error(f"cannot reach the backend: {exc}")
+        return EXIT_BACKEND
+    store = backend.store if isinstance(backend, C10dRendezvousBackend) else None
+    redraw = args.watch is not None and not args.json and out.isatty()
     tracker = HeartbeatTracker()
+    run = _printable(repr(args.rdzv_id))
     try:
         while True:
             sample = args.sample if args.watch is None else args.watch
-            status = read_status(backend, args.rdzv_id, tracker, sample)
+            status = read_status(backend, args.rdzv_id, tracker, sample, store=store)
+            if not status.known and args.watch is None:
+                _error(f"run {run} is unknown to the backend: {_runs_text(store, backend)}")
+                return EXIT_UNKNOWN_RUN
             if args.json:
-                print(json.dumps(status.to_json(), sort_keys=True), flush=True)
+                print(json.dumps(status.to_json(), sort_keys=True), file=out, flush=True)
             else:
-                print(format_status(status), end="", flush=True)
+                text = format_status(status)
+                if not status.known:
+                    text += f"run {run} is unknown so far ({_runs_text(store, backend)})\n"
+                print((_REDRAW if redraw else "") + text, end="", file=out, flush=True)
             if args.watch is None:
                 return 0
+            if status.closed:
+                print(f"run {run}: job finished (the run is closed)", file=out, flush=True)
+                return 0
     except RendezvousError as exc:
-        print(f"rdzv status: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 3
+        _error(f"{type(exc).__name__}: {exc}")
+        return EXIT_BACKEND
     except KeyboardInterrupt:
         return 0
     finally:

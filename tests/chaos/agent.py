@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import random
 import sys
 import time
@@ -63,7 +64,12 @@ def main() -> int:
     parser.add_argument("--join", type=float, default=30.0)
     parser.add_argument("--interval", type=float, default=0.3)
     parser.add_argument("--attempts", type=int, default=3)
-    parser.add_argument("--hold", type=float, default=1.5, help="longest training stint")
+    parser.add_argument(
+        "--hold",
+        type=float,
+        default=1.5,
+        help="longest training stint; 0: stay until another node waits (a steady job)",
+    )
     parser.add_argument("--log", default=None, help="write rdzv's debug log to this file")
     args = parser.parse_args()
     if args.log is not None:
@@ -134,7 +140,7 @@ def main() -> int:
             at=completed_at,
             took=took,
         )
-        stint_end = time.monotonic() + rng.uniform(0.2, args.hold)
+        stint_end = time.monotonic() + rng.uniform(0.2, args.hold) if args.hold > 0 else math.inf
         try:
             while time.monotonic() < stint_end and handler.num_nodes_waiting() == 0:
                 time.sleep(0.05)

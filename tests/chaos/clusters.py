@@ -45,6 +45,8 @@ class Cluster(ABC):
     def __init__(self) -> None:
         self.proxies: list[FaultProxy] = []
         self._reader: tuple[RendezvousBackend, Store] | None = None
+        # Wall-clock windows in which no server could answer (nobody can judge then).
+        self.outages: list[tuple[float, float]] = []
 
     @property
     def agent_endpoint(self) -> str:
@@ -132,6 +134,34 @@ class Cluster(ABC):
         for proxy in self.proxies:
             proxy.close()
 
+    def server_pids(self) -> list[int]:
+        """The pids of the running server processes (paused by the store-pause fault)."""
+        return []
+
+    def poison_heartbeat(self, node: str) -> bool:
+        """Write a value that is no heartbeat mark into ``node``'s heartbeat key.
+
+        Returns:
+            Whether the value was written (False while the servers are down).
+        """
+        from rdzv.backends.etcd import EtcdRendezvousBackend
+        from rdzv.backends.redis import RedisRendezvousBackend
+
+        try:
+            if self._reader is None:
+                self._reader = self._create_backend()
+            backend, store = self._reader
+            if isinstance(backend, RedisRendezvousBackend):
+                backend.client.set(f"{backend.key}:alive:{node}", b"poison")
+            elif isinstance(backend, EtcdRendezvousBackend):
+                backend.client.put(backend.run_prefix + f"alive/{node}".encode(), b"poison")
+            else:
+                store.set(f"rdzv.handler/{RUN_ID}/hb/{node}", b"poison")
+        except Exception:
+            self._close_reader()
+            return False
+        return True
+
 
 class TcpStoreCluster(Cluster):
     """``rdzv serve`` in a subprocess: the TCP store host of the c10d backend."""
@@ -187,6 +217,10 @@ class TcpStoreCluster(Cluster):
         self.proxies[0].target_port = self.port
         return True
 
+    def server_pids(self) -> list[int]:
+        proc = self.proc
+        return [] if proc is None or proc.poll() is not None else [proc.pid]
+
     def stop(self) -> None:
         self.close_proxies()
         proc, self.proc = self.proc, None
@@ -210,6 +244,7 @@ class EtcdChaosCluster(Cluster):
         self._stack = contextlib.ExitStack()
         self.cluster: Any = None
         self._restarts: list[tuple[float, Any]] = []
+        self._down_since = 0.0
 
     @property
     def direct_endpoint(self) -> str:
@@ -230,6 +265,8 @@ class EtcdChaosCluster(Cluster):
         member = rng.choice(running)
         kill_process(member.proc)
         self._restarts.append((time.monotonic() + rng.uniform(1.0, 4.0), member))
+        if self.size == 1:
+            self._down_since = time.time()
         return False  # a member restarts from its data directory: nothing is lost
 
     def tick(self) -> None:
@@ -238,6 +275,11 @@ class EtcdChaosCluster(Cluster):
         self._restarts = [(at, m) for at, m in self._restarts if at > now]
         for _, member in due:
             self.cluster.start_member(member, state="existing")
+            if self.size == 1:
+                self.outages.append((self._down_since, time.time()))
+
+    def server_pids(self) -> list[int]:
+        return [m.proc.pid for m in self.cluster.members if m.alive]
 
     def stop(self) -> None:
         self.close_proxies()
@@ -273,6 +315,10 @@ class RedisChaosCluster(Cluster):
         self.server.start()
         self.server.wait_ready()
         return True  # no persistence: the restarted server is empty
+
+    def server_pids(self) -> list[int]:
+        proc = self.server.proc
+        return [] if proc is None or proc.poll() is not None else [proc.pid]
 
     def stop(self) -> None:
         self.close_proxies()

@@ -27,6 +27,7 @@ process scheduling allows).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -37,14 +38,18 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rdzv.errors import RendezvousStateError
+from rdzv.retry import deadline_within
 from tests.chaos.clusters import make_cluster
 from tests.procs import subprocess_env
 
 READ_TIMEOUT = 5.0
+_HARNESS_CALL = 1.0
+"""Seconds the harness's own reads and writes of the servers may take (a paused store)."""
 
 
 @dataclass
@@ -69,6 +74,13 @@ class Settings:
         store_restarts: Allow the server-side fault (store host, Redis or an
             etcd member killed).
         log_dir: Each agent writes rdzv's debug log to a file here (None: no logs).
+        steady: Agents stay in their round until another node waits (a
+            training job), instead of leaving after a random stint; the
+            liveness check then holds: without a fault, rounds stay flat.
+        kinds: Inject these fault kinds in this order, cycling (empty: a
+            seeded random mix), so a short run meets each of them.
+        quiet_tail: Inject no fault in the last this many seconds (a quiet
+            window the liveness check covers).
     """
 
     seed: int
@@ -85,6 +97,9 @@ class Settings:
     faults: bool = True
     store_restarts: bool = True
     log_dir: str | None = None
+    steady: bool = False
+    kinds: tuple[str, ...] = ()
+    quiet_tail: float = 0.0
 
     @property
     def dead_after(self) -> float:
@@ -100,6 +115,15 @@ class Settings:
         loaded two-core host.
         """
         return self.dead_after + 0.3 + 2 * self.interval + 3.0
+
+    @property
+    def settle(self) -> float:
+        """Seconds after a disturbance within which steady agents may still re-form.
+
+        The detection bound, two last calls, and 4 s for a server restarted
+        after its fault (an etcd member comes back 1-4 s later).
+        """
+        return self.detection_bound + 2 * 0.3 + 4.0
 
     @property
     def call_deadline(self) -> float:
@@ -121,6 +145,7 @@ class Figures:
     agent_starts: int = 0
     agent_errors: Counter[str] = field(default_factory=Counter)
     state_reads: int = 0
+    quiet_seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -134,6 +159,7 @@ class Figures:
             f"faults={sum(self.faults.values())} {dict(sorted(self.faults.items()))}",
             f"agent_starts={self.agent_starts} agent_errors={dict(self.agent_errors)}",
             f"state_reads={self.state_reads} violations={len(self.violations)}",
+            f"quiet_seconds_checked={self.quiet_seconds:.1f}",
         ]
         lines += [f"  VIOLATION {v}" for v in self.violations[:20]]
         return "\n".join(lines)
@@ -149,6 +175,23 @@ class Checker:
         self.groups: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
         self.killed_at: dict[str, float] = {}
         self.paused: dict[str, float] = defaultdict(float)
+        # Wall-clock times at which the group may change (faults, resumed
+        # agents, new agents), and windows in which the store was paused.
+        self.disturbances: list[float] = []
+        self.stalls: list[tuple[float, float]] = []
+
+    def disturbed(self, at: float) -> None:
+        """Record that the group may change at wall-clock time ``at``."""
+        with self._lock:
+            self.disturbances.append(at)
+
+    def store_stalled(self, start: float, end: float) -> None:
+        """Record a store pause (wall clock): dead nodes cannot be judged meanwhile."""
+        with self._lock:
+            self.stalls.append((start, end))
+
+    def _stalled_between(self, start: float, end: float) -> float:
+        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.stalls)
 
     def violation(self, text: str) -> None:
         with self._lock:
@@ -193,8 +236,8 @@ class Checker:
                 f"{first['participants']} and {participants}"
             )
 
-    def finish(self) -> None:
-        """The checks that need every line: dead nodes left in time."""
+    def finish(self, ended: float | None = None) -> None:
+        """The checks that need every line: dead nodes left in time; with steady agents, liveness."""
         bound = self.settings.detection_bound
         with self._lock:
             groups = dict(self.groups)
@@ -204,11 +247,33 @@ class Checker:
             completed = min(float(line["at"]) for line in lines)
             for node in lines[0]["participants"]:
                 at = killed.get(node)
-                if at is not None and completed > at + bound:
+                if at is not None and completed > at + bound + self._stalled_between(at, completed):
                     self.violation(
                         f"epoch {epoch} round {round_id} first completed {completed - at:.1f} s "
                         f"after {node} was killed (bound {bound:.1f} s) and includes it"
                     )
+        if self.settings.steady and ended is not None:
+            completions = [min(float(line["at"]) for line in lines) for lines in groups.values()]
+            self._check_liveness(sorted(completions), ended)
+
+    def _check_liveness(self, completions: list[float], ended: float) -> None:
+        """Without a disturbance, steady agents form no new round once settled."""
+        settle = self.settings.settle
+        with self._lock:
+            marks = sorted(self.disturbances)
+        if not marks:
+            return
+        for completed in completions:
+            last = max((d for d in marks if d <= completed), default=marks[0])
+            if completed - last > settle:
+                self.violation(
+                    f"endless re-formation: a round completed {completed - last:.1f} s after the "
+                    f"last disturbance (settled after {settle:.1f} s)"
+                )
+        ends = [*marks[1:], ended]
+        self.figures.quiet_seconds = sum(
+            max(0.0, b - a - settle) for a, b in zip(marks, ends, strict=True)
+        )
 
 
 def _parse(raw: str) -> dict[str, Any] | None:
@@ -247,6 +312,7 @@ class _Agent:
                 "--attempts",
                 str(settings.attempts),
                 *self._log_option(settings, run.figures.agent_starts),
+                *(["--hold", "0"] if settings.steady else []),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -310,11 +376,19 @@ class ChaosRun:
         self.cluster = make_cluster(settings.backend)
         self._cluster_lock = threading.Lock()
         self._monitor_stop = threading.Event()
+        # Actions a fault schedules for later (a cut, a resumed store), by monotonic time.
+        self._pending: list[tuple[float, Callable[[], None]]] = []
+        self._cycle = 0
+        self._extra_faults: dict[str, Callable[[list[_Agent]], None]] = {
+            "kill-cut": self._fault_kill_during_eviction,
+            "store-pause": self._fault_store_pause,
+            "poison": self._fault_poison,
+        }
 
     def _monitor(self) -> None:
         """Read and decode the stored state every half second."""
         while not self._monitor_stop.wait(0.5):
-            with self._cluster_lock:
+            with self._cluster_lock, deadline_within(_HARNESS_CALL):
                 try:
                     data = self.cluster.read_state()
                 except Exception:
@@ -332,6 +406,7 @@ class ChaosRun:
     def _spawn(self) -> None:
         self.agents.append(_Agent(self, self.rng.randrange(1 << 30)))
         self.figures.agent_starts += 1
+        self.checker.disturbed(time.time())
 
     def _live_agents(self) -> list[_Agent]:
         return [a for a in self.agents if a.alive]
@@ -367,19 +442,26 @@ class ChaosRun:
     # -- faults --------------------------------------------------------------
 
     def _inject(self) -> None:
-        kinds = ["kill", "pause", "cut", "delay", "join"]
-        weights = [3, 2, 2, 2, 1]
+        self.checker.disturbed(time.time())
+        kinds = ["kill", "pause", "cut", "delay", "join", *self._extra_faults]
+        weights = [3, 2, 2, 2, 1, *([1] * len(self._extra_faults))]
         if self.settings.store_restarts:
             kinds.append(self.cluster.server_fault)
             weights.append(1)
-        kind = self.rng.choices(kinds, weights)[0]
+        if self.settings.kinds:
+            kind = self.settings.kinds[self._cycle % len(self.settings.kinds)]
+            self._cycle += 1
+        else:
+            kind = self.rng.choices(kinds, weights)[0]
         live = [a for a in self._live_agents() if a.paused_until is None]
-        if kind in ("kill", "pause") and (len(live) <= 1 or not live):
+        if kind in ("kill", "pause", "kill-cut") and (len(live) <= 1 or not live):
             kind = "cut"
         if kind == "join" and len(self._live_agents()) >= self.settings.max_nodes + 1:
             kind = "delay"
         self.figures.faults[kind] += 1
-        if kind == "kill":
+        if kind in self._extra_faults:
+            self._extra_faults[kind](live)
+        elif kind == "kill":
             victim = self.rng.choice(live)
             victim.signal(signal.SIGKILL)
             if victim.node is not None:
@@ -408,6 +490,50 @@ class ChaosRun:
                     self.cluster.set_epoch(self.epoch)
         self._say(f"fault {kind}")
 
+    def _fault_kill_during_eviction(self, live: list[_Agent]) -> None:
+        """SIGKILL an agent, then cut every connection about when its ring neighbour evicts it."""
+        victim = self.rng.choice(live)
+        victim.signal(signal.SIGKILL)
+        if victim.node is not None:
+            self.checker.node_killed(victim.node, time.time())
+        lag = self.rng.uniform(0.0, 2 * self.settings.interval)
+        self._pending.append((time.monotonic() + self.settings.dead_after + lag, self._cut_all))
+
+    def _cut_all(self) -> None:
+        for proxy in self.cluster.proxies:
+            proxy.cut()
+        self.checker.disturbed(time.time())
+
+    def _fault_store_pause(self, live: list[_Agent]) -> None:
+        """SIGSTOP every server process for 1.5-3x the heartbeat bound, then SIGCONT them."""
+        pids = self.cluster.server_pids()
+        started = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+
+        def resume() -> None:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):  # killed meanwhile by a fault
+                    os.kill(pid, signal.SIGCONT)
+            self.checker.store_stalled(started, time.time())
+            self.checker.disturbed(time.time())
+
+        seconds = self.settings.dead_after * self.rng.uniform(1.5, 3.0)
+        self._pending.append((time.monotonic() + seconds, resume))
+
+    def _fault_poison(self, live: list[_Agent]) -> None:
+        """Write a value that is no heartbeat mark into a live agent's heartbeat key."""
+        nodes = [a.node for a in live if a.node is not None]
+        if nodes:
+            with self._cluster_lock, deadline_within(_HARNESS_CALL):
+                self.cluster.poison_heartbeat(self.rng.choice(nodes))
+
+    def _run_pending(self, now: float) -> None:
+        due = [action for at, action in self._pending if at <= now]
+        self._pending = [(at, action) for at, action in self._pending if at > now]
+        for action in due:
+            action()
+
     def _say(self, text: str) -> None:
         if self.log is not None:
             print(f"[chaos {time.monotonic() - self._t0:7.1f}s] {text}", file=self.log, flush=True)
@@ -430,11 +556,14 @@ class ChaosRun:
                 self._spawn()
             next_fault = time.monotonic() + self.rng.uniform(2.0, 4.0)
             end = self._t0 + settings.seconds
-            hard_end = end + (60.0 if settings.min_faults else 0.0)
+            hard_end = end + (60.0 if settings.min_faults else 0.0) + settings.quiet_tail
+            # The quiet tail runs from the last fault, however late a loaded machine made it.
+            quiet_from = 0.0
             while True:
                 now = time.monotonic()
                 injected = sum(self.figures.faults.values())
-                if now >= hard_end or (now >= end and injected >= settings.min_faults):
+                settled = now >= quiet_from + settings.quiet_tail
+                if now >= hard_end or (now >= end and injected >= settings.min_faults and settled):
                     break
                 if settings.rounds and len(self.checker.groups) >= settings.rounds:
                     break
@@ -448,22 +577,31 @@ class ChaosRun:
                     if agent.paused_until is not None and now >= agent.paused_until:
                         agent.signal(signal.SIGCONT)
                         agent.paused_until = None
+                        self.checker.disturbed(time.time())
                 if self._delay_until and now >= self._delay_until:
                     for proxy in self.cluster.proxies:
                         proxy.delay = 0.0
                     self._delay_until = 0.0
+                    self.checker.disturbed(time.time())
                 with self._cluster_lock:
                     self.cluster.tick()
+                self._run_pending(now)
                 # Keep the population up: replace agents that died or exited.
                 while len(self._live_agents()) < settings.agents:
                     self._spawn()
-                if settings.faults and now >= next_fault:
+                faults_due = injected < settings.min_faults or now < end - settings.quiet_tail
+                if settings.faults and now >= next_fault and faults_due:
                     self._inject()
                     next_fault = now + self.rng.uniform(1.0, 3.0)
+                    quiet_from = now
+                # Lines that queued up while the harness itself was slow end calls first.
+                while not self.lines.empty():
+                    self._handle(*self.lines.get_nowait())
                 self._watchdog()
             while not self.lines.empty():
                 self._handle(*self.lines.get_nowait())
         finally:
+            self._run_pending(float("inf"))  # resume a paused store before stopping
             self._monitor_stop.set()
             monitor.join(30)
             for agent in self.agents:
@@ -471,6 +609,8 @@ class ChaosRun:
             while not self.lines.empty():
                 self._handle(*self.lines.get_nowait())
             self.cluster.stop()
-        self.checker.finish()
+        for start, end in self.cluster.outages:
+            self.checker.store_stalled(start, end)
+        self.checker.finish(time.time())
         self.figures.seconds = time.monotonic() - self._t0
         return self.figures

@@ -123,3 +123,60 @@ def test_short_chaos_run_has_no_violations(backend: str) -> None:
     # The schedule's faults, not how many fit into 10 s of a loaded machine.
     assert sum(figures.faults.values()) >= settings.min_faults, report
     assert figures.state_reads > 0, report
+
+
+def test_checker_flags_endless_re_formation_without_a_fault() -> None:
+    settings = Settings(seed=0, steady=True)
+    checker = Checker(settings, Figures(seed=0))
+    checker.disturbed(1000.0)
+    checker.round_line(line("a", 0, ["a", "b"], at=1000.5))
+    checker.round_line(line("a", 0, ["a", "b"], at=1000.0 + settings.settle + 1.0, round=4))
+    checker.finish(ended=1000.0 + 3 * settings.settle)
+    assert any("endless re-formation" in v for v in checker.figures.violations)
+    assert checker.figures.quiet_seconds == pytest.approx(2 * settings.settle)
+
+
+def test_checker_accepts_rounds_that_follow_a_disturbance() -> None:
+    settings = Settings(seed=0, steady=True)
+    checker = Checker(settings, Figures(seed=0))
+    checker.disturbed(1000.0)
+    checker.disturbed(1030.0)
+    checker.round_line(line("a", 0, ["a", "b"], at=1001.0))
+    checker.round_line(line("a", 0, ["a", "b"], at=1031.0, round=4))
+    checker.finish(ended=1060.0)
+    assert checker.figures.violations == []
+
+
+def test_checker_extends_the_detection_bound_by_a_store_pause(checker: Checker) -> None:
+    bound = checker.settings.detection_bound
+    checker.node_killed("b", 1000.0 - bound - 1.0)
+    checker.store_stalled(1000.0 - bound, 1000.0 - bound + 2.0)
+    checker.round_line(line("a", 0, ["a", "b"]))
+    checker.finish()
+    assert checker.figures.violations == []
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", ["tcp", "redis"])
+def test_short_chaos_run_meets_each_new_fault_and_stays_flat_when_quiet(backend: str) -> None:
+    seed = int(os.environ.get("RDZV_CHAOS_SEED", random.randrange(1 << 31)))
+    kinds = ("kill-cut", "store-pause", "poison")
+    settings = Settings(
+        seed=seed,
+        backend=backend,
+        agents=3,
+        min_nodes=2,
+        max_nodes=4,
+        seconds=8.0,
+        min_faults=len(kinds),
+        steady=True,
+        kinds=kinds,
+        store_restarts=False,
+    )
+    settings.quiet_tail = settings.settle + 6.0
+    figures = ChaosRun(settings).run()
+    report = f"replay with RDZV_CHAOS_SEED={seed}\n{figures.summary()}"
+    assert figures.violations == [], report
+    # The seeded schedule's faults, each met once, not how many fit into the time.
+    assert all(figures.faults[kind] >= 1 for kind in kinds), report
+    assert figures.quiet_seconds > 0, report

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rdzv.dynamic.state import (
+    MAX_PARTICIPANTS,
     JoinRecord,
     RendezvousState,
     assign_ranks,
@@ -164,3 +165,13 @@ def test_survivors_keep_order_and_come_first_and_duplicates_count_once() -> None
     records = [JoinRecord(d), JoinRecord(c), JoinRecord(a), JoinRecord(a), JoinRecord(b)]
     assert assign_ranks(records, previous, 10) == (a, b, c, d)
     assert assign_ranks(records, previous, 2) == (a, b)
+
+
+def test_a_state_over_the_participant_cap_is_a_state_error_naming_the_limit() -> None:
+    nodes = [f"10.0.0.1#{i}#ab" for i in range(MAX_PARTICIPANTS + 1)]
+    data = b"\x01" + json.dumps([0, 0, nodes, []]).encode()
+    with pytest.raises(RendezvousStateError, match=f"MAX_PARTICIPANTS = {MAX_PARTICIPANTS}"):
+        decode_state(data)
+    assert len(
+        decode_state(b"\x01" + json.dumps([0, 0, nodes[:-1], []]).encode()).participants
+    ) == (MAX_PARTICIPANTS)

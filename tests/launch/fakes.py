@@ -48,7 +48,8 @@ class FakeGroup:
     """The shared side of an in-process rendezvous of ``world_size`` nodes.
 
     Every round is a thread barrier; each round gets a fresh prefix of one
-    HashStore. ``waiting`` is what ``num_nodes_waiting`` answers.
+    HashStore. ``waiting`` is what ``num_nodes_waiting`` answers;
+    ``participants`` is what the rounds' infos list (none by default).
     """
 
     def __init__(self, world_size: int = 1, run_id: str = "fake-run") -> None:
@@ -57,6 +58,7 @@ class FakeGroup:
         self.store = HashStore(timeout=20)
         self.closed = False
         self.waiting = 0
+        self.participants: list[str] = []
         self._lock = threading.Lock()
         self._barrier = threading.Barrier(world_size, timeout=20)
         self.rounds = 0
@@ -98,7 +100,9 @@ class FakeHandler(RendezvousHandler):
         self.group._barrier.wait()
         store = PrefixStore(f"round/{self.round}", self.group.store)
         self.round += 1
-        return RendezvousInfo(store, self.rank, self.group.world_size)
+        return RendezvousInfo(
+            store, self.rank, self.group.world_size, participants=self.group.participants
+        )
 
     def is_closed(self) -> bool:
         return self.group.closed

@@ -142,3 +142,33 @@ def test_torch_gloo_allreduce_two_agents_two_workers(tmp_path: Path) -> None:
     assert all("did not reach the backend" not in err for _, _, err in results)
     for rank in range(4):
         assert f"[rank {rank}]: rank {rank}/4" in out
+
+
+def test_a_join_timeout_names_who_came_and_the_other_runs(endpoint: str, tmp_path: Path) -> None:
+    def args(run_id: str, nnodes: str) -> list[str]:
+        conf = "is_host=false,join_timeout=4,last_call_timeout=0.5,keep_alive_interval=0.5"
+        return [
+            f"--nnodes={nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            f"--rdzv-conf={conf}",
+            "--local-addr=127.0.0.1",
+            WORKER,
+            str(tmp_path),
+            "ok",
+        ]
+
+    with agents() as group:
+        other = group.start(args("other-run", "2"))  # queued, never complete: its keys stay
+        waiting = [group.start(args("short", "3")) for _ in range(2)]
+        results = [finish(p) for p in waiting]
+        finish(other)
+    lasts = [err.strip().splitlines()[-1] for _, _, err in results]
+    assert [code for code, _, _ in results] == [3, 3], results
+    for last in lasts:
+        assert "RendezvousExhaustedError: the join window of 4 s elapsed" in last, last
+        assert "nodes that came: " in last, last
+        assert "other runs on this store: 'other-run'" in last, last
+    # the first to time out saw the other node of its run still queued
+    assert any("nodes that came: 127.0.0.1#" in last for last in lasts), lasts

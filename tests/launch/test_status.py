@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
+import re
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rdzv.status import HeartbeatTracker, MemberStatus, RunStatus, format_status
+from rdzv.dynamic.state import node_address
+from rdzv.status import (
+    EXIT_UNKNOWN_RUN,
+    HeartbeatTracker,
+    MemberStatus,
+    RunStatus,
+    add_status_arguments,
+    format_status,
+    status_command,
+)
 from tests.launch.procs import WORKER, agents, c10d_args, finish, wait_for, with_world
 from tests.procs import free_port, subprocess_env
 
@@ -57,15 +72,24 @@ def test_status_of_a_live_run(endpoint: str, tmp_path: Path) -> None:
         assert all(m["heartbeat_age"] is not None for m in running["members"])
         assert all(not m["evicted"] for m in running["members"])
         assert running["waiting"] == []
-        # a third node queues for the next round: the wait list shows it
+        # each agent reported its host, workers and restarts
+        assert [m["workers"] for m in running["members"]] == [1, 1]
+        assert [m["restarts"] for m in running["members"]] == [0, 0]
+        assert all(m["host"] == socket.gethostname() for m in running["members"])
+        # a third node queues for the next round: the wait list names it
         group.start(args)
         wait_for(
-            lambda: status_json(endpoint, "live")["waiting"] == ["127.0.0.1"],
+            lambda: len(status_json(endpoint, "live")["waiting"]) == 1,
             what="the third node on the wait list",
         )
+        waiting = status_json(endpoint, "live")["waiting"]
+        assert [node_address(w) for w in waiting] == ["127.0.0.1"]
+        assert waiting[0].count("#") == 2
         table = status(endpoint, "live", "--sample=0.5").stdout
         assert f"run 'live': round {running['round']} complete, open" in table
-        assert "waiting for round" in table
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d run 'live'", table)
+        assert "workers  restarts  host" in table
+        assert f"waiting for round {running['round'] + 1}: {waiting[0]}" in table
         (tmp_path / "release-2").write_text("")
         assert [finish(p)[0] for p in members] == [0, 0]
         assert status_json(endpoint, "live")["closed"]
@@ -115,7 +139,7 @@ def test_format_status_table() -> None:
             MemberStatus(0, "10.0.0.1#1#a", "10.0.0.1", False, 0.25),
             MemberStatus(1, "10.0.0.2#1#b", "10.0.0.2", True, None),
         ],
-        ["10.0.0.3"],
+        ["10.0.0.3#7#c"],
         2.0,
     )
     text = format_status(run)
@@ -124,7 +148,110 @@ def test_format_status_table() -> None:
         "rank  node          state    heartbeat",
         "   0  10.0.0.1#1#a  member   0.2 s ago",
         "   1  10.0.0.2#1#b  evicted  none seen in 2.0 s",
-        "waiting for round 4: 10.0.0.3",
+        "waiting for round 4: 10.0.0.3#7#c",
     ]
     assert run.to_json()["complete"] is True
     assert "no round has completed yet" in format_status(RunStatus("job", -1, False))
+
+
+def test_format_status_with_agent_reports_and_a_timestamp() -> None:
+    when = time.mktime((2030, 1, 31, 12, 0, 0, 0, 0, -1))
+    run = RunStatus(
+        "job",
+        0,
+        True,
+        [MemberStatus(0, "10.0.0.1#1#a", "10.0.0.1", False, 1.0, "gpu01", 8, 2)],
+        [],
+        2.0,
+        when,
+    )
+    assert format_status(run).splitlines() == [
+        "2030-01-31 12:00:00 run 'job': round 0 complete, closed",
+        "rank  node          state   heartbeat  workers  restarts  host",
+        "   0  10.0.0.1#1#a  member  1.0 s ago  8        2         gpu01",
+        "waiting for round 1: none",
+    ]
+
+
+def test_format_status_escapes_control_characters_read_from_the_store() -> None:
+    run = RunStatus(
+        "job\x1b[2J",
+        0,
+        False,
+        [MemberStatus(0, "10.0.0.1#1#a", "10.0.0.1", False, 1.0, "evil\x1b]0;x\x07", 1, 0)],
+        ["10.0.0.3#7#\x9b"],
+    )
+    text = format_status(run)
+    assert "\x1b" not in text
+    assert "\x07" not in text
+    assert "\x9b" not in text
+    assert "evil\\x1b]0;x\\x07" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_status_before_the_first_round_and_of_an_unknown_run(endpoint: str, tmp_path: Path) -> None:
+    args = [*c10d_args(endpoint, "2", "early"), WORKER, str(tmp_path), "wait-release"]
+    with agents() as group:
+        group.start(args)  # one of two nodes: it queues for round 0
+        wait_for(
+            lambda: status(endpoint, "early", "--sample=0").returncode == 0,
+            what="the node queued for round 0",
+        )
+        early = status_json(endpoint, "early")
+        assert early["round"] == -1
+        assert early["known"]
+        table = status(endpoint, "early", "--sample=0").stdout
+        assert "no round has completed yet" in table
+        assert f"waiting for round 0: {early['waiting'][0]}" in table
+        typo = status(endpoint, "eraly", "--sample=0")
+        assert typo.returncode == EXIT_UNKNOWN_RUN
+        assert "run 'eraly' is unknown to the backend: runs there: 'early'" in typo.stderr
+        listed = status(endpoint, "", "--list-runs")
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout.splitlines() == ["early: no round yet, open, 0 member(s), 1 waiting"]
+        listed_json = json.loads(status(endpoint, "", "--list-runs", "--json").stdout)
+        assert listed_json == [
+            {"closed": False, "members": 0, "round": -1, "run_id": "early", "waiting": 1}
+        ]
+
+
+def test_status_needs_a_run_id_or_list_runs() -> None:
+    done = status("127.0.0.1:1", "")
+    assert done.returncode == 2
+    assert "--rdzv-id is required (or --list-runs)" in done.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_watch_redraws_in_place_and_says_when_the_job_finished(
+    endpoint: str, tmp_path: Path
+) -> None:
+    args = [*c10d_args(endpoint, "1", "watched"), WORKER, str(tmp_path), "wait-release"]
+    with agents() as group:
+        agent = group.start(args)
+        wait_for(lambda: len(with_world(tmp_path, 1)) == 1, what="the round of 1 node")
+        parser = argparse.ArgumentParser()
+        add_status_arguments(parser)
+        options = parser.parse_args(
+            [f"--rdzv-endpoint={endpoint}", "--rdzv-id=watched", "--watch=0.3"]
+        )
+        screen = _Terminal()
+        outcome: list[int] = []
+        watcher = threading.Thread(
+            target=lambda: outcome.append(status_command(options, screen)), daemon=True
+        )
+        watcher.start()
+        wait_for(lambda: screen.getvalue().count("\x1b[H\x1b[J") >= 2, what="two redraws")
+        (tmp_path / "release-1").write_text("")
+        assert finish(agent)[0] == 0
+        watcher.join(timeout=30)
+    assert outcome == [0]
+    shown = screen.getvalue()
+    assert shown.rstrip().endswith("run 'watched': job finished (the run is closed)")
+    assert "round 0 complete, closed" in shown

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.store.base",
             "rdzv.store.protocol",
             "rdzv.testing.netns",
+            "rdzv.metrics",
         ),
     ),
     ("stores and API", ("rdzv.store", "rdzv.api", "rdzv.retry", "rdzv.testing.clock")),

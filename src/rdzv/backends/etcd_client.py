@@ -10,13 +10,18 @@ with gRPC codes, watch-stream lines) is built and parsed by
 Unary calls (range, put, txn, leases) share a small pool of keep-alive
 ``http.client`` connections, one per call at a time, so the client is
 thread-safe. Each call has a per-request socket timeout and an overall
-deadline; when a member is unreachable, or answers with a transient error
+deadline (a :class:`rdzv.retry.Retry`): the read timeout, or the caller's
+deadline when that comes sooner (:func:`rdzv.retry.deadline_within`: the
+handler bounds a join by its join timeout, a heartbeat by the keep-alive
+interval). When a member is unreachable, or answers with a transient error
 (no leader, leader changed, ...: an
 :class:`~rdzv.backends.etcd_gateway.EtcdRetryableError`), the call moves on
 to the next endpoint, with capped backoff between full passes over the
-endpoint list, until the deadline. A call that was sent more than once
-reports it (``attempts``), so a caller can recognise its own write when the
-reply to the first attempt was lost.
+endpoint list, until the deadline; while no member accepts a connection at
+all (every host down), it gives up after the connect timeout rather than
+the read timeout. A call that was sent more than once reports it
+(``attempts``), so a caller can recognise its own write when the reply to
+the first attempt was lost.
 
 Size: just over the project's ~600-line guide; the encoding already lives in
 :mod:`rdzv.backends.etcd_gateway`, and what is left (pool, failover, the
@@ -70,6 +75,7 @@ from rdzv.backends.etcd_gateway import (
 )
 from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError
+from rdzv.retry import Retry
 
 __all__ = [
     "EtcdClient",
@@ -214,9 +220,16 @@ class EtcdClient:
         endpoint = self._url(index)
         payload = json.dumps(body).encode()
         conn = self._take(index, timeout)
-        try:
-            if getattr(conn, "sock", None) is None:
+        if getattr(conn, "sock", None) is None:
+            try:
                 conn.connect()  # bounded by the connect timeout given at creation
+            except ssl.SSLError as exc:
+                conn.close()
+                raise _tls_error(endpoint, exc, self._has_client_cert) from exc
+            except OSError as exc:
+                conn.close()
+                raise _ConnectFailedError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
+        try:
             conn.sock.settimeout(timeout)
             conn.request("POST", path, payload, {"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -236,6 +249,11 @@ class EtcdClient:
     def call(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], int, str]:
         """Send one JSON request, failing over between members until the deadline.
 
+        The deadline is the read timeout, or the caller's deadline
+        (:func:`rdzv.retry.deadline_within`) when sooner. While no member
+        accepts a connection at all (every host down, nothing listening), the
+        call gives up after the connect timeout instead.
+
         Args:
             path: The gateway path, e.g. ``/v3/kv/range``.
             body: The request object.
@@ -244,48 +262,61 @@ class EtcdClient:
             ``(response, attempts, endpoint)``.
 
         Raises:
-            RendezvousConnectionError: No member answered within the read
-                timeout; the message names every member tried.
+            RendezvousConnectionError: No member answered in time; the
+                message names every member tried.
             EtcdRejectedError: A member rejected the request (a
                 :class:`~rdzv.errors.RendezvousStateError` carrying etcd's
                 error ``code``).
             RendezvousStateError: A member's answer is not a JSON object.
         """
-        deadline = time.monotonic() + self._read_timeout
+        retry = Retry(self._read_timeout)
         errors: list[str] = []
         attempts = 0
-        backoff = 0.02
+        reached = False
         count = len(self._endpoints)
         # A member that accepts connections but hangs must not eat the whole
         # budget: with several members each attempt gets a share of it.
         per_attempt = self._read_timeout if count == 1 else max(1.0, self._read_timeout / count)
+
+        def give_up() -> bool:
+            unreachable = not reached and retry.elapsed() >= self._connect_timeout
+            return unreachable or retry.expired()
+
         while True:
             with self._lock:
                 start = self._current
             for step in range(count):
-                if attempts and time.monotonic() >= deadline:
+                if attempts and give_up():
                     break
                 index = (start + step) % count
                 attempts += 1
                 try:
-                    remaining = max(0.05, deadline - time.monotonic())
-                    response = self._request_once(index, path, body, min(remaining, per_attempt))
+                    response = self._request_once(
+                        index, path, body, retry.attempt_timeout(per_attempt)
+                    )
+                except _ConnectFailedError as exc:
+                    errors.append(str(exc))
+                    continue
                 except EtcdRetryableError as exc:
+                    reached = True
                     errors.append(str(exc))
                     continue
                 if step:
                     with self._lock:
                         self._current = index
                 return response, attempts, self._url(index)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if give_up() or not retry.pause():
+                what = (
+                    f"answered {path}"
+                    if reached
+                    else f"accepted a connection for {path} (connect timeout "
+                    f"{self._connect_timeout:g} s)"
+                )
                 raise RendezvousConnectionError(
-                    f"no etcd member answered {path} within {self._read_timeout:g} s "
+                    f"no etcd member {what} within {retry.elapsed():.3g} s "
                     f"({attempts} attempts); last errors: {'; '.join(errors[-count:])}"
                     + self._tls_hint()
                 )
-            time.sleep(min(backoff, remaining))
-            backoff = min(backoff * 2, 0.5)
 
     def check_reachable(self) -> str:
         """Ask each member once, in order, for a count of no keys, until one answers.
@@ -529,35 +560,32 @@ class EtcdClient:
             EtcdCompactedError: ``start_revision`` was compacted; re-read.
             RendezvousConnectionError: No member could be watched.
         """
-        deadline = time.monotonic() + max(0.0, timeout)
+        retry = Retry(timeout)
         payload = json.dumps(watch_request(key, start_revision, prefix)).encode()
         errors: list[str] = []
         count = len(self._endpoints)
-        backoff = 0.02
         while True:
             with self._lock:
                 start = self._current
             for step in range(count):
                 index = (start + step) % count
                 try:
-                    return self._watch_once(index, payload, start_revision, deadline)
+                    return self._watch_once(index, payload, start_revision, retry)
                 except EtcdRetryableError as exc:
                     errors.append(str(exc))
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if not retry.pause():
                 raise RendezvousConnectionError(
                     f"could not watch etcd ({', '.join(self.endpoints)}): "
                     f"{'; '.join(errors[-count:])}" + self._tls_hint()
                 )
-            time.sleep(min(backoff, remaining))
-            backoff = min(backoff * 2, 0.5)
 
     def _watch_once(
-        self, index: int, payload: bytes, start_revision: int, deadline: float
+        self, index: int, payload: bytes, start_revision: int, retry: Retry
     ) -> tuple[list[WatchEvent], int]:
         endpoint = self._url(index)
-        remaining = deadline - time.monotonic()
-        conn = self._connect(index, max(0.05, min(self._connect_timeout, remaining)))
+        deadline = retry.deadline
+        assert deadline is not None  # a watch always has a timeout
+        conn = self._connect(index, retry.attempt_timeout(self._connect_timeout))
         try:
             try:
                 conn.request("POST", "/v3/watch", payload, {"Content-Type": "application/json"})
@@ -603,6 +631,10 @@ class EtcdClient:
             message = decode_watch_line(line, endpoint)
             if message is not None:
                 yield message
+
+
+class _ConnectFailedError(EtcdRetryableError):
+    """No connection to a member could be made (nothing listening, host down)."""
 
 
 def _tls_error(

@@ -19,7 +19,9 @@ would lose messages while reconnecting).
 
 Join queues are lists (``RPUSH`` returns the position) with a stream each
 for blocking waits; heartbeats are per-node counters with a ``PX`` TTL
-(``INCR`` + ``PEXPIRE``), so a dead node's key expires on the server.
+(``INCR`` + ``PEXPIRE``), so a dead node's key expires on the server; a
+counter that is not an integer (written by something else) is reset to 1 by
+the next beat, so a poisoned key never stops its owner's heartbeats.
 
 Redis replication is asynchronous. Run one primary: after a failover to a
 replica an acknowledged write can be lost and the token can go backwards.
@@ -122,7 +124,11 @@ return {redis.call('LLEN', KEYS[1]), id}
 """
 
 _BEAT = """
-local n = redis.call('INCR', KEYS[1])
+local n = redis.pcall('INCR', KEYS[1])
+if type(n) == 'table' and n.err then
+  redis.call('SET', KEYS[1], '1')
+  n = 1
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return n
 """

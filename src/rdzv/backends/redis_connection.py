@@ -1,11 +1,19 @@
 """Connecting to Redis: building a redis-py client and translating its errors.
 
 Only modules of the ``rdzv[redis]`` extra import this (it imports redis-py).
+
+The client honours the caller's deadline (:func:`rdzv.retry.deadline_within`):
+its connections cap the connect timeout and each reply's socket timeout by
+the time left (:func:`rdzv.retry.time_left`), and its retry object stops
+retrying once the deadline has passed. A paused or blackholed server then
+costs a rendezvous call its own deadline, not ``read_timeout`` times
+redis-py's retries.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+from rdzv.retry import caller_deadline, time_left
 
 if TYPE_CHECKING:
     from rdzv.backends.options import RedisOptions
@@ -66,6 +75,62 @@ def redis_errors(endpoint: str, what: str) -> Iterator[None]:
         raise RendezvousConnectionError(f"Redis at {endpoint} failed while {what}: {exc}") from exc
 
 
+class _DeadlineRetry(Retry):
+    """redis-py's retry, which makes no new attempt once the caller's deadline has passed."""
+
+    def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
+        def failed(error: Exception, *more: Any) -> None:
+            fail(error, *more)
+            deadline = caller_deadline()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise error
+
+        return super().call_with_retry(do, failed, *args, **kwargs)
+
+
+class _DeadlineConnection:
+    """Mixed into redis-py's connection class: timeouts capped by the caller's deadline."""
+
+    _sock: Any
+    socket_timeout: float | None
+
+    @property
+    def socket_connect_timeout(self) -> float | None:
+        # redis-py 5+ stores it as _socket_connect_timeout, older versions assign the attribute.
+        fields = self.__dict__
+        limit: float | None = fields.get(
+            "_rdzv_connect_timeout", fields.get("_socket_connect_timeout")
+        )
+        return limit if caller_deadline() is None else time_left(limit or _NO_LIMIT)
+
+    @socket_connect_timeout.setter
+    def socket_connect_timeout(self, value: float | None) -> None:
+        self.__dict__["_rdzv_connect_timeout"] = value
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        sock = self._sock
+        if sock is None or caller_deadline() is None:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        sock.settimeout(time_left(self.socket_timeout or _NO_LIMIT))
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if self._sock is sock:
+                sock.settimeout(self.socket_timeout)
+
+
+_NO_LIMIT = 365 * 24 * 3600.0
+"""A stand-in for "no timeout" when capping one by the caller's deadline."""
+
+
+def _bounded(client: redis.Redis) -> redis.Redis:
+    """Make ``client``'s pool build connections that honour the caller's deadline."""
+    pool = client.connection_pool
+    base: type[Any] = pool.connection_class
+    pool.connection_class = type(f"Deadline{base.__name__}", (_DeadlineConnection, base), {})
+    return client
+
+
 def endpoint_of(client: redis.Redis) -> str:
     """Return ``host:port`` of a client's server, for messages.
 
@@ -88,18 +153,20 @@ def create_client(options: RedisOptions) -> redis.Redis:
     Returns:
         The client (no connection is made yet).
     """
-    return redis.Redis(
-        host=options.host,
-        port=options.port,
-        db=options.db,
-        password=options.password,
-        socket_timeout=options.read_timeout + MAX_BLOCK_SECONDS,
-        socket_connect_timeout=min(options.read_timeout, 10.0),
-        ssl=options.use_tls,
-        ssl_certfile=options.ssl_cert,
-        ssl_keyfile=options.ssl_cert_key,
-        ssl_ca_certs=options.ca_cert,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+    return _bounded(
+        redis.Redis(
+            host=options.host,
+            port=options.port,
+            db=options.db,
+            password=options.password,
+            socket_timeout=options.read_timeout + MAX_BLOCK_SECONDS,
+            socket_connect_timeout=min(options.read_timeout, 10.0),
+            ssl=options.use_tls,
+            ssl_certfile=options.ssl_cert,
+            ssl_keyfile=options.ssl_cert_key,
+            ssl_ca_certs=options.ca_cert,
+            retry=_DeadlineRetry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+        )
     )
 
 

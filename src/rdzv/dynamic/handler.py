@@ -43,6 +43,12 @@ rank 0 died after the seal and before publishing, its ring predecessor
 evicts it and this member joins the next round at once instead of waiting
 out the store timeout.
 
+Every backend call of ``next_rendezvous`` runs under the join deadline
+(:func:`rdzv.retry.deadline_within`), and ``shutdown`` and ``set_closed``
+under their own few seconds (:func:`rdzv.retry.call_within`), so a backend
+that stopped answering costs a call its deadline, never the backend's read
+timeout.
+
 Every transition is logged as one structured event on the ``rdzv.dynamic``
 logger (no handlers attached: the application decides where logs go).
 
@@ -130,7 +136,7 @@ from rdzv.errors import (
     RendezvousTimeoutError,
 )
 from rdzv.net import primary_address
-from rdzv.retry import call_within
+from rdzv.retry import Clock, as_clock, call_within, deadline_within
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 
@@ -140,12 +146,12 @@ LOGGER = logging.getLogger("rdzv.dynamic")
 
 _SHUTDOWN_WITHIN = 5.0
 """Seconds ``shutdown`` waits for the backend before giving up on leaving cleanly."""
+_JOIN_GRACE = 1.0
+"""Seconds a backend call may run past the join deadline (the machine fails the join at it)."""
 _STATE_WAIT_CAP = 1.0
 _QUEUE_WAIT_CAP = 0.25
 _BOOTSTRAP_CHECK = 0.5
 """Seconds between checks that rank 0 is still a member while waiting for its address."""
-
-Clock = Callable[[], float]
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -161,7 +167,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         backend: The backend holding the shared state.
         local_addr: The address published for this node.
         node_rank: The rank this node asks for, or None.
-        clock: The monotonic clock (injected by tests).
+        clock: The clock decisions, polls and keep-alive ticks run on (a
+            bare monotonic reading sleeps in real time); real time when None.
     """
 
     def __init__(
@@ -173,7 +180,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         backend: RendezvousBackend,
         local_addr: str,
         node_rank: int | None = None,
-        clock: Clock = time.monotonic,
+        clock: Clock | Callable[[], float] | None = None,
     ) -> None:
         self._node = node
         self._settings = settings
@@ -182,7 +189,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend = backend
         self._local_addr = local_addr
         self._node_rank = -1 if node_rank is None else node_rank
-        self._clock = clock
+        self._clock = as_clock(clock)
         prefix = f"rdzv.handler/{settings.run_id}/"
         self._queue: JoinQueueBackend = (
             backend if isinstance(backend, JoinQueueBackend) else StoreJoinQueue(store, prefix)
@@ -202,10 +209,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             last_call=timeout.last_call.total_seconds(),
             grace=self._dead_after,
         )
-        self._shared = SharedState(backend, backend_name)
+        self._shared = SharedState(backend, backend_name, self._clock)
         # The keep-alive's evictions must not wait behind this node's own
         # blocking watch on a client that serialises requests.
-        self._side = SharedState(backend.side_channel(), backend_name)
+        self._side = SharedState(backend.side_channel(), backend_name, self._clock)
         self._lock = threading.Lock()
         self._held_port: socket.socket | None = None
         self._member_of: RendezvousState | None = None
@@ -221,7 +228,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             settings.keep_alive_max_attempt,
             self._dead_after,
             self._judge_every,
-            clock,
+            self._clock,
             self._watched_round,
             self._evict_dead,
             self._event,
@@ -243,7 +250,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
         *,
         node_rank: int | None = None,
-        clock: Clock | None = None,
+        clock: Clock | Callable[[], float] | None = None,
     ) -> DynamicRendezvousHandler:
         """Build a handler for one run.
 
@@ -261,7 +268,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             keep_alive_max_attempt: Missed heartbeats before a node is dead.
             node_rank: The rank this node asks for; honoured when every node of
                 a round asks for a distinct one.
-            clock: A monotonic clock, for tests.
+            clock: The clock (see the class); real time when None.
 
         Returns:
             The handler.
@@ -295,7 +302,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         local_addr: str | None = None,
         *,
         node_rank: int | None = None,
-        clock: Clock | None = None,
+        clock: Clock | Callable[[], float] | None = None,
     ) -> DynamicRendezvousHandler:
         """Build a handler from validated settings.
 
@@ -307,7 +314,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             local_addr: This node's address; found with ``getaddrinfo`` (never
                 reverse DNS) when None.
             node_rank: The rank this node asks for, or None.
-            clock: A monotonic clock, for tests.
+            clock: The clock (see the class); real time when None.
 
         Returns:
             The handler.
@@ -327,7 +334,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             backend,
             addr,
             node_rank,
-            clock or time.monotonic,
+            clock,
         )
 
     # -- small helpers ------------------------------------------------------
@@ -400,7 +407,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             RendezvousStateError: The stored state is corrupt.
         """
         try:
-            return self._join()
+            # Backend calls honour this deadline (rdzv.retry), so a backend that
+            # stopped answering costs the join its timeout, not the read timeout.
+            with deadline_within(self._limits.join_timeout + _JOIN_GRACE):
+                return self._join()
         except BaseException:
             # A node whose join failed is no candidate: its beats would keep
             # it looking alive to the others. The next join starts them again.

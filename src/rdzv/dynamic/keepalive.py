@@ -19,6 +19,15 @@ tick it does two independent things:
   the successor; a successor judged dead is handed to ``on_dead`` (the
   handler evicts it).
 
+Beats and judgements run under a caller's deadline
+(:func:`rdzv.retry.deadline_within`): the beats of one failure streak share
+the budget ``interval x max_attempt`` since the last good beat plus
+:data:`CALL_GRACE`, so against a backend that stopped answering the
+keep-alive gives up within that time instead of the backend's read timeout
+per beat, while a beat that is merely slow on a loaded machine still lands;
+a judgement may take the dead-node bound (past it, judging is late anyway).
+:meth:`KeepAlive.stop` waits at most :data:`STOP_WAIT` for a call in flight.
+
 The thread is supervised: an error in judging or evicting, of any kind, is
 logged as an event and retried on the next tick; it never ends the thread,
 so a node that is alive and connected keeps beating whatever else fails. A
@@ -36,8 +45,15 @@ from rdzv.backends.base import LivenessBackend
 from rdzv.dynamic.machine import MarkWatch, judge_marks, ring_judge_period, successor_of
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousConnectionError, RendezvousError
+from rdzv.retry import Clock, deadline_within
 
-__all__ = ["KeepAlive"]
+__all__ = ["CALL_GRACE", "STOP_WAIT", "KeepAlive"]
+
+CALL_GRACE = 5.0
+"""Seconds a heartbeat may take past the dead-node bound (the etcd client's connect timeout)."""
+
+STOP_WAIT = 1.0
+"""Seconds :meth:`KeepAlive.stop` waits for the thread to end."""
 
 Event = Callable[..., None]
 
@@ -53,7 +69,7 @@ class KeepAlive:
         dead_after: Seconds without a change of a successor's mark after
             which it is dead.
         judge_every: Seconds between readings of the successor's mark.
-        clock: The monotonic clock.
+        clock: The clock; the ticks wait on it.
         watched: Returns the round whose ring is watched, or None.
         on_dead: Called with the nodes judged dead and the round they were
             judged in.
@@ -68,7 +84,7 @@ class KeepAlive:
         max_attempt: int,
         dead_after: float,
         judge_every: float,
-        clock: Callable[[], float],
+        clock: Clock,
         watched: Callable[[], RendezvousState | None],
         on_dead: Callable[[list[str], RendezvousState], None],
         event: Event,
@@ -113,12 +129,16 @@ class KeepAlive:
             self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and wait for it (unless called from the thread itself)."""
+        """Stop the thread; wait for it at most :data:`STOP_WAIT` seconds.
+
+        A beat or a judgement still in flight then (bounded by the interval)
+        may finish after this returns; the thread makes no other call.
+        """
         with self._lock:
             thread, self._thread = self._thread, None
             self._stop.set()
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(STOP_WAIT)
 
     @property
     def error(self) -> RendezvousConnectionError | None:
@@ -127,6 +147,7 @@ class KeepAlive:
 
     def _run(self, stop: threading.Event) -> None:
         failures = 0
+        last_ok = self._clock()
         # The first beat is due one interval after joining: an observer only
         # starts judging a node when a round completes, and a round that
         # forms within one interval needs no heartbeat traffic at all.
@@ -135,12 +156,18 @@ class KeepAlive:
         while not stop.is_set():
             now = self._clock()
             if now >= next_beat:
-                failures = self._beat(failures)
+                # The beats of one failure streak share one budget: the
+                # dead-node bound since the last good beat, plus a call's grace.
+                with deadline_within(last_ok + self._dead_after + CALL_GRACE - now):
+                    failures = self._beat(failures, stop)
+                if failures == 0:
+                    last_ok = now
                 if failures >= self._max_attempt:
                     return
                 next_beat = now + self._interval
             try:
-                judged = self._judge(judged, now)
+                with deadline_within(self._dead_after):
+                    judged = self._judge(judged, now)
             except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
                 self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
             member = self._watched()
@@ -148,21 +175,21 @@ class KeepAlive:
                 # Nobody to judge (not a member yet): wake only to beat. A
                 # thousand joining handlers in one process would otherwise
                 # wake dozens of times a second each, for nothing.
-                stop.wait(max(0.0, next_beat - self._clock()))
+                self._clock.wait(stop, max(0.0, next_beat - self._clock()))
             else:
                 period = ring_judge_period(
                     self._judge_every, self._interval, len(member.participants)
                 )
-                stop.wait(period * (0.75 + random.random() / 2))
+                self._clock.wait(stop, period * (0.75 + random.random() / 2))
 
-    def _beat(self, failures: int) -> int:
+    def _beat(self, failures: int, stop: threading.Event) -> int:
         """Beat once; return the number of failed beats in a row."""
         try:
             self._liveness.beat(self._node)
         except (RendezvousError, OSError) as exc:
             failures += 1
             self._event("keepalive-failed", -1, attempt=failures, error=str(exc))
-            if failures >= self._max_attempt:
+            if failures >= self._max_attempt and not stop.is_set():
                 with self._lock:
                     self._error = RendezvousConnectionError(
                         f"node {self._node} gave up after {failures} failed keep-alive "

@@ -11,20 +11,20 @@
   naming it, within one round trip rather than after the join timeout;
 * :meth:`SharedState.update` is the one compare-and-set loop: read, let a
   pure ``change`` decide the new state (or that none is needed), write,
-  retry with jittered backoff on a conflict, until a deadline;
+  retry with jittered backoff on a conflict, until a deadline (its own, or
+  the caller's: :class:`rdzv.retry.Retry`);
 * :meth:`SharedState.wait` blocks until the state changes (the backend's
   watch) or polls with backoff.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from rdzv.backends.base import RendezvousBackend, Token, WatchableBackend
 from rdzv.dynamic.state import RendezvousState, decode_state, encode_state
 from rdzv.errors import RendezvousStateError
-from rdzv.retry import poll_backoff
+from rdzv.retry import Clock, Retry, as_clock, poll_backoff
 
 __all__ = ["SharedState"]
 
@@ -40,11 +40,13 @@ class SharedState:
     Args:
         backend: The backend.
         name: The backend's name, for messages.
+        clock: The clock that polls and backoffs sleep on.
     """
 
-    def __init__(self, backend: RendezvousBackend, name: str) -> None:
+    def __init__(self, backend: RendezvousBackend, name: str, clock: Clock | None = None) -> None:
         self._backend = backend
         self._name = name
+        self._clock = as_clock(clock)
 
     def read(self) -> tuple[RendezvousState | None, Token | None]:
         """Read the state.
@@ -59,7 +61,16 @@ class SharedState:
         found = self._backend.get_state()
         if found is None:
             return None, None
-        return decode_state(found[0]), found[1]
+        return self._decode(found[0]), found[1]
+
+    def _decode(self, data: bytes) -> RendezvousState:
+        """Decode a stored state; a state error names the backend and its key."""
+        try:
+            return decode_state(data)
+        except RendezvousStateError as exc:
+            key = getattr(self._backend, "key", None)
+            where = f"the {self._name!r} backend" + ("" if key is None else f", key {key!r}")
+            raise RendezvousStateError(f"{exc} (read from {where})") from exc
 
     def write(self, data: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
         """Compare-and-set the encoded state.
@@ -93,7 +104,7 @@ class SharedState:
         self,
         change: Change,
         deadline: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> tuple[RendezvousState | None, bool]:
         """Apply ``change`` to the stored state with compare-and-set, retrying on conflicts.
 
@@ -101,7 +112,7 @@ class SharedState:
             change: Given the stored state, returns the state to write, or
                 None when no write is needed.
             deadline: Give up after this time of ``clock``, or None.
-            clock: The clock of ``deadline``.
+            clock: The clock of ``deadline`` (this state's clock by default).
 
         Returns:
             ``(written, settled)``: the state this call wrote (None if none),
@@ -111,7 +122,8 @@ class SharedState:
             RendezvousConnectionError: The backend cannot be reached.
             RendezvousStateError: The stored state is corrupt.
         """
-        for attempt in range(CAS_ATTEMPTS):
+        retry = Retry(None, first=0.01, cap=0.1, sleep=self._clock.sleep)
+        for _ in range(CAS_ATTEMPTS):
             state, token = self.read()
             desired = change(state)
             if desired is None:
@@ -119,9 +131,8 @@ class SharedState:
             result = self.write(encode_state(desired), token)
             if result is not None and result[2]:
                 return desired, True
-            if deadline is not None and clock() >= deadline:
+            if (deadline is not None and (clock or self._clock)() >= deadline) or not retry.pause():
                 break
-            time.sleep(poll_backoff(attempt, cap=0.1))
         return None, False
 
     def wait(
@@ -140,6 +151,6 @@ class SharedState:
         """
         if isinstance(self._backend, WatchableBackend):
             found = self._backend.wait_for_state(token, timeout)
-            return (None, None) if found is None else (decode_state(found[0]), found[1])
-        time.sleep(min(timeout, poll_backoff(attempt)))
+            return (None, None) if found is None else (self._decode(found[0]), found[1])
+        self._clock.sleep(min(timeout, poll_backoff(attempt)))
         return self.read()

@@ -31,6 +31,7 @@ from rdzv.backends.base import validate_node_key
 from rdzv.errors import RendezvousStateError
 
 __all__ = [
+    "MAX_PARTICIPANTS",
     "STATE_VERSION",
     "JoinRecord",
     "RendezvousState",
@@ -46,6 +47,12 @@ __all__ = [
 
 STATE_VERSION = 2
 """The newest state encoding this rdzv writes (it reads 1 and 2)."""
+MAX_PARTICIPANTS = 65_536
+"""The most participants a stored state may list; a longer list is a corrupt state.
+
+It bounds the work a forged state can cause: every reader decodes the list,
+and leaders read one heartbeat mark per missing member.
+"""
 _MAX_STATE_BYTES = 64 * 1024 * 1024
 _DIGITS = re.compile(r"(\d+)")
 # Every participant of a decoded state is checked in one match over the keys
@@ -249,6 +256,11 @@ def decode_state(data: bytes) -> RendezvousState:
         raise _bad(f"bad round {round_no!r} or closed flag {closed!r}")
     if not isinstance(participants, list) or not isinstance(evicted, list):
         raise _bad("participants and evicted must be lists")
+    if len(participants) > MAX_PARTICIPANTS:
+        raise _bad(
+            f"it lists {len(participants)} participants; the limit is "
+            f"MAX_PARTICIPANTS = {MAX_PARTICIPANTS}"
+        )
     if not all(_is_int(i) for i in evicted) or len(set(evicted)) != len(evicted):
         raise _bad("evicted must hold distinct integers")
     try:

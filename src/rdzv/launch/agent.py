@@ -25,11 +25,22 @@ Theory of operation. One agent runs per node and drives any
    * nodes are waiting (a newcomer, or a member declared dead): stop the
      workers and go back to 1 without counting a restart.
 
+A worker failure that coincides with a change of the group is a re-form,
+not a restart: when a node dies, the survivors' collective calls usually
+fail before its heartbeats are missed. So a failure is not counted when
+nodes are already waiting; with restarts left the agent re-joins at once
+and gives the restart back if the next round's members differ from the
+failed round's; with none left it first waits up to ``reform_grace``
+seconds (by default the time the dynamic rendezvous takes to find a dead
+member) for nodes to wait or a member to be evicted, and re-forms if one
+is, instead of closing the run.
+
 The signals to handle (torchrun's default: SIGTERM, SIGINT, SIGHUP and
 SIGQUIT) raise :class:`AgentInterrupted` in the main thread; the agent then
 stops the workers (the same signal to each worker's process group, grace,
 SIGKILL), leaves the rendezvous without closing it and exits
-``128 + signal``.
+``128 + signal``. SIGUSR1 and SIGUSR2 (SLURM's pre-emption warning) are
+passed on to the running workers, and everything goes on.
 
 Each worker gets an error file (``TORCHELASTIC_ERROR_FILE``) next to its log
 (in a private temporary directory, removed at the end, without a log
@@ -40,9 +51,11 @@ reports the failure.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
+import socket
 import string
 import sys
 import tempfile
@@ -52,6 +65,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from rdzv.api import RendezvousHandler, RendezvousInfo
 from rdzv.dynamic.handler import DynamicRendezvousHandler
@@ -60,6 +74,7 @@ from rdzv.errors import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousTimeoutError,
     StoreTimeoutError,
 )
 from rdzv.launch.bootstrap import (
@@ -68,11 +83,13 @@ from rdzv.launch.bootstrap import (
     exchange_bootstrap,
     tcp_store_server,
 )
+from rdzv.launch.explain import describe_change, describe_timeout
 from rdzv.launch.progress import FIRST_LINE_AFTER, LINE_EVERY, EventListener, WaitProgress
 from rdzv.launch.ranks import (
     DEFAULT_SIGNALS_TO_HANDLE,
     KEY_PREFIX,
     NodeRanks,
+    agent_key,
     assign_ranks,
     visible_device,
     worker_environment,
@@ -89,6 +106,7 @@ from rdzv.launch.workers import (
 from rdzv.store.base import Store
 
 __all__ = [
+    "DEFAULT_FORWARDED",
     "DEFAULT_SIGNALS",
     "EXIT_OK",
     "EXIT_RENDEZVOUS",
@@ -96,6 +114,7 @@ __all__ = [
     "AgentConfig",
     "AgentInterrupted",
     "AgentResult",
+    "AgentStats",
     "ElasticAgent",
 ]
 
@@ -105,6 +124,10 @@ EXIT_RENDEZVOUS = 3
 
 #: The signals torchrun's agent handles by default.
 DEFAULT_SIGNALS = tuple(signal.Signals[name] for name in DEFAULT_SIGNALS_TO_HANDLE.split(","))
+
+#: Signals passed on to the workers without stopping anything (SLURM's
+#: pre-emption warning, ``#SBATCH --signal=USR1@90``, is SIGUSR1).
+DEFAULT_FORWARDED = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 @dataclass(frozen=True)
@@ -142,8 +165,16 @@ class AgentConfig:
             torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``), or None
             for ``[rank N]: ``.
         signals: The signals that stop the agent and are forwarded to the workers.
+        forwarded: Signals passed on to the running workers' process groups
+            while the agent and the workers go on (a signal also in
+            ``signals`` stops the agent instead).
         virtual_local_rank: ``LOCAL_RANK=0`` for every worker, which sees
             only its own device in ``CUDA_VISIBLE_DEVICES``.
+        reform_grace: Seconds a worker failure with no restart left waits
+            for a change of the group (a node waiting, a member evicted)
+            that makes it a re-form; None: the handler's time to find a
+            dead member (``keep_alive_interval * (keep_alive_max_attempt +
+            1)`` for the dynamic rendezvous, 0 for others).
 
     Raises:
         ValueError: A value is out of range; the message names it.
@@ -167,7 +198,9 @@ class AgentConfig:
     duplicate_stderr_filters: Sequence[str] = ()
     log_line_prefix_template: str | None = None
     signals: Sequence[signal.Signals] = DEFAULT_SIGNALS
+    forwarded: Sequence[signal.Signals] = DEFAULT_FORWARDED
     virtual_local_rank: bool = False
+    reform_grace: float | None = None
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -182,6 +215,8 @@ class AgentConfig:
             raise ValueError(f"stop_grace must be non-negative, got {self.stop_grace}")
         if not self.role:
             raise ValueError("role must be a non-empty name")
+        if self.reform_grace is not None and not self.reform_grace >= 0:
+            raise ValueError(f"reform_grace must be non-negative, got {self.reform_grace}")
         files = self.redirects or self.tee
         if self.log_dir is None and (
             files or self.duplicate_stdout_filters or self.duplicate_stderr_filters
@@ -224,6 +259,34 @@ class AgentResult:
     failure: WorkerExit | None = None
 
 
+@dataclass
+class AgentStats:
+    """What an agent has done so far, for metrics (read from any thread).
+
+    Args:
+        rounds: Rendezvous rounds this node completed.
+        reforms: Times the workers stopped for a change of the group
+            (not counted as restarts).
+        restarts: Restarts counted after worker failures.
+        evictions: Members this node evicted after missed heartbeats.
+        join_seconds_sum: Seconds spent in completed rendezvous calls.
+        join_seconds_last: Seconds the last completed rendezvous took.
+        workers: Workers running now.
+        world_size: Nodes in the current round (0 before the first).
+        first_round: Whether a round has completed.
+    """
+
+    rounds: int = 0
+    reforms: int = 0
+    restarts: int = 0
+    evictions: int = 0
+    join_seconds_sum: float = 0.0
+    join_seconds_last: float = 0.0
+    workers: int = 0
+    world_size: int = 0
+    first_round: bool = False
+
+
 class AgentInterrupted(Exception):  # noqa: N818 - a signal, not an error
     """Raised in the agent's main thread when it receives SIGINT or SIGTERM.
 
@@ -238,6 +301,25 @@ class AgentInterrupted(Exception):  # noqa: N818 - a signal, not an error
 
 _PEER_WAIT_SLICE = 1.0
 _LEAVE_BARRIER_TIMEOUT = 30.0
+_GRACE_POLL = 0.2
+
+
+def reform_grace(handler: RendezvousHandler) -> float:
+    """Return how long a worker failure waits for a change of the group by default.
+
+    Args:
+        handler: The rendezvous handler.
+
+    Returns:
+        For the dynamic rendezvous, the time it takes to find a dead member
+        and one beat more (``keep_alive_interval * (keep_alive_max_attempt
+        + 1)``); 0 for other handlers.
+    """
+    if not isinstance(handler, DynamicRendezvousHandler):
+        return 0.0
+    settings = handler.settings
+    beat = settings.keep_alive_interval.total_seconds()
+    return beat * (settings.keep_alive_max_attempt + 1)
 
 
 class _GroupChanged(Exception):  # noqa: N818 - control flow, not an error
@@ -265,6 +347,8 @@ class ElasticAgent:
             the sink's stderr, time-stamped: see :func:`agent_line`).
         progress_intervals: Seconds into a wait for the other nodes before
             the first progress line, and between lines.
+        on_round: Called (in the agent's thread) once the workers of each
+            round started, with the round's info.
     """
 
     def __init__(
@@ -275,6 +359,7 @@ class ElasticAgent:
         sink: OutputSink | None = None,
         log: Callable[[str], None] | None = None,
         progress_intervals: tuple[float, float] = (FIRST_LINE_AFTER, LINE_EVERY),
+        on_round: Callable[[RendezvousInfo], None] | None = None,
     ) -> None:
         self._handler = handler
         self._config = config
@@ -290,7 +375,21 @@ class ElasticAgent:
         self._scratch: Path | None = None
         self._progress = WaitProgress(self._run_id, self._log, *progress_intervals)
         node = handler.node if isinstance(handler, DynamicRendezvousHandler) else None
-        self._events = EventListener(self._progress.event, self._run_id, node)
+        self._node = node
+        self._events = EventListener(self._on_event, self._run_id, node)
+        self._on_round = on_round
+        self._grace = reform_grace(handler) if config.reform_grace is None else config.reform_grace
+        # The members of the round whose workers failed while restarts were
+        # left: the restart is given back if the next round differs.
+        self._failed_round: tuple[str, ...] | None = None
+        self.stats = AgentStats()
+
+    def _on_event(self, event: Mapping[str, Any]) -> None:
+        self._progress.event(event)
+        if event.get("action") == "evict":
+            evicted = event.get("evicted")
+            if isinstance(evicted, list):
+                self.stats.evictions += sum(1 for n in evicted if n != self._node)
 
     def run(self) -> AgentResult:
         """Run the job on this node until it finishes, fails or is interrupted.
@@ -328,7 +427,15 @@ class ElasticAgent:
                 return
             raise AgentInterrupted(signum)
 
+        def forward(signum: int, _frame: FrameType | None) -> None:
+            attempt = self._attempt
+            if attempt is not None and not self._cleaning_up:
+                attempt.workers.send_signal(signal.Signals(signum))
+
         previous = {sig: signal.signal(sig, on_signal) for sig in self._config.signals}
+        for sig in self._config.forwarded:
+            if sig not in previous:
+                previous[sig] = signal.signal(sig, forward)
         try:
             yield
         finally:
@@ -338,8 +445,10 @@ class ElasticAgent:
     def _loop(self) -> AgentResult:
         while True:
             try:
+                started = time.monotonic()
                 with self._progress.waiting():
                     info = self._handler.next_rendezvous()
+                self._round_completed(info, time.monotonic() - started)
             except RendezvousGracefulExitError as exc:
                 return AgentResult(
                     EXIT_OK,
@@ -355,11 +464,13 @@ class ElasticAgent:
                     self._restarts,
                 )
             except RendezvousError as exc:
-                return AgentResult(
-                    EXIT_RENDEZVOUS,
-                    f"the rendezvous of run {self._run_id!r} failed: {type(exc).__name__}: {exc}",
-                    self._restarts,
+                reason = (
+                    f"the rendezvous of run {self._run_id!r} failed: {type(exc).__name__}: {exc}"
                 )
+                if isinstance(exc, RendezvousTimeoutError):
+                    details = describe_timeout(self._handler)
+                    reason += f" ({details})" if details else ""
+                return AgentResult(EXIT_RENDEZVOUS, reason, self._restarts)
             try:
                 self._start_attempt(info)
             except _GroupChanged:
@@ -376,9 +487,30 @@ class ElasticAgent:
                     f"{type(exc).__name__}: {exc}",
                     self._restarts,
                 )
+            if self._on_round is not None:
+                self._on_round(info)
             result = self._monitor()
             if result is not None:
                 return result
+
+    def _round_completed(self, info: RendezvousInfo, took: float) -> None:
+        stats = self.stats
+        stats.rounds += 1
+        stats.join_seconds_last = took
+        stats.join_seconds_sum += took
+        stats.world_size = info.world_size
+        stats.first_round = True
+        failed, self._failed_round = self._failed_round, None
+        members = _members(info)
+        if failed is not None and members != failed and self._restarts > 0:
+            self._restarts -= 1
+            stats.restarts = self._restarts
+            stats.reforms += 1
+            self._log(
+                f"the group changed since the workers failed ({len(failed)} -> "
+                f"{len(members)} nodes): that counts as a re-form, not a restart "
+                f"(restart {self._restarts}/{self._config.max_restarts})"
+            )
 
     def _wait_for_peers(self, store: Store, keys: Sequence[str]) -> None:
         # Wait in short slices so that a member dying during set-up (its
@@ -460,6 +592,16 @@ class ElasticAgent:
             workers.start()
         except OSError as exc:
             raise RendezvousError(f"could not start the workers: {exc}") from exc
+        self.stats.workers = len(specs)
+        self._publish(info.store, ranks.group_rank, len(specs))
+
+    def _publish(self, store: Store, group_rank: int, workers: int) -> None:
+        """Say in the round's store how this node runs, for ``rdzv status``."""
+        record = {"host": socket.gethostname(), "workers": workers, "restarts": self._restarts}
+        try:
+            store.set(agent_key(group_rank), json.dumps(record))
+        except RendezvousError as exc:
+            self._log(f"could not publish this node's status: {type(exc).__name__}: {exc}")
 
     def _monitor(self) -> AgentResult | None:
         attempt = self._attempt
@@ -470,7 +612,7 @@ class ElasticAgent:
             exits = attempt.workers.poll()
             if exits is not None:
                 if exits and exits[0].returncode != 0:
-                    return self._on_failure(exits[0])
+                    return self._on_failure(exits[0], attempt.info)
                 return self._on_success(attempt)
             try:
                 waiting = self._handler.num_nodes_waiting()
@@ -483,23 +625,73 @@ class ElasticAgent:
                 waiting = 0
             if waiting > 0:
                 self._log(
-                    f"{waiting} node(s) waiting or a member left: stopping the workers to "
+                    f"{describe_change(self._handler, waiting)}: stopping the workers to "
                     "re-rendezvous (not counted as a restart)"
                 )
+                self.stats.reforms += 1
                 self._end_attempt()
                 return None
             time.sleep(cfg.monitor_interval)
 
-    def _on_failure(self, failure: WorkerExit) -> AgentResult | None:
+    def _nodes_waiting(self) -> int:
+        try:
+            return self._handler.num_nodes_waiting()
+        except RendezvousError:
+            return 0
+
+    def _group_changes(self, within: float) -> bool:
+        """Tell whether nodes wait or a member left within ``within`` seconds.
+
+        It ends early, with False, when another node closed the run.
+        """
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                if self._handler.is_closed():
+                    return False
+            except RendezvousError:
+                pass
+            if self._nodes_waiting() > 0:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(_GRACE_POLL, remaining))
+
+    def _on_failure(self, failure: WorkerExit, info: RendezvousInfo) -> AgentResult | None:
         self._end_attempt()
         cfg = self._config
+        waiting = self._nodes_waiting()
+        if waiting > 0:
+            self.stats.reforms += 1
+            self._log(
+                f"{failure.describe()} as the group changed "
+                f"({describe_change(self._handler, waiting)}): re-rendezvous "
+                "(not counted as a restart)"
+            )
+            return None
         if self._restarts < cfg.max_restarts:
             self._restarts += 1
+            self.stats.restarts = self._restarts
+            self._failed_round = _members(info)
             self._log(
                 f"{failure.describe()}; restarting the group "
                 f"(restart {self._restarts}/{cfg.max_restarts})"
             )
             return None
+        if self._grace > 0:
+            self._log(
+                f"{failure.describe()}; no restart left: waiting up to {self._grace:g} s "
+                "for a change of the group that would make it a re-form"
+            )
+            if self._group_changes(self._grace):
+                self.stats.reforms += 1
+                change = describe_change(self._handler, self._nodes_waiting() or 1)
+                self._log(
+                    f"the failure came with a change of the group ({change}): "
+                    "re-rendezvous (not counted as a restart)"
+                )
+                return None
         self._close_run()
         spent = f"after {self._restarts} restart(s)" if cfg.max_restarts else "(no restarts)"
         return AgentResult(
@@ -554,6 +746,7 @@ class ElasticAgent:
             return
         attempt.workers.stop(self._config.stop_grace, signum)
         self._attempt = None
+        self.stats.workers = 0
         if attempt.server is not None:
             attempt.server.close()
 
@@ -587,3 +780,8 @@ class ElasticAgent:
             self._handler.shutdown()
         except RendezvousError as exc:
             self._log(f"leaving the rendezvous failed: {type(exc).__name__}: {exc}")
+
+
+def _members(info: RendezvousInfo) -> tuple[str, ...]:
+    """The members of a round, as far as the info tells them (addresses, sorted)."""
+    return tuple(sorted(info.participants)) or (str(info.world_size),)

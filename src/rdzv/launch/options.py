@@ -7,7 +7,8 @@ option's default comes from the environment variable ``PET_<DEST>`` (how
 Kubeflow's PyTorchJob configures torchrun): ``PET_NPROC_PER_NODE=2`` is
 ``--nproc-per-node 2``, and a flag such as ``--standalone`` is on when
 ``PET_STANDALONE`` is a non-zero integer. The command line wins over the
-environment. ``--stop-grace``, ``--log-level`` and ``--verbose`` are rdzv's
+environment. ``--stop-grace``, ``--reform-grace``, ``--log-level``, ``--verbose`` and
+the operations options (``--metrics-port``, ``--ready-file``) are rdzv's
 own.
 
 The values are checked and turned into a rendezvous and an agent by
@@ -39,6 +40,8 @@ __all__ = [
     "RunOptionsError",
     "add_run_arguments",
     "comma_separated_list",
+    "from_environment",
+    "given",
     "local_world_size",
     "parse_local_ranks_filter",
     "parse_nnodes",
@@ -61,6 +64,27 @@ class RunOptionsError(ValueError):
 
 def _env_name(dest: str) -> str:
     return f"PET_{dest.upper()}"
+
+
+def given(namespace: argparse.Namespace) -> set[str]:
+    """Return the destinations of the options given on the command line (so far).
+
+    Args:
+        namespace: The namespace being filled by the parser.
+
+    Returns:
+        The live set (options with a ``PET_*`` default record themselves).
+    """
+    found: set[str] | None = getattr(namespace, "_given", None)
+    if found is None:
+        found = set()
+        namespace._given = found
+    return found
+
+
+def from_environment(dest: str) -> bool:
+    """Tell whether the ``PET_*`` variable of ``dest`` is set."""
+    return _env_name(dest) in os.environ
 
 
 class EnvDefault(argparse.Action):
@@ -86,8 +110,9 @@ class EnvDefault(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        """Store the value given on the command line."""
+        """Store the value given on the command line (and remember that it was given)."""
         setattr(namespace, self.dest, values)
+        given(namespace).add(self.dest)
 
 
 class BadEnvironment(str):
@@ -238,6 +263,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between the signal and SIGKILL when stopping workers (10; rdzv only)",
     )
     work(
+        "reform-grace",
+        type=float,
+        metavar="SECONDS",
+        help="after a worker failure with no restart left, wait this long for a change of "
+        "the group (a node waiting, a member found dead) that makes it a re-form instead "
+        "(default: the time to find a dead member; rdzv only)",
+    )
+    work(
         "virtual-local-rank",
         action=EnvFlag,
         help="LOCAL_RANK=0 for every worker; each sees only its device in CUDA_VISIBLE_DEVICES",
@@ -299,6 +332,32 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         const="INFO",
         dest="log_level",
         help="the same as --log-level INFO (rdzv only)",
+    )
+    ops = grouped(parser.add_argument_group("operations (rdzv only)"))
+    ops(
+        "no-slurm",
+        action="store_true",
+        help="do not take --nnodes, --node-rank, --rdzv-id and --rdzv-endpoint from SLURM_* "
+        "variables (they are used, when set, for the options not given otherwise)",
+    )
+    ops(
+        "ready-file",
+        metavar="PATH",
+        help="write PATH once the first round completed and the workers started; removed "
+        "at exit (a Kubernetes readiness probe: test -e PATH)",
+    )
+    ops(
+        "metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port, "
+        "printed at start)",
+    )
+    ops(
+        "metrics-host",
+        default="0.0.0.0",  # noqa: S104 - scraped from other machines
+        metavar="HOST",
+        help="the address the metrics endpoint listens on (0.0.0.0)",
     )
     compat(
         "start-method",

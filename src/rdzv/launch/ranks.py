@@ -22,12 +22,28 @@ from rdzv.store.base import Store
 __all__ = [
     "DEFAULT_SIGNALS_TO_HANDLE",
     "NodeRanks",
+    "agent_key",
     "assign_ranks",
     "visible_device",
     "worker_environment",
 ]
 
 KEY_PREFIX = "rdzv.launch"
+
+
+def agent_key(group_rank: int) -> str:
+    """Return the key of the round's store where an agent says how it runs.
+
+    The value is JSON: ``{"host": ..., "workers": N, "restarts": N}``, written
+    when the agent starts its workers; ``rdzv status`` shows it.
+
+    Args:
+        group_rank: The agent's node rank in the round.
+
+    Returns:
+        The key, relative to the round's store.
+    """
+    return f"{KEY_PREFIX}/agent/{group_rank}"
 
 
 @dataclass(frozen=True)

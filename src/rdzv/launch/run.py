@@ -23,30 +23,36 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rdzv.api import RendezvousHandler, RendezvousParameters, RendezvousSettings
+from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousSettings
 from rdzv.backends.options import (
     EtcdOptions,
     RedisOptions,
     StoreBackendOptions,
     parse_endpoints,
 )
-from rdzv.endpoint import format_endpoint, parse_config
-from rdzv.errors import RendezvousError
+from rdzv.endpoint import format_endpoint, parse_config, parse_endpoint
+from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.launch.agent import EXIT_RENDEZVOUS, AgentConfig, AgentResult, ElasticAgent
+from rdzv.launch.metrics import agent_metrics
 from rdzv.launch.options import (
     LOG_LEVELS,
     BadEnvironment,
     RunOptionsError,
     add_run_arguments,
+    from_environment,
+    given,
     local_world_size,
     parse_local_ranks_filter,
     parse_nnodes,
@@ -54,7 +60,9 @@ from rdzv.launch.options import (
 )
 from rdzv.launch.progress import EventListener
 from rdzv.launch.ranks import visible_device
+from rdzv.launch.slurm import slurm_settings
 from rdzv.launch.workers import OutputSink, StdChoice, agent_line
+from rdzv.metrics import MetricsServer
 from rdzv.net import source_address
 from rdzv.registry import BACKEND_FACTORIES, create_handler
 
@@ -190,6 +198,8 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         raise RunOptionsError(f"--monitor-interval {args.monitor_interval} must be positive")
     if not args.role:
         raise RunOptionsError("--role must be a non-empty name")
+    if args.reform_grace is not None and not args.reform_grace >= 0:
+        raise RunOptionsError(f"--reform-grace {args.reform_grace:g} must be non-negative")
     redirects = _std_choice(args.redirects, "-r/--redirects")
     tee = _std_choice(args.tee, "-t/--tee")
     filters = parse_local_ranks_filter(args.local_ranks_filter)
@@ -226,6 +236,7 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         signals=signals,
         virtual_local_rank=args.virtual_local_rank,
+        reform_grace=args.reform_grace,
     )
 
 
@@ -351,6 +362,100 @@ def _build_handler(args: argparse.Namespace, nproc: int, notes: _Notices) -> Ren
         raise RunOptionsError(str(exc)) from None
 
 
+_PROBE_TIMEOUT = 2.0
+
+
+def _endpoint_hint(args: argparse.Namespace) -> str:
+    """Say what listens at a store endpoint that could not be used ("" when unknown).
+
+    A TCP connection that is accepted means some program holds the port; one
+    that is refused means nothing listens there.
+    """
+    backend = args.rdzv_backend or "c10d"
+    if BACKEND_FACTORIES.get(backend) != "rdzv.backends.store:create_backend":
+        return ""
+    try:
+        host, port = parse_endpoint(args.rdzv_endpoint)
+    except ValueError:
+        return ""
+    where = format_endpoint(host, port)
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT):
+            pass
+    except ConnectionRefusedError:
+        return f" (nothing listens at {where}: is the store's host up, and the port right?)"
+    except OSError:
+        return ""
+    return (
+        f" (a program accepts connections at {where} but did not answer as an rdzv or "
+        "torch TCP store: is the port used by another program?)"
+    )
+
+
+def _apply_slurm(args: argparse.Namespace, notes: _Notices) -> None:
+    """Fill ``--nnodes``, ``--node-rank``, ``--rdzv-id``, ``--rdzv-endpoint`` from SLURM_*.
+
+    Only options given neither on the command line nor as ``PET_*`` are
+    filled; ``--standalone`` and ``--no-slurm`` turn it off, and
+    ``--master-addr``/``--master-port`` keep the endpoint from being filled.
+    """
+    if args.no_slurm or args.standalone:
+        return
+    try:
+        found = slurm_settings(os.environ)
+    except ValueError as exc:
+        raise RunOptionsError(f"{exc} (--no-slurm ignores SLURM_*)") from None
+    explicit = given(args)
+    taken = []
+    for dest, (value, variable) in found.items():
+        if dest in explicit or from_environment(dest):
+            continue
+        if dest == "rdzv_endpoint" and (args.master_addr or args.master_port is not None):
+            continue
+        setattr(args, dest, int(value) if dest == "node_rank" else value)
+        taken.append(f"--{dest.replace('_', '-')} {value} ({variable})")
+    if taken:
+        notes.notice(
+            "SLURM",
+            f"{', '.join(taken)}; options on the command line and PET_* variables win, "
+            "--no-slurm ignores SLURM_*",
+        )
+
+
+def _ready_file(args: argparse.Namespace) -> Path | None:
+    """Return the readiness file, removing a stale one; None without ``--ready-file``."""
+    if not args.ready_file:
+        return None
+    path = Path(args.ready_file)
+    if not path.parent.is_dir():
+        raise RunOptionsError(f"--ready-file {args.ready_file!r}: {path.parent} is not a directory")
+    if path.is_dir():
+        raise RunOptionsError(f"--ready-file {args.ready_file!r} is a directory")
+    path.unlink(missing_ok=True)
+    return path
+
+
+def _ready_writer(path: Path, run_id: str, sink: OutputSink) -> Callable[[RendezvousInfo], None]:
+    """Return the callback that (re)writes the readiness file after each round."""
+
+    def write(info: RendezvousInfo) -> None:
+        record = {
+            "run_id": run_id,
+            "group_rank": info.rank,
+            "group_world_size": info.world_size,
+            "time": time.time(),
+        }
+        partial = path.with_name(f".{path.name}.partial")
+        try:
+            partial.write_text(json.dumps(record) + "\n")
+            os.replace(partial, path)
+        except OSError as exc:
+            line = f"could not write the readiness file {path}: {exc.strerror or exc}"
+            sink.write_line(agent_line(line), to_stderr=True)
+
+    return write
+
+
 class _SinkLogHandler(logging.Handler):
     """Writes log records as time-stamped agent lines through the output sink."""
 
@@ -408,6 +513,8 @@ def run_command(args: argparse.Namespace) -> int:
     notes = _Notices()
     try:
         _check_environment(args)
+        _apply_slurm(args, notes)
+        ready_file = _ready_file(args)
         nproc = local_world_size(args.nproc_per_node)
         config = _agent_config(args, nproc, notes)
         _compatibility_notices(args, notes)
@@ -418,13 +525,37 @@ def run_command(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except RendezvousError as exc:
         notes.write(sink)
+        hint = _endpoint_hint(args) if isinstance(exc, RendezvousConnectionError) else ""
         print(
-            f"rdzv run: cannot set up the rendezvous: {type(exc).__name__}: {exc}",
+            f"rdzv run: cannot set up the rendezvous: {type(exc).__name__}: {exc}{hint}",
             file=sys.stderr,
         )
         return EXIT_RENDEZVOUS
     notes.write(sink)
-    with _rdzv_logs_to(sink, args.log_level):
-        result: AgentResult = ElasticAgent(handler, config, sink=sink).run()
+    on_round = None if ready_file is None else _ready_writer(ready_file, handler.get_run_id(), sink)
+    agent = ElasticAgent(handler, config, sink=sink, on_round=on_round)
+    with contextlib.ExitStack() as stack:
+        if ready_file is not None:
+            stack.callback(ready_file.unlink, missing_ok=True)
+        if args.metrics_port is not None:
+            try:
+                metrics = MetricsServer(
+                    agent_metrics(agent.stats, handler, config.max_restarts),
+                    args.metrics_host,
+                    args.metrics_port,
+                )
+            except (OSError, OverflowError) as exc:
+                where = format_endpoint(args.metrics_host, args.metrics_port)
+                print(
+                    f"rdzv run: error: --metrics-port: cannot listen on {where}: "
+                    f"{getattr(exc, 'strerror', None) or exc}",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
+            stack.callback(metrics.close)
+            shown = format_endpoint(metrics.host, metrics.port)
+            sink.write_line(agent_line(f"metrics at http://{shown}/metrics"), to_stderr=True)
+        with _rdzv_logs_to(sink, args.log_level):
+            result: AgentResult = agent.run()
     sink.write_line(agent_line(result.reason), to_stderr=True)
     return result.exit_code

@@ -511,6 +511,16 @@ class WorkerGroup:
             worker.process.wait()
         self.close()
 
+    def send_signal(self, signum: signal.Signals) -> None:
+        """Send ``signum`` to the process group of every running worker (nothing else).
+
+        Args:
+            signum: The signal.
+        """
+        for worker in self._workers:
+            if worker.process.poll() is None:
+                _signal_group(worker.process.pid, signum)
+
     def close(self) -> None:
         """Join the output threads and close the log files of ended workers."""
         for worker in self._workers:

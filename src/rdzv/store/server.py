@@ -160,6 +160,7 @@ class _Connection(asyncio.Protocol):
             if self.server.tcp_keepalive is not None:
                 enable_keepalive(sock, self.server.tcp_keepalive)
         self.server.connections.add(self)
+        self.server.accepted_connections += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.engine.drop(self)
@@ -193,6 +194,7 @@ class _Connection(asyncio.Protocol):
         try:
             while (request := parser.next_request()) is not None:
                 self.frame_started = now
+                self.server.requests += 1
                 run = self.store_handlers.get(request.op)
                 if run is not None:
                     reply, woken = run(self, request)
@@ -434,6 +436,10 @@ class TCPStoreServer:
         """Connections closed at once because ``max_connections`` was reached."""
         self.expired_connections = 0
         """Connections closed for breaking ``frame_timeout`` or ``idle_timeout``."""
+        self.accepted_connections = 0
+        """Connections accepted (not refused) since the server started."""
+        self.requests = 0
+        """Requests parsed since the server started."""
         self._host = host
         self._requested_port = port
         self.secret = auth_token.encode() if isinstance(auth_token, str) else auth_token

@@ -46,7 +46,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError, StoreTimeoutError
+from rdzv.errors import (
+    RendezvousConnectionError,
+    RendezvousStateError,
+    StoreAuthenticationError,
+    StoreTimeoutError,
+)
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -450,7 +455,13 @@ class TCPStore(Store):
                 return value
 
     def _read_bytes(self, timeout: float | None = None) -> bytes:
-        return self._read(self._reader.read_bytes, timeout)
+        try:
+            return self._read(self._reader.read_bytes, timeout)
+        except ProtocolError as exc:
+            # The server announced a value longer than any store may hold: what
+            # it serves is wrong, not the connection (retrying reads it again).
+            self._drop_connection()
+            raise RendezvousStateError(f"the store at {self._address} sent {exc}") from exc
 
     def _read_i64(self, timeout: float | None = None) -> int:
         return self._read(self._reader.read_i64, timeout)

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from rdzv import errors
 from rdzv.api import RendezvousHandler
+from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.torchrun.events import bridge_events
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store as TorchStore
@@ -220,6 +222,10 @@ def _wrap(
     name: str, inner: RendezvousHandler, resources: _Resources, spare_exit: str
 ) -> torch_api.RendezvousHandler:
     _show_warnings()
+    if isinstance(inner, DynamicRendezvousHandler):
+        detach = bridge_events(inner.get_run_id(), inner.node)
+        if detach is not None:
+            resources.closers = (*resources.closers, detach)
     cls: Any = _handler_class()
     handler: torch_api.RendezvousHandler = cls(name, inner, resources, spare_exit)
     return handler
