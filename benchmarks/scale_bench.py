@@ -306,7 +306,7 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
                         results[k][index] = {"error": f"{type(exc).__name__}: {exc}"}
                         done[k].release()
                         return
-                    stop.wait(cfg["poll"] * (0.5 + random.random()))
+                    rejoin.wait(cfg["poll"] * (0.5 + random.random()))
             begin = time.time()
             before = counters[index].snapshot()
             try:

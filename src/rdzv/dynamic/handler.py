@@ -554,6 +554,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._lock:
             self._member_of = state
             self._watched = state
+        self._keepalive.wake()
         store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{state.round}", self._store)
         self._release_port()
         bootstrap: RendezvousStoreInfo | None = None

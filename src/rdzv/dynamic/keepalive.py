@@ -9,8 +9,8 @@ tick it does two independent things:
   beat's own failures count toward ``max_attempt``; after that many in a row
   the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
-* **judge**: more often (once the node is a member; until then the thread
-  wakes only to beat; in a large ring less often, so that the whole ring
+* **judge**: more often (once the node is a member, which :meth:`KeepAlive.wake`
+  signals; until then the thread wakes only to beat; in a large ring less often, so that the whole ring
   stays within :data:`~rdzv.dynamic.machine.RING_READS_PER_SECOND`), it
   reads the mark of its ring successor in the last round it completed (:func:`~rdzv.dynamic.machine.successor_of`) and judges
   it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`),
@@ -102,6 +102,7 @@ class KeepAlive:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._error: RendezvousConnectionError | None = None
 
     @property
@@ -137,8 +138,13 @@ class KeepAlive:
         with self._lock:
             thread, self._thread = self._thread, None
             self._stop.set()
+            self._wake.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join(STOP_WAIT)
+
+    def wake(self) -> None:
+        """Start judging now: the node just became a member (see the module)."""
+        self._wake.set()
 
     @property
     def error(self) -> RendezvousConnectionError | None:
@@ -175,7 +181,8 @@ class KeepAlive:
                 # Nobody to judge (not a member yet): wake only to beat. A
                 # thousand joining handlers in one process would otherwise
                 # wake dozens of times a second each, for nothing.
-                self._clock.wait(stop, max(0.0, next_beat - self._clock()))
+                self._clock.wait(self._wake, max(0.0, next_beat - self._clock()))
+                self._wake.clear()
             else:
                 period = ring_judge_period(
                     self._judge_every, self._interval, len(member.participants)
