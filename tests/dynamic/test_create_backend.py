@@ -69,3 +69,32 @@ def test_explicit_host_that_cannot_bind_is_an_error(
     finally:
         backend.close()
         store.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_hosted_store_allows_connections_for_the_whole_job() -> None:
+    from rdzv.store.server import DEFAULT_MAX_CONNECTIONS
+    from rdzv.store.tcp import TCPStore
+
+    params = RendezvousParameters(
+        "c10d", f"127.0.0.1:{free_port()}", "job", 1, 3000, is_host=True, read_timeout=5
+    )
+    backend, store = create_backend(params)
+    try:
+        assert isinstance(store, TCPStore)
+        assert store.server is not None
+        assert store.server.max_connections == 4 * 3000 + 64
+    finally:
+        backend.close()
+        store.close()
+    small = RendezvousParameters(
+        "c10d", f"127.0.0.1:{free_port()}", "job", 1, 8, is_host=True, read_timeout=5
+    )
+    backend, store = create_backend(small)
+    try:
+        assert isinstance(store, TCPStore)
+        assert store.server is not None
+        assert store.server.max_connections == DEFAULT_MAX_CONNECTIONS
+    finally:
+        backend.close()
+        store.close()

@@ -349,12 +349,46 @@ def test_a_round_whose_members_all_died_does_not_block_the_next(
     assert infos[0].participants == ("f1", "f2")
 
 
-def test_rank0_dying_before_it_publishes_does_not_hold_the_others(
+def test_the_seal_publishes_rank0s_address_so_nobody_waits_for_rank0(
+    cluster_factory: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = cluster_factory(3, 3)
+    c.store.set_timeout(60)  # waiting for rank 0 would fail the result() bounds
+    dying = c.handler("r0", node_rank=0)
+    others = [c.handler("r1", node_rank=1), c.handler("r2", node_rank=2)]
+    build = RendezvousStoreInfo.build
+
+    def dies_at_rank0(
+        rank: int, store: Store, local_addr: str | None = None, server_port: int | None = None
+    ) -> RendezvousStoreInfo:
+        if rank == 0:
+            raise RuntimeError("rank 0 died before publishing its address")
+        return build(rank, store, local_addr, server_port)
+
+    monkeypatch.setattr(RendezvousStoreInfo, "build", staticmethod(dies_at_rank0))
+    futures = c.join([dying, *others])
+    with pytest.raises(RuntimeError, match="before publishing"):
+        futures[0].result(timeout=10)
+    infos = [f.result(timeout=10) for f in futures[1:]]
+    boots = {i.bootstrap_store_info for i in infos}
+    assert len(boots) == 1
+    boot = boots.pop()
+    assert boot is not None
+    addr, port = boot.master_addr, boot.master_port
+    assert addr == "r0"
+    assert 0 < port <= 65535
+    assert [i.rank for i in infos] == [1, 2]
+
+
+def test_rank0_dying_before_it_publishes_does_not_hold_the_others_without_a_sealed_port(
     cluster_factory: Callable[..., Cluster],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     c = cluster_factory(2, 3)
+    # Records without a port (an older rdzv): the seal names no port and the
+    # members wait for rank 0 to publish it in the round's store.
+    monkeypatch.setattr(DynamicRendezvousHandler, "_hold_port", lambda self: 0)
     c.store.set_timeout(60)  # waiting out the store timeout would fail the result() bounds
     dying = c.handler("r0", node_rank=0)
     others = [c.handler("r1", node_rank=1), c.handler("r2", node_rank=2)]

@@ -361,3 +361,12 @@ def test_leaving_members() -> None:
     some_gone = state.evict([B])
     assert leaving_members(some_gone, 3, [ME], True) == []  # the others re-form anyway
     assert leaving_members(some_gone, 3, [ME], False) == [ME]
+
+
+def test_a_large_ring_reads_marks_less_often_within_one_interval() -> None:
+    from rdzv.dynamic.machine import RING_READS_PER_SECOND, ring_judge_period
+
+    assert ring_judge_period(0.075, 1.0, 128) == pytest.approx(0.075)
+    at_1024 = ring_judge_period(0.075, 1.0, 1024)
+    assert 1024 / at_1024 == pytest.approx(RING_READS_PER_SECOND)
+    assert ring_judge_period(0.075, 1.0, 8192) == pytest.approx(1.0)

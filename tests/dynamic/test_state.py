@@ -41,7 +41,10 @@ def test_encoding_is_versioned_json_not_pickle() -> None:
     ("data", "reason"),
     [
         (b"", "empty"),
-        (b"\x02[]", "unknown version 2"),
+        (b"\x03[]", "unknown version 3"),
+        (b"\x02[1,0,[],[]]", "participants, evicted, port"),
+        (b'\x02[1,0,["a"],[],0]', "bad bootstrap port"),
+        (b'\x02[1,0,["a"],[],65536]', "bad bootstrap port"),
         (b"\x01not json", "not JSON"),
         (b"\x01\xff\xfe", "not JSON"),
         (b"\x01[1,0,[]]", "expected"),
@@ -85,9 +88,38 @@ def test_encoded_size_stays_within_budget(nodes: int) -> None:
 def test_records_round_trip_and_validate() -> None:
     record = JoinRecord(_key(1), 3)
     assert decode_record(encode_record(record)) == record
-    for bad in (b"", b"a b c", b"a x", b"a -2", b"\xff 1", b" 1"):
+    for bad in (b"", b"a b c", b"a x", b"a -2", b"\xff 1", b" 1", b"a 1 0", b"a 1 65536"):
         with pytest.raises(RendezvousStateError):
             decode_record(bad)
+    for bad in (b"a 1 2 3", b"a 1 +80", b"a 1 \xd9\xa1"):
+        with pytest.raises(RendezvousStateError):
+            decode_record(bad)
+
+
+def test_records_carry_the_port_their_node_holds() -> None:
+    record = JoinRecord(_key(1), -1, 29500)
+    assert encode_record(record) == f"{_key(1)} -1 29500".encode()
+    assert decode_record(encode_record(record)) == record
+    assert decode_record(f"{_key(1)} -1".encode()).port == 0
+
+
+def test_a_state_with_a_bootstrap_port_is_version_2() -> None:
+    state = RendezvousState(4, (_key(1), _key(2)), frozenset({1}), bootstrap_port=29500)
+    data = encode_state(state)
+    assert data[0] == 2
+    assert json.loads(data[1:]) == [4, 0, [_key(1), _key(2)], [1], 29500]
+    assert decode_state(data) == state
+    assert state.evict([_key(2)]).bootstrap_port == 29500
+    assert state.close().bootstrap_port == 29500
+    with pytest.raises(ValueError, match="bootstrap_port"):
+        RendezvousState(1, (_key(1),), bootstrap_port=70000)
+
+
+def test_a_node_key_holding_a_newline_is_refused_in_a_long_state() -> None:
+    keys = [_key(i) for i in range(50)] + ["a\nb"]
+    data = b"\x01" + json.dumps([1, 0, keys, []]).encode()
+    with pytest.raises(RendezvousStateError, match="node key"):
+        decode_state(data)
 
 
 def test_node_keys() -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "StoreJoinQueue",
     "StoreLiveness",
     "TpRendezvousBackend",
+    "connection_limit",
     "create_backend",
     "open_store",
 ]
@@ -177,7 +178,34 @@ P10dRendezvousBackend = C10dRendezvousBackend
 TpRendezvousBackend = C10dRendezvousBackend
 
 
-def _tcp_store(options: StoreBackendOptions, is_master: bool) -> TCPStore:
+CONNECTIONS_PER_NODE = 4
+"""Connections a hosted store allows per node of the job (see :func:`connection_limit`)."""
+
+
+def connection_limit(max_nodes: int | None) -> int | None:
+    """Return the connection limit of a store hosted for a job of ``max_nodes``.
+
+    Each node holds two clients (one for its blocking watch, one for
+    heartbeats and evictions, which must never queue behind that watch on a
+    client that serialises requests); the limit allows twice that, for
+    clones and reconnections, and never less than the server's default.
+
+    Args:
+        max_nodes: The most nodes a round admits; None when not known.
+
+    Returns:
+        The limit, or None for the server's default.
+    """
+    if max_nodes is None:
+        return None
+    from rdzv.store.server import DEFAULT_MAX_CONNECTIONS  # noqa: PLC0415 - hosts only
+
+    return max(DEFAULT_MAX_CONNECTIONS, CONNECTIONS_PER_NODE * max_nodes + 64)
+
+
+def _tcp_store(
+    options: StoreBackendOptions, is_master: bool, max_nodes: int | None = None
+) -> TCPStore:
     from rdzv.store.tcp import TCPStore  # noqa: PLC0415 - imported only when used
 
     return TCPStore(
@@ -188,13 +216,14 @@ def _tcp_store(options: StoreBackendOptions, is_master: bool) -> TCPStore:
         auth_token=options.auth_token,
         ssl_context=options.tls.client_context(),
         server_ssl_context=options.tls.server_context() if is_master else None,
+        max_connections=connection_limit(max_nodes) if is_master else None,
     )
 
 
-def _host_or_connect(options: StoreBackendOptions) -> TCPStore:
+def _host_or_connect(options: StoreBackendOptions, max_nodes: int | None) -> TCPStore:
     if options.should_host():
         try:
-            return _tcp_store(options, True)
+            return _tcp_store(options, True, max_nodes)
         except (OSError, RendezvousConnectionError) as exc:
             if options.is_host:
                 raise RendezvousConnectionError(
@@ -219,7 +248,9 @@ def _file_store(options: StoreBackendOptions) -> FileStore:
     return FileStore(path, world_size, timeout=options.read_timeout)
 
 
-def open_store(options: StoreBackendOptions) -> tuple[C10dRendezvousBackend, Store]:
+def open_store(
+    options: StoreBackendOptions, max_nodes: int | None = None
+) -> tuple[C10dRendezvousBackend, Store]:
     """Build the store backend and its store from parsed options, hosting it when told.
 
     ``store_type=file``: a :class:`~rdzv.store.file.FileStore` on
@@ -230,10 +261,13 @@ def open_store(options: StoreBackendOptions) -> tuple[C10dRendezvousBackend, Sto
     :meth:`~rdzv.backends.options.StoreBackendOptions.should_host` says so,
     this process serves the TCP store; if binding fails and ``is_host`` was
     inferred (another local process hosts it), the node connects as a client
-    instead.
+    instead. A hosted server allows :func:`connection_limit` connections
+    for a job of ``max_nodes``.
 
     Args:
         options: The store backend's options.
+        max_nodes: The most nodes of the job, or None (the server's default
+            connection limit).
 
     Returns:
         ``(backend, store)``.
@@ -248,7 +282,11 @@ def open_store(options: StoreBackendOptions) -> tuple[C10dRendezvousBackend, Sto
     """
     store: FileStore | TCPStore
     try:
-        store = _file_store(options) if options.store_type == "file" else _host_or_connect(options)
+        store = (
+            _file_store(options)
+            if options.store_type == "file"
+            else _host_or_connect(options, max_nodes)
+        )
         try:
             liveness = store.clone()
         except BaseException:
@@ -284,4 +322,4 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
             opened; torch's message first.
         StoreAuthenticationError: The store refused the secret, or needs one.
     """
-    return open_store(StoreBackendOptions.from_params(params))
+    return open_store(StoreBackendOptions.from_params(params), params.max_nodes)

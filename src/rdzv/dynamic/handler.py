@@ -27,13 +27,21 @@ compare-and-set. Wall clocks are never read. Survivors then see
 raise ``RendezvousConnectionError`` until the node joins again; a join that
 fails stops the heartbeats too.
 
-A member of rank > 0 waits for rank 0 to publish its bootstrap address
-(``MASTER_ADDR``/``MASTER_PORT``) in short slices, checking between them
-that rank 0 is still a live member of the round. If rank 0 died after the
-seal and before publishing, its ring predecessor evicts it and this member
-joins the next round at once instead of waiting out the store timeout
-(which would also hold back everyone else's next round, since a seal
-waits for every live member to re-join).
+The bootstrap address (``MASTER_ADDR``/``MASTER_PORT``) comes with the
+seal: every joining node binds a free port and holds it (bound, not
+listening, so no other process takes it) and names it in its join record;
+the sealer copies rank 0's port into the sealed state, and ``MASTER_ADDR``
+is the address in rank 0's node key. No member waits for rank 0 after the
+seal. Each node lets its port go when it completes (rank 0's workers then
+serve on it) or fails; rank 0 also writes the two keys into the round's
+store, as torch's rank 0 does, for readers that look there.
+
+A state sealed without a port (by an older rdzv) falls back to waiting: a
+member of rank > 0 waits for rank 0 to publish the keys in short slices,
+checking between them that rank 0 is still a live member of the round. If
+rank 0 died after the seal and before publishing, its ring predecessor
+evicts it and this member joins the next round at once instead of waiting
+out the store timeout.
 
 Every backend call of ``next_rendezvous`` runs under the join deadline
 (:func:`rdzv.retry.deadline_within`), and ``shutdown`` and ``set_closed``
@@ -58,6 +66,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -205,6 +214,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # blocking watch on a client that serialises requests.
         self._side = SharedState(backend.side_channel(), backend_name, self._clock)
         self._lock = threading.Lock()
+        self._held_port: socket.socket | None = None
         self._member_of: RendezvousState | None = None
         # The last round this node completed, as this node sees it: its ring
         # successor there is watched until the node completes another round
@@ -405,6 +415,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             # A node whose join failed is no candidate: its beats would keep
             # it looking alive to the others. The next join starts them again.
             self._stop_keepalive()
+            self._release_port()
             raise
 
     def _join(self) -> RendezvousInfo:
@@ -439,7 +450,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if isinstance(action, Fail):
                 self._fail(action.reason, progress)
             if isinstance(action, Enqueue):
-                record = encode_record(JoinRecord(self._node, self._node_rank))
+                record = encode_record(JoinRecord(self._node, self._node_rank, self._hold_port()))
                 position = self._queue.enqueue(action.round_id, record)
                 progress = replace(progress, position=position)
                 queue_length = max(queue_length, position)
@@ -543,12 +554,25 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._lock:
             self._member_of = state
             self._watched = state
+        self._keepalive.wake()
         store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{state.round}", self._store)
-        if rank != 0 and not self._await_bootstrap(state, rank, store):
+        self._release_port()
+        bootstrap: RendezvousStoreInfo | None = None
+        if state.bootstrap_port:
+            bootstrap = RendezvousStoreInfo(
+                node_address(state.participants[0]), state.bootstrap_port
+            )
+        elif rank != 0 and not self._await_bootstrap(state, rank, store):
             self._event("broken", state.round, rank=rank, reason="rank 0 left before publishing")
             return None
         self._event("complete", state.round, rank=rank, world_size=len(state.participants))
-        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._local_addr)
+        if bootstrap is None or rank == 0:
+            bootstrap = RendezvousStoreInfo.build(
+                rank,
+                store,
+                local_addr=bootstrap.master_addr if bootstrap else self._local_addr,
+                server_port=bootstrap.master_port if bootstrap else None,
+            )
         waiting = [
             node_address(decode_record(r).node) for r in self._queue.queue_records(state.next_round)
         ]
@@ -671,6 +695,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             reached (the others then detect it by its missing heartbeats).
         """
         self._stop_keepalive()
+        self._release_port()
         with self._lock:
             member = self._member_of
             self._member_of = None
@@ -696,6 +721,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         ``shutdown`` is found dead by its missing heartbeats.
         """
         self._stop_keepalive()
+        self._release_port()
         try:
             self._backend.close()
         finally:
@@ -743,6 +769,24 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return False
         self._event("evict", round_id, evicted=list(evicted))
         return True
+
+    def _hold_port(self) -> int:
+        """Bind a free port for the bootstrap store (once per join) and return it."""
+        if self._held_port is None:
+            held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                held.bind(("", 0))
+            except OSError:
+                held.close()
+                raise
+            self._held_port = held
+        return int(self._held_port.getsockname()[1])
+
+    def _release_port(self) -> None:
+        """Let the held port go, so rank 0's workers can serve on it."""
+        held, self._held_port = self._held_port, None
+        if held is not None:
+            held.close()
 
     def _start_keepalive(self) -> None:
         self._keepalive.start()

@@ -9,8 +9,10 @@ tick it does two independent things:
   beat's own failures count toward ``max_attempt``; after that many in a row
   the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
-* **judge**: more often, it reads the mark of its ring successor in the last
-  round it completed (:func:`~rdzv.dynamic.machine.successor_of`) and judges
+* **judge**: more often (once the node is a member, which :meth:`KeepAlive.wake`
+  signals; until then the thread wakes only to beat; in a large ring less often, so that the whole ring
+  stays within :data:`~rdzv.dynamic.machine.RING_READS_PER_SECOND`), it
+  reads the mark of its ring successor in the last round it completed (:func:`~rdzv.dynamic.machine.successor_of`) and judges
   it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`),
   crediting at most one ``interval`` between two readings, so a stalled
   backend or this node's own failed or starved reads never count against
@@ -40,7 +42,7 @@ import threading
 from collections.abc import Callable
 
 from rdzv.backends.base import LivenessBackend
-from rdzv.dynamic.machine import MarkWatch, judge_marks, successor_of
+from rdzv.dynamic.machine import MarkWatch, judge_marks, ring_judge_period, successor_of
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.retry import Clock, deadline_within
@@ -100,6 +102,7 @@ class KeepAlive:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._error: RendezvousConnectionError | None = None
 
     @property
@@ -135,8 +138,13 @@ class KeepAlive:
         with self._lock:
             thread, self._thread = self._thread, None
             self._stop.set()
+            self._wake.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join(STOP_WAIT)
+
+    def wake(self) -> None:
+        """Start judging now: the node just became a member (see the module)."""
+        self._wake.set()
 
     @property
     def error(self) -> RendezvousConnectionError | None:
@@ -168,7 +176,18 @@ class KeepAlive:
                     judged = self._judge(judged, now)
             except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
                 self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
-            self._clock.wait(stop, self._judge_every * (0.75 + random.random() / 2))
+            member = self._watched()
+            if member is None:
+                # Nobody to judge (not a member yet): wake only to beat. A
+                # thousand joining handlers in one process would otherwise
+                # wake dozens of times a second each, for nothing.
+                self._clock.wait(self._wake, max(0.0, next_beat - self._clock()))
+                self._wake.clear()
+            else:
+                period = ring_judge_period(
+                    self._judge_every, self._interval, len(member.participants)
+                )
+                self._clock.wait(stop, period * (0.75 + random.random() / 2))
 
     def _beat(self, failures: int, stop: threading.Event) -> int:
         """Beat once; return the number of failed beats in a row."""

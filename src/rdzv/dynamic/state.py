@@ -6,10 +6,18 @@ participants in rank order (node keys), which of them were removed since
 live in their own records (see ``rdzv.backends.base``), so nobody rewrites
 the state to join or to stay alive.
 
-Encoding (version 1): one version byte ``0x01`` followed by compact UTF-8
-JSON ``[round, closed, [node keys...], [evicted indices...]]``. It is never
-pickle; :func:`decode_state` validates every field and raises
-:class:`~rdzv.errors.RendezvousStateError` for anything else.
+Encoding: one version byte followed by compact UTF-8 JSON. Version 1 is
+``[round, closed, [node keys...], [evicted indices...]]``; version 2 adds
+the bootstrap port rank 0 holds, ``[round, closed, [node keys...],
+[evicted indices...], port]``, so the seal itself tells every member where
+the bootstrap store is (``MASTER_ADDR`` is rank 0's address, the address
+part of its node key). A state without a port is written as version 1, so
+readers of version 1 still read it. It is never pickle; :func:`decode_state`
+validates every field and raises :class:`~rdzv.errors.RendezvousStateError`
+for anything else.
+
+A join record is ``b"<node key> <node rank>"``, or ``b"<node key> <node
+rank> <port>"`` from a node that holds a port for the bootstrap store.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rdzv.backends.base import validate_node_key
 from rdzv.errors import RendezvousStateError
@@ -37,7 +45,8 @@ __all__ = [
     "node_address",
 ]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""The newest state encoding this rdzv writes (it reads 1 and 2)."""
 MAX_PARTICIPANTS = 65_536
 """The most participants a stored state may list; a longer list is a corrupt state.
 
@@ -46,6 +55,10 @@ and leaders read one heartbeat mark per missing member.
 """
 _MAX_STATE_BYTES = 64 * 1024 * 1024
 _DIGITS = re.compile(r"(\d+)")
+# Every participant of a decoded state is checked in one match over the keys
+# joined by newlines (the common case: printable ASCII keys); keys that do
+# not all match are checked one by one for the exact error.
+_ASCII_KEYS = re.compile(r"[\x21-\x7e]{1,256}(?:\n[\x21-\x7e]{1,256})*")
 
 
 def make_node_key(addr: str, pid: int, nonce: str) -> str:
@@ -102,12 +115,16 @@ class RendezvousState:
         participants: The node keys of that round, in rank order.
         evicted: Indices into ``participants`` of members removed since.
         closed: Whether the run is closed.
+        bootstrap_port: The port rank 0 holds for the bootstrap store, or 0
+            when it is not known (rank 0 then publishes it in the round's
+            store).
     """
 
     round: int = -1
     participants: tuple[str, ...] = ()
     evicted: frozenset[int] = frozenset()
     closed: bool = False
+    bootstrap_port: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.round, bool) or not isinstance(self.round, int) or self.round < -1:
@@ -119,6 +136,8 @@ class RendezvousState:
         for index in self.evicted:
             if not 0 <= index < len(self.participants):
                 raise ValueError(f"evicted index {index} is out of range")
+        if not _is_int(self.bootstrap_port) or not 0 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"bootstrap_port must be in 0..65535, got {self.bootstrap_port!r}")
 
     @property
     def next_round(self) -> int:
@@ -155,15 +174,15 @@ class RendezvousState:
         """
         positions = {n: i for i, n in enumerate(self.participants)}
         added = {positions[n] for n in nodes if n in positions}
-        return RendezvousState(self.round, self.participants, self.evicted | added, self.closed)
+        return replace(self, evicted=self.evicted | added)
 
     def close(self) -> RendezvousState:
         """Return the state marked closed."""
-        return RendezvousState(self.round, self.participants, self.evicted, True)
+        return replace(self, closed=True)
 
 
 def encode_state(state: RendezvousState) -> bytes:
-    """Encode a state (version 1).
+    """Encode a state: version 2 when it carries a bootstrap port, else version 1.
 
     Args:
         state: The state.
@@ -171,8 +190,25 @@ def encode_state(state: RendezvousState) -> bytes:
     Returns:
         The bytes to store.
     """
-    body = [state.round, int(state.closed), list(state.participants), sorted(state.evicted)]
-    return bytes([STATE_VERSION]) + json.dumps(body, separators=(",", ":")).encode()
+    body: list[object] = [
+        state.round,
+        int(state.closed),
+        list(state.participants),
+        sorted(state.evicted),
+    ]
+    version = 1
+    if state.bootstrap_port:
+        body.append(state.bootstrap_port)
+        version = 2
+    return bytes([version]) + json.dumps(body, separators=(",", ":")).encode()
+
+
+def _all_ascii_keys(nodes: tuple[object, ...]) -> bool:
+    """Tell whether every item is a printable-ASCII node key, in one regex match."""
+    if not all(isinstance(n, str) for n in nodes):
+        return False
+    joined = "\n".join(nodes)  # type: ignore[arg-type]  # all str, checked above
+    return joined.count("\n") == len(nodes) - 1 and _ASCII_KEYS.fullmatch(joined) is not None
 
 
 def _bad(reason: str) -> RendezvousStateError:
@@ -199,17 +235,23 @@ def decode_state(data: bytes) -> RendezvousState:
         raise _bad("it is empty")
     if len(data) > _MAX_STATE_BYTES:
         raise _bad(f"{len(data)} bytes is more than the {_MAX_STATE_BYTES}-byte limit")
-    if data[0] != STATE_VERSION:
-        raise _bad(f"unknown version {data[0]} (this rdzv reads version {STATE_VERSION})")
+    version = data[0]
+    if version not in (1, 2):
+        raise _bad(f"unknown version {version} (this rdzv reads versions 1 and 2)")
     try:
         body = json.loads(bytes(data[1:]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         # RecursionError: arrays nested deeper than the interpreter's stack
         # (found by tests/fuzz/test_fuzz_state_codec.py).
         raise _bad(f"it is not JSON ({exc})") from exc
-    if not isinstance(body, list) or len(body) != 4:
+    if version == 1 and (not isinstance(body, list) or len(body) != 4):
         raise _bad("expected [round, closed, participants, evicted]")
-    round_no, closed, participants, evicted = body
+    if version == 2 and (not isinstance(body, list) or len(body) != 5):
+        raise _bad("expected [round, closed, participants, evicted, port]")
+    round_no, closed, participants, evicted = body[:4]
+    port = body[4] if version == 2 else 0
+    if version == 2 and (not _is_int(port) or not 0 < port <= 65535):
+        raise _bad(f"bad bootstrap port {port!r}")
     if not _is_int(round_no) or closed not in (0, 1) or isinstance(closed, bool):
         raise _bad(f"bad round {round_no!r} or closed flag {closed!r}")
     if not isinstance(participants, list) or not isinstance(evicted, list):
@@ -222,8 +264,10 @@ def decode_state(data: bytes) -> RendezvousState:
     if not all(_is_int(i) for i in evicted) or len(set(evicted)) != len(evicted):
         raise _bad("evicted must hold distinct integers")
     try:
-        nodes = tuple(validate_node_key(n) for n in participants)
-        return RendezvousState(round_no, nodes, frozenset(evicted), bool(closed))
+        nodes = tuple(participants)
+        if not _all_ascii_keys(nodes):
+            nodes = tuple(validate_node_key(n) for n in participants)
+        return RendezvousState(round_no, nodes, frozenset(evicted), bool(closed), port)
     except ValueError as exc:
         raise _bad(str(exc)) from exc
 
@@ -235,14 +279,17 @@ class JoinRecord:
     Attributes:
         node: Its node key.
         node_rank: The rank it asks for, or -1 for none.
+        port: The port it holds for the bootstrap store should it be rank
+            0, or 0 for none.
     """
 
     node: str
     node_rank: int = -1
+    port: int = 0
 
 
 def encode_record(record: JoinRecord) -> bytes:
-    """Encode a join record as ``b"<node key> <node rank>"``.
+    """Encode a join record as ``b"<node key> <node rank>[ <port>]"``.
 
     Args:
         record: The record.
@@ -250,6 +297,8 @@ def encode_record(record: JoinRecord) -> bytes:
     Returns:
         The bytes to enqueue.
     """
+    if record.port:
+        return f"{record.node} {record.node_rank} {record.port}".encode()
     return f"{record.node} {record.node_rank}".encode()
 
 
@@ -266,14 +315,19 @@ def decode_record(data: bytes) -> JoinRecord:
         RendezvousStateError: The bytes are not a valid join record.
     """
     try:
-        node, rank_text = data.decode("utf-8").split(" ")
+        node, rank_text, *port_text = data.decode("utf-8").split(" ")
         node_rank = int(rank_text)
         validate_node_key(node)
     except (UnicodeDecodeError, ValueError) as exc:
         raise RendezvousStateError(f"a stored join record is invalid: {data[:80]!r}") from exc
     if node_rank < -1:
         raise RendezvousStateError(f"a stored join record has a bad node rank: {data[:80]!r}")
-    return JoinRecord(node, node_rank)
+    if not port_text:
+        return JoinRecord(node, node_rank)
+    port = port_text[0]
+    if len(port_text) > 1 or not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
+        raise RendezvousStateError(f"a stored join record has a bad port: {data[:80]!r}")
+    return JoinRecord(node, node_rank, int(port))
 
 
 def assign_ranks(

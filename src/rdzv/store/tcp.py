@@ -122,6 +122,7 @@ def _acquire_server(
     multi_tenant: bool,
     auth_token: str | bytes | None,
     ssl_context: ssl.SSLContext | None,
+    max_connections: int | None = None,
 ) -> TCPStoreServer:
     with _shared_lock:
         if multi_tenant and port in _shared_servers:
@@ -131,7 +132,8 @@ def _acquire_server(
         from rdzv.store.serve import ServerSecurity, secured_server  # noqa: PLC0415 - hosts only
 
         secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
-        server = secured_server(None, port, ServerSecurity(secret, ssl_context)).start()
+        limits = {} if max_connections is None else {"max_connections": max_connections}
+        server = secured_server(None, port, ServerSecurity(secret, ssl_context), **limits).start()
         if multi_tenant:
             _shared_servers[server.port] = (server, 1)
         return server
@@ -171,6 +173,8 @@ class TCPStore(Store):
         ssl_context: A client-side TLS context; connections use TLS when given.
         server_ssl_context: The server-side TLS context of the hosted server
             (``is_master`` only).
+        max_connections: The hosted server's limit on open connections
+            (``is_master`` only); None keeps the server's default.
 
     Raises:
         RendezvousConnectionError: The server could not be reached in time.
@@ -192,6 +196,7 @@ class TCPStore(Store):
         auth_token: str | bytes | None = None,
         ssl_context: ssl.SSLContext | None = None,
         server_ssl_context: ssl.SSLContext | None = None,
+        max_connections: int | None = None,
     ) -> None:
         super().__init__(timeout)
         if not 0 <= port <= 65535:
@@ -215,7 +220,9 @@ class TCPStore(Store):
         self._multi_tenant = multi_tenant
         self._server: TCPStoreServer | None = None
         if is_master:
-            self._server = _acquire_server(port, multi_tenant, auth_token, server_ssl_context)
+            self._server = _acquire_server(
+                port, multi_tenant, auth_token, server_ssl_context, max_connections
+            )
             port = self._server.port
         self._port = port
         try:

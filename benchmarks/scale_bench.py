@@ -1,0 +1,744 @@
+"""Rendezvous at scale: N real handlers over one store, phase by phase.
+
+Run:  python benchmarks/scale_bench.py --n 256,1024,2048
+      python benchmarks/scale_bench.py --n 64 --backends rdzv,torch,etcd,redis
+      python benchmarks/scale_bench.py --n 1024 --scenarios recovery,scaleup
+
+What runs
+---------
+* The store server runs in its own process (rdzv's ``TCPStoreServer``, or
+  torch's ``TCPStore`` master for the torch column); its CPU time is read
+  from ``/proc/<pid>/stat`` before and after each phase. etcd and
+  redis-server are private servers on loopback (``tests/engines/servers.py``),
+  stopped by pid at the end.
+* Agents run in several worker processes (``--per-proc`` handlers each), one
+  thread per handler, each handler with its own store client(s), its real
+  keep-alive and real sockets. A handler that is to be killed runs alone in
+  its own process, so SIGKILL takes exactly one agent.
+* Every rdzv agent's store is wrapped by a counter: one request per store
+  call, bytes written = keys and values sent, bytes read = values returned
+  (payload, not framing). Phases are cut at the handler's own structured
+  events (``enqueue``, ``complete``). torch's handler is counted on its
+  backend's store only (its round store must be torch's C++ type); etcd and
+  Redis are not counted.
+* Dead-node judgements are the handlers' ``dead`` events; a judgement of a
+  node that was never killed is a *false death*.
+
+Scenarios
+---------
+* formation: min = max = N, all released at one instant; phases: join (last
+  enqueue), seal (the sealing write), address (the last member knowing the
+  bootstrap address), completion (the last ``next_rendezvous`` returning).
+* lastcall: min = N/2, max = N, N/2 join, last call ``--last-call``; the
+  overhead is completion minus the last call.
+* recovery: N form (min = N-1, max = N, last call ``--last-call``, shorter than the dead-node bound); one agent is
+  SIGKILLed; the survivors re-rendezvous at once (as an agent does when its
+  workers lose a peer), so the next round waits for the dead one's
+  judgement; time from the kill until all N-1 completed.
+* scaleup: N form (min = N, max = N+1, last call ``--last-call``); one more agent
+  calls ``next_rendezvous``; members poll ``num_nodes_waiting()`` every
+  ``--poll`` s (jittered) and re-rendezvous; time from that call until all
+  N+1 completed.
+
+The machine's load (``/proc/loadavg``, cores) is printed before and after;
+on a shared machine the figures are a shape, not a record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(1, str(ROOT))  # tests.engines.servers: private etcd and redis-server
+
+BACKENDS = ("rdzv", "torch", "etcd", "redis")
+SCENARIOS = ("formation", "lastcall", "recovery", "scaleup")
+TORCH_MAX_N = 128
+"""torch's handler is run up to this N (at 256 it livelocks on this machine)."""
+_TICK = os.sysconf("SC_CLK_TCK")
+
+# --------------------------------------------------------------------------
+# Counting (inside agent processes)
+# --------------------------------------------------------------------------
+
+
+class Counter:
+    """Requests and payload bytes of one agent's store calls."""
+
+    __slots__ = ("read", "requests", "written")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.written = 0
+        self.read = 0
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.requests, self.written, self.read
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_size(v) for v in value)
+    if isinstance(value, int):
+        return 8
+    return 0
+
+
+class CountingStore:
+    """Forwards every call to ``inner``, counting it in ``counter``."""
+
+    def __init__(self, inner: Any, counter: Counter) -> None:
+        self._inner = inner
+        self._counter = counter
+
+    @property
+    def supports_watch(self) -> bool:
+        return bool(self._inner.supports_watch)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._inner.timeout  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr) or name in ("close", "clone"):
+            return attr
+        counter = self._counter
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counter.requests += 1
+            counter.written += _size(args) + _size(tuple(kwargs.values()))
+            result = attr(*args, **kwargs)
+            counter.read += _size(result)
+            return result
+
+        return call
+
+
+# --------------------------------------------------------------------------
+# Agents (inside worker processes)
+# --------------------------------------------------------------------------
+
+_local = threading.local()
+
+
+class EventLog(logging.Handler):
+    """Collects the handlers' structured events; cuts each agent's counters at its phases."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.guard = threading.Lock()
+        self.sealed: list[float] = []
+        self.dead: list[str] = []
+        self.cuts: dict[int, dict[str, tuple[float, int, int, int]]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = getattr(record, "rdzv_event", None)
+        if event is None:
+            return
+        action = event["action"]
+        now = time.time()
+        with self.guard:
+            if action == "sealed":
+                self.sealed.append(now)
+            elif action == "dead":
+                self.dead.extend(event.get("suspects", []))
+        index = getattr(_local, "index", None)
+        counter = getattr(_local, "counter", None)
+        if index is not None and counter is not None and action in ("enqueue", "complete"):
+            self.cuts.setdefault(index, {})[action] = (now, *counter.snapshot())
+
+
+def make_handler(impl: str, cfg: dict[str, Any], addr: str, counter: Counter) -> Any:
+    run_id, n_min, n_max = cfg["run_id"], cfg["min"], cfg["max"]
+    if impl in ("etcd", "redis"):
+        import rdzv
+
+        params = rdzv.RendezvousParameters(
+            impl,
+            cfg["endpoint"],
+            run_id,
+            n_min,
+            n_max,
+            local_addr=addr,
+            join_timeout=cfg["join"],
+            last_call_timeout=cfg["last_call"],
+            keep_alive_interval=cfg["interval"],
+            keep_alive_max_attempt=cfg["attempts"],
+            read_timeout=120,
+        )
+        return rdzv.create_handler(params)
+    if impl == "rdzv":
+        from rdzv.api import RendezvousTimeout
+        from rdzv.backends.store import C10dRendezvousBackend
+        from rdzv.dynamic.handler import DynamicRendezvousHandler
+        from rdzv.store.tcp import TCPStore
+
+        inner = TCPStore("127.0.0.1", cfg["port"], timeout=120)
+        store: Any = CountingStore(inner, counter)
+        live: Any = CountingStore(inner.clone(), counter) if cfg["two_clients"] else None
+        backend = C10dRendezvousBackend(store, run_id, liveness_store=live)
+        return DynamicRendezvousHandler.from_backend(
+            run_id,
+            store,
+            backend,
+            n_min,
+            n_max,
+            local_addr=addr,
+            timeout=RendezvousTimeout(join=cfg["join"], last_call=cfg["last_call"]),
+            keep_alive_interval=cfg["interval"],
+            keep_alive_max_attempt=cfg["attempts"],
+        )
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend as TorchBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler as TorchHandler,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        RendezvousTimeout as TorchTimeout,
+    )
+
+    tstore = dist.TCPStore(
+        "127.0.0.1",
+        cfg["port"],
+        is_master=False,
+        timeout=timedelta(seconds=120),
+        wait_for_workers=False,
+    )
+    backend = TorchBackend(CountingStore(tstore, counter), run_id)  # type: ignore[arg-type]
+    return TorchHandler.from_backend(
+        run_id,
+        tstore,
+        backend,
+        n_min,
+        n_max,
+        local_addr=addr,
+        timeout=TorchTimeout(
+            join=timedelta(seconds=cfg["join"]), last_call=timedelta(seconds=cfg["last_call"])
+        ),
+        keep_alive_interval=cfg["interval"],
+        keep_alive_max_attempt=cfg["attempts"],
+    )
+
+
+def sample_stacks(stop: threading.Event, every: float = 0.01) -> None:
+    """Print where this process's threads spend their time (``--sample``), on stderr."""
+    import collections
+    import traceback
+
+    seen: collections.Counter[str] = collections.Counter()
+    me = threading.get_ident()
+    while not stop.wait(every):
+        for ident, frame in sys._current_frames().items():
+            if ident != me:
+                stack = traceback.extract_stack(frame, limit=4)
+                seen[" <- ".join(f"{f.name}:{f.lineno}" for f in reversed(stack))] += 1
+    total = sum(seen.values()) or 1
+    for where, count in seen.most_common(25):
+        print(f"{100 * count / total:5.1f}% {where}", file=sys.stderr)
+
+
+def agent_process(impl: str, cfg: dict[str, Any]) -> None:
+    """Run ``cfg['threads']`` handlers; report each round on stdout as one JSON line."""
+    threading.stack_size(512 * 1024)
+    log = EventLog()
+    logger = logging.getLogger("rdzv.dynamic")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(log)
+    logger.propagate = False
+    count = cfg["threads"]
+    counters = [Counter() for _ in range(count)]
+    handlers = [
+        make_handler(impl, cfg, f"127.{cfg['proc'] // 250}.{cfg['proc'] % 250}.{i + 1}", c)
+        for i, c in enumerate(counters)
+    ]
+    nodes = [getattr(h, "node", "") for h in handlers]
+    print(json.dumps({"ready": True, "nodes": nodes}), flush=True)
+    start_at = float(sys.stdin.readline().split()[1])
+    rounds: int = cfg["rounds"]
+    results: list[list[dict[str, Any]]] = [[{} for _ in handlers] for _ in range(rounds)]
+    done = [threading.Semaphore(0) for _ in range(rounds)]
+    stop = threading.Event()
+    rejoin = threading.Event()
+
+    def commands() -> None:
+        for line in sys.stdin:
+            if line.startswith("rejoin"):
+                rejoin.set()
+            elif line.startswith("stop"):
+                break
+        stop.set()
+
+    threading.Thread(target=commands, daemon=True).start()
+
+    def run(index: int, handler: Any) -> None:
+        _local.index, _local.counter = index, counters[index]
+        time.sleep(max(0.0, start_at - time.time()))
+        for k in range(rounds):
+            if k:
+                # An agent's monitor loop: poll until someone waits (or the
+                # driver says this agent's workers failed), then re-join.
+                while not stop.is_set() and not rejoin.is_set():
+                    try:
+                        if handler.num_nodes_waiting() > 0:
+                            break
+                    except Exception as exc:  # reported below
+                        results[k][index] = {"error": f"{type(exc).__name__}: {exc}"}
+                        done[k].release()
+                        return
+                    rejoin.wait(cfg["poll"] * (0.5 + random.random()))
+            begin = time.time()
+            before = counters[index].snapshot()
+            try:
+                info = handler.next_rendezvous()
+                after = counters[index].snapshot()
+                results[k][index] = {
+                    "begin": begin,
+                    "done": time.time(),
+                    "rank": info.rank,
+                    "world": info.world_size,
+                    "before": before,
+                    "ops": [a - b for a, b in zip(after, before, strict=True)],
+                    "cuts": log.cuts.pop(index, {}),
+                }
+            except Exception as exc:  # reported to the driver
+                results[k][index] = {"error": f"{type(exc).__name__}: {exc}"}
+                done[k].release()
+                return
+            done[k].release()
+
+    sampling = threading.Event()
+    if cfg.get("sample") and cfg["proc"] == 0:
+        threading.Thread(target=sample_stacks, args=(sampling,), daemon=True).start()
+    cpu0 = time.process_time()
+    threads = [
+        threading.Thread(target=run, args=(i, h), daemon=True) for i, h in enumerate(handlers)
+    ]
+    for t in threads:
+        t.start()
+    for k in range(rounds):
+        for _ in handlers:
+            done[k].acquire()
+        with log.guard:
+            sealed, dead = list(log.sealed), list(log.dead)
+        report = {
+            "round": k,
+            "results": results[k],
+            "cpu": time.process_time() - cpu0,
+            "sealed": sealed,
+            "dead": dead,
+        }
+        print(json.dumps(report), flush=True)
+        if any("error" in r for r in results[k]):
+            break
+    sampling.set()
+    time.sleep(0.1 if cfg.get("sample") else 0)
+    stop.wait()
+    with log.guard:
+        print(json.dumps({"dead": list(log.dead)}), flush=True)
+    stop.set()
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------
+# The store server process
+# --------------------------------------------------------------------------
+
+
+def server_process(impl: str, max_connections: int) -> None:
+    """Serve a store on a free loopback port until stdin closes."""
+    if impl == "torch":
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=600), wait_for_workers=False
+        )
+        print(store.port, flush=True)
+        sys.stdin.read()
+        return
+    from rdzv.store.server import TCPStoreServer
+
+    server = TCPStoreServer("127.0.0.1", 0, max_connections=max_connections).start()
+    print(server.port, flush=True)
+    sys.stdin.read()
+    server.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+# --------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------
+
+
+def _spawn(argv: Sequence[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+
+
+def _readline(proc: subprocess.Popen[str], deadline: float) -> str:
+    """One line from ``proc`` by ``deadline`` (time.monotonic), or ''."""
+    assert proc.stdout is not None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return ""
+        ready, _, _ = select.select([proc.stdout], [], [], min(remaining, 1.0))
+        if ready:
+            return proc.stdout.readline()
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """Stop a process this benchmark started, by pid."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            stream.close()
+
+
+class Run:
+    """One scenario's server and agent processes."""
+
+    def __init__(self, impl: str, endpoints: dict[str, str], opts: argparse.Namespace) -> None:
+        self.impl = impl
+        self.opts = opts
+        self.procs: list[subprocess.Popen[str]] = []
+        self.server: subprocess.Popen[str] | None = None
+        self.base: dict[str, Any] = {
+            "endpoint": endpoints.get(impl, ""),
+            "run_id": f"scale{random.getrandbits(32):08x}",
+            "join": opts.join,
+            "interval": opts.interval,
+            "attempts": opts.attempts,
+            "poll": opts.poll,
+            "two_clients": not opts.one_client,
+            "sample": opts.sample,
+        }
+        self.server_pid = endpoints.get(f"{impl}-pid")
+        if impl in ("rdzv", "torch"):
+            self.server = _spawn(["--server", impl, str(opts.max_connections)])
+            line = _readline(self.server, time.monotonic() + 60)
+            if not line:
+                raise RuntimeError(f"the {impl} store server did not start")
+            self.base["port"] = int(line)
+            self.server_pid = str(self.server.pid)
+
+    def server_cpu(self) -> float:
+        return cpu_seconds(int(self.server_pid)) if self.server_pid else float("nan")
+
+    def spawn(self, n: int, per_proc: int, **cfg: Any) -> list[subprocess.Popen[str]]:
+        sizes = [min(per_proc, n - i) for i in range(0, n, per_proc)]
+        group = []
+        for size in sizes:
+            config = {**self.base, **cfg, "threads": size, "proc": len(self.procs)}
+            proc = _spawn(["--agent", self.impl, json.dumps(config)])
+            self.procs.append(proc)
+            group.append(proc)
+        return group
+
+    def ready(self, group: Sequence[subprocess.Popen[str]]) -> list[str]:
+        nodes: list[str] = []
+        deadline = time.monotonic() + 600
+        for proc in group:
+            line = _readline(proc, deadline)
+            if not line:
+                raise RuntimeError(f"a {self.impl} agent process did not start")
+            nodes.extend(json.loads(line)["nodes"])
+        return nodes
+
+    def release(self, group: Sequence[subprocess.Popen[str]], delay: float = 0.5) -> float:
+        start_at = time.time() + delay
+        for proc in group:
+            assert proc.stdin is not None
+            proc.stdin.write(f"go {start_at}\n")
+            proc.stdin.flush()
+        return start_at
+
+    def collect(self, group: Sequence[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + self.opts.join + 60
+        reports = []
+        for proc in group:
+            line = _readline(proc, deadline)
+            reports.append(json.loads(line) if line else {"error": "no report (timed out)"})
+        return reports
+
+    def close(self) -> list[str]:
+        """Stop everything; return every dead judgement the live agents made."""
+        dead: list[str] = []
+        for proc in self.procs:
+            if proc.poll() is None and proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.write("stop\n")
+                    proc.stdin.flush()
+                    deadline = time.monotonic() + 10
+                    while line := _readline(proc, deadline):
+                        report = json.loads(line)
+                        if "round" not in report:
+                            dead.extend(report.get("dead", []))
+                            break
+            _stop(proc)
+        if self.server is not None:
+            _stop(self.server)
+        return dead
+
+
+def summarise(reports: Sequence[dict[str, Any]], start: float, server_cpu: float) -> dict[str, Any]:
+    """Turn the agent processes' reports of one round into the phase figures."""
+    results = [r for rep in reports for r in rep.get("results", [])]
+    errors = [r["error"] for r in results if "error" in r]
+    errors += [rep["error"] for rep in reports if "error" in rep]
+    if errors or not results:
+        return {"error": (errors or ["no results"])[0], "failed": len(errors)}
+    n = len(results)
+    ranks = sorted(r["rank"] for r in results)
+    if ranks != list(range(n)) or {r["world"] for r in results} != {n}:
+        return {"error": f"inconsistent ranks or world sizes over {n} agents"}
+    sealed = [t for rep in reports for t in rep.get("sealed", []) if t >= start]
+    cuts = [r.get("cuts", {}) for r in results]
+    enq = [c["enqueue"] for c in cuts if "enqueue" in c]
+    comp = [c["complete"] for c in cuts if "complete" in c]
+    ops = [sum(r["ops"][i] for r in results) / n for i in range(3)]
+    out: dict[str, Any] = {
+        "n": n,
+        "completion": max(r["done"] for r in results) - start,
+        "requests": ops[0],
+        "written": ops[1],
+        "read": ops[2],
+        "agent_cpu_ms": 1000 * sum(rep["cpu"] for rep in reports) / n,
+        "server_cpu_ms": 1000 * server_cpu / n,
+    }
+    if enq:
+        out["join"] = max(c[0] for c in enq) - start
+    if sealed:
+        out["seal"] = min(sealed) - start
+    if comp:
+        out["address"] = max(c[0] for c in comp) - start
+    if len(enq) == len(comp) == n:
+        # Per agent, [requests, written, read] before its enqueue, from it
+        # until it knew its rank and bootstrap address, and after.
+        phases = [[0.0] * 3 for _ in range(3)]
+        for r in results:
+            before, e, k = r["before"], r["cuts"]["enqueue"][1:], r["cuts"]["complete"][1:]
+            for i in range(3):
+                phases[0][i] += (e[i] - before[i]) / n
+                phases[1][i] += (k[i] - e[i]) / n
+                phases[2][i] += (before[i] + r["ops"][i] - k[i]) / n
+        out["phases"] = phases
+    return out
+
+
+def formation(run: Run, n: int, opts: argparse.Namespace, **cfg: Any) -> dict[str, Any]:
+    group = run.spawn(n, opts.per_proc, rounds=1, **cfg)
+    run.ready(group)
+    cpu0 = run.server_cpu()
+    start = run.release(group)
+    reports = run.collect(group)
+    return summarise(reports, start, run.server_cpu() - cpu0)
+
+
+def membership_change(run: Run, n: int, opts: argparse.Namespace, kill: bool) -> dict[str, Any]:
+    """Form N, then SIGKILL one agent (kill) or add one (scale-up); time the next round."""
+    common = {"last_call": opts.last_call, "rounds": 2}
+    if kill:
+        group = run.spawn(n - 1, opts.per_proc, min=n - 1, max=n, **common)
+        victim = run.spawn(1, 1, min=n - 1, max=n, **common)
+        everyone = group + victim
+    else:
+        group = run.spawn(n, opts.per_proc, min=n, max=n + 1, **common)
+        everyone = group
+    run.ready(group)
+    killed = run.ready(victim) if kill else []
+    start = run.release(everyone)
+    first = summarise(run.collect(everyone), start, 0.0)
+    if "error" in first:
+        return {"error": f"initial formation: {first['error']}"}
+    cpu0 = run.server_cpu()
+    if kill:
+        os.kill(victim[0].pid, signal.SIGKILL)
+        begin = time.time()
+        # The survivors' workers lost a peer: their agents re-rendezvous at once.
+        for proc in group:
+            assert proc.stdin is not None
+            proc.stdin.write("rejoin\n")
+            proc.stdin.flush()
+        second = run.collect(group)
+        bound = opts.interval * opts.attempts
+    else:
+        late = run.spawn(1, 1, min=n, max=n + 1, last_call=opts.last_call, rounds=1)
+        run.ready(late)
+        begin = run.release(late, delay=0.2)
+        second = run.collect(group + late)
+        bound = 0.0
+    summary = summarise(second, begin, run.server_cpu() - cpu0)
+    summary["initial_formation"] = first["completion"]
+    summary["bound"] = bound
+    summary["killed"] = killed
+    return summary
+
+
+def run_scenario(
+    impl: str, scenario: str, n: int, endpoints: dict[str, str], opts: argparse.Namespace
+) -> dict[str, Any]:
+    run = Run(impl, endpoints, opts)
+    try:
+        if scenario == "formation":
+            result = formation(run, n, opts, min=n, max=n, last_call=30.0)
+        elif scenario == "lastcall":
+            half = max(1, n // 2)
+            result = formation(run, half, opts, min=half, max=n, last_call=opts.last_call)
+            if "completion" in result:
+                result["overhead"] = result["completion"] - opts.last_call
+        else:
+            result = membership_change(run, n, opts, kill=scenario == "recovery")
+    except Exception as exc:  # one failed cell does not end the table
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        dead = run.close()
+    killed = set(result.pop("killed", []))
+    result["dead"] = len(dead)
+    result["false_deaths"] = len(set(dead) - killed)
+    return result
+
+
+@contextlib.contextmanager
+def engine_servers(backends: Sequence[str]) -> Iterator[dict[str, str]]:
+    """Start a private etcd and/or redis-server; stopped by pid on exit."""
+    from tests.engines.servers import etcd_cluster, redis_server
+
+    with contextlib.ExitStack() as stack:
+        endpoints: dict[str, str] = {}
+        if "etcd" in backends:
+            cluster = stack.enter_context(etcd_cluster(1))
+            endpoints["etcd"] = cluster.endpoints
+            proc = cluster.members[0].proc
+            endpoints["etcd-pid"] = str(proc.pid) if proc else ""
+        if "redis" in backends:
+            server = stack.enter_context(redis_server())
+            endpoints["redis"] = server.endpoint
+            endpoints["redis-pid"] = str(server.proc.pid) if server.proc else ""
+        yield endpoints
+
+
+def load() -> str:
+    with open("/proc/loadavg") as f:
+        avg = f.read().split()
+    return f"loadavg {' '.join(avg[:3])} on {os.cpu_count()} cores ({avg[3]} running/threads)"
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{value}{unit}"
+
+
+def print_row(impl: str, scenario: str, n: int, r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"{scenario:9} {impl:5} N={n:<5} FAILED: {r['error'][:160]}", flush=True)
+        return
+    fields = [
+        f"{scenario:9} {impl:5} N={n:<5}",
+        f"join {_fmt(r.get('join'), 's')}",
+        f"seal {_fmt(r.get('seal'), 's')}",
+        f"addr {_fmt(r.get('address'), 's')}",
+        f"done {_fmt(r.get('completion'), 's')}",
+    ]
+    if "overhead" in r:
+        fields.append(f"overhead {_fmt(r['overhead'], 's')}")
+    if "initial_formation" in r:
+        fields.append(
+            f"(formed first in {_fmt(r['initial_formation'], 's')}, bound {r['bound']:g}s)"
+        )
+    fields += [
+        f"req/agent {_fmt(r['requests'])}",
+        f"wr {_fmt(r['written'], 'B')}",
+        f"rd {_fmt(r['read'], 'B')}",
+        f"agent cpu {_fmt(r['agent_cpu_ms'], 'ms')}/node",
+        f"server cpu {_fmt(r['server_cpu_ms'], 'ms')}/node",
+        f"dead {r['dead']} false {r['false_deaths']}",
+    ]
+    print(" | ".join(fields), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", default="256,1024,2048", help="comma-separated N")
+    parser.add_argument("--backends", default="rdzv,torch", help=f"of {','.join(BACKENDS)}")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--per-proc", type=int, default=256, help="handlers per agent process")
+    parser.add_argument("--interval", type=float, default=1.0, help="keep-alive interval (s)")
+    parser.add_argument("--attempts", type=int, default=3, help="keep-alive max attempts")
+    parser.add_argument("--last-call", type=float, default=1.0)
+    parser.add_argument("--poll", type=float, default=0.5, help="members' poll period (s)")
+    parser.add_argument("--join", type=float, default=300.0, help="join timeout (s)")
+    parser.add_argument("--one-client", action="store_true", help="one store client per node")
+    parser.add_argument("--max-connections", type=int, default=65536)
+    parser.add_argument(
+        "--sample", action="store_true", help="print where the first agent process's threads are"
+    )
+    parser.add_argument("--json", help="also write the results to this file")
+    opts = parser.parse_args(argv)
+    sizes = [int(x) for x in opts.n.split(",")]
+    backends = [b for b in opts.backends.split(",") if b]
+    scenarios = [s for s in opts.scenarios.split(",") if s]
+    for name in backends + scenarios:
+        if name not in BACKENDS + SCENARIOS:
+            raise ValueError(f"unknown backend or scenario {name!r}")
+    print(f"start: {time.strftime('%H:%M:%S')} {load()}", flush=True)
+    rows: list[dict[str, Any]] = []
+    with engine_servers(backends) as endpoints:
+        for n in sizes:
+            for scenario in scenarios:
+                for impl in backends:
+                    if impl == "torch" and n > TORCH_MAX_N:
+                        continue
+                    result = run_scenario(impl, scenario, n, endpoints, opts)
+                    result["load_after"] = load()
+                    print_row(impl, scenario, n, result)
+                    rows.append({"impl": impl, "scenario": scenario, "n": n, **result})
+    print(f"end: {time.strftime('%H:%M:%S')} {load()}", flush=True)
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--agent":
+        agent_process(sys.argv[2], json.loads(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--server":
+        server_process(sys.argv[2], int(sys.argv[3]))
+    else:
+        sys.exit(main())
