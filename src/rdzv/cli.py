@@ -22,8 +22,10 @@ from rdzv.status import add_status_arguments
 from rdzv.store.serve import ServerSecurity, secured_server
 from rdzv.store.server import (
     DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HANDSHAKES,
     TCPStoreServer,
 )
 
@@ -116,6 +118,9 @@ def _serve(args: argparse.Namespace) -> None:
         args.port,
         security,
         max_connections=args.max_connections,
+        max_handshakes=args.max_handshakes,
+        handshake_timeout=args.handshake_timeout,
+        max_connections_per_address=args.max_connections_per_address,
         frame_timeout=args.frame_timeout,
         idle_timeout=args.idle_timeout,
     )
@@ -218,6 +223,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_CONNECTIONS,
         help="most client connections at once; more are closed (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-handshakes",
+        type=int,
+        default=DEFAULT_MAX_HANDSHAKES,
+        help="most connections still in their handshake, apart from --max-connections; "
+        "a newcomer closes the oldest (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=DEFAULT_HANDSHAKE_TIMEOUT,
+        help="seconds a new connection has to finish its handshake (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=None,
+        help="most connections from one address (default: 3/4 of --max-connections "
+        "without a secret, none with one)",
     )
     serve.add_argument(
         "--frame-timeout",

@@ -19,9 +19,12 @@ import ssl
 from pathlib import Path
 from typing import Final
 
+from rdzv.endpoint import parse_endpoint
+
 __all__ = [
     "KEEPALIVE_INTERVAL",
     "KEEPALIVE_PROBES",
+    "advertised_address",
     "bind_listener",
     "enable_keepalive",
     "is_local_address",
@@ -132,6 +135,40 @@ def source_address(host: str, port: int = 9) -> str | None:
                 continue
             return str(sock.getsockname()[0]).split("%", 1)[0]
     return None
+
+
+def advertised_address(endpoint: str) -> str:
+    """Return the address other nodes reach this one at, in a rendezvous at ``endpoint``.
+
+    The address of the interface this machine reaches the endpoint's first
+    host through (:func:`source_address`): on many machines the host name
+    resolves to a loopback address, so :func:`primary_address` would
+    publish ``127.0.0.1`` to nodes on other hosts. An endpoint on loopback
+    gives a loopback address, which is right: every node then runs here.
+
+    Args:
+        endpoint: ``host[:port]``, or several comma-separated (an etcd
+            member list, ``http://`` or ``https://`` allowed); empty when
+            unknown.
+
+    Returns:
+        A numeric address; :func:`primary_address` when the endpoint is
+        empty, malformed, does not resolve or has no route.
+    """
+    first = endpoint.split(",", 1)[0].strip()
+    for scheme in ("http://", "https://"):
+        if first.lower().startswith(scheme):
+            first = first[len(scheme) :]
+    first = first.rstrip("/")
+    if first:
+        try:
+            host, _port = parse_endpoint(first)
+        except ValueError:
+            host = ""
+        found = source_address(host) if host else None
+        if found is not None:
+            return found
+    return primary_address()
 
 
 def listen_backlog() -> int:

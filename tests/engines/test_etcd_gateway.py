@@ -292,6 +292,7 @@ def test_lease_not_found_body_is_a_final_request_error_with_its_code(
         (503, 14, "etcdserver: not capable"),
         (503, 14, "etcdserver: server stopped"),
         (503, 14, "etcdserver: request timed out"),
+        (408, 1, "grpc: the client connection is closing"),
         (504, 4, "context deadline exceeded"),
     ],
 )

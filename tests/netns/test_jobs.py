@@ -173,9 +173,9 @@ def test_torchrun_three_hosts_all_reduce_on_the_rdzv_backend(
         "--monitor-interval=0.2",
     ]
     for host in bed3.hosts:
-        # Each host's name resolves to loopback here: without --local-addr
-        # group rank 0 would publish 127.0.0.1 as MASTER_ADDR (see the docs).
-        agents.start(host.index, [*args, f"--local-addr={host.ipv4}", GATED], env)
+        # No --local-addr: each host's name resolves to loopback here, so the
+        # address published must be the one facing the endpoint.
+        agents.start(host.index, [*args, GATED], env)
     assert agents.wait() == [0, 0, 0], agents.output()
     check_results(out, 6, agents)
 

@@ -82,6 +82,7 @@ __all__ = [
 class GrpcCode(IntEnum):
     """The gRPC status codes rdzv tells apart (an error body's ``code``)."""
 
+    CANCELLED = 1
     UNKNOWN = 2
     DEADLINE_EXCEEDED = 4
     NOT_FOUND = 5
@@ -90,8 +91,10 @@ class GrpcCode(IntEnum):
 
 # etcd answers UNAVAILABLE for "no leader", "leader changed", "not capable",
 # "server stopped", "unhealthy cluster" and "request timed out"; the gateway
-# answers DEADLINE_EXCEEDED when its own call to the member timed out.
-TRANSIENT_CODES = frozenset({GrpcCode.DEADLINE_EXCEEDED, GrpcCode.UNAVAILABLE})
+# answers DEADLINE_EXCEEDED when its own call to the member timed out, and
+# CANCELLED (HTTP 408, "grpc: the client connection is closing") while the
+# member it fronts shuts down: another member can answer.
+TRANSIENT_CODES = frozenset({GrpcCode.CANCELLED, GrpcCode.DEADLINE_EXCEEDED, GrpcCode.UNAVAILABLE})
 # etcd's code for "requested lease not found", the only NOT_FOUND a KV or lease call gets.
 LEASE_NOT_FOUND = GrpcCode.NOT_FOUND
 # Bad gateway, service unavailable, gateway timeout: the member behind is unreachable.

@@ -135,7 +135,7 @@ from rdzv.errors import (
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
-from rdzv.net import primary_address
+from rdzv.net import advertised_address, primary_address
 from rdzv.retry import Clock, as_clock, call_within, deadline_within
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
@@ -820,7 +820,8 @@ def create_handler(
         store: The store members get.
         backend: The backend holding the shared state.
         params: The parameters (``run_id``, ``min_nodes``, ``max_nodes``,
-            ``local_addr``, ``node_rank``, config).
+            ``local_addr`` (without it, the address facing the endpoint:
+            :func:`rdzv.net.advertised_address`), ``node_rank``, config).
 
     Returns:
         The handler; :meth:`DynamicRendezvousHandler.close` closes ``backend``
@@ -833,6 +834,6 @@ def create_handler(
         RendezvousSettings.from_params(params),
         store,
         backend,
-        params.local_addr,
+        params.local_addr or advertised_address(params.endpoint),
         node_rank=params.node_rank,
     )

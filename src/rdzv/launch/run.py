@@ -40,7 +40,6 @@ from rdzv.backends.options import (
     EtcdOptions,
     RedisOptions,
     StoreBackendOptions,
-    parse_endpoints,
 )
 from rdzv.endpoint import format_endpoint, parse_config, parse_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousError
@@ -63,7 +62,7 @@ from rdzv.launch.ranks import visible_device
 from rdzv.launch.slurm import slurm_settings
 from rdzv.launch.workers import OutputSink, StdChoice, agent_line
 from rdzv.metrics import MetricsServer
-from rdzv.net import source_address
+from rdzv.net import advertised_address
 from rdzv.registry import BACKEND_FACTORIES, create_handler
 
 __all__ = [
@@ -241,22 +240,12 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
 
 
 def _advertised_addr(args: argparse.Namespace) -> str | None:
-    """Return the address this node publishes: ``--local-addr``, else the one facing the endpoint.
-
-    Without ``--local-addr``, the address of the interface this machine
-    reaches the (first) rendezvous endpoint host through is the one the
-    other nodes can reach it at; the host name is not consulted, since on
-    many machines it resolves to a loopback address.
-    """
+    """Return the address this node publishes: ``--local-addr``, else the one facing the endpoint."""
     if args.local_addr:
         return str(args.local_addr)
     if not args.rdzv_endpoint:
         return None
-    try:
-        host = parse_endpoints(args.rdzv_endpoint)[0][0]
-    except ValueError:
-        return None
-    return source_address(host)
+    return advertised_address(args.rdzv_endpoint)
 
 
 def _standalone(args: argparse.Namespace) -> bool:

@@ -34,6 +34,7 @@ from rdzv.api import RendezvousParameters, RendezvousSettings
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.backends.store import open_store
 from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.net import advertised_address
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.torchrun.handler import _Resources, _torch_errors, _wrap
 from rdzv.torchrun.server_child import _ServerProcess, _ServerStartError
@@ -199,7 +200,11 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
             backend, store = open_store(dataclasses.replace(options, is_host=False))
         resources.closers = (backend.close, store.close)
         inner = DynamicRendezvousHandler.from_settings(
-            settings, store, backend, rdzv_params.local_addr, node_rank=rdzv_params.node_rank
+            settings,
+            store,
+            backend,
+            rdzv_params.local_addr or advertised_address(rdzv_params.endpoint),
+            node_rank=rdzv_params.node_rank,
         )
     except BaseException:
         resources.close()

@@ -1,0 +1,43 @@
+"""rdzv serve's admission options reach the server, and bad values are one-line errors."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.procs import subprocess_env
+from tests.store.helpers import serve_process
+
+
+@pytest.mark.parametrize(
+    ("option", "named"),
+    [
+        ("--max-handshakes=0", "max_handshakes must be at least 1, got 0"),
+        ("--handshake-timeout=nan", "handshake_timeout must be a positive number"),
+        ("--max-connections-per-address=0", "max_connections_per_address must be at least 1"),
+    ],
+)
+def test_a_bad_admission_option_is_one_line_naming_it(option: str, named: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "rdzv.cli", "serve", "--port", "0", option],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
+    assert done.returncode == 1, done
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert named in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_handshake_timeout_closes_a_connection_that_never_handshakes() -> None:
+    # The frame timeout is an hour: only --handshake-timeout can close the peer.
+    with serve_process("--handshake-timeout=0.5", "--frame-timeout=3600") as (_proc, port):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        with sock:
+            assert sock.recv(1) == b""  # closed by the server, nothing sent
