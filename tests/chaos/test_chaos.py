@@ -114,12 +114,19 @@ def test_proxy_forwards_cuts_and_delays() -> None:
 def test_short_chaos_run_has_no_violations(backend: str) -> None:
     seed = int(os.environ.get("RDZV_CHAOS_SEED", random.randrange(1 << 31)))
     settings = Settings(
-        seed=seed, backend=backend, agents=4, min_nodes=2, max_nodes=4, seconds=10.0, min_faults=3
+        seed=seed,
+        backend=backend,
+        agents=4,
+        min_nodes=2,
+        max_nodes=4,
+        seconds=10.0,
+        min_faults=3,
+        min_rounds=2,
     )
     figures = ChaosRun(settings).run()
     report = f"replay with RDZV_CHAOS_SEED={seed}\n{figures.summary()}"
     assert figures.violations == [], report
-    assert figures.rounds >= 2, report
+    assert figures.rounds >= 2, report  # the run goes on (up to 60 s more) until 2 formed
     # The schedule's faults, not how many fit into 10 s of a loaded machine.
     assert sum(figures.faults.values()) >= settings.min_faults, report
     assert figures.state_reads > 0, report
