@@ -31,6 +31,25 @@ def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
             handler.close()
 
 
+@pytest.fixture
+def make_server() -> Iterator[type[TCPStoreServer]]:
+    """A TCPStoreServer class whose started servers are stopped after the test."""
+    from rdzv.store.server import TCPStoreServer
+
+    started: list[TCPStoreServer] = []
+
+    class Tracked(TCPStoreServer):
+        def start(self) -> TCPStoreServer:
+            started.append(self)
+            return super().start()
+
+    try:
+        yield Tracked
+    finally:
+        for server in started:
+            server.stop()
+
+
 @pytest.fixture(scope="session")
 def etcd() -> Iterator[EtcdCluster]:
     """One single-member etcd for the whole session."""

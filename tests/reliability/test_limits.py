@@ -9,7 +9,6 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
@@ -33,22 +32,6 @@ from tests.reliability.sockets import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def make_server() -> Iterator[type[TCPStoreServer]]:
-    started: list[TCPStoreServer] = []
-
-    class Tracked(TCPStoreServer):
-        def start(self) -> TCPStoreServer:
-            started.append(self)
-            return super().start()
-
-    try:
-        yield Tracked
-    finally:
-        for server in started:
-            server.stop()
 
 
 def test_defaults_are_named_and_sane() -> None:

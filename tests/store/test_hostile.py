@@ -13,7 +13,6 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -46,22 +45,6 @@ LATENCY_BOUND = 0.5
 second during an attack (it is a millisecond on a quiet machine; before the
 fixes, the slow-frame attack made it seconds)."""
 SECRET = "hostile-test-secret"
-
-
-@pytest.fixture
-def make_server() -> Iterator[type[TCPStoreServer]]:
-    started: list[TCPStoreServer] = []
-
-    class Tracked(TCPStoreServer):
-        def start(self) -> TCPStoreServer:
-            started.append(self)
-            return super().start()
-
-    try:
-        yield Tracked
-    finally:
-        for server in started:
-            server.stop()
 
 
 def _incomplete_check(keys: int) -> bytes:
