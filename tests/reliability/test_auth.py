@@ -22,6 +22,7 @@ from rdzv.auth import AUTH_TOKEN_ENV, read_token_file, resolve_auth_token
 from rdzv.backends.store import create_backend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError
+from rdzv.status import EXIT_UNKNOWN_RUN
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
 from tests.certs import TLSFiles, make_tls_files
@@ -219,10 +220,12 @@ def _status(
 
 def test_rdzv_status_authenticates_from_a_conf_key_or_the_environment(token_file: Path) -> None:
     with serve("--auth-token-file", str(token_file)) as (_pid, port):
+        # The store holds no run: an authenticated status reads it and says so.
         by_file = _status(port, f"auth_token_file={token_file},is_host=false")
-        assert by_file.returncode == 0, by_file.stderr
+        assert by_file.returncode == EXIT_UNKNOWN_RUN, by_file.stderr
+        assert "the store holds no run" in by_file.stderr
         by_env = _status(port, "is_host=false", env=subprocess_env(**{AUTH_TOKEN_ENV: SECRET}))
-        assert by_env.returncode == 0, by_env.stderr
+        assert by_env.returncode == EXIT_UNKNOWN_RUN, by_env.stderr
         missing = _status(port, "is_host=false,read_timeout=3")
         assert missing.returncode != 0
         assert "needs a shared secret" in missing.stderr
@@ -345,7 +348,8 @@ def test_rdzv_status_verifies_the_store_over_tls(tls_files: TLSFiles, token_file
     ):
         ca = tls_files.ca_cert
         verified = _status(port, f"auth_token_file={token_file},is_host=false,ca_cert={ca}")
-        assert verified.returncode == 0, verified.stderr
+        assert verified.returncode == EXIT_UNKNOWN_RUN, verified.stderr  # read: holds no run
+        assert "the store holds no run" in verified.stderr
         other = tls_files.other_ca_cert
         unverified = _status(
             port, f"auth_token_file={token_file},is_host=false,ca_cert={other},read_timeout=3"

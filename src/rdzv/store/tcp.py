@@ -15,7 +15,10 @@ bits. That is how the client learns, on the same connection and without
 upsetting a torch server, whether it may use rdzv's extensions (one-round-trip
 ``get``, ``watch``, ``try_multi_get``) and whether it must authenticate.
 Connecting is retried with capped exponential backoff and jitter until the
-store timeout; an authentication or certificate failure is final.
+store timeout; an authentication or certificate failure is final, and so is
+a peer that is not a store: one that answers the handshake with bytes no
+store sends, or, on a first connection, stays silent for
+:data:`HANDSHAKE_TIMEOUT` (a program holding the port that is not a store).
 
 A connection that breaks while a request is in flight raises
 :class:`~rdzv.errors.RendezvousConnectionError` (the socket is dropped; its
@@ -103,6 +106,19 @@ _REPLY_GRACE = 5.0
 # call (the store timeout still bounds it): the host most likely died, and a
 # caller with a deadline must hear so in seconds, not after the read timeout.
 RECONNECT_TIMEOUT = 3.0
+HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a server that accepted a first connection has to answer the
+handshake. Both rdzv's and torch's servers answer at once (rdzv's drops a
+connection whose handshake lasts longer than this); a peer that stays silent
+is not serving a store, so the client says so instead of retrying until its
+timeout. A reconnection that meets silence retries as before: that store
+answered once and may be stalled."""
+
+
+class _NotAStoreError(Exception):
+    """The peer accepted the connection but does not speak the store protocol."""
+
+
 _BACKOFF_FIRST = 0.01
 _BACKOFF_MAX = 1.0
 
@@ -296,17 +312,25 @@ class TCPStore(Store):
                 sock.settimeout(None)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(remaining))
             self._set_recv_timeout(remaining)
-            self._handshake()
+            self._handshake(min(remaining, HANDSHAKE_TIMEOUT))
         except BaseException:
             self._sock = None
             sock.close()
             raise
         return sock
 
-    def _handshake(self) -> None:
+    def _handshake(self, timeout: float) -> None:
         self._send(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
         self._send(Request(Op.PING, number=PROBE_NONCE))
-        hello = self._read(self._reader.read_u32)
+        try:
+            hello = self._read(self._reader.read_u32, timeout)
+        except TimeoutError:
+            if self._was_connected:
+                raise  # a store that answered before: stalled, maybe back soon
+            raise _NotAStoreError(
+                f"{self._address} accepted the connection but sent no reply to the store "
+                f"handshake within {timeout:g} s"
+            ) from None
         if hello == PROBE_NONCE:
             self._rdzv_server = False
             if self._secret is not None:
@@ -318,7 +342,10 @@ class TCPStore(Store):
             self._rdzv_server = True
             self._authenticate(bool(hello & FEATURE_AUTH_REQUIRED))
         else:
-            raise ProtocolError(f"unexpected handshake reply {hello:#x}")
+            raise _NotAStoreError(
+                f"{self._address} answered the store handshake with {hello:#010x}, "
+                "which no TCP store sends"
+            )
 
     def _authenticate(self, required: bool) -> None:
         if not required:
@@ -374,6 +401,8 @@ class TCPStore(Store):
                 sock = self._connect_once(max(remaining, 0.001))
                 self._was_connected = True
                 return sock
+            except _NotAStoreError as exc:
+                raise RendezvousConnectionError(str(exc)) from None
             except (StoreAuthenticationError, ssl.SSLCertVerificationError) as exc:
                 if isinstance(exc, ssl.SSLCertVerificationError):
                     raise RendezvousConnectionError(
