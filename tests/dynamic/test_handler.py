@@ -1,14 +1,7 @@
 """The handler in one process: threads as nodes, the in-memory backend, short timeouts.
 
-Tests of keep-alive death detection run on one shared :class:`FakeClock`
-(``Cluster(..., fake=True)``): every node reads it through a :class:`NodeClock`
-(its own offset, for skew), and a :class:`Ticker` moves it to the next wake-up
-only once every running keep-alive thread is parked on it again. Who is judged
-dead is then decided by fake time alone, however loaded the machine is. The
-backend's waits run on the node's clock too (a join waiting for its last call
-parks); the store's waits stay real, so the Ticker paces fake time (one
-wake-up per ``PACE`` real seconds at most), so those tests give joins a join
-timeout of ``FAKE_JOIN`` fake seconds.
+Tests of keep-alive death detection run on one shared fake clock
+(``Cluster(..., fake=True)``; see tests/dynamic/ticking.py).
 """
 
 import logging
@@ -29,83 +22,12 @@ from rdzv.errors import (
     RendezvousExhaustedError,
     RendezvousGracefulExitError,
 )
-from rdzv.retry import Clock
 from rdzv.store.base import Store
 from rdzv.store.memory import HashStore
 from rdzv.testing import FakeClock, InMemoryBackend, InMemoryRendezvousStorage
+from tests.dynamic.ticking import FAKE_JOIN, NodeClock, Ticker
 
 pytestmark = pytest.mark.timeout(30)
-
-PACE = 0.002
-"""Real seconds the Ticker lets pass at least between two moves of the fake clock."""
-FAKE_JOIN = 3600.0
-"""The join timeout, in fake seconds, of tests on the fake clock (never reached)."""
-
-
-class NodeClock(Clock):
-    """One node's view of a shared :class:`FakeClock`: offset by ``skew``, sleeps park.
-
-    A sleep parks on the shared clock until the Ticker moves it there (a
-    sleeping node does not move everybody's time). The clock knows which
-    threads are parked on it.
-    """
-
-    def __init__(self, base: FakeClock, skew: float = 0.0) -> None:
-        super().__init__()
-        self.base, self.skew = base, skew
-        self.parked: set[int] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        return self.base() + self.skew
-
-    def sleep(self, seconds: float) -> None:
-        if seconds > 0:
-            self.wait(threading.Event(), seconds)
-
-    def wait(self, event: threading.Event, seconds: float) -> bool:
-        me = threading.get_ident()
-        with self._lock:
-            self.parked.add(me)
-        try:
-            return self.base.wait(event, seconds)
-        finally:
-            with self._lock:
-                self.parked.discard(me)
-
-    def is_parked(self, thread: threading.Thread | None) -> bool:
-        """Whether ``thread`` is None, ended, or parked on this clock."""
-        if thread is None or not thread.is_alive():
-            return True
-        with self._lock:
-            return thread.ident in self.parked
-
-
-class Ticker:
-    """Moves a FakeClock to its next wake-up whenever every node's keep-alive is parked."""
-
-    def __init__(self, clock: FakeClock, nodes: list[tuple[NodeClock, DynamicRendezvousHandler]]):
-        self.clock, self.nodes = clock, nodes
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ticker", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(PACE):
-            wake = self.clock.next_wake
-            if wake is None or not all(
-                node_clock.is_parked(h._keepalive._thread) for node_clock, h in list(self.nodes)
-            ):
-                continue
-            self.clock.advance(max(0.0, wake - self.clock()))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def until(self, reading: float) -> None:
-        """Block (real time, bounded) until the fake clock reads ``reading``."""
-        _until(lambda: self.clock() >= reading)
 
 
 class PlainBackend(RendezvousBackend):
