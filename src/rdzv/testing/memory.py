@@ -63,7 +63,6 @@ class InMemoryRendezvousStorage:
 
     def notify(self) -> None:
         """Wake every waiting backend call (callers hold ``changed``)."""
-        self.changed.notify_all()
         for event in self.waiters:
             event.set()
 
