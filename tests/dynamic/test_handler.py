@@ -230,7 +230,7 @@ def test_clock_skew_neither_kills_the_living_nor_saves_the_dead(
 def test_keep_alive_gives_up_with_a_clear_error_and_restarts_on_the_next_join(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(1, 1)
+    c = cluster_factory(1, 1, fake=True)
     h = c.handler("k1")
     c.join([h])[0].result(timeout=10)
     c.storage.fail_next(10_000)
