@@ -6,12 +6,19 @@ using keys of their own.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from hypothesis import settings
 
 from rdzv.dynamic.handler import DynamicRendezvousHandler
+
+settings.register_profile("thorough", max_examples=1000)
+"""``HYPOTHESIS_PROFILE=thorough`` explores ten times the default 100 examples
+wherever a test does not fix its own count (tests/dynamic/test_interleavings.py)."""
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 if TYPE_CHECKING:
     from rdzv.store.server import TCPStoreServer

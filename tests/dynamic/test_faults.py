@@ -21,8 +21,10 @@ from rdzv.errors import (
     RendezvousExhaustedError,
     RendezvousStateError,
 )
+from rdzv.retry import Clock
 from rdzv.store.memory import HashStore
-from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
+from rdzv.testing import FakeClock, InMemoryBackend, InMemoryRendezvousStorage
+from tests.dynamic.ticking import FAKE_JOIN, NodeClock, Ticker
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -124,8 +126,10 @@ def test_a_backend_that_breaks_the_contract_is_named_at_once_not_after_the_join_
 class FlakyMarks(InMemoryBackend):
     """Reading another node's heartbeat mark fails with anything, for a while."""
 
-    def __init__(self, storage: InMemoryRendezvousStorage, fail: Callable[[], bool]) -> None:
-        super().__init__(storage)
+    def __init__(
+        self, storage: InMemoryRendezvousStorage, fail: Callable[[], bool], clock: Clock
+    ) -> None:
+        super().__init__(storage, clock)
         self.fail = fail
 
     def heartbeat_mark(self, node: str) -> bytes | None:
@@ -139,33 +143,47 @@ def test_an_error_while_judging_never_stops_the_heartbeat() -> None:
     failing = threading.Event()
     failing.set()
     settings: dict[str, Any] = {
-        "timeout": RendezvousTimeout(join=10, last_call=0.1),
+        "timeout": RendezvousTimeout(join=FAKE_JOIN, last_call=0.1),
         "keep_alive_interval": 0.1,
     }
     store = HashStore(timeout=5)
+    nodes: list[tuple[NodeClock, DynamicRendezvousHandler]] = []
+    ticker = Ticker(FakeClock(), nodes)
+    clocks = NodeClock(ticker.clock), NodeClock(ticker.clock)
     observer = DynamicRendezvousHandler.from_backend(
-        "job", store, FlakyMarks(storage, failing.is_set), 2, 2, "a", **settings
+        "job",
+        store,
+        FlakyMarks(storage, failing.is_set, clocks[0]),
+        2,
+        2,
+        "a",
+        **settings,
+        clock=clocks[0],
     )
     other = DynamicRendezvousHandler.from_backend(
-        "job", store, InMemoryBackend(storage), 2, 2, "b", **settings
+        "job", store, InMemoryBackend(storage, clocks[1]), 2, 2, "b", **settings, clock=clocks[1]
     )
+    nodes.extend(zip(clocks, (observer, other), strict=True))
     threads = [threading.Thread(target=h.next_rendezvous) for h in (observer, other)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    beats = InMemoryBackend(storage).heartbeat_mark(observer.node)
-    time.sleep(1.0)  # 10 judging ticks that all raise
-    assert observer._keepalive.running
-    assert InMemoryBackend(storage).heartbeat_mark(observer.node) != beats
-    failing.clear()
-    other.pre_shutdown()  # the observer's successor stops beating: judged and evicted
-    deadline = time.monotonic() + 10
-    while observer.num_nodes_waiting() == 0:
-        assert time.monotonic() < deadline, "the dead successor was never evicted"
-        time.sleep(0.05)
-    observer.close()
-    other.close()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        beats = InMemoryBackend(storage).heartbeat_mark(observer.node)
+        ticker.until(ticker.clock() + 1.0)  # 10 judging ticks that all raise
+        assert observer._keepalive.running
+        assert InMemoryBackend(storage).heartbeat_mark(observer.node) != beats
+        failing.clear()
+        other.pre_shutdown()  # the observer's successor stops beating: judged and evicted
+        deadline = time.monotonic() + 10
+        while observer.num_nodes_waiting() == 0:
+            assert time.monotonic() < deadline, "the dead successor was never evicted"
+            time.sleep(0.01)
+    finally:
+        observer.close()
+        other.close()
+        ticker.stop()
 
 
 def test_a_failed_join_stops_the_heartbeat() -> None:

@@ -1,4 +1,8 @@
-"""The handler in one process: threads as nodes, the in-memory backend, short timeouts."""
+"""The handler in one process: threads as nodes, the in-memory backend, short timeouts.
+
+Tests of keep-alive death detection run on one shared fake clock
+(``Cluster(..., fake=True)``; see tests/dynamic/ticking.py).
+"""
 
 import logging
 import threading
@@ -20,7 +24,8 @@ from rdzv.errors import (
 )
 from rdzv.store.base import Store
 from rdzv.store.memory import HashStore
-from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
+from rdzv.testing import FakeClock, InMemoryBackend, InMemoryRendezvousStorage
+from tests.dynamic.ticking import FAKE_JOIN, NodeClock, Ticker
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -46,21 +51,34 @@ class PlainBackend(RendezvousBackend):
 
 class Cluster:
     def __init__(
-        self, min_nodes: int, max_nodes: int, plain: bool = False, **timeouts: float
+        self,
+        min_nodes: int,
+        max_nodes: int,
+        plain: bool = False,
+        fake: bool = False,
+        **timeouts: float,
     ) -> None:
         self.store = HashStore(timeout=5)
         self.storage = InMemoryRendezvousStorage()
         self.min_nodes, self.max_nodes, self.plain = min_nodes, max_nodes, plain
         self.timeout = RendezvousTimeout(
-            join=timeouts.get("join", 10), last_call=timeouts.get("last_call", 0.3)
+            join=timeouts.get("join", FAKE_JOIN if fake else 10),
+            last_call=timeouts.get("last_call", 0.3),
         )
         self.handlers: list[DynamicRendezvousHandler] = []
         self.pool = ThreadPoolExecutor(max_workers=16)
+        self.nodes: list[tuple[NodeClock, DynamicRendezvousHandler]] = []
+        self.ticker = Ticker(FakeClock(), self.nodes) if fake else None
 
     def handler(
-        self, addr: str, node_rank: int | None = None, clock: Callable[[], float] | None = None
+        self,
+        addr: str,
+        node_rank: int | None = None,
+        clock: Callable[[], float] | None = None,
+        skew: float = 0.0,
     ) -> DynamicRendezvousHandler:
-        backend: RendezvousBackend = InMemoryBackend(self.storage)
+        node_clock = NodeClock(self.ticker.clock, skew) if self.ticker is not None else None
+        backend: RendezvousBackend = InMemoryBackend(self.storage, node_clock)
         if self.plain:
             backend = PlainBackend(backend)  # type: ignore[arg-type]
         h = DynamicRendezvousHandler.from_backend(
@@ -74,8 +92,11 @@ class Cluster:
             keep_alive_interval=0.2,
             keep_alive_max_attempt=3,
             node_rank=node_rank,
-            clock=clock,
+            clock=node_clock if node_clock is not None else clock,
         )
+        if self.ticker is not None:
+            assert node_clock is not None
+            self.nodes.append((node_clock, h))
         self.handlers.append(h)
         return h
 
@@ -86,6 +107,8 @@ class Cluster:
         for h in self.handlers:
             h.pre_shutdown()
         self.pool.shutdown(wait=True)
+        if self.ticker is not None:
+            self.ticker.stop()
 
 
 @pytest.fixture
@@ -177,10 +200,11 @@ def test_late_joiner_waits_and_is_admitted_next_round(
 
 
 def test_member_dead_after_completion_is_detected(cluster_factory: Callable[..., Cluster]) -> None:
-    c = cluster_factory(2, 3)
+    c = cluster_factory(2, 3, fake=True)
+    assert c.ticker is not None
     nodes = [c.handler(f"d{i}") for i in range(3)]
     [f.result(timeout=10) for f in c.join(nodes)]
-    time.sleep(1.3)  # two dead-node timeouts (0.2 s x 3): nobody is wrongly evicted
+    c.ticker.until(c.ticker.clock() + 1.3)  # > two dead-node timeouts (0.2 s x 3)
     assert all(h.num_nodes_waiting() == 0 for h in nodes)
     nodes[1].pre_shutdown()  # stops heart-beating, as a SIGKILLed node would
     _until(lambda: nodes[0].num_nodes_waiting() > 0 and nodes[2].num_nodes_waiting() > 0)
@@ -192,11 +216,12 @@ def test_member_dead_after_completion_is_detected(cluster_factory: Callable[...,
 def test_clock_skew_neither_kills_the_living_nor_saves_the_dead(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(3, 3)
-    skewed = c.handler("s0", clock=lambda: time.monotonic() + 3600.0)
-    normal = [c.handler("s1"), c.handler("s2", clock=lambda: time.monotonic() - 3600.0)]
+    c = cluster_factory(3, 3, fake=True)
+    assert c.ticker is not None
+    skewed = c.handler("s0", skew=3600.0)
+    normal = [c.handler("s1"), c.handler("s2", skew=-3600.0)]
     [f.result(timeout=10) for f in c.join([skewed, *normal])]
-    time.sleep(1.3)  # > 2 dead-node timeouts (0.2 s x 3)
+    c.ticker.until(c.ticker.clock() + 1.3)  # > 2 dead-node timeouts (0.2 s x 3)
     assert all(h.num_nodes_waiting() == 0 for h in [skewed, *normal])
     skewed.pre_shutdown()
     _until(lambda: normal[0].num_nodes_waiting() > 0)
@@ -205,7 +230,7 @@ def test_clock_skew_neither_kills_the_living_nor_saves_the_dead(
 def test_keep_alive_gives_up_with_a_clear_error_and_restarts_on_the_next_join(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(1, 1)
+    c = cluster_factory(1, 1, fake=True)
     h = c.handler("k1")
     c.join([h])[0].result(timeout=10)
     c.storage.fail_next(10_000)
@@ -338,7 +363,7 @@ def test_backend_name_and_run_id(cluster_factory: Callable[..., Cluster]) -> Non
 def test_a_round_whose_members_all_died_does_not_block_the_next(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(2, 2)
+    c = cluster_factory(2, 2, fake=True)
     old = [c.handler("o1"), c.handler("o2")]
     [f.result(timeout=10) for f in c.join(old)]
     for h in old:
@@ -440,7 +465,7 @@ def test_a_store_restarted_empty_strands_nobody(cluster_factory: Callable[..., C
 def test_a_member_dying_while_the_others_rejoin_is_found_by_its_ring_neighbour(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(2, 4, join=60)  # waiting for the join timeout would fail result()
+    c = cluster_factory(2, 4, fake=True)  # the join timeout is never reached
     a, b, d = c.handler("a", node_rank=0), c.handler("b", node_rank=1), c.handler("d", node_rank=2)
     [f.result(timeout=10) for f in c.join([a, b, d])]
     a.pre_shutdown()  # a and d stop heart-beating, as if SIGKILLed
@@ -464,7 +489,7 @@ def test_a_member_dying_while_the_others_rejoin_is_found_by_its_ring_neighbour(
 def test_a_queue_whose_admitted_nodes_all_died_does_not_block_the_spares(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(2, 2, join=60)  # waiting for the join timeout would fail result()
+    c = cluster_factory(2, 2, fake=True)  # the join timeout is never reached
     old = [c.handler("o1"), c.handler("o2")]
     [f.result(timeout=10) for f in c.join(old)]
     for h in old:

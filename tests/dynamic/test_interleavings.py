@@ -214,7 +214,7 @@ OPS = st.sampled_from(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)  # examples: the profile's (tests/conftest.py), 100 by default
 @given(
     st.lists(SKEWS, min_size=2, max_size=2),
     st.lists(st.tuples(OPS, st.integers(0, 7), SKEWS), min_size=1, max_size=150),

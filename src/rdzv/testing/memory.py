@@ -11,7 +11,6 @@ state record.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 from rdzv.backends.base import (
@@ -24,6 +23,7 @@ from rdzv.backends.base import (
     validate_record,
 )
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+from rdzv.retry import Clock
 
 __all__ = ["InMemoryBackend", "InMemoryRendezvousStorage", "OperationCounts"]
 
@@ -57,8 +57,14 @@ class InMemoryRendezvousStorage:
         self.record: bytes | None = None
         self.queues: dict[int, list[bytes]] = {}
         self.marks: dict[str, int] = {}
+        self.waiters: set[threading.Event] = set()
         self.counts = OperationCounts()
         self._failures = 0
+
+    def notify(self) -> None:
+        """Wake every waiting backend call (callers hold ``changed``)."""
+        for event in self.waiters:
+            event.set()
 
     def fail_next(self, calls: int) -> None:
         """Make the next ``calls`` backend calls raise ``RendezvousConnectionError``.
@@ -73,7 +79,7 @@ class InMemoryRendezvousStorage:
         """Replace the state record by bytes that do not decode."""
         with self.changed:
             self.record = b"\xff"
-            self.changed.notify_all()
+            self.notify()
 
     def wipe(self) -> None:
         """Forget the state, the join queues and the heartbeats, as a store restarted empty."""
@@ -81,7 +87,7 @@ class InMemoryRendezvousStorage:
             self.record = None
             self.queues.clear()
             self.marks.clear()
-            self.changed.notify_all()
+            self.notify()
 
     def check_up(self) -> None:
         """Raise the injected failure, if one is pending (callers hold the lock)."""
@@ -106,10 +112,26 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
 
     Args:
         storage: The shared storage; a new one when None.
+        clock: The clock the waits for changes run on; real time when None.
     """
 
-    def __init__(self, storage: InMemoryRendezvousStorage | None = None) -> None:
+    def __init__(
+        self, storage: InMemoryRendezvousStorage | None = None, clock: Clock | None = None
+    ) -> None:
         self.storage = storage if storage is not None else InMemoryRendezvousStorage()
+        self._clock = clock if clock is not None else Clock()
+
+    def _wait_change(self, deadline: float) -> None:
+        """Wait (the caller holds ``changed``) until the storage changes or ``deadline``."""
+        storage = self.storage
+        event = threading.Event()
+        storage.waiters.add(event)
+        storage.changed.release()
+        try:
+            self._clock.wait(event, deadline - self._clock())
+        finally:
+            storage.changed.acquire()
+            storage.waiters.discard(event)
 
     @property
     def name(self) -> str:
@@ -150,14 +172,14 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
             generation = 1 if current is None else current[1] + 1
             storage.record = generation.to_bytes(_GENERATION_BYTES, "big") + bytes(state)
             storage.counts.bytes_written += len(state)
-            storage.changed.notify_all()
+            storage.notify()
             return bytes(state), generation, True
 
     def wait_for_state(  # noqa: D102 - see WatchableBackend
         self, token: Token | None, timeout: float
     ) -> tuple[bytes, Token] | None:
         storage = self.storage
-        deadline = time.monotonic() + max(0.0, timeout)
+        deadline = self._clock() + max(0.0, timeout)
         with storage.changed:
             storage.check_up()
             storage.counts.reads += 1
@@ -167,10 +189,9 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
                     current is not None and current[1] != token
                 ):
                     break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if deadline - self._clock() <= 0:
                     break
-                storage.changed.wait(remaining)
+                self._wait_change(deadline)
             if current is not None:
                 storage.counts.bytes_read += len(current[0])
             return current
@@ -184,7 +205,7 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
             storage.counts.bytes_written += len(record)
             queue = storage.queues.setdefault(round_id, [])
             queue.append(bytes(record))
-            storage.changed.notify_all()
+            storage.notify()
             return len(queue)
 
     def queue_records(self, round_id: int) -> list[bytes]:  # noqa: D102
@@ -205,16 +226,15 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
 
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:  # noqa: D102
         storage = self.storage
-        deadline = time.monotonic() + max(0.0, timeout)
+        deadline = self._clock() + max(0.0, timeout)
         with storage.changed:
             storage.check_up()
             storage.counts.reads += 1
             while True:
                 length = len(storage.queues.get(round_id, ()))
-                remaining = deadline - time.monotonic()
-                if length != known or remaining <= 0:
+                if length != known or deadline - self._clock() <= 0:
                     return length
-                storage.changed.wait(remaining)
+                self._wait_change(deadline)
 
     def drop_queue(self, round_id: int) -> None:  # noqa: D102
         storage = self.storage
@@ -222,7 +242,7 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
             storage.check_up()
             storage.counts.writes += 1
             storage.queues.pop(round_id, None)
-            storage.changed.notify_all()
+            storage.notify()
 
     def beat(self, node: str) -> None:  # noqa: D102 - see LivenessBackend
         validate_node_key(node)
