@@ -40,6 +40,14 @@ the keys it wrote, in one of two ways:
   write to it: the counter reached the world size (``BARRIER``), a value
   exists (``GET_WAIT``), the value differs from the caller's (``WATCH``).
 
+Each key a blocked request names costs memory until it is answered: its
+bytes and its place in the index. The blocked requests of all clients
+together may hold at most ``max_waiting_bytes`` of it, counted as the
+length of each key named plus :data:`WAITED_KEY_OVERHEAD` (about what
+CPython spends on one more waited key). A request that would pass it is
+refused before anything changes, with an error naming the limit. A key
+with one waiter is indexed to that waiter itself, without a set.
+
 A waiter leaves the index when it is answered, on ``CANCEL_WAIT`` (answered
 ``WAIT_CANCELED``), or on :meth:`StoreEngine.drop`, which the driver calls
 when the client went away or when the time of a request ran out: the engine
@@ -49,8 +57,8 @@ timeout calls for.
 
 Errors. A request the engine cannot carry out (``ADD`` to a value that is
 not an integer, an ``APPEND`` past the cap, a reply that would be larger
-than :data:`MAX_REPLY_BYTES`, a request from a client that is
-blocked, an opcode that is no store operation) raises
+than :data:`MAX_REPLY_BYTES`, a blocked request past ``max_waiting_bytes``,
+a request from a client that is blocked, an opcode that is no store operation) raises
 :class:`~rdzv.store.protocol.ProtocolError` and changes nothing: the server
 then closes the connection, as torch's server does.
 """
@@ -75,7 +83,15 @@ from rdzv.store.protocol import (
     encode_i64,
 )
 
-__all__ = ["BLOCKING_OPS", "MAX_APPENDED_BYTES", "MAX_REPLY_BYTES", "StoreEngine", "Woken"]
+__all__ = [
+    "BLOCKING_OPS",
+    "DEFAULT_MAX_WAITING_BYTES",
+    "MAX_APPENDED_BYTES",
+    "MAX_REPLY_BYTES",
+    "WAITED_KEY_OVERHEAD",
+    "StoreEngine",
+    "Woken",
+]
 
 MAX_APPENDED_BYTES: Final = MAX_VALUE_BYTES
 """Largest value ``APPEND`` may build, in bytes: the largest value a request
@@ -90,6 +106,17 @@ MAX_REPLY_BYTES: Final = 2 * MAX_VALUE_BYTES
 keys (``MULTI_GET``, ``MULTI_TRY_GET``) or all of them (``LIST_KEYS``) can
 go past it, and they are refused, before the reply is built: a 24 KB
 ``MULTI_GET`` naming one 1 MiB key 2,000 times would otherwise cost 2 GiB."""
+
+WAITED_KEY_OVERHEAD: Final = 128
+"""Bytes counted against ``max_waiting_bytes`` for each key a blocked request
+names, besides the key's own length: about what CPython spends on it (the
+bytes object, the blocked request's reference, the index entry)."""
+
+DEFAULT_MAX_WAITING_BYTES: Final = 32 * 1024 * 1024
+"""The default of ``max_waiting_bytes``: 32 MiB, about 230,000 waited keys of
+16 bytes. A rendezvous, whose thousands of clients each wait on a few keys,
+uses a few MiB of it; it refuses the eight ``WAIT`` s of 131,072 keys each
+that would otherwise grow the server by 170 MiB."""
 
 ClientT = TypeVar("ClientT", bound=Hashable)
 
@@ -138,7 +165,7 @@ class _Waiter(Generic[ClientT]):
     otherwise it returns the reply once the one key's value allows it.
     """
 
-    __slots__ = ("client", "keys", "missing", "on_timeout", "ready", "timeout_ms")
+    __slots__ = ("client", "cost", "keys", "missing", "on_timeout", "ready", "timeout_ms")
 
     def __init__(
         self,
@@ -156,6 +183,7 @@ class _Waiter(Generic[ClientT]):
         self.ready = ready
         self.timeout_ms = timeout_ms
         self.on_timeout = on_timeout
+        self.cost = 0
 
 
 class StoreEngine(Generic[ClientT]):
@@ -169,12 +197,28 @@ class StoreEngine(Generic[ClientT]):
             saves a call per request).
         waiter_checks: How many times a write examined a blocked request, in
             total: the work of the waiter index (for tests and monitoring).
+        waiting_bytes: What the blocked requests hold, as counted against
+            ``max_waiting_bytes``.
+
+    Args:
+        max_waiting_bytes: Most bytes the blocked requests of all clients
+            may hold together: the length of each key they name plus
+            :data:`WAITED_KEY_OVERHEAD`. A request that would pass it is
+            refused.
+
+    Raises:
+        ValueError: ``max_waiting_bytes`` is not positive.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES) -> None:
+        if max_waiting_bytes < 1:
+            raise ValueError(f"max_waiting_bytes must be at least 1, got {max_waiting_bytes}")
+        self.max_waiting_bytes = max_waiting_bytes
+        self.waiting_bytes = 0
         self._data: dict[bytes, bytes | bytearray] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
-        self._index: dict[bytes, set[_Waiter[ClientT]]] = {}
+        self._index: dict[bytes, _Waiter[ClientT] | set[_Waiter[ClientT]]] = {}
+        """The waiters of each key: the waiter itself when it is the only one."""
         self._blocked: dict[ClientT, _Waiter[ClientT]] = {}
         self.handlers: Mapping[int, Callable[[ClientT, Request], _Outcome[ClientT]]] = {
             op: MethodType(handler, self) for op, handler in _HANDLERS.items()
@@ -254,24 +298,49 @@ class StoreEngine(Generic[ClientT]):
 
     # -- the waiter index ------------------------------------------------------
 
-    def _block(self, waiter: _Waiter[ClientT]) -> None:
+    def _admit(self, op: Op, keys: Sequence[bytes]) -> int:
+        """Return what a request blocked on ``keys`` would cost.
+
+        Raises:
+            ProtocolError: The cost would pass ``max_waiting_bytes``.
+        """
+        cost = sum(map(len, keys)) + WAITED_KEY_OVERHEAD * len(keys)
+        if self.waiting_bytes + cost > self.max_waiting_bytes:
+            raise ProtocolError(
+                f"{op.name} of {len(keys)} keys would hold {cost} bytes while blocked, "
+                f"{self.waiting_bytes} bytes held by blocked requests already: over the "
+                f"limit of {self.max_waiting_bytes} bytes (max_waiting_bytes)"
+            )
+        return cost
+
+    def _block(self, waiter: _Waiter[ClientT], cost: int) -> None:
+        """Index ``waiter``, which :meth:`_admit` found to cost ``cost``."""
         self._blocked[waiter.client] = waiter
+        waiter.cost = cost
+        self.waiting_bytes += cost
         index = self._index
         for key in waiter.keys:
             waiting = index.get(key)
             if waiting is None:
-                index[key] = {waiter}
-            else:
+                index[key] = waiter
+            elif isinstance(waiting, set):
                 waiting.add(waiter)
+            else:
+                index[key] = {waiting, waiter}
 
     def _unindex(self, waiter: _Waiter[ClientT]) -> None:
         del self._blocked[waiter.client]
+        self.waiting_bytes -= waiter.cost
         index = self._index
         for key in waiter.keys:
             waiting = index[key]
-            waiting.discard(waiter)
-            if not waiting:
+            if waiting is waiter:
                 del index[key]
+                continue
+            assert isinstance(waiting, set)
+            waiting.discard(waiter)
+            if len(waiting) == 1:
+                index[key] = waiting.pop()
 
     def _notify(self, key: bytes, existence: int) -> Woken[ClientT]:
         """Answer the waiters of ``key`` that its change satisfied.
@@ -285,7 +354,7 @@ class StoreEngine(Generic[ClientT]):
         if not waiting:
             return ()
         woken: list[tuple[ClientT, bytes]] = []
-        for waiter in list(waiting):
+        for waiter in list(waiting) if isinstance(waiting, set) else (waiting,):
             self.waiter_checks += 1
             if waiter.ready is None:
                 if not existence:
@@ -365,8 +434,9 @@ class StoreEngine(Generic[ClientT]):
         if all(key in data or key in queues for key in request.keys):
             return _STOP_WAITING, ()
         keys = tuple(dict.fromkeys(request.keys))
+        cost = self._admit(Op.WAIT, keys)
         missing = sum(1 for key in keys if key not in data and key not in queues)
-        self._block(_Waiter(client, keys, missing=missing))
+        self._block(_Waiter(client, keys, missing=missing), cost)
         return _NOTHING
 
     def _num_keys(self, _client: ClientT, _request: Request) -> _Outcome[ClientT]:
@@ -457,10 +527,12 @@ class StoreEngine(Generic[ClientT]):
                 return None
             return _STOP_WAITING if count >= world_size else None
 
-        woken = self._write(key, str(self._sum(key, 1)).encode())
+        count = self._sum(key, 1)
+        cost = 0 if count >= world_size else self._admit(Op.BARRIER, (key,))
+        woken = self._write(key, str(count).encode())
         reply = arrived()
         if reply is None:
-            self._block(_Waiter(client, (key,), ready=arrived))
+            self._block(_Waiter(client, (key,), ready=arrived), cost)
         return reply, woken
 
     # -- rdzv's extensions -----------------------------------------------------
@@ -478,8 +550,10 @@ class StoreEngine(Generic[ClientT]):
             value = data.get(key)
             return None if value is None else _FOUND + encode_bytes(value)
 
+        cost = self._admit(Op.GET_WAIT, (key,))
         self._block(
-            _Waiter(client, (key,), ready=found, timeout_ms=request.number, on_timeout=_TIMED_OUT)
+            _Waiter(client, (key,), ready=found, timeout_ms=request.number, on_timeout=_TIMED_OUT),
+            cost,
         )
         return _NOTHING
 
@@ -499,6 +573,7 @@ class StoreEngine(Generic[ClientT]):
             return reply, ()
         if request.number == 0:
             return _WATCH_UNCHANGED, ()
+        cost = self._admit(Op.WATCH, (key,))
         self._block(
             _Waiter(
                 client,
@@ -506,7 +581,8 @@ class StoreEngine(Generic[ClientT]):
                 ready=changed,
                 timeout_ms=request.number,
                 on_timeout=_WATCH_UNCHANGED,
-            )
+            ),
+            cost,
         )
         return _NOTHING
 
