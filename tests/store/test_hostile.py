@@ -234,10 +234,8 @@ def test_waits_of_many_keys_stay_within_the_waiting_budget(tmp_path: Path) -> No
         socks = [stack.enter_context(attacker(server.port)) for _ in range(8)]
         for sock in socks:
             send_quietly(sock, wait)
-        refusals = "over the limit of %d bytes (max_waiting_bytes)" % DEFAULT_MAX_WAITING_BYTES
-        assert eventually(lambda: server.log().count(refusals) == 8 - admitted, 60), (
-            server.log()
-        )
+        refusals = f"over the limit of {DEFAULT_MAX_WAITING_BYTES} bytes (max_waiting_bytes)"
+        assert eventually(lambda: server.log().count(refusals) == 8 - admitted, 60), server.log()
         with TCPStore("127.0.0.1", server.port, timeout=30) as client:
             for _ in range(100):
                 client.set("/hot", "1")
