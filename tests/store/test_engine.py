@@ -352,6 +352,26 @@ def test_blocked_requests_hold_their_keys_against_the_budget_until_they_end() ->
     assert engine.waiting_bytes == cost(b"e")
 
 
+def test_waits_still_arriving_reserve_their_least_cost_until_they_arrive_or_drop() -> None:
+    """The server reserves a WAIT's keys once their number is read, before the keys."""
+    engine: StoreEngine[str] = StoreEngine(max_waiting_bytes=3 * WAITED_KEY_OVERHEAD + 2)
+    engine.reserve_wait("w", 2)
+    engine.reserve_wait("gone", 1)
+    assert engine.reserved_bytes == 3 * WAITED_KEY_OVERHEAD
+    with pytest.raises(ProtocolError, match="max_waiting_bytes"):
+        engine.reserve_wait("late", 1)
+    assert engine.drop("gone") is None  # its connection closed mid-request
+    assert engine.reserved_bytes == 2 * WAITED_KEY_OVERHEAD
+    assert run(engine, Op.WAIT, b"a", b"b", client="w") is None  # the reservation becomes the cost
+    assert (engine.reserved_bytes, engine.waiting_bytes) == (0, cost(b"a", b"b"))
+    engine.reserve_wait("late", 1)
+    assert run(engine, Op.WAIT, b"", client="late") is None
+    engine.reserve_wait("soon", 0)
+    assert set_(engine, b"a") == []
+    assert run(engine, Op.WAIT, client="soon") == STOP_WAITING  # never blocked: nothing held
+    assert engine.reserved_bytes == 0
+
+
 def test_many_waiters_on_one_key_share_its_index_entry() -> None:
     """A rendezvous's many waiters of a few keys: wake, cancel and drop in any order."""
     engine: StoreEngine[str] = StoreEngine()

@@ -38,7 +38,9 @@ the keys it wrote, in one of two ways:
   exists now.
 * The others watch one key's value and re-evaluate a predicate after each
   write to it: the counter reached the world size (``BARRIER``), a value
-  exists (``GET_WAIT``), the value differs from the caller's (``WATCH``).
+  exists (``GET_WAIT``), the value differs from the caller's (``WATCH``;
+  past :data:`WATCH_DIGEST_PAST` bytes the caller's value is held as its
+  length and digest).
 
 Each key a blocked request names costs memory until it is answered: its
 bytes and its place in the index. The blocked requests of all clients
@@ -65,6 +67,7 @@ then closes the connection, as torch's server does.
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import MethodType
@@ -89,6 +92,7 @@ __all__ = [
     "MAX_APPENDED_BYTES",
     "MAX_REPLY_BYTES",
     "WAITED_KEY_OVERHEAD",
+    "WATCH_DIGEST_PAST",
     "StoreEngine",
     "Woken",
 ]
@@ -117,6 +121,13 @@ DEFAULT_MAX_WAITING_BYTES: Final = 32 * 1024 * 1024
 16 bytes. A rendezvous, whose thousands of clients each wait on a few keys,
 uses a few MiB of it; it refuses the eight ``WAIT`` s of 131,072 keys each
 that would otherwise grow the server by 170 MiB."""
+
+WATCH_DIGEST_PAST: Final = 64
+"""A blocked ``WATCH`` whose value is longer than this many bytes holds the
+value's length and SHA-256 digest instead of the value (up to 8 MiB), and
+compares the key's new values against those: its memory is then that of its
+key, which ``max_waiting_bytes`` counts. The digest of a new value is
+computed once per write, however many watchers compare it."""
 
 ClientT = TypeVar("ClientT", bound=Hashable)
 
@@ -151,6 +162,10 @@ def _check_reply_size(op: Op, size: int) -> None:
             f"the reply to {op.name} would be {size} bytes, over the limit of "
             f"{MAX_REPLY_BYTES} bytes (MAX_REPLY_BYTES); ask for fewer keys at a time"
         )
+
+
+def _digest(value: bytes | bytearray) -> bytes:
+    return hashlib.sha256(value).digest()
 
 
 def _show(key: bytes) -> str:
@@ -215,6 +230,9 @@ class StoreEngine(Generic[ClientT]):
             raise ValueError(f"max_waiting_bytes must be at least 1, got {max_waiting_bytes}")
         self.max_waiting_bytes = max_waiting_bytes
         self.waiting_bytes = 0
+        self.reserved_bytes = 0
+        """What :meth:`reserve_wait` set aside for ``WAIT`` s still arriving."""
+        self._reserved: dict[ClientT, int] = {}
         self._data: dict[bytes, bytes | bytearray] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
         self._index: dict[bytes, _Waiter[ClientT] | set[_Waiter[ClientT]]] = {}
@@ -224,6 +242,8 @@ class StoreEngine(Generic[ClientT]):
             op: MethodType(handler, self) for op, handler in _HANDLERS.items()
         }
         self.waiter_checks = 0
+        self._memo: tuple[bytes | bytearray, bytes] | None = None
+        """The value last hashed by :meth:`_current_digest`, and its digest."""
 
     # -- the driver's interface ----------------------------------------------
 
@@ -266,11 +286,39 @@ class StoreEngine(Generic[ClientT]):
             ``WATCH``: unchanged); None for a ``WAIT`` or ``BARRIER``, whose
             clients cancel, or when ``client`` has no blocked request.
         """
+        if self._reserved:
+            self._unreserve(client)
         waiter = self._blocked.get(client)
         if waiter is None:
             return None
         self._unindex(waiter)
         return waiter.on_timeout
+
+    def reserve_wait(self, client: ClientT, count: int) -> None:
+        """Set aside the least a ``WAIT`` of ``count`` keys still arriving may hold.
+
+        A driver that reads requests piecemeal calls this once the number of
+        keys of a client's ``WAIT`` is known, so that many ``WAIT`` s arriving
+        at once cannot each be read in full (the keys cost memory while they
+        are read) before the budget refuses all but the first. The ``WAIT``
+        itself (:meth:`apply`) or :meth:`drop` gives it back.
+
+        Args:
+            client: Who is sending the ``WAIT``.
+            count: The number of keys it names.
+
+        Raises:
+            ProtocolError: ``count`` keys would pass ``max_waiting_bytes``.
+        """
+        if self._reserved:
+            self._unreserve(client)
+        amount = WAITED_KEY_OVERHEAD * count
+        self._check_budget(Op.WAIT, count, amount)
+        self._reserved[client] = amount
+        self.reserved_bytes += amount
+
+    def _unreserve(self, client: ClientT) -> None:
+        self.reserved_bytes -= self._reserved.pop(client, 0)
 
     def timeout_ms(self, client: ClientT) -> int | None:
         """Return how long the blocked request of ``client`` may block.
@@ -305,13 +353,17 @@ class StoreEngine(Generic[ClientT]):
             ProtocolError: The cost would pass ``max_waiting_bytes``.
         """
         cost = sum(map(len, keys)) + WAITED_KEY_OVERHEAD * len(keys)
-        if self.waiting_bytes + cost > self.max_waiting_bytes:
+        self._check_budget(op, len(keys), cost)
+        return cost
+
+    def _check_budget(self, op: Op, count: int, cost: int) -> None:
+        held = self.waiting_bytes + self.reserved_bytes
+        if held + cost > self.max_waiting_bytes:
             raise ProtocolError(
-                f"{op.name} of {len(keys)} keys would hold {cost} bytes while blocked, "
-                f"{self.waiting_bytes} bytes held by blocked requests already: over the "
+                f"{op.name} of {count} keys would hold {cost} bytes while blocked, "
+                f"{held} bytes held by blocked requests already: over the "
                 f"limit of {self.max_waiting_bytes} bytes (max_waiting_bytes)"
             )
-        return cost
 
     def _block(self, waiter: _Waiter[ClientT], cost: int) -> None:
         """Index ``waiter``, which :meth:`_admit` found to cost ``cost``."""
@@ -353,6 +405,7 @@ class StoreEngine(Generic[ClientT]):
         waiting = self._index.get(key)
         if not waiting:
             return ()
+        self._memo = None  # an appended value changes in place: hash afresh
         woken: list[tuple[ClientT, bytes]] = []
         for waiter in list(waiting) if isinstance(waiting, set) else (waiting,):
             self.waiter_checks += 1
@@ -366,6 +419,7 @@ class StoreEngine(Generic[ClientT]):
             if reply is not None:
                 self._unindex(waiter)
                 woken.append((waiter.client, reply))
+        self._memo = None
         return woken
 
     def _exists(self, key: bytes) -> bool:
@@ -430,6 +484,8 @@ class StoreEngine(Generic[ClientT]):
         return (_READY if ready else _NOT_READY), ()
 
     def _wait(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
+        if self._reserved:
+            self._unreserve(client)
         data, queues = self._data, self._queues
         if all(key in data or key in queues for key in request.keys):
             return _STOP_WAITING, ()
@@ -574,6 +630,8 @@ class StoreEngine(Generic[ClientT]):
         if request.number == 0:
             return _WATCH_UNCHANGED, ()
         cost = self._admit(Op.WATCH, (key,))
+        if previous is not None and len(previous) > WATCH_DIGEST_PAST:
+            changed = self._changed_from_digest(key, len(previous), _digest(previous))
         self._block(
             _Waiter(
                 client,
@@ -585,6 +643,34 @@ class StoreEngine(Generic[ClientT]):
             cost,
         )
         return _NOTHING
+
+    def _changed_from_digest(
+        self, key: bytes, size: int, digest: bytes
+    ) -> Callable[[], bytes | None]:
+        """The predicate of a ``WATCH`` of a long value, which holds its digest only."""
+        data = self._data
+
+        def changed() -> bytes | None:
+            current = data.get(key)
+            if current is None:
+                return _WATCH_ABSENT
+            if len(current) == size and self._current_digest(current) == digest:
+                return None
+            return _WATCH_PRESENT + encode_bytes(current)
+
+        return changed
+
+    def _current_digest(self, value: bytes | bytearray) -> bytes:
+        """Return the digest of ``value``, the value of the key being notified.
+
+        It is computed once per write, however many watchers compare it.
+        """
+        memo = self._memo
+        if memo is not None and memo[0] is value:
+            return memo[1]
+        digest = _digest(value)
+        self._memo = (value, digest)
+        return digest
 
     def _multi_try_get(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
         data = self._data

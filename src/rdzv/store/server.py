@@ -229,6 +229,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.engine = server.engine
         self.parser = RequestParser()
         self.parser.allowed = _BEFORE_VALIDATE
+        self.parser.on_count = self._on_count
         self.table: dict[int, _Handler] = _BEFORE_VALIDATE
         self.transport: asyncio.Transport | None = None
         self.attaching: asyncio.Task[None] | None = None
@@ -257,6 +258,11 @@ class _Connection(asyncio.BufferedProtocol):
         self.inbox = bytearray()
         """Received bytes not fed to the parser yet: a large read is parsed
         :data:`FEED_SLICE` bytes per turn, other connections' turns between."""
+
+    def _on_count(self, op: Op, count: int) -> None:
+        """Count a ``WAIT`` against the waiting budget before its keys arrive."""
+        if op == Op.WAIT:
+            self.engine.reserve_wait(self, count)
 
     # -- asyncio callbacks -------------------------------------------------
 
