@@ -12,6 +12,7 @@ from rdzv.store.engine import (
     BLOCKING_OPS,
     MAX_APPENDED_BYTES,
     WAITED_KEY_OVERHEAD,
+    WATCH_DIGEST_PAST,
     StoreEngine,
 )
 from rdzv.store.protocol import (
@@ -20,6 +21,7 @@ from rdzv.store.protocol import (
     Op,
     ProtocolError,
     Request,
+    WatchStatus,
     encode_bytes,
     encode_i64,
 )
@@ -385,6 +387,23 @@ def test_many_waiters_on_one_key_share_its_index_entry() -> None:
         assert set_(engine, b"own%d" % client) == []
     assert sorted(set_(engine, b"go")) == sorted((str(c), STOP_WAITING) for c in range(2, 100))
     assert (engine.waiting_bytes, engine.waiter_count, engine.indexed_keys) == (0, 0, 0)
+
+
+def test_a_watch_of_a_long_value_holds_its_digest_and_still_sees_every_change() -> None:
+    long = b"s" * (WATCH_DIGEST_PAST + 1)
+    engine: StoreEngine[str] = StoreEngine()
+    assert set_(engine, b"k", long) == []
+    for client in ("x", "y"):
+        assert run(engine, Op.WATCH, b"k", values=(long,), number=1000, client=client) is None
+    assert engine.waiting_bytes == 2 * cost(b"k")  # the value is not held
+    assert set_(engine, b"k", bytes(long)) == []  # the same value again: no change
+    run(engine, Op.APPEND, b"k", values=(b"",), client="writer")  # nor an empty append
+    changed = b"t" + long[1:]  # as long, different
+    present = bytes([WatchStatus.PRESENT]) + encode_bytes(changed)
+    assert sorted(set_(engine, b"k", changed)) == [("x", present), ("y", present)]
+    assert run(engine, Op.WATCH, b"k", values=(changed,), number=1000, client="x") is None
+    _, woken = engine.apply("writer", Request(Op.APPEND, (b"k",), (b"!",)))
+    assert list(woken) == [("x", bytes([WatchStatus.PRESENT]) + encode_bytes(changed + b"!"))]
 
 
 def test_max_waiting_bytes_must_be_positive() -> None:
