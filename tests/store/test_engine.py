@@ -8,13 +8,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdzv.store.engine import BLOCKING_OPS, MAX_APPENDED_BYTES, StoreEngine
+from rdzv.store.engine import (
+    BLOCKING_OPS,
+    MAX_APPENDED_BYTES,
+    WAITED_KEY_OVERHEAD,
+    WATCH_DIGEST_PAST,
+    StoreEngine,
+)
 from rdzv.store.protocol import (
     MAX_MULTI_KEYS,
     MAX_VALUE_BYTES,
     Op,
     ProtocolError,
     Request,
+    WatchStatus,
     encode_bytes,
     encode_i64,
 )
@@ -305,8 +312,9 @@ def test_a_write_examines_only_the_waiters_of_its_key() -> None:
 
 def test_waits_on_the_most_keys_cost_one_step_per_waiter_per_write() -> None:
     """8 WAITs of 128 Ki keys and 100 set/delete pairs: 1,600 steps, not 8 * 2**17 * 200."""
-    engine: StoreEngine[str] = StoreEngine()
     keys = tuple(b"k%d" % i for i in range(MAX_MULTI_KEYS))
+    budget = 8 * sum(len(key) + WAITED_KEY_OVERHEAD for key in keys)
+    engine: StoreEngine[str] = StoreEngine(max_waiting_bytes=budget)
     for client in range(8):
         assert engine.apply(str(client), Request(Op.WAIT, keys)) == (None, ())
     for _ in range(100):
@@ -316,6 +324,91 @@ def test_waits_on_the_most_keys_cost_one_step_per_waiter_per_write() -> None:
     _, woken = engine.apply("writer", Request(Op.MULTI_SET, keys, (b"v",) * len(keys)))
     assert sorted(woken) == [(str(client), STOP_WAITING) for client in range(8)]
     assert (engine.waiter_count, engine.indexed_keys) == (0, 0)
+
+
+def cost(*keys: bytes) -> int:
+    return sum(len(key) + WAITED_KEY_OVERHEAD for key in keys)
+
+
+def test_blocked_requests_hold_their_keys_against_the_budget_until_they_end() -> None:
+    """Answered, cancelled, dropped (gone or timed out): each releases what it held."""
+    engine: StoreEngine[str] = StoreEngine(max_waiting_bytes=cost(b"a", b"b", b"c", b"d"))
+    assert run(engine, Op.WAIT, b"a", b"b", b"b", client="w") is None  # a duplicate counts once
+    assert run(engine, Op.GET_WAIT, b"c", number=1000, client="g") is None
+    assert run(engine, Op.WATCH, b"d", number=1000, client="x") is None
+    assert engine.waiting_bytes == cost(b"a", b"b", b"c", b"d") == engine.max_waiting_bytes
+    with pytest.raises(ProtocolError, match=r"over the limit of \d+ bytes \(max_waiting_bytes\)"):
+        engine.apply("late", Request(Op.WAIT, (b"e",)))
+    with pytest.raises(ProtocolError, match="max_waiting_bytes"):
+        engine.apply("late", Request(Op.BARRIER, (b"n",), number=2))
+    assert get(engine, b"n") == encode_bytes(b"")  # the refused BARRIER did not arrive
+    assert engine.waiter_count == 3
+    assert set_(engine, b"c") == [("g", b"\x00" + encode_bytes(b"v"))]  # answered
+    assert engine.waiting_bytes == cost(b"a", b"b", b"d")
+    assert run(engine, Op.CANCEL_WAIT, client="w") == WAIT_CANCELED  # cancelled
+    assert engine.waiting_bytes == cost(b"d")
+    assert engine.drop("x") is not None  # gone, or its time ran out
+    assert (engine.waiting_bytes, engine.waiter_count, engine.indexed_keys) == (0, 0, 0)
+    assert run(engine, Op.WAIT, b"e", client="late") is None  # room again
+    assert run(engine, Op.BARRIER, b"n", number=1, client="solo") == STOP_WAITING  # never blocks
+    assert engine.waiting_bytes == cost(b"e")
+
+
+def test_waits_still_arriving_reserve_their_least_cost_until_they_arrive_or_drop() -> None:
+    """The server reserves a WAIT's keys once their number is read, before the keys."""
+    engine: StoreEngine[str] = StoreEngine(max_waiting_bytes=3 * WAITED_KEY_OVERHEAD + 2)
+    engine.reserve_wait("w", 2)
+    engine.reserve_wait("gone", 1)
+    assert engine.reserved_bytes == 3 * WAITED_KEY_OVERHEAD
+    with pytest.raises(ProtocolError, match="max_waiting_bytes"):
+        engine.reserve_wait("late", 1)
+    assert engine.drop("gone") is None  # its connection closed mid-request
+    assert engine.reserved_bytes == 2 * WAITED_KEY_OVERHEAD
+    assert run(engine, Op.WAIT, b"a", b"b", client="w") is None  # the reservation becomes the cost
+    assert (engine.reserved_bytes, engine.waiting_bytes) == (0, cost(b"a", b"b"))
+    engine.reserve_wait("late", 1)
+    assert run(engine, Op.WAIT, b"", client="late") is None
+    engine.reserve_wait("soon", 0)
+    assert set_(engine, b"a") == []
+    assert run(engine, Op.WAIT, client="soon") == STOP_WAITING  # never blocked: nothing held
+    assert engine.reserved_bytes == 0
+
+
+def test_many_waiters_on_one_key_share_its_index_entry() -> None:
+    """A rendezvous's many waiters of a few keys: wake, cancel and drop in any order."""
+    engine: StoreEngine[str] = StoreEngine()
+    for client in range(100):
+        assert run(engine, Op.WAIT, b"go", b"own%d" % client, client=str(client)) is None
+    assert engine.indexed_keys == 101
+    assert run(engine, Op.CANCEL_WAIT, client="0") == WAIT_CANCELED
+    assert engine.drop("1") is None
+    assert engine.indexed_keys == 99
+    for client in range(2, 100):
+        assert set_(engine, b"own%d" % client) == []
+    assert sorted(set_(engine, b"go")) == sorted((str(c), STOP_WAITING) for c in range(2, 100))
+    assert (engine.waiting_bytes, engine.waiter_count, engine.indexed_keys) == (0, 0, 0)
+
+
+def test_a_watch_of_a_long_value_holds_its_digest_and_still_sees_every_change() -> None:
+    long = b"s" * (WATCH_DIGEST_PAST + 1)
+    engine: StoreEngine[str] = StoreEngine()
+    assert set_(engine, b"k", long) == []
+    for client in ("x", "y"):
+        assert run(engine, Op.WATCH, b"k", values=(long,), number=1000, client=client) is None
+    assert engine.waiting_bytes == 2 * cost(b"k")  # the value is not held
+    assert set_(engine, b"k", bytes(long)) == []  # the same value again: no change
+    run(engine, Op.APPEND, b"k", values=(b"",), client="writer")  # nor an empty append
+    changed = b"t" + long[1:]  # as long, different
+    present = bytes([WatchStatus.PRESENT]) + encode_bytes(changed)
+    assert sorted(set_(engine, b"k", changed)) == [("x", present), ("y", present)]
+    assert run(engine, Op.WATCH, b"k", values=(changed,), number=1000, client="x") is None
+    _, woken = engine.apply("writer", Request(Op.APPEND, (b"k",), (b"!",)))
+    assert list(woken) == [("x", bytes([WatchStatus.PRESENT]) + encode_bytes(changed + b"!"))]
+
+
+def test_max_waiting_bytes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_waiting_bytes"):
+        StoreEngine(max_waiting_bytes=0)
 
 
 KEYS = [b"a", b"b", b"c"]

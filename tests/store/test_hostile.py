@@ -19,7 +19,12 @@ from pathlib import Path
 import pytest
 
 from rdzv.errors import RendezvousConnectionError
-from rdzv.store.engine import MAX_APPENDED_BYTES, MAX_REPLY_BYTES
+from rdzv.store.engine import (
+    DEFAULT_MAX_WAITING_BYTES,
+    MAX_APPENDED_BYTES,
+    MAX_REPLY_BYTES,
+    WAITED_KEY_OVERHEAD,
+)
 from rdzv.store.protocol import MAX_MULTI_KEYS, Op, Request, encode_bytes, encode_request
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
@@ -198,6 +203,32 @@ def test_writes_to_a_key_cost_one_step_per_waiter_on_it(
             assert client.add("done", 1) == 1  # acknowledged: every write was applied
         work = server.engine.waiter_checks - checks_before
     assert work <= 8 * 200, work  # one step per waiter per write, not per key it names
+
+
+def test_waits_of_many_keys_stay_within_the_waiting_budget(tmp_path: Path) -> None:
+    # Row 4 at the size: 8 WAITs of 131,072 keys, then SET/DELETE pairs.
+    keys = (b"/hot", *(b"/absent-%07d" % i for i in range(MAX_MULTI_KEYS - 1)))
+    wait = VALIDATE + encode_request(Request(Op.WAIT, keys))
+    held = sum(len(key) + WAITED_KEY_OVERHEAD for key in keys)
+    admitted = DEFAULT_MAX_WAITING_BYTES // held
+    assert 0 < admitted < 8  # the default lets some through and refuses the rest
+    with server_process(tmp_path) as server, ExitStack() as stack:
+        idle_rss = server.rss()
+        socks = [stack.enter_context(attacker(server.port)) for _ in range(8)]
+        for sock in socks:
+            send_quietly(sock, wait)
+        refusals = f"over the limit of {DEFAULT_MAX_WAITING_BYTES} bytes (max_waiting_bytes)"
+        assert eventually(lambda: server.log().count(refusals) == 8 - admitted, 60), server.log()
+        with TCPStore("127.0.0.1", server.port, timeout=30) as client:
+            for _ in range(100):
+                client.set("/hot", "1")
+                client.delete_key("/hot")
+            grown = server.rss() - idle_rss
+            assert client.add("done", 1) == 1  # others are still served
+        for sock in socks:
+            sock.settimeout(1)
+        assert sum(closed_by_server(sock) for sock in socks) == 8 - admitted
+    assert grown < RSS_BOUND, grown
 
 
 def test_appends_stop_at_the_cap_naming_it_and_cost_linear_time(tmp_path: Path) -> None:

@@ -38,7 +38,17 @@ the keys it wrote, in one of two ways:
   exists now.
 * The others watch one key's value and re-evaluate a predicate after each
   write to it: the counter reached the world size (``BARRIER``), a value
-  exists (``GET_WAIT``), the value differs from the caller's (``WATCH``).
+  exists (``GET_WAIT``), the value differs from the caller's (``WATCH``;
+  past :data:`WATCH_DIGEST_PAST` bytes the caller's value is held as its
+  length and digest).
+
+Each key a blocked request names costs memory until it is answered: its
+bytes and its place in the index. The blocked requests of all clients
+together may hold at most ``max_waiting_bytes`` of it, counted as the
+length of each key named plus :data:`WAITED_KEY_OVERHEAD` (about what
+CPython spends on one more waited key). A request that would pass it is
+refused before anything changes, with an error naming the limit. A key
+with one waiter is indexed to that waiter itself, without a set.
 
 A waiter leaves the index when it is answered, on ``CANCEL_WAIT`` (answered
 ``WAIT_CANCELED``), or on :meth:`StoreEngine.drop`, which the driver calls
@@ -49,14 +59,15 @@ timeout calls for.
 
 Errors. A request the engine cannot carry out (``ADD`` to a value that is
 not an integer, an ``APPEND`` past the cap, a reply that would be larger
-than :data:`MAX_REPLY_BYTES`, a request from a client that is
-blocked, an opcode that is no store operation) raises
+than :data:`MAX_REPLY_BYTES`, a blocked request past ``max_waiting_bytes``,
+a request from a client that is blocked, an opcode that is no store operation) raises
 :class:`~rdzv.store.protocol.ProtocolError` and changes nothing: the server
 then closes the connection, as torch's server does.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import MethodType
@@ -75,7 +86,16 @@ from rdzv.store.protocol import (
     encode_i64,
 )
 
-__all__ = ["BLOCKING_OPS", "MAX_APPENDED_BYTES", "MAX_REPLY_BYTES", "StoreEngine", "Woken"]
+__all__ = [
+    "BLOCKING_OPS",
+    "DEFAULT_MAX_WAITING_BYTES",
+    "MAX_APPENDED_BYTES",
+    "MAX_REPLY_BYTES",
+    "WAITED_KEY_OVERHEAD",
+    "WATCH_DIGEST_PAST",
+    "StoreEngine",
+    "Woken",
+]
 
 MAX_APPENDED_BYTES: Final = MAX_VALUE_BYTES
 """Largest value ``APPEND`` may build, in bytes: the largest value a request
@@ -90,6 +110,24 @@ MAX_REPLY_BYTES: Final = 2 * MAX_VALUE_BYTES
 keys (``MULTI_GET``, ``MULTI_TRY_GET``) or all of them (``LIST_KEYS``) can
 go past it, and they are refused, before the reply is built: a 24 KB
 ``MULTI_GET`` naming one 1 MiB key 2,000 times would otherwise cost 2 GiB."""
+
+WAITED_KEY_OVERHEAD: Final = 128
+"""Bytes counted against ``max_waiting_bytes`` for each key a blocked request
+names, besides the key's own length: about what CPython spends on it (the
+bytes object, the blocked request's reference, the index entry)."""
+
+DEFAULT_MAX_WAITING_BYTES: Final = 32 * 1024 * 1024
+"""The default of ``max_waiting_bytes``: 32 MiB, about 230,000 waited keys of
+16 bytes. A rendezvous, whose thousands of clients each wait on a few keys,
+uses a few MiB of it; it refuses the eight ``WAIT`` s of 131,072 keys each
+that would otherwise grow the server by 170 MiB."""
+
+WATCH_DIGEST_PAST: Final = 64
+"""A blocked ``WATCH`` whose value is longer than this many bytes holds the
+value's length and SHA-256 digest instead of the value (up to 8 MiB), and
+compares the key's new values against those: its memory is then that of its
+key, which ``max_waiting_bytes`` counts. The digest of a new value is
+computed once per write, however many watchers compare it."""
 
 ClientT = TypeVar("ClientT", bound=Hashable)
 
@@ -126,6 +164,10 @@ def _check_reply_size(op: Op, size: int) -> None:
         )
 
 
+def _digest(value: bytes | bytearray) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
 def _show(key: bytes) -> str:
     """Render a key for an error message, shortened."""
     return repr(key) if len(key) <= 64 else f"{key[:64]!r}..."
@@ -138,7 +180,7 @@ class _Waiter(Generic[ClientT]):
     otherwise it returns the reply once the one key's value allows it.
     """
 
-    __slots__ = ("client", "keys", "missing", "on_timeout", "ready", "timeout_ms")
+    __slots__ = ("client", "cost", "keys", "missing", "on_timeout", "ready", "timeout_ms")
 
     def __init__(
         self,
@@ -156,6 +198,7 @@ class _Waiter(Generic[ClientT]):
         self.ready = ready
         self.timeout_ms = timeout_ms
         self.on_timeout = on_timeout
+        self.cost = 0
 
 
 class StoreEngine(Generic[ClientT]):
@@ -169,17 +212,38 @@ class StoreEngine(Generic[ClientT]):
             saves a call per request).
         waiter_checks: How many times a write examined a blocked request, in
             total: the work of the waiter index (for tests and monitoring).
+        waiting_bytes: What the blocked requests hold, as counted against
+            ``max_waiting_bytes``.
+
+    Args:
+        max_waiting_bytes: Most bytes the blocked requests of all clients
+            may hold together: the length of each key they name plus
+            :data:`WAITED_KEY_OVERHEAD`. A request that would pass it is
+            refused.
+
+    Raises:
+        ValueError: ``max_waiting_bytes`` is not positive.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES) -> None:
+        if max_waiting_bytes < 1:
+            raise ValueError(f"max_waiting_bytes must be at least 1, got {max_waiting_bytes}")
+        self.max_waiting_bytes = max_waiting_bytes
+        self.waiting_bytes = 0
+        self.reserved_bytes = 0
+        """What :meth:`reserve_wait` set aside for ``WAIT`` s still arriving."""
+        self._reserved: dict[ClientT, int] = {}
         self._data: dict[bytes, bytes | bytearray] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
-        self._index: dict[bytes, set[_Waiter[ClientT]]] = {}
+        self._index: dict[bytes, _Waiter[ClientT] | set[_Waiter[ClientT]]] = {}
+        """The waiters of each key: the waiter itself when it is the only one."""
         self._blocked: dict[ClientT, _Waiter[ClientT]] = {}
         self.handlers: Mapping[int, Callable[[ClientT, Request], _Outcome[ClientT]]] = {
             op: MethodType(handler, self) for op, handler in _HANDLERS.items()
         }
         self.waiter_checks = 0
+        self._memo: tuple[bytes | bytearray, bytes] | None = None
+        """The value last hashed by :meth:`_current_digest`, and its digest."""
 
     # -- the driver's interface ----------------------------------------------
 
@@ -222,11 +286,39 @@ class StoreEngine(Generic[ClientT]):
             ``WATCH``: unchanged); None for a ``WAIT`` or ``BARRIER``, whose
             clients cancel, or when ``client`` has no blocked request.
         """
+        if self._reserved:
+            self._unreserve(client)
         waiter = self._blocked.get(client)
         if waiter is None:
             return None
         self._unindex(waiter)
         return waiter.on_timeout
+
+    def reserve_wait(self, client: ClientT, count: int) -> None:
+        """Set aside the least a ``WAIT`` of ``count`` keys still arriving may hold.
+
+        A driver that reads requests piecemeal calls this once the number of
+        keys of a client's ``WAIT`` is known, so that many ``WAIT`` s arriving
+        at once cannot each be read in full (the keys cost memory while they
+        are read) before the budget refuses all but the first. The ``WAIT``
+        itself (:meth:`apply`) or :meth:`drop` gives it back.
+
+        Args:
+            client: Who is sending the ``WAIT``.
+            count: The number of keys it names.
+
+        Raises:
+            ProtocolError: ``count`` keys would pass ``max_waiting_bytes``.
+        """
+        if self._reserved:
+            self._unreserve(client)
+        amount = WAITED_KEY_OVERHEAD * count
+        self._check_budget(Op.WAIT, count, amount)
+        self._reserved[client] = amount
+        self.reserved_bytes += amount
+
+    def _unreserve(self, client: ClientT) -> None:
+        self.reserved_bytes -= self._reserved.pop(client, 0)
 
     def timeout_ms(self, client: ClientT) -> int | None:
         """Return how long the blocked request of ``client`` may block.
@@ -254,24 +346,53 @@ class StoreEngine(Generic[ClientT]):
 
     # -- the waiter index ------------------------------------------------------
 
-    def _block(self, waiter: _Waiter[ClientT]) -> None:
+    def _admit(self, op: Op, keys: Sequence[bytes]) -> int:
+        """Return what a request blocked on ``keys`` would cost.
+
+        Raises:
+            ProtocolError: The cost would pass ``max_waiting_bytes``.
+        """
+        cost = sum(map(len, keys)) + WAITED_KEY_OVERHEAD * len(keys)
+        self._check_budget(op, len(keys), cost)
+        return cost
+
+    def _check_budget(self, op: Op, count: int, cost: int) -> None:
+        held = self.waiting_bytes + self.reserved_bytes
+        if held + cost > self.max_waiting_bytes:
+            raise ProtocolError(
+                f"{op.name} of {count} keys would hold {cost} bytes while blocked, "
+                f"{held} bytes held by blocked requests already: over the "
+                f"limit of {self.max_waiting_bytes} bytes (max_waiting_bytes)"
+            )
+
+    def _block(self, waiter: _Waiter[ClientT], cost: int) -> None:
+        """Index ``waiter``, which :meth:`_admit` found to cost ``cost``."""
         self._blocked[waiter.client] = waiter
+        waiter.cost = cost
+        self.waiting_bytes += cost
         index = self._index
         for key in waiter.keys:
             waiting = index.get(key)
             if waiting is None:
-                index[key] = {waiter}
-            else:
+                index[key] = waiter
+            elif isinstance(waiting, set):
                 waiting.add(waiter)
+            else:
+                index[key] = {waiting, waiter}
 
     def _unindex(self, waiter: _Waiter[ClientT]) -> None:
         del self._blocked[waiter.client]
+        self.waiting_bytes -= waiter.cost
         index = self._index
         for key in waiter.keys:
             waiting = index[key]
-            waiting.discard(waiter)
-            if not waiting:
+            if waiting is waiter:
                 del index[key]
+                continue
+            assert isinstance(waiting, set)
+            waiting.discard(waiter)
+            if len(waiting) == 1:
+                index[key] = waiting.pop()
 
     def _notify(self, key: bytes, existence: int) -> Woken[ClientT]:
         """Answer the waiters of ``key`` that its change satisfied.
@@ -284,8 +405,9 @@ class StoreEngine(Generic[ClientT]):
         waiting = self._index.get(key)
         if not waiting:
             return ()
+        self._memo = None  # an appended value changes in place: hash afresh
         woken: list[tuple[ClientT, bytes]] = []
-        for waiter in list(waiting):
+        for waiter in list(waiting) if isinstance(waiting, set) else (waiting,):
             self.waiter_checks += 1
             if waiter.ready is None:
                 if not existence:
@@ -297,6 +419,7 @@ class StoreEngine(Generic[ClientT]):
             if reply is not None:
                 self._unindex(waiter)
                 woken.append((waiter.client, reply))
+        self._memo = None
         return woken
 
     def _exists(self, key: bytes) -> bool:
@@ -361,12 +484,15 @@ class StoreEngine(Generic[ClientT]):
         return (_READY if ready else _NOT_READY), ()
 
     def _wait(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
+        if self._reserved:
+            self._unreserve(client)
         data, queues = self._data, self._queues
         if all(key in data or key in queues for key in request.keys):
             return _STOP_WAITING, ()
         keys = tuple(dict.fromkeys(request.keys))
+        cost = self._admit(Op.WAIT, keys)
         missing = sum(1 for key in keys if key not in data and key not in queues)
-        self._block(_Waiter(client, keys, missing=missing))
+        self._block(_Waiter(client, keys, missing=missing), cost)
         return _NOTHING
 
     def _num_keys(self, _client: ClientT, _request: Request) -> _Outcome[ClientT]:
@@ -457,10 +583,12 @@ class StoreEngine(Generic[ClientT]):
                 return None
             return _STOP_WAITING if count >= world_size else None
 
-        woken = self._write(key, str(self._sum(key, 1)).encode())
+        count = self._sum(key, 1)
+        cost = 0 if count >= world_size else self._admit(Op.BARRIER, (key,))
+        woken = self._write(key, str(count).encode())
         reply = arrived()
         if reply is None:
-            self._block(_Waiter(client, (key,), ready=arrived))
+            self._block(_Waiter(client, (key,), ready=arrived), cost)
         return reply, woken
 
     # -- rdzv's extensions -----------------------------------------------------
@@ -478,8 +606,10 @@ class StoreEngine(Generic[ClientT]):
             value = data.get(key)
             return None if value is None else _FOUND + encode_bytes(value)
 
+        cost = self._admit(Op.GET_WAIT, (key,))
         self._block(
-            _Waiter(client, (key,), ready=found, timeout_ms=request.number, on_timeout=_TIMED_OUT)
+            _Waiter(client, (key,), ready=found, timeout_ms=request.number, on_timeout=_TIMED_OUT),
+            cost,
         )
         return _NOTHING
 
@@ -499,6 +629,9 @@ class StoreEngine(Generic[ClientT]):
             return reply, ()
         if request.number == 0:
             return _WATCH_UNCHANGED, ()
+        cost = self._admit(Op.WATCH, (key,))
+        if previous is not None and len(previous) > WATCH_DIGEST_PAST:
+            changed = self._changed_from_digest(key, len(previous), _digest(previous))
         self._block(
             _Waiter(
                 client,
@@ -506,9 +639,38 @@ class StoreEngine(Generic[ClientT]):
                 ready=changed,
                 timeout_ms=request.number,
                 on_timeout=_WATCH_UNCHANGED,
-            )
+            ),
+            cost,
         )
         return _NOTHING
+
+    def _changed_from_digest(
+        self, key: bytes, size: int, digest: bytes
+    ) -> Callable[[], bytes | None]:
+        """The predicate of a ``WATCH`` of a long value, which holds its digest only."""
+        data = self._data
+
+        def changed() -> bytes | None:
+            current = data.get(key)
+            if current is None:
+                return _WATCH_ABSENT
+            if len(current) == size and self._current_digest(current) == digest:
+                return None
+            return _WATCH_PRESENT + encode_bytes(current)
+
+        return changed
+
+    def _current_digest(self, value: bytes | bytearray) -> bytes:
+        """Return the digest of ``value``, the value of the key being notified.
+
+        It is computed once per write, however many watchers compare it.
+        """
+        memo = self._memo
+        if memo is not None and memo[0] is value:
+            return memo[1]
+        digest = _digest(value)
+        self._memo = (value, digest)
+        return digest
 
     def _multi_try_get(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
         data = self._data

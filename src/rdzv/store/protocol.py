@@ -402,14 +402,30 @@ class RequestParser:
             byte arrives, before any of its fields is read. The caller may
             change it between requests (a server does, as a client moves
             through the handshake).
+        on_count: Called with the opcode and the number of keys of a
+            request naming a list of keys as soon as that number is read,
+            before any key; it may raise :class:`ProtocolError` to refuse
+            the request then (a server uses it to count a ``WAIT`` against
+            its budget before the keys arrive). None calls nothing.
     """
 
-    __slots__ = ("_buf", "_count", "_fields", "_items", "_layout", "_pos", "_start", "allowed")
+    __slots__ = (
+        "_buf",
+        "_count",
+        "_fields",
+        "_items",
+        "_layout",
+        "_pos",
+        "_start",
+        "allowed",
+        "on_count",
+    )
 
     _COMPACT_AT = 64 * 1024
 
     def __init__(self) -> None:
         self.allowed: Container[int] | None = None
+        self.on_count: Callable[[Op, int], None] | None = None
         self._buf = bytearray()
         self._pos = 0
         """Where decoding resumes: everything before it is decoded."""
@@ -481,7 +497,7 @@ class RequestParser:
                 elif kind == _U32_FIELD:
                     field, pos = _read_fixed(buf, pos, _U32)
                 elif kind in (_KEYS, _PAIRS):
-                    field, pos = self._read_list(buf, pos, kind == _PAIRS)
+                    field, pos = self._read_list(op, buf, pos, kind == _PAIRS)
                 elif kind == _PREVIOUS:
                     field, pos = _read_previous(buf, pos)
                 else:
@@ -510,7 +526,7 @@ class RequestParser:
         self._pos = resume
 
     def _read_list(
-        self, buf: bytearray, pos: int, pairs: bool
+        self, op: Op, buf: bytearray, pos: int, pairs: bool
     ) -> tuple[tuple[bytes, ...] | tuple[tuple[bytes, ...], tuple[bytes, ...]], int]:
         """Read a counted list of keys (or of key and value pairs), resumably.
 
@@ -520,6 +536,8 @@ class RequestParser:
         count = self._count
         if count < 0:
             count, pos = _read_count(buf, pos)
+            if self.on_count is not None:
+                self.on_count(op, count)
             if pairs:
                 count *= 2
             self._count = count

@@ -89,7 +89,7 @@ from types import MappingProxyType
 from typing import Final
 
 from rdzv.net import bind_listener, enable_keepalive, listen_backlog, server_tls_context
-from rdzv.store.engine import BLOCKING_OPS, StoreEngine, Woken
+from rdzv.store.engine import BLOCKING_OPS, DEFAULT_MAX_WAITING_BYTES, StoreEngine, Woken
 from rdzv.store.protocol import (
     CLIENT_AUTH_LABEL,
     FEATURE_AUTH_REQUIRED,
@@ -229,6 +229,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.engine = server.engine
         self.parser = RequestParser()
         self.parser.allowed = _BEFORE_VALIDATE
+        self.parser.on_count = self._on_count
         self.table: dict[int, _Handler] = _BEFORE_VALIDATE
         self.transport: asyncio.Transport | None = None
         self.attaching: asyncio.Task[None] | None = None
@@ -257,6 +258,11 @@ class _Connection(asyncio.BufferedProtocol):
         self.inbox = bytearray()
         """Received bytes not fed to the parser yet: a large read is parsed
         :data:`FEED_SLICE` bytes per turn, other connections' turns between."""
+
+    def _on_count(self, op: Op, count: int) -> None:
+        """Count a ``WAIT`` against the waiting budget before its keys arrive."""
+        if op == Op.WAIT:
+            self.engine.reserve_wait(self, count)
 
     # -- asyncio callbacks -------------------------------------------------
 
@@ -582,6 +588,12 @@ class TCPStoreServer:
             can finish the handshake, and no per-address cap with one.
         max_unsent_bytes: Replies a connection may leave unread before the
             server stops executing its requests until it reads.
+        max_waiting_bytes: Bytes the blocked requests (``WAIT``, ``BARRIER``,
+            ``GET_WAIT``, ``WATCH``) of all connections may hold together,
+            counted as each key's length plus
+            :data:`~rdzv.store.engine.WAITED_KEY_OVERHEAD`; a request that
+            would pass it closes its connection with a warning naming the
+            limit (default :data:`~rdzv.store.engine.DEFAULT_MAX_WAITING_BYTES`).
         max_buffered_bytes: Received bytes of requests not executed yet
             (mostly incomplete ones) the server holds over all connections;
             past it, the connection whose incomplete request has been
@@ -617,6 +629,7 @@ class TCPStoreServer:
         max_connections_per_address: int | None = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
         max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         tcp_keepalive: float | None = DEFAULT_TCP_KEEPALIVE,
@@ -631,6 +644,7 @@ class TCPStoreServer:
             ("max_connections_per_address", max_connections_per_address),
             ("max_unsent_bytes", max_unsent_bytes),
             ("max_buffered_bytes", max_buffered_bytes),
+            ("max_waiting_bytes", max_waiting_bytes),
         ):
             if count is not None and count < 1:
                 raise ValueError(f"{name} must be at least 1, got {count}")
@@ -681,7 +695,7 @@ class TCPStoreServer:
         self._requested_port = port
         self.secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
         self._ssl_context = ssl_context
-        self.engine: StoreEngine[_Connection] = StoreEngine()
+        self.engine: StoreEngine[_Connection] = StoreEngine(max_waiting_bytes)
         self.connections: set[_Connection] = set()
         """Connections past the handshake."""
         self.handshaking: dict[_Connection, None] = {}
