@@ -232,31 +232,47 @@ class EtcdCluster:
                 stop_process(member.proc)
 
 
+_PORT_ATTEMPTS = 3
+"""Starts of a server on fresh free ports: between picking a free port and a
+server binding it, another process (a second test suite) may take it."""
+
+
+def _port_taken(exc: RuntimeError) -> bool:
+    return "address already in use" in str(exc).lower()
+
+
 @contextlib.contextmanager
 def etcd_cluster(size: int = 1, tls: TLSFiles | None = None) -> Iterator[EtcdCluster]:
     """Start ``size`` etcd members on free loopback ports; stop and delete them afterwards."""
     require_binary("etcd")
-    base = Path(tempfile.mkdtemp(prefix="rdzv-etcd-"))
     names = "abcdefg"
-    members = [
-        EtcdMember(
-            name=names[i],
-            client_port=free_port(),
-            peer_port=free_port(),
-            data_dir=base / names[i],
-            scheme="https" if tls is not None else "http",
-        )
-        for i in range(size)
-    ]
-    cluster = EtcdCluster(members=members, base_dir=base, tls=tls)
-    try:
-        for member in members:
-            cluster.start_member(member)
-        cluster.wait_healthy()
-        yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(base, ignore_errors=True)
+    for attempt in range(_PORT_ATTEMPTS):
+        base = Path(tempfile.mkdtemp(prefix="rdzv-etcd-"))
+        members = [
+            EtcdMember(
+                name=names[i],
+                client_port=free_port(),
+                peer_port=free_port(),
+                data_dir=base / names[i],
+                scheme="https" if tls is not None else "http",
+            )
+            for i in range(size)
+        ]
+        cluster = EtcdCluster(members=members, base_dir=base, tls=tls)
+        try:
+            try:
+                for member in members:
+                    cluster.start_member(member)
+                cluster.wait_healthy()
+            except RuntimeError as exc:
+                if _port_taken(exc) and attempt + 1 < _PORT_ATTEMPTS:
+                    continue
+                raise
+            yield cluster
+            return
+        finally:
+            cluster.stop()
+            shutil.rmtree(base, ignore_errors=True)
 
 
 @dataclass
@@ -313,7 +329,9 @@ class RedisServer:
         while True:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+                log = self.data_dir / "redis.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {tail}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as raw:
                     sock = raw
@@ -344,12 +362,19 @@ class RedisServer:
 def redis_server(tls: TLSFiles | None = None) -> Iterator[RedisServer]:
     """Start a private redis-server on a free loopback port; stop and delete it afterwards."""
     require_binary("redis-server")
-    base = Path(tempfile.mkdtemp(prefix="rdzv-redis-"))
-    server = RedisServer(port=free_port(), data_dir=base, tls=tls)
-    try:
-        server.start()
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-        shutil.rmtree(base, ignore_errors=True)
+    for attempt in range(_PORT_ATTEMPTS):
+        base = Path(tempfile.mkdtemp(prefix="rdzv-redis-"))
+        server = RedisServer(port=free_port(), data_dir=base, tls=tls)
+        try:
+            try:
+                server.start()
+                server.wait_ready()
+            except RuntimeError as exc:
+                if _port_taken(exc) and attempt + 1 < _PORT_ATTEMPTS:
+                    continue
+                raise
+            yield server
+            return
+        finally:
+            server.stop()
+            shutil.rmtree(base, ignore_errors=True)
