@@ -29,6 +29,7 @@ __all__ = [
     "parse_config",
     "parse_endpoint",
     "parse_rendezvous_endpoint",
+    "split_endpoints",
 ]
 
 DEFAULT_PORT = 29400
@@ -181,6 +182,31 @@ def _parse_strict(endpoint: str, default_port: int) -> tuple[str, int]:
     if not sep:
         return host, default_port
     return host, _parse_port(port_text, endpoint)
+
+
+def split_endpoints(endpoint: str) -> list[str]:
+    """Split a comma-separated endpoint list into its members, unparsed.
+
+    Surrounding whitespace, an ``http://`` or ``https://`` scheme (etcd
+    member URLs) and a trailing ``/`` are dropped from each member; empty
+    members are left out.
+
+    Args:
+        endpoint: ``host[:port]`` or several, comma-separated.
+
+    Returns:
+        The members' ``host[:port]`` texts, in order (possibly none).
+    """
+    members: list[str] = []
+    for item in endpoint.split(","):
+        text = item.strip()
+        for scheme in ("http://", "https://"):
+            if text.lower().startswith(scheme):
+                text = text[len(scheme) :]
+        text = text.rstrip("/")
+        if text:
+            members.append(text)
+    return members
 
 
 def format_endpoint(host: str, port: int) -> str:

@@ -19,7 +19,7 @@ import ssl
 from pathlib import Path
 from typing import Final
 
-from rdzv.endpoint import parse_endpoint
+from rdzv.endpoint import parse_endpoint, split_endpoints
 
 __all__ = [
     "KEEPALIVE_INTERVAL",
@@ -155,14 +155,10 @@ def advertised_address(endpoint: str) -> str:
         A numeric address; :func:`primary_address` when the endpoint is
         empty, malformed, does not resolve or has no route.
     """
-    first = endpoint.split(",", 1)[0].strip()
-    for scheme in ("http://", "https://"):
-        if first.lower().startswith(scheme):
-            first = first[len(scheme) :]
-    first = first.rstrip("/")
-    if first:
+    members = split_endpoints(endpoint)
+    if members:
         try:
-            host, _port = parse_endpoint(first)
+            host, _port = parse_endpoint(members[0])
         except ValueError:
             host = ""
         found = source_address(host) if host else None

@@ -266,30 +266,8 @@ def test_agent_lines_are_time_stamped_and_log_level_shows_events(endpoint: str) 
     assert "rdzv.dynamic" not in err
 
 
-def test_a_port_held_by_another_program_is_named(tmp_path: Path) -> None:
-    with socket.socket() as other:  # accepts connections, never answers
-        other.bind(("127.0.0.1", 0))
-        other.listen()
-        port = other.getsockname()[1]
-        args = [
-            "--nnodes=1",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-conf=is_host=false,read_timeout=2",
-            WORKER,
-            str(tmp_path),
-            "ok",
-        ]
-        with agents() as group:
-            code, _, err = finish(group.start(args))
-    assert code == 3, err
-    assert last_line(err).endswith(
-        f"(a program accepts connections at 127.0.0.1:{port} but did not answer as an rdzv "
-        "or torch TCP store: is the port used by another program?)"
-    )
-
-
-def test_an_endpoint_where_nothing_listens_says_so(tmp_path: Path) -> None:
-    port = free_port()
+def _join_as_client(port: int, tmp_path: Path) -> tuple[int, str]:
+    """Run a one-node job that only joins the store at ``port``: (exit code, stderr)."""
     args = [
         "--nnodes=1",
         f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -300,5 +278,24 @@ def test_an_endpoint_where_nothing_listens_says_so(tmp_path: Path) -> None:
     ]
     with agents() as group:
         code, _, err = finish(group.start(args))
+    return code, err
+
+
+def test_a_port_held_by_another_program_is_named(tmp_path: Path) -> None:
+    with socket.socket() as other:  # accepts connections, never answers
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        code, err = _join_as_client(port, tmp_path)
+    assert code == 3, err
+    assert last_line(err).endswith(
+        f"(a program accepts connections at 127.0.0.1:{port} but did not answer as an rdzv "
+        "or torch TCP store: is the port used by another program?)"
+    )
+
+
+def test_an_endpoint_where_nothing_listens_says_so(tmp_path: Path) -> None:
+    port = free_port()
+    code, err = _join_as_client(port, tmp_path)
     assert code == 3, err
     assert f"(nothing listens at 127.0.0.1:{port}: is the store's host up" in last_line(err)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from rdzv.auth import resolve_auth_token
 from rdzv.backends.base import validate_run_id
-from rdzv.endpoint import parse_endpoint
+from rdzv.endpoint import parse_endpoint, split_endpoints
 from rdzv.net import is_local_address, local_addresses, server_tls_context
 
 if TYPE_CHECKING:
@@ -459,16 +459,7 @@ def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
     Raises:
         ValueError: The list is empty or a member is malformed.
     """
-    members: list[tuple[str, int]] = []
-    for item in endpoint.split(","):
-        text = item.strip()
-        for scheme in ("http://", "https://"):
-            if text.lower().startswith(scheme):
-                text = text[len(scheme) :]
-        text = text.rstrip("/")
-        if not text:
-            continue
-        members.append(parse_endpoint(text, DEFAULT_ETCD_PORT))
+    members = [parse_endpoint(text, DEFAULT_ETCD_PORT) for text in split_endpoints(endpoint)]
     if not members:
         raise ValueError(
             f"the etcd endpoint {endpoint!r} names no member; expected host[:port],..."
