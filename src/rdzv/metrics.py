@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 import math
 import re
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from rdzv.threads import start_thread
 
 __all__ = ["CONTENT_TYPE", "Family", "MetricsServer", "Sample", "counter", "gauge", "render"]
 
@@ -170,10 +171,7 @@ class MetricsServer:
         self.collect = collect
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="rdzv-metrics", daemon=True
-        )
-        self._thread.start()
+        self._thread = start_thread(self._server.serve_forever, name="rdzv-metrics")
 
     @property
     def port(self) -> int:

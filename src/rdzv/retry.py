@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from rdzv.errors import RendezvousTimeoutError
+from rdzv.threads import start_thread
 
 __all__ = [
     "LAST_ATTEMPT",
@@ -290,8 +291,7 @@ def call_within(seconds: float, what: str, fn: Callable[[], _T]) -> _T:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             outcome.append((False, exc))
 
-    thread = threading.Thread(target=run, name=f"rdzv-bounded {what}", daemon=True)
-    thread.start()
+    thread = start_thread(run, name=f"rdzv-bounded {what}")
     thread.join(seconds)
     if not outcome:
         raise RendezvousTimeoutError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -278,3 +279,28 @@ def test_member_lost_during_setup_sends_everyone_back_uncounted(tmp_path: Path) 
     assert handler.joins == 2
     assert any("changed while the workers were being set up" in m for m in node.messages)
     assert [e["WORLD_SIZE"] for e in envs(tmp_path)] == ["1"]
+
+
+def test_a_signal_whose_exception_is_swallowed_still_stops_the_agent(tmp_path: Path) -> None:
+    # SIGTERM lands while the first worker is forked, in logging's after-fork
+    # hook, which ignores what it raises ("Exception ignored in ...
+    # _releaseLock"). The agent must stop all the same, not run on.
+    node = Node(FakeGroup().handler(0), tmp_path, ["sleep"], nproc=2, stop_grace=1.0)
+    fired: list[bool] = []
+
+    def term_once() -> None:
+        if not fired and threading.current_thread() is threading.main_thread():
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            sys.stdout.flush()  # a bytecode boundary: the handler runs here
+
+    os.register_at_fork(after_in_parent=lambda: _swallowing(term_once))
+    result = node.run()
+    assert fired
+    assert result.exit_code == 128 + signal.SIGTERM, result.reason
+    assert "interrupted by SIGTERM" in result.reason
+
+
+def _swallowing(call: Any) -> None:
+    with contextlib.suppress(Exception):  # what an after-fork hook does with an error
+        call()

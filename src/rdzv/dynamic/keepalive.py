@@ -46,6 +46,7 @@ from rdzv.dynamic.machine import MarkWatch, judge_marks, ring_judge_period, succ
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.retry import Clock, deadline_within
+from rdzv.threads import start_thread
 
 __all__ = ["CALL_GRACE", "STOP_WAIT", "KeepAlive"]
 
@@ -121,13 +122,9 @@ class KeepAlive:
                 return
             self._error = None
             self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=self._run,
-                args=(self._stop,),
-                name=f"rdzv-keepalive-{self._node}",
-                daemon=True,
+            self._thread = start_thread(
+                self._run, args=(self._stop,), name=f"rdzv-keepalive-{self._node}"
             )
-            self._thread.start()
 
     def stop(self) -> None:
         """Stop the thread; wait for it at most :data:`STOP_WAIT` seconds.

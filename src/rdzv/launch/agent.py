@@ -371,6 +371,7 @@ class ElasticAgent:
         self._attempts_started = 0
         self._restarts = 0
         self._cleaning_up = False
+        self._signalled: int | None = None
         self._left = False
         self._scratch: Path | None = None
         self._progress = WaitProgress(self._run_id, self._log, *progress_intervals)
@@ -425,6 +426,11 @@ class ElasticAgent:
         def on_signal(signum: int, _frame: FrameType | None) -> None:
             if self._cleaning_up:
                 return
+            # Remembered as well as raised: raised where nothing may raise (a
+            # logging lock released after a fork, a finally) the exception is
+            # swallowed, and _check_signalled raises it again at the next
+            # step.
+            self._signalled = signum
             raise AgentInterrupted(signum)
 
         def forward(signum: int, _frame: FrameType | None) -> None:
@@ -442,8 +448,14 @@ class ElasticAgent:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _check_signalled(self) -> None:
+        """Raise :class:`AgentInterrupted` for a signal whose exception was swallowed."""
+        if self._signalled is not None:
+            raise AgentInterrupted(self._signalled)
+
     def _loop(self) -> AgentResult:
         while True:
+            self._check_signalled()
             try:
                 started = time.monotonic()
                 with self._progress.waiting():
@@ -592,6 +604,7 @@ class ElasticAgent:
             workers.start()
         except OSError as exc:
             raise RendezvousError(f"could not start the workers: {exc}") from exc
+        self._check_signalled()
         self.stats.workers = len(specs)
         self._publish(info.store, ranks.group_rank, len(specs))
 
@@ -609,6 +622,7 @@ class ElasticAgent:
         cfg = self._config
         waiting_error = ""
         while True:
+            self._check_signalled()
             exits = attempt.workers.poll()
             if exits is not None:
                 if exits and exits[0].returncode != 0:

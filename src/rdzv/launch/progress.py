@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from rdzv.threads import start_thread
+
 __all__ = ["FIRST_LINE_AFTER", "LINE_EVERY", "EventListener", "WaitProgress"]
 
 #: Seconds into a wait before its first progress line.
@@ -96,10 +98,7 @@ class WaitProgress:
         stop = threading.Event()
         with self._cond:
             self._changed = False
-        ticker = threading.Thread(
-            target=self._tick, args=(stop,), name="rdzv-wait-progress", daemon=True
-        )
-        ticker.start()
+        ticker = start_thread(self._tick, args=(stop,), name="rdzv-wait-progress")
         try:
             yield
         finally:

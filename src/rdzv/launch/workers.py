@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from rdzv.threads import start_thread
+
 __all__ = [
     "OutputSink",
     "Std",
@@ -429,14 +431,13 @@ class WorkerGroup:
         prefix = (f"[rank {spec.rank}]: " if spec.prefix is None else spec.prefix).encode()
         for stream, to_stderr in ((process.stdout, False), (process.stderr, True)):
             assert stream is not None
-            pump = threading.Thread(
-                target=self._pump,
-                args=(worker, stream, prefix, to_stderr),
-                name=f"rdzv-output-rank{spec.rank}-{'err' if to_stderr else 'out'}",
-                daemon=True,
+            worker.pumps.append(
+                start_thread(
+                    self._pump,
+                    args=(worker, stream, prefix, to_stderr),
+                    name=f"rdzv-output-rank{spec.rank}-{'err' if to_stderr else 'out'}",
+                )
             )
-            worker.pumps.append(pump)
-            pump.start()
 
     def _pump(self, worker: _Worker, stream: IO[bytes], prefix: bytes, to_stderr: bool) -> None:
         shown = bool(worker.spec.console & (Std.ERR if to_stderr else Std.OUT))

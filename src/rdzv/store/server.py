@@ -107,6 +107,7 @@ from rdzv.store.protocol import (
     auth_tag,
     encode_u32,
 )
+from rdzv.threads import start_thread
 
 __all__ = [
     "ACCEPT_BACKLOG",
@@ -751,10 +752,7 @@ class TCPStoreServer:
         """
         if self._thread is not None:
             raise RuntimeError("the store server was already started")
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._main(None)), name="rdzv-store-server", daemon=True
-        )
-        self._thread.start()
+        self._thread = start_thread(lambda: asyncio.run(self._main(None)), name="rdzv-store-server")
         self._ready.wait()
         if self._error is not None:
             self._thread.join()
