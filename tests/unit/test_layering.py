@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.store.protocol",
             "rdzv.testing.netns",
             "rdzv.metrics",
+            "rdzv.threads",
         ),
     ),
     ("stores and API", ("rdzv.store", "rdzv.api", "rdzv.retry", "rdzv.testing.clock")),
