@@ -501,3 +501,34 @@ def test_a_queue_whose_admitted_nodes_all_died_does_not_block_the_spares(
     infos = [f.result(timeout=20) for f in c.join(spares)]
     _check_round(infos)
     assert set(infos[0].participants) == {"s1", "s2"}
+
+
+def test_a_joiner_that_died_in_the_queue_while_the_seal_waited_is_left_out(
+    cluster_factory: Callable[..., Cluster], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The chaos harness's one late leave across hosts: a node enqueued and was
+    # SIGKILLed; the seal, deferred because the last round's members had not
+    # re-joined, waited until they were judged dead, and its leader then
+    # admitted the killed node too, 9 s after its death.
+    c = cluster_factory(2, 4, fake=True)  # the join timeout is never reached
+    members = [c.handler("a", node_rank=0), c.handler("b", node_rank=1)]
+    [f.result(timeout=10) for f in c.join(members)]
+    backend = InMemoryBackend(c.storage)
+    # It beat once before it was killed; it ranks after j and k, so a round
+    # admitting it completes (a dead rank 0 would break it instead).
+    backend.enqueue(1, encode_record(JoinRecord("zghost#1#dead", -1)))
+    backend.beat("zghost#1#dead")
+    for h in members:
+        h.pre_shutdown()  # the whole last round dies, as if SIGKILLed
+    leader = c.handler("j")
+    with caplog.at_level(logging.INFO, logger="rdzv.dynamic"):
+        waiting = c.join([leader])[0]  # position 2 = min_nodes: judges a, b and the ghost
+
+        def judged() -> set[str]:
+            events = [r.rdzv_event for r in caplog.records if hasattr(r, "rdzv_event")]
+            return {n for e in events if e["action"] == "dead" for n in e["suspects"]}
+
+        _until(lambda: {n.split("#")[0] for n in judged()} >= {"a", "b", "zghost"})
+        infos = [f.result(timeout=20) for f in [waiting, *c.join([c.handler("k")])]]
+    _check_round(infos)
+    assert set(infos[0].participants) == {"j", "k"}

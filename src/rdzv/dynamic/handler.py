@@ -425,7 +425,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         progress = start_join(state, now)
         queue_length = 0
         attempt = 0
-        missing: list[str] = []
+        suspects: list[str] = []
+        excluded: set[str] = set()
         watches: dict[str, MarkWatch] = {}
         judging = SealJudging()
         reported = 0
@@ -444,7 +445,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 state, token = self._shared.read()
                 now = self._clock()
                 progress = replace(start_join(state, now), started_at=progress.started_at)
-                queue_length, missing, judging = 0, [], SealJudging()
+                queue_length, suspects, judging, excluded = 0, [], SealJudging(), set()
                 self._event("join", progress.round_id)
                 continue
             if isinstance(action, Fail):
@@ -459,21 +460,23 @@ class DynamicRendezvousHandler(RendezvousHandler):
             elif isinstance(action, Requeue):
                 self._event("requeue", action.round_id, missed=progress.round_id)
                 progress = JoinProgress(action.round_id, progress.started_at)
-                queue_length, judging = 0, SealJudging()
+                queue_length, judging, excluded = 0, SealJudging(), set()
             elif isinstance(action, Seal):
-                state, token, progress, missing = self._seal(state, token, progress, queue_length)
+                state, token, progress, suspects = self._seal(
+                    state, token, progress, queue_length, excluded
+                )
             elif isinstance(action, Wait):
                 remaining = max(0.0, action.deadline - now)
                 if action.on_queue:
                     queue_length = self._queue.wait_queue_length(
                         progress.round_id, queue_length, min(remaining, _QUEUE_WAIT_CAP)
                     )
-                    if missing and state is not None:
+                    if suspects:
                         due, judging = judging.due(
                             progress.position, self._limits, self._clock(), self._interval
                         )
                         if due:
-                            watches = self._judge_missing(state, missing, watches)
+                            watches = self._judge_suspects(state, suspects, watches, excluded)
                     state, token = self._shared.read()
                 else:
                     state, token = self._shared.wait(
@@ -496,15 +499,27 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     )
             now = self._clock()
 
-    def _judge_missing(
-        self, state: RendezvousState, missing: list[str], watches: dict[str, MarkWatch]
+    def _judge_suspects(
+        self,
+        state: RendezvousState | None,
+        suspects: list[str],
+        watches: dict[str, MarkWatch],
+        excluded: set[str],
     ) -> dict[str, MarkWatch]:
-        """Judge the members a deferred seal waits for; evict the dead; return the watches."""
-        marks = self._liveness.heartbeat_marks(missing)
+        """Judge the nodes a deferred seal waits for or would admit; return the watches.
+
+        The dead members of the last round are evicted; every node judged
+        dead is added to ``excluded``, which the seal leaves out: a node that
+        died in the queue while the seal waited is in no round sealed later.
+        """
+        marks = self._liveness.heartbeat_marks(suspects)
         watches, dead = judge_marks(watches, marks, self._clock(), self._dead_after, self._interval)
         if dead:
-            self._event("dead", state.round, suspects=dead)
-            self._evict(dead, state.round)
+            round_id = state.round if state is not None else -1
+            self._event("dead", round_id, suspects=dead)
+            excluded.update(dead)
+            if state is not None and set(dead) & set(state.live_participants()):
+                self._evict(dead, state.round)
         return watches
 
     def _seal(
@@ -513,14 +528,27 @@ class DynamicRendezvousHandler(RendezvousHandler):
         token: Token | None,
         progress: JoinProgress,
         queue_length: int,
+        excluded: set[str],
     ) -> tuple[RendezvousState | None, Token | None, JoinProgress, list[str]]:
+        """Seal the round, or defer it and return the nodes to judge meanwhile.
+
+        Those are the members of the last round that have not re-joined, and
+        the other queued nodes: one that dies in the queue while the seal
+        waits is judged and left out (``excluded``).
+        """
         round_id = progress.round_id
-        records = [decode_record(r) for r in self._queue.queue_records(round_id)]
+        records = [
+            r
+            for r in (decode_record(r) for r in self._queue.queue_records(round_id))
+            if r.node not in excluded
+        ]
         plan = plan_seal(state, round_id, records, self._limits)
         if plan is None:
             missing = missing_members(state, records)
             self._event("seal-deferred", round_id, queued=len(records), missing=len(missing))
-            return state, token, replace(progress, blocked=(queue_length, state)), missing
+            queued = [r.node for r in records if r.node != self._node and r.node not in missing]
+            blocked = replace(progress, blocked=(queue_length, state))
+            return state, token, blocked, missing + list(dict.fromkeys(queued))
         result = self._shared.write(encode_state(plan), token)
         if result is None:
             return None, None, progress, []
