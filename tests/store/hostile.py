@@ -179,10 +179,10 @@ def reconnecting_slow_check(
     try:
         while time.monotonic() < deadline:
             counts["ticks"] += 1
-            for i, sock in enumerate(slots):
+            for i, held in enumerate(slots):
                 if time.monotonic() >= deadline:
                     break
-                if sock is None:
+                if held is None:
                     try:
                         sock = attacker(port, source)
                     except OSError:
@@ -192,6 +192,7 @@ def reconnecting_slow_check(
                     counts["opened"] += 1
                     alive = send_quietly(sock, frame)
                 else:
+                    sock = held
                     alive = send_quietly(sock, b"\x00")
                 if alive:
                     slots[i] = sock

@@ -200,7 +200,8 @@ def test_an_authenticated_rendezvous_under_a_connection_flood_evicts_nobody(
     for handler, info in zip(handlers, infos, strict=True):
         assert after.rank_of(handler.node) == info.rank
         assert handler.num_nodes_waiting() == 0
-    assert waiting and not any(waiting), waiting
+    assert waiting
+    assert not any(waiting), waiting
     assert not [e for e in later if e["action"] in REFORMING], later
     # The authenticated client was served all along, and the store server
     # (in this process) stayed within the memory bound.
