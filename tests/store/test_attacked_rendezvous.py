@@ -52,10 +52,13 @@ NODES = 3
 MiB = 1 << 20
 RSS_BOUND = 64 * MiB
 """The issue's bound on the store server's memory growth under an attack."""
-LATENCY_BOUND = 0.5
-"""Seconds: generous bounds on the authenticated client's median set+get (a
-millisecond on a quiet machine) and, times ten, its p99; they catch a server
-that stopped serving, not a slow machine."""
+P50_BOUND = 0.5
+P99_BOUND = 1.0
+"""Seconds: generous bounds on the authenticated client's median and p99
+set+get: a millisecond on a quiet machine, a p99 of 0.16 s with the load
+average at 15. They catch a server that stalls behind the attackers (with the
+pre-authentication opcode check taken out, the server parsed their requests
+and the p99 was 2.5 s), not a slow machine."""
 # Events that mean the round changed: a judgement, an eviction, a new join.
 REFORMING = {"dead", "evict", "join", "enqueue", "requeue", "sealed", "complete", "fail", "broken"}
 
@@ -171,8 +174,10 @@ def test_an_authenticated_rendezvous_under_a_connection_flood_evicts_nobody(
         counts = json.loads(attack.stdout.readline())
     attacked_for = time.monotonic() - started
 
-    # The attack ran: connections were opened again and again all along.
+    # The attack ran as the issue's first row with a secret: the server
+    # closed the attackers' connections and they were opened again.
     assert counts["opened"] >= 100, counts
+    assert counts["closed"] >= 100, counts
     assert "error" not in probe, probe
     taken = probe["taken"]
     p50, p99 = quantile(taken, 0.5), quantile(taken, 0.99)
@@ -205,6 +210,6 @@ def test_an_authenticated_rendezvous_under_a_connection_flood_evicts_nobody(
     assert not [e for e in later if e["action"] in REFORMING], later
     # The authenticated client was served all along, and the store server
     # (in this process) stayed within the issue's memory bound.
-    assert p50 < LATENCY_BOUND, figures
-    assert p99 < 10 * LATENCY_BOUND, figures
+    assert p50 < P50_BOUND, figures
+    assert p99 < P99_BOUND, figures
     assert peak_rss - idle_rss < RSS_BOUND, figures
