@@ -202,9 +202,9 @@ def reconnecting_slow_check(
                     counts["closed"] += 1
             time.sleep(0.05)
     finally:
-        for sock in slots:
-            if sock is not None:
-                sock.close()
+        for left in slots:
+            if left is not None:
+                left.close()
     return counts
 
 
