@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rdzv.store.protocol import VALIDATE_MAGIC, Op, Request, encode_request
+from rdzv.store.protocol import MAX_MULTI_KEYS, VALIDATE_MAGIC, Op, Request, encode_request
 from rdzv.store.tcp import TCPStore
 from tests.procs import subprocess_env
 
@@ -153,3 +153,89 @@ def latencies(
 def quantile(sorted_values: list[float], q: float) -> float:
     """Return the ``q`` quantile of already sorted values."""
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def slow_check_frame(keys: int, missing: int = 1000) -> bytes:
+    """A CHECK of ``keys`` empty keys (8 bytes each on the wire), its last ``missing`` bytes cut."""
+    return encode_request(Request(Op.CHECK, (b"",) * keys))[:-missing]
+
+
+def reconnecting_slow_check(
+    port: int, seconds: float, connections: int = 100, source: str = "127.0.0.2"
+) -> dict[str, int]:
+    """Keep ``connections`` slow-CHECK attackers going for ``seconds``; return counts.
+
+    The first attack of issue #14: a connection that never sends ``VALIDATE``
+    sends a 1 MiB incomplete ``CHECK`` of 131,072 keys, then one byte every
+    50 ms. A server with a secret closes it at the opcode byte, so every
+    connection found closed (a send fails) is opened again at the next tick:
+    ``connections`` are attempted throughout. Returns how many connections
+    were opened, found closed, and failed to connect.
+    """
+    frame = slow_check_frame(MAX_MULTI_KEYS)
+    slots: list[socket.socket | None] = [None] * connections
+    counts = {"opened": 0, "closed": 0, "connect_failed": 0, "ticks": 0}
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            counts["ticks"] += 1
+            for i, held in enumerate(slots):
+                if time.monotonic() >= deadline:
+                    break
+                if held is None:
+                    try:
+                        sock = attacker(port, source)
+                    except OSError:
+                        counts["connect_failed"] += 1
+                        continue
+                    sock.settimeout(5)
+                    counts["opened"] += 1
+                    alive = send_quietly(sock, frame)
+                else:
+                    sock = held
+                    alive = send_quietly(sock, b"\x00")
+                if alive:
+                    slots[i] = sock
+                else:
+                    sock.close()
+                    slots[i] = None
+                    counts["closed"] += 1
+            time.sleep(0.05)
+    finally:
+        for left in slots:
+            if left is not None:
+                left.close()
+    return counts
+
+
+_ATTACK_CHILD = """
+import json, sys
+from tests.store.hostile import reconnecting_slow_check
+print(json.dumps(reconnecting_slow_check(int(sys.argv[1]), float(sys.argv[2]))), flush=True)
+"""
+
+
+@contextmanager
+def attack_process(port: int, seconds: float) -> Iterator[subprocess.Popen[str]]:
+    """Run :func:`reconnecting_slow_check` in a child process; stop it (by pid) at the end.
+
+    The child prints its counts as one JSON line when the attack is over.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ATTACK_CHILD, str(port), str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(15)
+        if proc.stdout is not None:
+            proc.stdout.close()

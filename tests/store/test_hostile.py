@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rdzv.errors import RendezvousConnectionError
+from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError
 from rdzv.store.engine import (
     DEFAULT_MAX_WAITING_BYTES,
     MAX_APPENDED_BYTES,
@@ -271,6 +271,50 @@ def test_the_connection_cap_follows_the_open_file_limit_and_refusals_do_not_floo
     assert "refused" in log
     assert "Too many open files" not in log
     assert len(log.splitlines()) < 20, log  # throttled: not one line per refusal
+
+
+def test_disconnects_before_the_handshake_do_not_flood_the_log(tmp_path: Path) -> None:
+    # Row 1 with a secret: each connection is closed at its CHECK opcode
+    # byte, and a peer repeats that as fast as it connects. So are a bad
+    # VALIDATE and a wrong secret. One line per kind and log interval, not
+    # one per connection (the 60 s attack on a rendezvous wrote 16,000).
+    bad_magic = b"\x00" + (0x12345678).to_bytes(4, "little")
+    sends = [_incomplete_check(1000), VALIDATE + _incomplete_check(1000), bad_magic] * 60
+    with server_process(tmp_path, auth_token=SECRET) as server:
+        for data in sends:
+            with attacker(server.port) as sock:
+                send_quietly(sock, data)
+                assert closed_by_server(sock)
+        for _ in range(20):
+            with pytest.raises(StoreAuthenticationError):
+                TCPStore("127.0.0.1", server.port, timeout=5, auth_token="wrong")
+        assert served_once(server.port)
+        lines = server.log().splitlines()
+    assert len(lines) <= 8, lines
+    # A request before VALIDATE or before authenticating: one kind.
+    assert sum("sent opcode 5 and was disconnected" in line for line in lines) == 1, lines
+    assert any("bad VALIDATE magic" in line for line in lines), lines
+    assert any("authentication failed" in line for line in lines), lines
+
+
+def test_an_open_connections_disconnect_is_logged_every_time(tmp_path: Path) -> None:
+    # Past the handshake the peer is a client of the job: each of its
+    # disconnects is worth its own line.
+    challenge = encode_request(Request(Op.AUTH_CHALLENGE))
+    with server_process(tmp_path) as server:
+        for _ in range(3):
+            with attacker(server.port) as sock:
+                send_quietly(sock, VALIDATE + challenge)  # no secret: no authentication
+                assert closed_by_server(sock)
+        lines = server.log().splitlines()
+    assert sum("sent opcode 64 and was disconnected" in line for line in lines) == 3, lines
+
+
+def served_once(port: int) -> bool:
+    """Whether an authenticated client is served one set + get."""
+    with TCPStore("127.0.0.1", port, timeout=30, auth_token=SECRET) as store:
+        store.set("after", "x")
+        return store.get("after") == b"x"
 
 
 def test_unauthenticated_connections_cannot_take_an_authenticated_clients_slot(

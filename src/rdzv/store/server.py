@@ -188,7 +188,8 @@ class _ThrottledLog:
 
     A flood of connections must not become a flood of log lines: the kinds
     that a peer can repeat at the rate it connects (refusals, reclaimed and
-    expired handshakes, accept errors) go through here.
+    expired handshakes, accept errors, any disconnect before the handshake
+    is done) go through here.
     """
 
     def __init__(self, interval: float) -> None:
@@ -376,12 +377,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._refuse(exc.op, replies)
             return
         except ProtocolError as exc:
-            _log.warning("store client %s sent a bad request, disconnecting: %s", self.peer, exc)
+            self._warn(
+                "bad-handshake", "store client %s sent a bad request, disconnecting: %s", exc
+            )
             self._close(replies)
             return
         except _Disconnect as exc:
             if not exc.logged:
-                _log.warning("store client %s disconnected: %s", self.peer, exc)
+                self._warn("handshake-failed", "store client %s disconnected: %s", exc)
             replies.append(exc.last_reply)
             self._close(replies)
             return
@@ -458,8 +461,24 @@ class _Connection(asyncio.BufferedProtocol):
             why = "it sent a request before authenticating"
         else:
             why = "the request is not allowed here"
-        _log.warning("store client %s sent opcode %d and was disconnected: %s", self.peer, op, why)
+        self._warn(
+            "early-request", "store client %s sent opcode %d and was disconnected: %s", op, why
+        )
         self._close(replies)
+
+    def _warn(self, kind: str, message: str, *args: object) -> None:
+        """Log why this connection is closed; ``message`` names the peer first.
+
+        Before its handshake is done anyone who reaches the port can repeat
+        the cause at the rate it connects (a request before ``VALIDATE`` or
+        before authenticating, garbage, a wrong secret), so the line goes
+        through the server's throttle (``kind``); an open connection's is
+        logged every time.
+        """
+        if self.is_open:
+            _log.warning(message, self.peer, *args)
+        else:
+            self.server.throttled.warning(kind, message, self.peer, *args)
 
     # -- handshake and authentication --------------------------------------
 
