@@ -109,6 +109,7 @@ def test_proxy_forwards_cuts_and_delays() -> None:
         server.stop()
 
 
+@pytest.mark.xdist_group("chaos-runs")  # under xdist: one run at a time, handed out first
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend", ["tcp", "etcd", "etcd3", "redis"])
 def test_short_chaos_run_has_no_violations(backend: str) -> None:
@@ -163,6 +164,7 @@ def test_checker_extends_the_detection_bound_by_a_store_pause(checker: Checker) 
     assert checker.figures.violations == []
 
 
+@pytest.mark.xdist_group("chaos-runs")  # under xdist: one run at a time, handed out first
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend", ["tcp", "redis"])
 def test_short_chaos_run_meets_each_new_fault_and_stays_flat_when_quiet(backend: str) -> None:

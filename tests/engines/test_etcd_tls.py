@@ -14,7 +14,11 @@ from rdzv.errors import RendezvousConnectionError
 from tests.certs import TLSFiles, make_tls_files
 from tests.engines.servers import EtcdCluster, etcd_cluster
 
-pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
+pytestmark = [
+    pytest.mark.etcd,
+    pytest.mark.timeout(90),
+    pytest.mark.xdist_group("etcd-tls"),  # one worker starts the module's TLS etcd, once
+]
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ def gone_or_zombie(pid: int) -> bool:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.xdist_group("netns-probed4")  # one bed for the three (module fixture)
 def test_hosts_have_own_addresses_and_reach_each_other(probed4: ProbedBed) -> None:
     probed4.bed.heal()
     for host in probed4.bed.hosts:
@@ -51,6 +52,7 @@ def test_hosts_have_own_addresses_and_reach_each_other(probed4: ProbedBed) -> No
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.xdist_group("netns-probed4")  # one bed for the three (module fixture)
 def test_isolate_cuts_exactly_one_host_and_heal_restores(probed4: ProbedBed) -> None:
     bed = probed4.bed
     bed.isolate(2)
@@ -69,6 +71,7 @@ def test_isolate_cuts_exactly_one_host_and_heal_restores(probed4: ProbedBed) -> 
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.xdist_group("netns-probed4")  # one bed for the three (module fixture)
 def test_splits_cut_exactly_the_pairs_across_groups(probed4: ProbedBed) -> None:
     bed = probed4.bed
     bed.partition([[0, 1], [2, 3]])

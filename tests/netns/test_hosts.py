@@ -112,6 +112,18 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = 50) -> list[tupl
     return results
 
 
+@contextlib.contextmanager
+def killed_on_error(procs: list[subprocess.Popen[str]]) -> Iterator[None]:
+    """On an error before :func:`finish` reaped them, kill every agent still running, by pid."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+
+
 def records(out: Path) -> list[dict[str, str]]:
     return sorted(
         (json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda e: e["RANK"]
@@ -164,9 +176,10 @@ def test_agents_cut_from_each_other_but_not_from_the_store_are_unaffected(
     """
     with backend_on(bed3, backend) as endpoint:
         procs = start_agents(bed3, tmp_path, 12, backend=backend, endpoint=endpoint)
-        wait_for_records(tmp_path, 3)
-        bed3.cut([(1, 2)])  # host 0 (the store) still reaches both
-        results = finish(procs)
+        with killed_on_error(procs):
+            wait_for_records(tmp_path, 3)
+            bed3.cut([(1, 2)])  # host 0 (the store) still reaches both
+            results = finish(procs)
     assert [code for code, _ in results] == [0, 0, 0], results
     check_one_round(bed3, tmp_path)
     assert bed3.cut_pairs() == {(1, 2)}
@@ -180,10 +193,11 @@ def test_a_partition_healed_before_the_keep_alive_bound_changes_nothing(
     """Host 2 cut from everyone (the store host, or the other etcd members) for 4 s < 15 s."""
     with backend_on(bed3, backend) as endpoint:
         procs = start_agents(bed3, tmp_path, 15, backend=backend, endpoint=endpoint)
-        wait_for_records(tmp_path, 3)
-        bed3.isolate(2)  # cut from the store host too, for less than 5 s * 3 beats
-        time.sleep(4)
-        bed3.heal()
-        results = finish(procs)
+        with killed_on_error(procs):
+            wait_for_records(tmp_path, 3)
+            bed3.isolate(2)  # cut from the store host too, for less than 5 s * 3 beats
+            time.sleep(4)
+            bed3.heal()
+            results = finish(procs)
     assert [code for code, _ in results] == [0, 0, 0], results
     check_one_round(bed3, tmp_path)

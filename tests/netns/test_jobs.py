@@ -29,7 +29,15 @@ from tests.procs import ROOT, subprocess_env
 
 pytest.importorskip("torch.distributed.run")
 
-pytestmark = [pytest.mark.torch, pytest.mark.etcd, pytest.mark.redis]
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.etcd,
+    pytest.mark.redis,
+    # Under pytest-xdist (bash scripts/test) these jobs, six torch workers
+    # each, run one after another in one worker, handed out first; the other
+    # worker takes lighter tests meanwhile.
+    pytest.mark.xdist_group("netns-jobs"),
+]
 
 ALLREDUCE = str(ROOT / "examples" / "allreduce.py")
 GATED = str(ROOT / "tests" / "torchrun" / "worker.py")

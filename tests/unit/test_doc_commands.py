@@ -173,6 +173,7 @@ def fresh_checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("doc-commands")  # one worker builds the fresh checkout, once
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.where for b in RUNNABLE])
 def test_doc_block_runs_as_written(
     block: Block, fresh_checkout: tuple[Path, dict[str, str]]
