@@ -190,6 +190,9 @@ class Checker:
         # agents, new agents), and windows in which the store was paused.
         self.disturbances: list[float] = []
         self.stalls: list[tuple[float, float]] = []
+        # Wall-clock windows in which the harness itself got no CPU (a
+        # loaded machine): the agents were starved too.
+        self.starved: list[tuple[float, float]] = []
 
     def disturbed(self, at: float) -> None:
         """Record that the group may change at wall-clock time ``at``."""
@@ -201,8 +204,13 @@ class Checker:
         with self._lock:
             self.stalls.append((start, end))
 
+    def harness_starved(self, start: float, end: float) -> None:
+        """Record a window (wall clock) in which the harness's sampler got no CPU."""
+        with self._lock:
+            self.starved.append((start, end))
+
     def _stalled_between(self, start: float, end: float) -> float:
-        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.stalls)
+        return _overlap(self.stalls, start, end)
 
     def violation(self, text: str) -> None:
         with self._lock:
@@ -274,17 +282,32 @@ class Checker:
             marks = sorted(self.disturbances)
         if not marks:
             return
+        with self._lock:
+            starved = list(self.starved)
         for completed in completions:
             last = max((d for d in marks if d <= completed), default=marks[0])
-            if completed - last > settle:
+            # Time in which the machine gave no CPU does not count towards settling.
+            late = completed - last - _overlap(starved, last, completed)
+            if late > settle:
                 self.violation(
                     f"endless re-formation: a round completed {completed - last:.1f} s after the "
-                    f"last disturbance (settled after {settle:.1f} s)"
+                    f"last disturbance ({late:.1f} s not counting starvation; settled after "
+                    f"{settle:.1f} s)"
                 )
         ends = [*marks[1:], ended]
         self.figures.quiet_seconds = sum(
             max(0.0, b - a - settle) for a, b in zip(marks, ends, strict=True)
         )
+
+
+def _overlap(windows: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of ``windows`` within ``[start, end]``."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in windows)
+
+
+STARVE_TICK = 0.05
+"""The starvation sampler's sleep; an oversleep past ``STARVE_SLACK`` is a starved window."""
+STARVE_SLACK = 0.1
 
 
 def _parse(raw: str) -> dict[str, Any] | None:
@@ -406,6 +429,16 @@ class ChaosRun:
             "store-pause": self._fault_store_pause,
             "poison": self._fault_poison,
         }
+
+    def _sample_starvation(self) -> None:
+        """Record the windows in which this process got no CPU for a while."""
+        while not self._monitor_stop.is_set():
+            before = time.monotonic()
+            time.sleep(STARVE_TICK)
+            late = time.monotonic() - before - STARVE_TICK
+            if late > STARVE_SLACK:
+                now = time.time()
+                self.checker.harness_starved(now - late, now)
 
     def _monitor(self) -> None:
         """Read and decode the stored state every half second."""
@@ -579,6 +612,8 @@ class ChaosRun:
         self.cluster.set_epoch(self.epoch)
         monitor = threading.Thread(target=self._monitor, daemon=True)
         monitor.start()
+        sampler = threading.Thread(target=self._sample_starvation, daemon=True)
+        sampler.start()
         try:
             for _ in range(settings.agents):
                 self._spawn()
@@ -638,6 +673,7 @@ class ChaosRun:
             self._run_pending(float("inf"))  # resume a paused store before stopping
             self._monitor_stop.set()
             monitor.join(30)
+            sampler.join(30)
             for agent in self.agents:
                 agent.stop()
             while not self.lines.empty():

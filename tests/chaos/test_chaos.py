@@ -144,6 +144,22 @@ def test_checker_flags_endless_re_formation_without_a_fault() -> None:
     assert checker.figures.quiet_seconds == pytest.approx(2 * settings.settle)
 
 
+def test_checker_does_not_count_time_the_machine_gave_no_cpu_towards_settling() -> None:
+    # A loaded machine: the harness's sampler overslept 2 s after the fault,
+    # so a round 1 s past the settle time is the fault's, not an endless one.
+    settings = Settings(seed=0, steady=True)
+    checker = Checker(settings, Figures(seed=0))
+    checker.disturbed(1000.0)
+    checker.harness_starved(1001.0, 1003.0)
+    checker.round_line(line("a", 0, ["a", "b"], at=1000.0 + settings.settle + 1.0, round=4))
+    checker.finish(ended=1000.0 + 3 * settings.settle)
+    assert checker.figures.violations == []
+    # Starvation is credited only for the time it lasted.
+    checker.round_line(line("a", 0, ["a", "b"], at=1000.0 + settings.settle + 3.0, round=5))
+    checker.finish(ended=1000.0 + 3 * settings.settle)
+    assert any("endless re-formation" in v for v in checker.figures.violations)
+
+
 def test_checker_accepts_rounds_that_follow_a_disturbance() -> None:
     settings = Settings(seed=0, steady=True)
     checker = Checker(settings, Figures(seed=0))
