@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.certs import TLSFiles
+from tests.procs import free_port as procs_free_port
 from tests.procs import require_binary
 
 FORBIDDEN_PORTS = frozenset({2379, 2380, 6379})
@@ -34,9 +35,7 @@ FORBIDDEN_PORTS = frozenset({2379, 2380, 6379})
 def free_port() -> int:
     """Return a currently free TCP port on 127.0.0.1 (never a default engine port)."""
     for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+        port = procs_free_port()
         if port not in FORBIDDEN_PORTS:
             return port
     raise RuntimeError("could not find a free loopback port")
