@@ -19,7 +19,13 @@ import pytest
 
 from tests.launch.procs import agents, alive, c10d_args, finish, kill_pids, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.timeout(300)]
+# One torch job at a time under xdist: see tests/netns/test_jobs.py.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.torch,
+    pytest.mark.timeout(300),
+    pytest.mark.xdist_group("torch-jobs"),
+]
 
 DDP_WORKER = str(Path(__file__).with_name("ddp_worker.py"))
 

@@ -33,10 +33,12 @@ pytestmark = [
     pytest.mark.torch,
     pytest.mark.etcd,
     pytest.mark.redis,
-    # Under pytest-xdist (bash scripts/test) these jobs, six torch workers
-    # each, run one after another in one worker, handed out first; the other
-    # worker takes lighter tests meanwhile.
-    pytest.mark.xdist_group("netns-jobs"),
+    # Under pytest-xdist (bash scripts/test) the jobs that run torch workers
+    # (these, tests/torchrun/test_torchrun.py, tests/launch/test_node_loss.py)
+    # run one after another in one worker, handed out first; the other worker
+    # takes lighter tests meanwhile. Two at once starved each other's workers
+    # on two cores past their 60 s budget.
+    pytest.mark.xdist_group("torch-jobs"),
 ]
 
 ALLREDUCE = str(ROOT / "examples" / "allreduce.py")

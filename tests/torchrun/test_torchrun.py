@@ -17,7 +17,8 @@ from tests.torchrun.conftest import Job
 
 pytest.importorskip("torch.distributed.run")
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow]
+# One torch job at a time under xdist: see tests/netns/test_jobs.py.
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.xdist_group("torch-jobs")]
 
 CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
