@@ -29,7 +29,12 @@ class Agents:
         self.procs: list[subprocess.Popen[str]] = []
 
     def start(
-        self, min_nodes: int, max_nodes: int, rounds: int, close: bool = False
+        self,
+        min_nodes: int,
+        max_nodes: int,
+        rounds: int,
+        close: bool = False,
+        last_call: float = 0.5,
     ) -> subprocess.Popen[str]:
         args = [
             sys.executable,
@@ -38,7 +43,7 @@ class Agents:
             "dynamic",
             *("--backend", self.backend, "--endpoint", self.endpoint, "--run-id", self.run_id),
             *("--min", str(min_nodes), "--max", str(max_nodes), "--rounds", str(rounds)),
-            *("--join", "60", "--close-timeout", "10"),
+            *("--join", "60", "--close-timeout", "10", "--last-call", str(last_call)),
         ]
         if close:
             args.append("--close")
@@ -116,7 +121,10 @@ def test_late_joiner_triggers_a_new_round(agents: Agents) -> None:
 
 
 def test_sigkill_of_a_member_is_detected_and_survivors_reform(agents: Agents) -> None:
-    procs = [agents.start(2, 3, 2) for _ in range(3)]
+    # A last call long enough for the third agent's start on a loaded machine
+    # (with 0.5 s the first two formed alone there); the survivors' round
+    # below waits it out too.
+    procs = [agents.start(2, 3, 2, last_call=8.0) for _ in range(3)]
     check_round([agents.line(p) for p in procs], 3)
     victim, survivors = procs[0], procs[1:]
     kill_process(victim)
