@@ -24,5 +24,8 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     env = {key: os.environ.get(key, "") for key in KEYS}
     name = f"rank{env['RANK']}-restart{env['TORCHELASTIC_RESTART_COUNT']}.json"
-    (out / name).write_text(json.dumps(env))
+    # Written whole or not at all: the test polls the directory and parses what it finds.
+    partial = out / (name + ".partial")
+    partial.write_text(json.dumps(env))
+    os.replace(partial, out / name)
     time.sleep(float(sys.argv[2]))
