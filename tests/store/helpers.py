@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -13,6 +11,7 @@ from typing import Any
 
 from rdzv.errors import StoreTimeoutError
 from rdzv.store.base import Store, Timeout, Value, to_bytes, to_seconds
+from tests.engines.servers import stop_process
 from tests.procs import subprocess_env
 
 
@@ -42,13 +41,7 @@ def serve_process(
         port = int(line.split()[4].rsplit(":", 1)[1])
         yield proc, port
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_process(proc, grace=10.0)
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 
 from rdzv.store.protocol import MAX_MULTI_KEYS, VALIDATE_MAGIC, Op, Request, encode_request
 from rdzv.store.tcp import TCPStore
+from tests.engines.servers import stop_process
 from tests.procs import subprocess_env
 
 VALIDATE = encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
@@ -90,13 +90,7 @@ def server_process(tmp_path: Path, **options: Any) -> Iterator[ServerProcess]:
         assert line.strip().isdigit(), (line, log.read_text())
         yield ServerProcess(proc, int(line), log)
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(15)
+        stop_process(proc, grace=15.0)
         if proc.stdout is not None:
             proc.stdout.close()
 
@@ -230,12 +224,6 @@ def attack_process(port: int, seconds: float) -> Iterator[subprocess.Popen[str]]
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(15)
+        stop_process(proc, grace=15.0)
         if proc.stdout is not None:
             proc.stdout.close()
