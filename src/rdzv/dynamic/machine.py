@@ -30,8 +30,9 @@ monotonic clock: a member watches its ring successor (:func:`successor_of`),
 and a node whose seal waits for members that have not re-joined
 (:func:`missing_members`) watches those (the last-call leaders at once,
 everyone else once the seal has stalled for twice the dead-node timeout),
-so a round whose members all died does not block the next one. This module decides; ``rdzv.dynamic.handler``
-acts.
+so a round whose members all died does not block the next one; it watches
+the other queued nodes too and leaves those it judged dead out of the seal it
+writes. This module decides; ``rdzv.dynamic.handler`` acts.
 
 A store restarted empty (or restored from an older copy) makes the state go
 back: a joiner whose round is ahead of the stored one re-joins the stored
