@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rdzv.backends.base import validate_node_key
 from rdzv.dynamic.state import (
     MAX_PARTICIPANTS,
     JoinRecord,
@@ -120,6 +121,37 @@ def test_a_node_key_holding_a_newline_is_refused_in_a_long_state() -> None:
     data = b"\x01" + json.dumps([1, 0, keys, []]).encode()
     with pytest.raises(RendezvousStateError, match="node key"):
         decode_state(data)
+
+
+def _is_valid_key(key: str) -> bool:
+    try:
+        validate_node_key(key)
+    except ValueError:
+        return False
+    return True
+
+
+_KEY_CHARS = st.sampled_from(["a", "#", "~", "!", " ", "\n", "\t", "\x7f", "\x00", "é", "\u3000"])
+
+
+@given(st.lists(st.text(_KEY_CHARS, max_size=6) | st.just("k" * 257), min_size=1, max_size=8))
+def test_decoding_accepts_exactly_the_keys_validate_node_key_accepts(keys: list[str]) -> None:
+    """The state decoder's one-pass check of all keys agrees with checking each key."""
+    keys = list(dict.fromkeys(keys))
+    data = b"\x01" + json.dumps([1, 0, keys, []]).encode()
+    if all(_is_valid_key(k) for k in keys):
+        assert decode_state(data).participants == tuple(keys)
+    else:
+        with pytest.raises(RendezvousStateError, match="node key"):
+            decode_state(data)
+
+
+def test_live_count_counts_the_participants_not_evicted() -> None:
+    state = RendezvousState(1, (_key(1), _key(2), _key(3)))
+    assert state.live_count == 3
+    assert state.live_participants() is state.participants
+    evicted = state.evict([_key(1), _key(3)])
+    assert evicted.live_count == 1 == len(evicted.live_participants())
 
 
 def test_node_keys() -> None:

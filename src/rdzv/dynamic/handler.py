@@ -483,7 +483,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         token, min(remaining, _STATE_WAIT_CAP), attempt
                     )
                     attempt += 1
-                    queue_length = self._queue.queue_length(progress.round_id)
+                    if state is None or state.round < progress.round_id:
+                        # A sealed round decides without the queue: one
+                        # request fewer for each of its members.
+                        queue_length = self._queue.queue_length(progress.round_id)
                 if queue_length != reported:
                     # Progress for whoever waits with this node (rdzv run prints it).
                     reported = queue_length

@@ -217,7 +217,7 @@ def observe(
     if (
         state is not None
         and state.next_round == progress.round_id
-        and len(state.live_participants()) >= limits.max_nodes
+        and state.live_count >= limits.max_nodes
         and progress.started_at != now
     ):
         progress = replace(progress, started_at=now)
@@ -231,7 +231,7 @@ def observe(
 def _is_spare_in(state: RendezvousState | None, progress: JoinProgress, limits: Limits) -> bool:
     if progress.position is not None and progress.position > limits.max_nodes:
         return True
-    return state is not None and len(state.live_participants()) >= limits.max_nodes
+    return state is not None and state.live_count >= limits.max_nodes
 
 
 def decide(
@@ -347,7 +347,7 @@ def nodes_waiting(
         return next_queue_length
     if state.rank_of(node) is None:
         return max(1, next_queue_length)
-    live = len(state.live_participants())
+    live = state.live_count
     evicted = len(state.participants) - live
     waiting = next_queue_length if live < limits.max_nodes else 0
     return waiting + evicted
@@ -569,7 +569,7 @@ def leaving_members(
     """
     if state.round != round_id or state.closed:
         return []
-    if unless_any_evicted and len(state.live_participants()) < len(state.participants):
+    if unless_any_evicted and state.live_count < len(state.participants):
         return []
     return [n for n in nodes if state.rank_of(n) is not None]
 

@@ -55,10 +55,9 @@ and leaders read one heartbeat mark per missing member.
 """
 _MAX_STATE_BYTES = 64 * 1024 * 1024
 _DIGITS = re.compile(r"(\d+)")
-# Every participant of a decoded state is checked in one match over the keys
-# joined by newlines (the common case: printable ASCII keys); keys that do
-# not all match are checked one by one for the exact error.
-_ASCII_KEYS = re.compile(r"[\x21-\x7e]{1,256}(?:\n[\x21-\x7e]{1,256})*")
+# The bytes a node key may hold (printable ASCII but space), and the newline
+# that :func:`_all_ascii_keys` joins keys with.
+_KEY_BYTES = bytes(range(0x21, 0x7F)) + b"\n"
 
 
 def make_node_key(addr: str, pid: int, nonce: str) -> str:
@@ -144,8 +143,15 @@ class RendezvousState:
         """The round a node joining now enqueues for."""
         return self.round + 1
 
+    @property
+    def live_count(self) -> int:
+        """The number of participants not evicted."""
+        return len(self.participants) - len(self.evicted)
+
     def live_participants(self) -> tuple[str, ...]:
         """Return the participants not evicted, in rank order."""
+        if not self.evicted:
+            return self.participants
         return tuple(n for i, n in enumerate(self.participants) if i not in self.evicted)
 
     def rank_of(self, node: str) -> int | None:
@@ -204,11 +210,30 @@ def encode_state(state: RendezvousState) -> bytes:
 
 
 def _all_ascii_keys(nodes: tuple[object, ...]) -> bool:
-    """Tell whether every item is a printable-ASCII node key, in one regex match."""
-    if not all(isinstance(n, str) for n in nodes):
+    """Tell whether every item is a node key of 1 to 256 printable ASCII characters.
+
+    Every check runs in C (a state of thousands of members is decoded by
+    every member): the join raises ``TypeError`` on an item that is not a
+    string; joined by newlines, the keys are printable ASCII exactly when
+    deleting the printable bytes and the newlines leaves nothing, and hold no
+    newline of their own when there is one less newline than keys.
+    """
+    if not nodes:
+        return True
+    try:
+        joined = "\n".join(nodes)  # type: ignore[arg-type]  # a non-str raises TypeError
+        lengths = list(map(len, nodes))  # type: ignore[arg-type]
+    except TypeError:
         return False
-    joined = "\n".join(nodes)  # type: ignore[arg-type]  # all str, checked above
-    return joined.count("\n") == len(nodes) - 1 and _ASCII_KEYS.fullmatch(joined) is not None
+    if not joined.isascii():
+        return False
+    data = joined.encode("ascii")
+    return (
+        not data.translate(None, _KEY_BYTES)
+        and data.count(b"\n") == len(nodes) - 1
+        and min(lengths) >= 1
+        and max(lengths) <= 256
+    )
 
 
 def _bad(reason: str) -> RendezvousStateError:
