@@ -67,6 +67,7 @@ def test_a_forged_maximal_generation_is_a_state_error() -> None:
     token = result[1]
     forged = token[:4] + (2**64 - 1).to_bytes(8, "big") + token[12:]
     store.set("rdzv.backend/job/state", forged)
+    store.set(f"rdzv.backend/job/state/{forged[4:].hex()}", b"s1")
     found = backend.get_state()
     assert found is not None
     with pytest.raises(RendezvousStateError, match="generation 2\\*\\*64-1"):

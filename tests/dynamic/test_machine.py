@@ -14,6 +14,7 @@ from rdzv.dynamic.machine import (
     Requeue,
     Seal,
     Wait,
+    backup_delay,
     decide,
     nodes_waiting,
     observe,
@@ -110,13 +111,27 @@ def test_max_leader_seals_at_once() -> None:
     assert decide(progress, None, 4, ME, LIMITS, clock()) == Seal()
 
 
-def test_others_back_up_the_max_leader_after_grace() -> None:
+@pytest.mark.parametrize(("position", "tiers"), [(3, 1), (2, 2), (1, 2)])
+def test_others_back_up_the_max_leader_in_tiers_of_grace(position: int, tiers: int) -> None:
+    """The next position backs up the leader after grace; farther ones a grace per doubling."""
     clock = FakeClock()
-    progress = _joined(1, clock)
+    progress = _joined(position, clock)
     progress = observe(progress, None, 4, LIMITS, clock())
-    assert decide(progress, None, 4, ME, LIMITS, clock()) == Wait(clock() + 6.0)
-    clock.advance(6.0)
+    due = clock() + tiers * 6.0
+    assert decide(progress, None, 4, ME, LIMITS, clock()) == Wait(due)
+    clock.advance(due - clock() - 0.01)
+    assert isinstance(decide(progress, None, 4, ME, LIMITS, clock()), Wait)
+    clock.advance(0.01)
     assert decide(progress, None, 4, ME, LIMITS, clock()) == Seal()
+
+
+def test_backups_act_in_tiers_that_at_most_double() -> None:
+    """Of 2,048 nodes, a slow leader is backed up by 1, then 2, 4, ... more, a grace apart."""
+    delays = [backup_delay(p, 2048, 3.0) for p in range(1, 2049)]
+    assert delays[-1] == 0.0
+    tiers = sorted(set(delays) - {0.0})
+    assert tiers == [3.0 * k for k in range(1, 12)]
+    assert [delays.count(t) for t in tiers] == [2**k for k in range(11)]
 
 
 def test_min_leader_runs_the_last_call_on_its_own_clock() -> None:

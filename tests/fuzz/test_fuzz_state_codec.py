@@ -18,6 +18,7 @@ from rdzv.dynamic.state import (
     encode_state,
 )
 from rdzv.errors import RendezvousStateError
+from rdzv.store.memory import HashStore
 from tests.fuzz.budget import budget
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,9 +119,13 @@ def test_join_record_codec_only_raises_state_error(data: bytes) -> None:
 @budget(200)
 @given(st.binary(max_size=64))
 def test_backend_record_header_only_raises_state_error(raw: bytes) -> None:
+    store = HashStore()
+    store.set("rdzv.backend/job/state", raw)
     try:
-        body, token = C10dRendezvousBackend._decode(raw)
+        found = C10dRendezvousBackend(store, "job").get_state()
     except RendezvousStateError:
         return
+    assert found is not None
+    body, token = found
     assert token == raw
     assert raw.endswith(body)

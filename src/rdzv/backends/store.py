@@ -3,12 +3,20 @@
 One class, importable as ``C10dRendezvousBackend``, ``P10dRendezvousBackend``
 and ``TpRendezvousBackend``. It offers every capability:
 
-* state: one key holding ``b"RDZ1" + generation (8 bytes) + nonce (4 bytes)
-  + state``; the whole stored value is the fencing token, and a write is a
-  single ``compare_set`` against it. The generation only grows, so a stale
-  token never matches again; the random nonce makes "did my write win?"
-  exact even when two writers store identical bytes.
-* watch: ``Store.watch`` on the state key when the store supports it,
+* state: a *head* key holding ``b"RDZ2" + generation (8 bytes) + nonce (4
+  bytes)``, which is the fencing token, and a *body* key named after the
+  head holding the state. A write stores the new body under its new head's
+  name, then moves the head with one ``compare_set`` (the commit point; a
+  loser deletes its body, a winner the body it replaced). The generation only
+  grows, so a stale token never matches again; the random nonce makes "did
+  my write win?" exact even when two writers store identical bytes. A read
+  of an unchanged state costs one 16-byte head and no body: the backend
+  keeps the body of the last head it saw, so a member polling a state of
+  thousands of participants reads O(1) bytes a poll, not the whole list. A
+  record of the older one-key layout (``b"RDZ1" + generation + nonce +
+  state``, the whole value the token) is still read, and the next write
+  replaces it with a head;
+* watch: ``Store.watch`` on the head key when the store supports it,
   otherwise polling with jittered, capped backoff;
 * join queue: ``append`` of a length-prefixed record, then ``add`` on the
   round's counter (two non-conflicting operations per joining node);
@@ -25,6 +33,7 @@ reached, hosted or opened fails with torch's message first.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import tempfile
@@ -58,8 +67,11 @@ _C10D_FAILED = "The connection to the C10d store has failed. See inner exception
 _FILE_FAILED = "The file creation for C10d store has failed. See inner exception for details."
 
 _MAGIC = b"RDZ1"
+_HEAD_MAGIC = b"RDZ2"
 _HEADER = len(_MAGIC) + 8 + 4
 _PROBE = b"\x00rdzv-probe"
+# Reads of a head whose body a newer write already replaced, before giving up.
+_BODY_ATTEMPTS = 8
 
 
 class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue, StoreLiveness):
@@ -84,6 +96,9 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
         self._store = store
         self._run_id = run_id
         self._key = f"{prefix}state"
+        # The body of the last head read or written: an unchanged state is
+        # read as its head alone.
+        self._last: tuple[bytes, bytes] | None = None
 
     @property
     def name(self) -> str:
@@ -95,14 +110,56 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
         """The store the backend writes to."""
         return self._store
 
-    @staticmethod
-    def _decode(raw: bytes) -> tuple[bytes, Token]:
-        if len(raw) < _HEADER or not raw.startswith(_MAGIC):
-            raise RendezvousStateError(
-                f"the stored rendezvous record is corrupt ({len(raw)} bytes, "
-                f"starting {raw[:8]!r}); expected the {_MAGIC!r} header"
-            )
-        return raw[_HEADER:], raw
+    def _corrupt(self, raw: bytes) -> RendezvousStateError:
+        return RendezvousStateError(
+            f"the stored rendezvous record ({self._key!r}) is corrupt ({len(raw)} bytes, "
+            f"starting {raw[:8]!r}); expected a {_HEAD_MAGIC!r} or {_MAGIC!r} header"
+        )
+
+    def _body_key(self, head: bytes) -> str:
+        return f"{self._key}/{head[len(_HEAD_MAGIC) :].hex()}"
+
+    def _is_head(self, raw: bytes) -> bool:
+        return len(raw) == _HEADER and raw.startswith(_HEAD_MAGIC)
+
+    def _resolve(self, raw: bytes) -> tuple[bytes, Token]:
+        """Return ``(state, token)`` for a stored head (reading its body) or old-layout record.
+
+        Raises:
+            RendezvousStateError: The record is corrupt, or a head's body is
+                missing although the head did not move.
+            RendezvousConnectionError: The head moved on faster than its
+                bodies could be read, ``_BODY_ATTEMPTS`` times.
+        """
+        for _ in range(_BODY_ATTEMPTS):
+            if not self._is_head(raw):
+                if len(raw) < _HEADER or not raw.startswith(_MAGIC):
+                    raise self._corrupt(raw)
+                return raw[_HEADER:], raw
+            cached = self._last
+            if cached is not None and cached[1] == raw:
+                return cached
+            key = self._body_key(raw)
+            body = self._read_body(key)
+            if body is not None:
+                self._last = (body, raw)
+                return body, raw
+            # A newer write replaced this head and deleted its body: read the new head.
+            current = self._read_raw()
+            if current is None:
+                raise RendezvousStateError(f"the rendezvous record {self._key!r} vanished")
+            if current == raw:
+                raise RendezvousStateError(
+                    f"the stored rendezvous head {self._key!r} names the body {key!r}, "
+                    "which is missing"
+                )
+            raw = current
+        raise RendezvousConnectionError(
+            f"the rendezvous state {self._key!r} changed {_BODY_ATTEMPTS} times while it was read"
+        )
+
+    def _read_body(self, key: str) -> bytes | None:
+        return store_call("get_state", lambda: self._store.try_multi_get([key])[0])
 
     def _read_raw(self) -> bytes | None:
         raw = store_call("get_state", lambda: self._store.compare_set(self._key, _PROBE, _PROBE))
@@ -110,7 +167,13 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
 
     def get_state(self) -> tuple[bytes, Token] | None:  # noqa: D102 - see RendezvousBackend
         raw = self._read_raw()
-        return None if raw is None else self._decode(raw)
+        return None if raw is None else self._resolve(raw)
+
+    def _discard(self, head: bytes) -> None:
+        """Delete the body of ``head``; a failure leaves only garbage, so it is ignored."""
+        key = self._body_key(head)
+        with contextlib.suppress(RendezvousError):
+            store_call("set_state", lambda: self._store.delete_key(key))
 
     def set_state(  # noqa: D102 - see RendezvousBackend
         self, state: bytes, token: Token | None = None
@@ -118,9 +181,17 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
         if token is None:
             expected = b""
             generation = 1
-        elif isinstance(token, bytes) and len(token) >= _HEADER and token.startswith(_MAGIC):
+        elif (
+            isinstance(token, bytes)
+            and len(token) >= _HEADER
+            and token[:4]
+            in (
+                _MAGIC,
+                _HEAD_MAGIC,
+            )
+        ):
             expected = token
-            generation = int.from_bytes(token[len(_MAGIC) : len(_MAGIC) + 8], "big") + 1
+            generation = int.from_bytes(token[4:12], "big") + 1
             if generation >= 1 << 64:
                 raise RendezvousStateError(
                     f"the stored rendezvous record ({self._key!r}) has generation 2**64-1, "
@@ -129,15 +200,20 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
         else:
             current = self.get_state()
             return None if current is None else (*current, False)
-        desired = _MAGIC + generation.to_bytes(8, "big") + secrets.token_bytes(4) + bytes(state)
-        result = store_call(
-            "set_state", lambda: self._store.compare_set(self._key, expected, desired)
-        )
-        if result == desired:
-            return bytes(state), desired, True
+        state = bytes(state)
+        head = _HEAD_MAGIC + generation.to_bytes(8, "big") + secrets.token_bytes(4)
+        body_key = self._body_key(head)
+        store_call("set_state", lambda: self._store.set(body_key, state))
+        result = store_call("set_state", lambda: self._store.compare_set(self._key, expected, head))
+        if result == head:
+            self._last = (state, head)
+            if self._is_head(expected):
+                self._discard(expected)
+            return state, head, True
+        self._discard(head)
         if expected and result == expected:
             return None
-        current_state, current_token = self._decode(result)
+        current_state, current_token = self._resolve(result)
         return current_state, current_token, False
 
     def wait_for_state(  # noqa: D102 - see WatchableBackend
@@ -147,14 +223,14 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
         store = self._store
         if store.supports_watch:
             raw = store_call("wait_for_state", lambda: store.watch(self._key, previous, timeout))
-            return None if raw is None else self._decode(raw)
+            return None if raw is None else self._resolve(raw)
         deadline = time.monotonic() + timeout
         attempt = 0
         while True:
             raw = self._read_raw()
             remaining = deadline - time.monotonic()
             if raw != previous or remaining <= 0:
-                return None if raw is None else self._decode(raw)
+                return None if raw is None else self._resolve(raw)
             time.sleep(min(remaining, poll_backoff(attempt)))
             attempt += 1
 

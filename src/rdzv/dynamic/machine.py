@@ -14,10 +14,16 @@ publishes participants and ranks)?
 * the node at position ``max_nodes``, at once: the round is full;
 * the node at position ``min_nodes`` (the *last-call leader*), when the
   last call expires on ITS monotonic clock, counted from its own arrival;
-* any other admitted node, as a backup, ``grace`` seconds later than the
-  leader would have (the leader may have died);
+* any other admitted node, as a backup, later than the leader would have
+  (the leader may have died): ``grace`` later for the next position, and one
+  more ``grace`` for each doubling of its distance from the leader
+  (:func:`backup_delay`), so that when a leader is slow the backups do not
+  all read the queue and race to seal at once (at 2,048 nodes such a herd
+  took the machine for minutes); at most twice as many act in each tier as
+  in the one before;
 * a node beyond ``max_nodes`` (a spare) only when the admitted nodes all
-  seem dead: ``last_call + 2 x grace`` after it saw the round full (the plan
+  seem dead: ``last_call + 2 x grace`` after it saw the round full, later
+  spares tiered like backups (the plan
   is the same whoever seals: the first ``max_nodes`` records); it then
   enqueues for the next round, where it is on the redundancy list.
 
@@ -67,6 +73,7 @@ __all__ = [
     "Requeue",
     "Seal",
     "Wait",
+    "backup_delay",
     "decide",
     "judge_marks",
     "missing_members",
@@ -282,19 +289,44 @@ def decide(
         # participants are judged like any dead member.
         if progress.max_seen_at is None:
             return Wait(join_deadline)
-        stalled = progress.max_seen_at + limits.last_call + 2 * limits.grace
+        stalled = (
+            progress.max_seen_at
+            + limits.last_call
+            + limits.grace
+            + backup_delay(progress.position, limits.max_nodes, limits.grace)
+        )
         return Seal() if now >= stalled else Wait(min(stalled, join_deadline))
     if queue_length >= limits.max_nodes and progress.max_seen_at is not None:
         if progress.position == limits.max_nodes:
             return Seal()
-        backup = progress.max_seen_at + limits.grace
+        backup = progress.max_seen_at + backup_delay(
+            progress.position, limits.max_nodes, limits.grace
+        )
         return Seal() if now >= backup else Wait(min(backup, join_deadline))
     if queue_length >= limits.min_nodes and progress.min_seen_at is not None:
         expiry = progress.min_seen_at + limits.last_call
-        if progress.position != limits.min_nodes:
-            expiry += limits.grace
+        expiry += backup_delay(progress.position, limits.min_nodes, limits.grace)
         return Seal() if now >= expiry else Wait(min(expiry, join_deadline))
     return Wait(join_deadline)
+
+
+def backup_delay(position: int, leader: int, grace: float) -> float:
+    """Return how much later than the leader the node at ``position`` acts in its place.
+
+    The leader itself: 0. Others: ``grace`` times the number of binary
+    digits of their distance from the leader, so one node backs up the
+    leader after ``grace``, two more after ``2 x grace``, four more after
+    ``3 x grace``, and so on.
+
+    Args:
+        position: The node's position in the queue (1-based).
+        leader: The leader's position.
+        grace: The dead-node timeout, in seconds.
+
+    Returns:
+        The delay, in seconds.
+    """
+    return grace * abs(position - leader).bit_length()
 
 
 def plan_seal(
