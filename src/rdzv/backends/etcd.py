@@ -7,7 +7,10 @@ One run keeps its state in one key, ``<key_prefix><run_id>``. The value is
 is reported as corrupt instead of handed to the state decoder. The fencing
 token is the key's ``mod_revision``: a compare-and-set is one transaction
 that compares it, puts the new value on success and reads the current value
-on failure, in one round trip. Every write attaches a lease of ``ttl``
+on failure, in one round trip. A read asks for the key's revisions alone
+first and reads the value only when the revision differs from the last one
+seen, so polling an unchanged state costs O(1) bytes whatever the number of
+participants. Every write attaches a lease of ``ttl``
 seconds (granted once and reused for half its life), so an abandoned run's
 state expires on the server.
 
@@ -127,6 +130,8 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
         self._owns_client = owns_client
         self._run_id = run_id
         self._key = f"{prefix}{run_id}".encode()
+        # The last state read or written, with its modification revision.
+        self._last: tuple[bytes, int] | None = None
         self._run_prefix = self._key + b"/"
         self._ttl = ttl
         self._liveness_ttl = liveness_ttl
@@ -201,8 +206,28 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
             RendezvousConnectionError: No etcd member answered.
             RendezvousStateError: The stored value is not an rdzv state.
         """
-        kv, _ = self._client.get(self._key)
-        return None if kv is None else self._decode(kv)
+        return self._read()[0]
+
+    def _read(self) -> tuple[tuple[bytes, Token] | None, int]:
+        """Read the state and the store revision; an unchanged state costs no value.
+
+        A keys-only read gives the state's modification revision (its
+        token); only when that differs from the last state seen is the value
+        read, so members polling a state of thousands of participants read
+        O(1) bytes a poll.
+        """
+        kvs, revision = self._client.range(self._key, keys_only=True)
+        if not kvs:
+            return None, revision
+        last = self._last
+        if last is not None and last[1] == kvs[0].mod_revision:
+            return last, revision
+        kv, revision = self._client.get(self._key)
+        if kv is None:
+            return None, revision
+        found = self._decode(kv)
+        self._last = found
+        return found, revision
 
     def set_state(
         self, state: bytes, token: Token | None = None
@@ -233,6 +258,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
             lambda lease: self._client.compare_and_put(self._key, value, expected, lease=lease)
         )
         if written:
+            self._last = (state, revision)
             return state, revision, True
         if kv is None:
             return None
@@ -256,8 +282,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
             RendezvousConnectionError: No etcd member answered.
             RendezvousStateError: The stored value is not an rdzv state.
         """
-        kv, revision = self._client.get(self._key)
-        current = None if kv is None else self._decode(kv)
+        current, revision = self._read()
         if (current is None and token is not None) or (current is not None and current[1] != token):
             return current
         if timeout > 0:

@@ -10,7 +10,10 @@ with ``rev + 1`` and appends the new revision to a change stream,
 ``<key>:events``, all atomically; on a stale token it returns the current
 value and revision in the same round trip. A new record starts its ``rev``
 at the server's clock in microseconds, so a run whose state expired and was
-created again never hands out a token it handed out before.
+created again never hands out a token it handed out before. A read names the
+last token it saw, and the script leaves the value out while the stored
+``rev`` is still that one, so polling an unchanged state costs O(1) bytes
+whatever the number of participants.
 
 Waiting for a change reads the state and the stream's last entry id in one
 script, then blocks in ``XREAD BLOCK`` from that id: a write in between is
@@ -103,6 +106,10 @@ local id = '0-0'
 if #last > 0 then id = last[1][1] end
 if kind == 'none' then return {0, id} end
 if kind ~= 'hash' then return {-1, id, kind} end
+local rev = redis.call('HGET', KEYS[1], 'rev')
+if rev ~= false and rev == ARGV[1] and redis.call('HEXISTS', KEYS[1], 'v') == 1 then
+  return {2, id, rev}
+end
 local cur = redis.call('HMGET', KEYS[1], 'v', 'rev')
 if cur[1] == false or cur[2] == false or tonumber(cur[2]) == nil then return {-2, id} end
 return {1, id, cur[1], cur[2]}
@@ -185,6 +192,9 @@ class RedisRendezvousBackend(
         self._liveness_ms = liveness_ttl * 1000
         self._cas = client.register_script(_CAS)
         self._read = client.register_script(_READ)
+        # The last state read or written, with its token: the read script
+        # leaves the value out when the stored token is still this one.
+        self._last: tuple[bytes, int] | None = None
         self._enqueue = client.register_script(_ENQUEUE)
         self._queue_len = client.register_script(_QUEUE_LEN)
         self._beat = client.register_script(_BEAT)
@@ -221,17 +231,24 @@ class RedisRendezvousBackend(
         )
 
     def _read_state(self) -> tuple[tuple[bytes, Token] | None, bytes]:
+        last = self._last
         with redis_errors(self._endpoint, "reading the rendezvous state"):
-            reply = self._read(keys=[self._key, self._events])
+            reply = self._read(
+                keys=[self._key, self._events], args=["" if last is None else str(last[1])]
+            )
         code = int(reply[0])
         last_id = as_bytes(reply[1])
         if code == 0:
             return None, last_id
+        if code == 2 and last is not None and _token(reply[2]) == last[1]:
+            return last, last_id
         if code == -1:
             raise self._corrupt(f"it is a {as_bytes(reply[2]).decode()}, not a hash")
         if code == -2:
             raise self._corrupt("its fields v and rev are missing or rev is not an integer")
-        return (as_bytes(reply[2]), _token(reply[3])), last_id
+        found = (as_bytes(reply[2]), _token(reply[3]))
+        self._last = found
+        return found, last_id
 
     def get_state(self) -> tuple[bytes, Token] | None:
         """Read the state (see :class:`RendezvousBackend`).
@@ -276,7 +293,8 @@ class RedisRendezvousBackend(
             )
         code = int(reply[0])
         if code == 1:
-            return state, _token(reply[1]), True
+            self._last = (state, _token(reply[1]))
+            return state, self._last[1], True
         if code == 0:
             return None
         if code == -1:

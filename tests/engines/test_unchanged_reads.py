@@ -1,0 +1,165 @@
+"""Reading an unchanged state costs O(1) bytes on every backend, and a change is still seen.
+
+Members poll the state (``num_nodes_waiting``, every 0.1 s under ``rdzv
+run``); a state of thousands of participants read whole on every poll made
+steady-state traffic grow as N² per second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from rdzv.backends.store import C10dRendezvousBackend
+from rdzv.dynamic.state import RendezvousState, encode_state
+from rdzv.store.server import TCPStoreServer
+from rdzv.store.tcp import TCPStore
+
+pytestmark = pytest.mark.timeout(60)
+
+NODES = 2048
+
+
+def _state(round_id: int) -> bytes:
+    keys = tuple(f"10.0.{i // 256}.{i % 256}#{1000 + i}#abcdef01" for i in range(NODES))
+    return encode_state(RendezvousState(round_id, keys))
+
+
+class CountingStore:
+    """Forwards to a store, adding up the bytes its calls return."""
+
+    def __init__(self, inner: TCPStore) -> None:
+        self.inner = inner
+        self.read = 0
+
+    @property
+    def supports_watch(self) -> bool:
+        return self.inner.supports_watch
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+
+        def call(*args: Any) -> Any:
+            result = attr(*args)
+            values = result if isinstance(result, list) else [result]
+            self.read += sum(len(v) for v in values if isinstance(v, bytes))
+            return result
+
+        return call
+
+
+@pytest.fixture
+def tcp_store() -> Iterator[TCPStore]:
+    server = TCPStoreServer("127.0.0.1", 0).start()
+    store = TCPStore("127.0.0.1", server.port, timeout=10)
+    try:
+        yield store
+    finally:
+        store.close()
+        server.stop()
+
+
+def test_c10d_reads_an_unchanged_state_as_its_16_byte_head(tcp_store: TCPStore) -> None:
+    writer = C10dRendezvousBackend(tcp_store, "job")
+    first = writer.set_state(_state(1))
+    assert first is not None
+    clone = tcp_store.clone()
+    try:
+        _poll_and_change(writer, first, clone, tcp_store)
+    finally:
+        clone.close()
+
+
+def _poll_and_change(
+    writer: C10dRendezvousBackend,
+    first: tuple[bytes, Any, bool],
+    clone: TCPStore,
+    tcp_store: TCPStore,
+) -> None:
+    counting = CountingStore(clone)
+    reader = C10dRendezvousBackend(counting, "job")  # type: ignore[arg-type]
+    assert reader.get_state() == first[:2]
+    assert counting.read > len(first[0])  # the first read fetches the body
+    counting.read = 0
+    for _ in range(10):
+        assert reader.get_state() == first[:2]
+    assert counting.read <= 10 * 16
+    second = writer.set_state(_state(2), first[1])
+    assert second is not None
+    assert second[2]
+    counting.read = 0
+    assert reader.get_state() == second[:2]
+    assert counting.read > len(second[0])
+    # The replaced body is deleted: the store keeps one body per run.
+    assert len([k for k in tcp_store.list_keys() if k.startswith("rdzv.backend/job/state/")]) == 1
+
+
+def test_c10d_still_reads_and_replaces_a_record_of_the_one_key_layout(tcp_store: TCPStore) -> None:
+    old = b"RDZ1" + (7).to_bytes(8, "big") + b"\x00\x01\x02\x03" + _state(1)
+    tcp_store.set("rdzv.backend/job/state", old)
+    backend = C10dRendezvousBackend(tcp_store, "job")
+    found = backend.get_state()
+    assert found == (_state(1), old)
+    written = backend.set_state(_state(2), found[1])
+    assert written is not None
+    assert written[2]
+    assert len(written[1]) == 16
+    assert written[1].startswith(b"RDZ2")
+    assert int.from_bytes(written[1][4:12], "big") == 8
+    assert C10dRendezvousBackend(tcp_store, "job").get_state() == written[:2]
+
+
+@pytest.mark.etcd
+def test_etcd_reads_the_value_of_an_unchanged_state_once(
+    etcd_client: Any, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rdzv.backends.etcd import EtcdRendezvousBackend
+
+    writer = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
+    reader = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
+    first = writer.set_state(_state(1))
+    assert first is not None
+    gets = []
+    real_get = etcd_client.get
+    monkeypatch.setattr(etcd_client, "get", lambda key: gets.append(key) or real_get(key))
+    assert reader.get_state() == first[:2]
+    assert len(gets) == 1
+    for _ in range(10):
+        assert reader.get_state() == first[:2]
+    assert len(gets) == 1  # only revisions were read
+    second = writer.set_state(_state(2), first[1])
+    assert second is not None
+    assert second[2]
+    assert reader.wait_for_state(first[1], 5.0) == second[:2]
+    assert len(gets) == 2
+
+
+@pytest.mark.redis
+def test_redis_reads_the_value_of_an_unchanged_state_once(redis_client: Any, unique: str) -> None:
+    from rdzv.backends.redis import RedisRendezvousBackend
+
+    writer = RedisRendezvousBackend(redis_client, unique, key_prefix="test:")
+    reader = RedisRendezvousBackend(redis_client, unique, key_prefix="test:")
+    first = writer.set_state(_state(1))
+    assert first is not None
+    replies: list[Any] = []
+    script = reader._read
+
+    def counted(**kwargs: Any) -> Any:
+        reply = script(**kwargs)
+        replies.append(reply)
+        return reply
+
+    reader._read = counted  # type: ignore[assignment]
+    assert reader.get_state() == first[:2]
+    for _ in range(10):
+        assert reader.get_state() == first[:2]
+    sizes = [sum(len(x) for x in r if isinstance(x, bytes)) for r in replies]
+    assert sizes[0] > len(first[0])
+    assert max(sizes[1:]) < 64  # the token and the stream id, no value
+    second = writer.set_state(_state(2), first[1])
+    assert second is not None
+    assert second[2]
+    assert reader.wait_for_state(first[1], 5.0) == second[:2]
