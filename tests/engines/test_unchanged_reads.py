@@ -121,9 +121,14 @@ def test_etcd_reads_the_value_of_an_unchanged_state_once(
     reader = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
     first = writer.set_state(_state(1))
     assert first is not None
-    gets = []
+    gets: list[bytes] = []
     real_get = etcd_client.get
-    monkeypatch.setattr(etcd_client, "get", lambda key: gets.append(key) or real_get(key))
+
+    def counted_get(key: bytes) -> Any:
+        gets.append(key)
+        return real_get(key)
+
+    monkeypatch.setattr(etcd_client, "get", counted_get)
     assert reader.get_state() == first[:2]
     assert len(gets) == 1
     for _ in range(10):
