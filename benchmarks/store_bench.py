@@ -11,7 +11,10 @@ with a 100-byte value for ``--duration`` seconds, all clients starting at the
 same instant; the table shows the sum of their operations per second (the
 best of ``--repeat`` interleaved runs, which filters out other load on the
 machine), and each rdzv setup's throughput as a ratio of torch's. The
-machine's load (``/proc/loadavg``, cores) is printed before and after.
+machine's load (``/proc/loadavg``, cores) is printed before and after. A run
+whose clients have not all reported within ``CLIENT_TIMEOUT`` (a thrashing
+machine) is killed and left out, with a line on stderr; a cell left without
+any run shows ``n/a``.
 """
 
 from __future__ import annotations
@@ -114,7 +117,12 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
         proc.stdout.close()
 
 
-def measure(client: str, port: int, op: str, clients: int, duration: float) -> float:
+CLIENT_TIMEOUT = 120.0
+"""Seconds a run's clients have to report; a run that overruns is left out."""
+
+
+def measure(client: str, port: int, op: str, clients: int, duration: float) -> float | None:
+    """Return the ops/s of one run, or None if a client hung (on a thrashing machine)."""
     start_at = time.time() + 1.0 + 0.3 * clients
     procs = []
     for index in range(clients):
@@ -128,11 +136,24 @@ def measure(client: str, port: int, op: str, clients: int, duration: float) -> f
             )
         )
     total = 0
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"a {client} client failed on {op}")
-        total += int(out.strip())
+    deadline = time.monotonic() + CLIENT_TIMEOUT
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                raise RuntimeError(f"a {client} client failed on {op}")
+            total += int(out.strip())
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+        print(
+            f"a {client} client on {op} ({clients} clients) did not finish within "
+            f"{CLIENT_TIMEOUT:g} s: run left out",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
     return total / duration
 
 
@@ -162,7 +183,7 @@ def main() -> None:
 
     loops = list(args.loops)
     if "uvloop" in loops and importlib.util.find_spec("uvloop") is None:
-        print("uvloop is not installed (pip install 'rdzv[fast]'): measuring asyncio only\n")
+        print("uvloop is not installed (the rdzv[fast] extra): measuring asyncio only\n")
         loops.remove("uvloop")
     # name: (server, client); the rdzv servers are named by their event loop.
     setups = {"torch": ("torch", "torch")}
@@ -182,7 +203,8 @@ def main() -> None:
                         port = servers[server_kind][1]
                         rate = measure(client_kind, port, op, clients, args.duration)
                         cell = (name, op, clients)
-                        results[cell] = max(results.get(cell, 0.0), rate)
+                        if rate is not None:
+                            results[cell] = max(results.get(cell, 0.0), rate)
     finally:
         for proc, _port in servers.values():
             stop_server(proc)
@@ -202,12 +224,16 @@ def main() -> None:
     print("|---|" + "---:|" * (len(header) - 1))
     for clients in args.clients:
         for op in OPS:
-            base = results["torch", op, clients]
-            row = [op, str(clients), f"{base:,.0f}"]
+            base = results.get(("torch", op, clients))
+            row = [op, str(clients), "n/a" if base is None else f"{base:,.0f}"]
             for client in ("rdzv", "torch->rdzv"):
                 for loop in loops:
-                    rate = results[f"{client} {loop}", op, clients]
-                    row += [f"{rate:,.0f}", f"{rate / base:.2f}x"]
+                    rate = results.get((f"{client} {loop}", op, clients))
+                    if rate is None:
+                        row += ["n/a", ""]
+                    else:
+                        ratio = "" if base is None else f"{rate / base:.2f}x"
+                        row += [f"{rate:,.0f}", ratio]
             print("| " + " | ".join(row) + " |")
 
 
