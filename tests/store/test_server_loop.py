@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 needs_uvloop = pytest.mark.skipif(
     importlib.util.find_spec("uvloop") is None,
-    reason="uvloop is not installed (pip install 'rdzv[fast]')",
+    reason="uvloop is not installed (the rdzv[fast] extra: pip install uvloop)",
 )
 
 # Runs rdzv with uvloop unimportable (None in sys.modules makes the import fail).
@@ -77,7 +77,8 @@ def test_uvloop_missing_is_an_import_error_saying_what_to_install() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == (
-        "loop 'uvloop' needs the uvloop package, which is not installed: pip install 'rdzv[fast]'\n"
+        "loop 'uvloop' needs the uvloop package (the rdzv[fast] extra), which is not installed: "
+        "pip install uvloop\n"
     )
 
 

@@ -1125,8 +1125,8 @@ def _loop_runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
         import uvloop  # noqa: PLC0415 - an optional extra, imported only when asked for
     except ImportError as exc:
         raise ImportError(
-            "loop 'uvloop' needs the uvloop package, which is not installed: "
-            "pip install 'rdzv[fast]'"
+            "loop 'uvloop' needs the uvloop package (the rdzv[fast] extra), which is not "
+            "installed: pip install uvloop"
         ) from exc
     return uvloop.run
 
