@@ -205,6 +205,7 @@ def main() -> None:
                         cell = (name, op, clients)
                         if rate is not None:
                             results[cell] = max(results.get(cell, 0.0), rate)
+                            print(f"{name}, {op}, {clients}: {rate:,.0f}/s", file=sys.stderr)
     finally:
         for proc, _port in servers.values():
             stop_server(proc)
