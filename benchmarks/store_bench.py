@@ -164,6 +164,7 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs per cell; the best one is reported"
     )
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument(
         "--loops",
         nargs="+",
@@ -197,7 +198,7 @@ def main() -> None:
         # Interleave the setups cell by cell so that a change in the machine's
         # load during the run affects every column alike.
         for clients in args.clients:
-            for op in OPS:
+            for op in args.ops:
                 for _ in range(args.repeat):
                     for name, (server_kind, client_kind) in setups.items():
                         port = servers[server_kind][1]
@@ -224,7 +225,7 @@ def main() -> None:
     print("| " + " | ".join(header) + " |")
     print("|---|" + "---:|" * (len(header) - 1))
     for clients in args.clients:
-        for op in OPS:
+        for op in args.ops:
             base = results.get(("torch", op, clients))
             row = [op, str(clients), "n/a" if base is None else f"{base:,.0f}"]
             for client in ("rdzv", "torch->rdzv"):
