@@ -2,20 +2,25 @@
 
 Run from the repository root:
 
-    python benchmarks/store_bench.py [--duration 2] [--clients 1 8]
+    python benchmarks/store_bench.py [--duration 2] [--clients 1 8] [--loops asyncio uvloop]
 
-Every server runs in its own process (torch's ``TCPStore(is_master=True)``
-and ``rdzv serve``), every client in its own process. Each client repeats
-one operation on its own key with a 100-byte value for ``--duration``
-seconds, all clients starting at the same instant; the table shows the sum
-of their operations per second (the best of ``--repeat`` interleaved runs,
-which filters out other load on the machine), and rdzv's throughput as a
-ratio of torch's.
+Every server runs in its own process (torch's ``TCPStore(is_master=True)``,
+and ``rdzv serve --loop LOOP`` once per event loop of ``--loops``), every
+client in its own process. Each client repeats one operation on its own key
+with a 100-byte value for ``--duration`` seconds, all clients starting at the
+same instant; the table shows the sum of their operations per second (the
+best of ``--repeat`` interleaved runs, which filters out other load on the
+machine), and each rdzv setup's throughput as a ratio of torch's. The
+machine's load (``/proc/loadavg``, cores) is printed before and after. A run
+whose clients have not all reported within ``CLIENT_TIMEOUT`` (a thrashing
+machine) is killed and left out, with a line on stderr; a cell left without
+any run shows ``n/a``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import subprocess
@@ -75,7 +80,14 @@ def worker(kind: str, port: int, op: str, duration: float, start_at: float, inde
     print(count, flush=True)
 
 
+def load() -> str:
+    with open("/proc/loadavg") as f:
+        avg = f.read().split()
+    return f"loadavg {' '.join(avg[:3])} on {os.cpu_count()} cores ({avg[3]} running/threads)"
+
+
 def start_server(kind: str) -> tuple[subprocess.Popen[str], int]:
+    """Start torch's server (``torch``) or ``rdzv serve`` on the event loop ``kind``."""
     if kind == "torch":
         code = (
             "import sys, time, torch.distributed as dist\n"
@@ -86,6 +98,7 @@ def start_server(kind: str) -> tuple[subprocess.Popen[str], int]:
         cmd = [sys.executable, "-c", code]
     else:
         cmd = [sys.executable, "-m", "rdzv.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
+        cmd += ["--loop", kind]
     proc = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env()
     )
@@ -104,7 +117,12 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
         proc.stdout.close()
 
 
-def measure(client: str, port: int, op: str, clients: int, duration: float) -> float:
+CLIENT_TIMEOUT = 120.0
+"""Seconds a run's clients have to report; a run that overruns is left out."""
+
+
+def measure(client: str, port: int, op: str, clients: int, duration: float) -> float | None:
+    """Return the ops/s of one run, or None if a client hung (on a thrashing machine)."""
     start_at = time.time() + 1.0 + 0.3 * clients
     procs = []
     for index in range(clients):
@@ -118,11 +136,24 @@ def measure(client: str, port: int, op: str, clients: int, duration: float) -> f
             )
         )
     total = 0
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"a {client} client failed on {op}")
-        total += int(out.strip())
+    deadline = time.monotonic() + CLIENT_TIMEOUT
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                raise RuntimeError(f"a {client} client failed on {op}")
+            total += int(out.strip())
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+        print(
+            f"a {client} client on {op} ({clients} clients) did not finish within "
+            f"{CLIENT_TIMEOUT:g} s: run left out",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
     return total / duration
 
 
@@ -133,6 +164,15 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs per cell; the best one is reported"
     )
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument(
+        "--loops",
+        nargs="+",
+        choices=("asyncio", "uvloop"),
+        default=["asyncio", "uvloop"],
+        help="event loops of the rdzv server, one column pair each (uvloop is left out "
+        "when not installed)",
+    )
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -142,48 +182,61 @@ def main() -> None:
 
     import torch
 
-    setups = {
-        "torch": ("torch", "torch"),
-        "rdzv": ("rdzv", "rdzv"),
-        "torch->rdzv": ("rdzv", "torch"),
-    }
+    loops = list(args.loops)
+    if "uvloop" in loops and importlib.util.find_spec("uvloop") is None:
+        print("uvloop is not installed (the rdzv[fast] extra): measuring asyncio only\n")
+        loops.remove("uvloop")
+    # name: (server, client); the rdzv servers are named by their event loop.
+    setups = {"torch": ("torch", "torch")}
+    for loop in loops:
+        setups[f"rdzv {loop}"] = (loop, "rdzv")
+        setups[f"torch->rdzv {loop}"] = (loop, "torch")
     results: dict[tuple[str, str, int], float] = {}
-    servers = {kind: start_server(kind) for kind in ("torch", "rdzv")}
+    print(f"start: {time.strftime('%H:%M:%S')} {load()}", flush=True)
+    servers = {kind: start_server(kind) for kind in ("torch", *loops)}
     try:
         # Interleave the setups cell by cell so that a change in the machine's
         # load during the run affects every column alike.
         for clients in args.clients:
-            for op in OPS:
+            for op in args.ops:
                 for _ in range(args.repeat):
                     for name, (server_kind, client_kind) in setups.items():
                         port = servers[server_kind][1]
                         rate = measure(client_kind, port, op, clients, args.duration)
                         cell = (name, op, clients)
-                        results[cell] = max(results.get(cell, 0.0), rate)
+                        if rate is not None:
+                            results[cell] = max(results.get(cell, 0.0), rate)
+                            print(f"{name}, {op}, {clients}: {rate:,.0f}/s", file=sys.stderr)
     finally:
         for proc, _port in servers.values():
             stop_server(proc)
+    print(f"end: {time.strftime('%H:%M:%S')} {load()}\n", flush=True)
 
     print(
         f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
         f"best of {args.repeat} runs of {args.duration:g} s per cell, 100-byte values, "
         "ops/s summed over clients\n"
     )
-    header = (
-        "| op | clients | torch server + torch client | rdzv server + rdzv client | ratio "
-        "| rdzv server + torch client | ratio |"
-    )
-    print(header)
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    header = ["op", "clients", "torch server + torch client"]
+    for loop in loops:
+        header += [f"rdzv server ({loop}) + rdzv client", "ratio"]
+    for loop in loops:
+        header += [f"rdzv server ({loop}) + torch client", "ratio"]
+    print("| " + " | ".join(header) + " |")
+    print("|---|" + "---:|" * (len(header) - 1))
     for clients in args.clients:
-        for op in OPS:
-            base = results["torch", op, clients]
-            ours = results["rdzv", op, clients]
-            mixed = results["torch->rdzv", op, clients]
-            print(
-                f"| {op} | {clients} | {base:,.0f} | {ours:,.0f} | {ours / base:.2f}x "
-                f"| {mixed:,.0f} | {mixed / base:.2f}x |"
-            )
+        for op in args.ops:
+            base = results.get(("torch", op, clients))
+            row = [op, str(clients), "n/a" if base is None else f"{base:,.0f}"]
+            for client in ("rdzv", "torch->rdzv"):
+                for loop in loops:
+                    rate = results.get((f"{client} {loop}", op, clients))
+                    if rate is None:
+                        row += ["n/a", ""]
+                    else:
+                        ratio = "" if base is None else f"{rate / base:.2f}x"
+                        row += [f"{rate:,.0f}", ratio]
+            print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from rdzv.store.server import (
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_HANDSHAKES,
+    EVENT_LOOPS,
     TCPStoreServer,
 )
 
@@ -110,6 +111,7 @@ def _serve(args: argparse.Namespace) -> None:
     Raises:
         ValueError: Only one of ``--tls-cert`` and ``--tls-key`` was given,
             the token file is empty or a limit is not positive.
+        ImportError: ``--loop uvloop`` and uvloop is not installed.
         OSError: A file could not be read or the address could not be bound.
     """
     security = ServerSecurity.from_files(args.auth_token_file, args.tls_cert, args.tls_key)
@@ -123,6 +125,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_connections_per_address=args.max_connections_per_address,
         frame_timeout=args.frame_timeout,
         idle_timeout=args.idle_timeout,
+        loop=args.loop,
     )
 
     with contextlib.ExitStack() as stack:
@@ -162,7 +165,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             where = format_endpoint(args.host or "0.0.0.0", args.port)  # noqa: S104 - a message
             print(f"rdzv serve: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    except (ValueError, ssl.SSLError) as exc:
+    except (ValueError, ImportError, ssl.SSLError) as exc:
         print(f"rdzv serve: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -255,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_IDLE_TIMEOUT,
         help="close connections idle this long, never those blocked in a wait (default: off)",
+    )
+    serve.add_argument(
+        "--loop",
+        choices=EVENT_LOOPS,
+        default=EVENT_LOOPS[0],
+        help="the event loop: the standard library's, or uvloop's, which needs the "
+        "rdzv[fast] extra (default: %(default)s)",
     )
     serve.add_argument(
         "--metrics-port",

@@ -337,3 +337,48 @@ def test_tls_client_refuses_an_unknown_certificate(certificate: TLSFiles) -> Non
             TCPStore("127.0.0.1", server.port, timeout=5, ssl_context=ssl.create_default_context())
         with pytest.raises(RendezvousConnectionError):
             TCPStore("127.0.0.1", server.port, timeout=0.5)
+
+
+class _RecordingSocket:
+    """A client's socket that records every ``sendall`` and passes everything on."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sent: list[bytes] = []
+
+    def sendall(self, data: bytes) -> None:
+        self.sent.append(bytes(data))
+        self.sock.sendall(data)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.sock, name)
+
+
+def test_the_directly_built_frames_are_encode_requests(rdzv_server: TCPStoreServer) -> None:
+    # set, get, add and compare_set build their frames without encode_request:
+    # byte for byte the same requests, one sendall each.
+    with TCPStore("127.0.0.1", rdzv_server.port, timeout=7) as store:
+        store.set("frames/warm", b"")
+        recorder = _RecordingSocket(store._sock)  # type: ignore[arg-type]
+        store._sock = recorder  # type: ignore[assignment]
+        store.set("frames/k", b"v" * 100)
+        store.set("frames/s", "text é")
+        assert store.get("frames/k") == b"v" * 100
+        assert store.add("frames/n", -3) == -3
+        assert store.compare_set("frames/k", b"v" * 100, b"w") == b"w"
+        store.append("frames/s", b"!")
+        assert recorder.sent == [
+            encode_request(Request(Op.SET, (b"/frames/k",), (b"v" * 100,))),
+            encode_request(Request(Op.SET, (b"/frames/s",), ("text é".encode(),))),
+            encode_request(Request(Op.GET_WAIT, (b"/frames/k",), (), 7000)),
+            encode_request(Request(Op.ADD, (b"/frames/n",), (), -3)),
+            encode_request(Request(Op.COMPARE_SET, (b"/frames/k",), (b"v" * 100, b"w"))),
+            encode_request(Request(Op.APPEND, (b"/frames/s",), (b"!",))),
+        ]
+
+
+def test_an_add_out_of_range_is_refused_as_before(rdzv_server: TCPStoreServer) -> None:
+    with TCPStore("127.0.0.1", rdzv_server.port, timeout=5) as store:
+        with pytest.raises(RendezvousConnectionError, match="request fields do not fit opcode"):
+            store.add("frames/big", 1 << 63)
+        assert store.add("frames/big", 1) == 1  # connected again

@@ -64,7 +64,9 @@ Each limit has a named default and a constructor parameter (see
 The server runs either in a background thread of the current process
 (:meth:`TCPStoreServer.start`, what ``TCPStore(is_master=True)`` does) or in
 the foreground until a signal (:meth:`TCPStoreServer.serve`, what
-``rdzv serve`` does).
+``rdzv serve`` does). Its event loop is the standard library's, or uvloop's
+with ``loop="uvloop"`` (the ``rdzv[fast]`` extra), which is imported only
+then: the same protocol callbacks run on either.
 
 Size: longer than the project's ~600-line guide: the connection and the
 server that admits, sweeps and counts it share every limit's bookkeeping.
@@ -84,9 +86,9 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final, cast
 
 from rdzv.net import bind_listener, enable_keepalive, listen_backlog, server_tls_context
 from rdzv.store.engine import BLOCKING_OPS, DEFAULT_MAX_WAITING_BYTES, StoreEngine, Woken
@@ -121,6 +123,7 @@ __all__ = [
     "DEFAULT_MAX_HANDSHAKES",
     "DEFAULT_MAX_UNSENT_BYTES",
     "DEFAULT_TCP_KEEPALIVE",
+    "EVENT_LOOPS",
     "FD_HEADROOM",
     "FEED_SLICE",
     "RECEIVE_BUFFER_BYTES",
@@ -167,6 +170,9 @@ FD_HEADROOM: Final = 64
 """File descriptors kept free of connections, for the process's other needs."""
 LOG_INTERVAL: Final = 10.0
 """Seconds between two log lines of one kind that a flood of connections can repeat."""
+
+EVENT_LOOPS: Final = ("asyncio", "uvloop")
+"""The event loops a server can run on (``loop=``); the first is the default."""
 
 _ACCEPT_OUT_OF_RESOURCES: Final = frozenset(
     {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -269,10 +275,11 @@ class _Connection(asyncio.BufferedProtocol):
     # -- asyncio callbacks -------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport, though not always an asyncio.Transport subclass
+        # (uvloop's implement the interface without deriving from it).
+        self.transport = cast("asyncio.Transport", transport)
         budget = self.server.max_unsent_bytes
-        transport.set_write_buffer_limits(high=budget, low=budget // 4)
+        self.transport.set_write_buffer_limits(high=budget, low=budget // 4)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.engine.drop(self)
@@ -630,10 +637,14 @@ class TCPStoreServer:
         tcp_keepalive: Seconds of silence before the kernel probes a peer
             (then every 10 s; 6 unanswered probes close the connection), so
             half-open connections go away; None turns keepalive off.
+        loop: The event loop, one of :data:`EVENT_LOOPS`: ``"asyncio"`` (the
+            default, the standard library's) or ``"uvloop"`` (needs the
+            ``uvloop`` package, the ``rdzv[fast]`` extra).
 
     Raises:
-        ValueError: ``port`` is out of range, ``auth_token`` is empty or a
-            limit is not positive (the message names it).
+        ValueError: ``port`` is out of range, ``auth_token`` is empty, a
+            limit is not positive or ``loop`` is unknown (the message names it).
+        ImportError: ``loop="uvloop"`` and uvloop is not installed.
     """
 
     def __init__(
@@ -653,6 +664,7 @@ class TCPStoreServer:
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         tcp_keepalive: float | None = DEFAULT_TCP_KEEPALIVE,
+        loop: str = EVENT_LOOPS[0],
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
@@ -676,6 +688,9 @@ class TCPStoreServer:
         ):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self._run = _loop_runner(loop)
+        self.loop = loop
+        """The event loop's name (one of :data:`EVENT_LOOPS`)."""
         self.max_connections = max_connections
         self.max_handshakes = max_handshakes
         self.max_connections_per_address = max_connections_per_address
@@ -771,7 +786,7 @@ class TCPStoreServer:
         """
         if self._thread is not None:
             raise RuntimeError("the store server was already started")
-        self._thread = start_thread(lambda: asyncio.run(self._main(None)), name="rdzv-store-server")
+        self._thread = start_thread(lambda: self._run(self._main(None)), name="rdzv-store-server")
         self._ready.wait()
         if self._error is not None:
             self._thread.join()
@@ -798,7 +813,7 @@ class TCPStoreServer:
         Raises:
             OSError: The address could not be bound.
         """
-        asyncio.run(self._main(on_ready, install_signals=True))
+        self._run(self._main(on_ready, install_signals=True))
         if self._error is not None:
             raise self._error
 
@@ -1093,6 +1108,27 @@ class TCPStoreServer:
                             "handshake", "store client %s disconnected: %s", conn.peer, reason
                         )
                     conn.abort()
+
+
+def _loop_runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """Return what runs the server's main coroutine on the event loop named ``loop``.
+
+    Raises:
+        ValueError: ``loop`` is not one of :data:`EVENT_LOOPS`.
+        ImportError: ``loop`` is ``"uvloop"`` and uvloop is not installed.
+    """
+    if loop == "asyncio":
+        return asyncio.run
+    if loop != "uvloop":
+        raise ValueError(f"loop must be one of {', '.join(EVENT_LOOPS)}, got {loop!r}")
+    try:
+        import uvloop  # noqa: PLC0415 - an optional extra, imported only when asked for
+    except ImportError as exc:
+        raise ImportError(
+            "loop 'uvloop' needs the uvloop package (the rdzv[fast] extra), which is not "
+            "installed: pip install uvloop"
+        ) from exc
+    return uvloop.run
 
 
 def _descriptor_room() -> int | None:

@@ -129,6 +129,44 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
 
 
+def _wire_key(key: str) -> bytes:
+    if not isinstance(key, str):
+        raise TypeError(f"store keys must be str, not {type(key).__name__}")
+    wire = _KEY_PREFIX + key.encode("utf-8")
+    if len(wire) > MAX_KEY_BYTES:
+        raise ValueError(
+            f"key {key[:40]!r}... is {len(wire)} bytes on the wire; the limit is {MAX_KEY_BYTES}"
+        )
+    return wire
+
+
+def _value(value: Value) -> bytes:
+    data = value if type(value) is bytes else to_bytes(value)
+    if len(data) > MAX_VALUE_BYTES:
+        raise ValueError(f"a value of {len(data)} bytes exceeds the limit of {MAX_VALUE_BYTES}")
+    return data
+
+
+# The frames of the frequent requests, built here without a Request (the same
+# bytes as encode_request's, which the tests check): opcode, then each key and
+# value as a u64 length and its bytes, then the number.
+_SIZE = struct.Struct("<Q").pack
+_NUMBER = struct.Struct("<q").pack
+
+
+def _number(value: int, op: Op) -> bytes:
+    try:
+        return _NUMBER(value)
+    except struct.error as exc:  # as encode_request says it
+        raise ProtocolError(f"request fields do not fit opcode {op}: {exc}") from exc
+
+
+_SET = bytes((Op.SET,))
+_ADD = bytes((Op.ADD,))
+_GET_WAIT = bytes((Op.GET_WAIT,))
+_COMPARE_SET = bytes((Op.COMPARE_SET,))
+
+
 _shared_lock = threading.Lock()
 _shared_servers: dict[int, tuple[TCPStoreServer, int]] = {}
 
@@ -426,6 +464,13 @@ class TCPStore(Store):
         if sock is not None:
             sock.close()
 
+    def _broken(self, exc: BaseException) -> RendezvousConnectionError:
+        """Drop the connection that failed with ``exc``; return the error to raise."""
+        self._drop_connection()
+        return RendezvousConnectionError(
+            f"the connection to the store at {self._address} failed: {exc}"
+        )
+
     def _call(self, operation: Callable[[], _T]) -> _T:
         """Run ``operation`` on a connected socket, translating transport errors."""
         with self._lock:
@@ -433,12 +478,28 @@ class TCPStore(Store):
             try:
                 return operation()
             except (OSError, EOFError, ProtocolError) as exc:
-                self._drop_connection()
-                raise RendezvousConnectionError(
-                    f"the connection to the store at {self._address} failed: {exc}"
-                ) from exc
+                raise self._broken(exc) from exc
             except (StoreTimeoutError, NotImplementedError):
                 raise  # answered cleanly: the connection is still in step
+            except BaseException:
+                self._drop_connection()
+                raise
+
+    def _post(self, frame: bytes) -> None:
+        """Send one encoded request that has no reply (``set``, ``append`` ...).
+
+        :meth:`_call` of one ``sendall``, written out: the whole call is a
+        few microseconds of Python, so a closure and a method call per
+        request are a measurable share of it.
+        """
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                sock = self._ensure_connected()
+            try:
+                sock.sendall(frame)
+            except OSError as exc:
+                raise self._broken(exc) from exc
             except BaseException:
                 self._drop_connection()
                 raise
@@ -525,30 +586,12 @@ class TCPStore(Store):
 
     # -- encoding helpers ----------------------------------------------------
 
-    @staticmethod
-    def _wire_key(key: str) -> bytes:
-        if not isinstance(key, str):
-            raise TypeError(f"store keys must be str, not {type(key).__name__}")
-        wire = _KEY_PREFIX + key.encode("utf-8")
-        if len(wire) > MAX_KEY_BYTES:
-            raise ValueError(
-                f"key {key[:40]!r}... is {len(wire)} bytes on the wire; the limit is {MAX_KEY_BYTES}"
-            )
-        return wire
-
-    @staticmethod
-    def _value(value: Value) -> bytes:
-        data = to_bytes(value)
-        if len(data) > MAX_VALUE_BYTES:
-            raise ValueError(f"a value of {len(data)} bytes exceeds the limit of {MAX_VALUE_BYTES}")
-        return data
-
     def _wire_keys(self, keys: Sequence[str]) -> tuple[bytes, ...]:
         if isinstance(keys, str):
             raise TypeError("keys must be a sequence of str, not a single str")
         if len(keys) > MAX_MULTI_KEYS:
             raise ValueError(f"{len(keys)} keys exceeds the limit of {MAX_MULTI_KEYS} per request")
-        return tuple(self._wire_key(k) for k in keys)
+        return tuple(_wire_key(k) for k in keys)
 
     def _seconds(self, timeout: Timeout | None) -> float:
         return self.timeout.total_seconds() if timeout is None else to_seconds(timeout)
@@ -560,7 +603,9 @@ class TCPStore(Store):
     # -- raw operations (lock held, socket connected) ------------------------
 
     def _add_raw(self, key: bytes, amount: int) -> int:
-        self._send(Request(Op.ADD, (key,), (), amount))
+        sock = self._sock
+        assert sock is not None
+        sock.sendall(b"".join((_ADD, _SIZE(len(key)), key, _number(amount, Op.ADD))))
         return self._read_i64()
 
     def _wait_raw(self, request: Request, seconds: float, what: str) -> None:
@@ -585,16 +630,20 @@ class TCPStore(Store):
     # -- the Store API -------------------------------------------------------
 
     def set(self, key: str, value: Value) -> None:  # noqa: D102 - documented on Store
-        request = Request(Op.SET, (self._wire_key(key),), (self._value(value),))
-        self._call(lambda: self._send(request))
+        wire = _wire_key(key)
+        data = _value(value)
+        self._post(b"".join((_SET, _SIZE(len(wire)), wire, _SIZE(len(data)), data)))
 
     def get(self, key: str) -> bytes:  # noqa: D102
-        wire = self._wire_key(key)
+        wire = _wire_key(key)
         seconds = self.timeout.total_seconds()
 
         def get() -> bytes:
             if self._rdzv_server:
-                self._send(Request(Op.GET_WAIT, (wire,), (), self._ms(seconds)))
+                sock = self._sock
+                assert sock is not None
+                number = _number(self._ms(seconds), Op.GET_WAIT)
+                sock.sendall(b"".join((_GET_WAIT, _SIZE(len(wire)), wire, number)))
                 if self._read_u8() == GetWaitStatus.TIMED_OUT:
                     raise StoreTimeoutError(
                         f"timed out after {seconds:g} s waiting for key {key!r}"
@@ -607,16 +656,21 @@ class TCPStore(Store):
         return self._call(get)
 
     def add(self, key: str, amount: int) -> int:  # noqa: D102
-        wire = self._wire_key(key)
+        wire = _wire_key(key)
         return self._call(lambda: self._add_raw(wire, int(amount)))
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:  # noqa: D102
-        request = Request(
-            Op.COMPARE_SET, (self._wire_key(key),), (self._value(expected), self._value(desired))
+        wire = _wire_key(key)
+        old = _value(expected)
+        new = _value(desired)
+        frame = b"".join(
+            (_COMPARE_SET, _SIZE(len(wire)), wire, _SIZE(len(old)), old, _SIZE(len(new)), new)
         )
 
         def compare_set() -> bytes:
-            self._send(request)
+            sock = self._sock
+            assert sock is not None
+            sock.sendall(frame)
             return self._read_bytes()
 
         return self._call(compare_set)
@@ -637,7 +691,7 @@ class TCPStore(Store):
         Raises:
             StoreTimeoutError: Fewer callers arrived within the timeout.
         """
-        request = Request(Op.BARRIER, (self._wire_key(key),), (), int(world_size))
+        request = Request(Op.BARRIER, (_wire_key(key),), (), int(world_size))
         seconds = self._seconds(timeout)
         self._call(lambda: self._wait_raw(request, seconds, f"barrier {key!r}"))
 
@@ -651,7 +705,7 @@ class TCPStore(Store):
         return self._call(check)
 
     def delete_key(self, key: str) -> bool:  # noqa: D102
-        request = Request(Op.DELETE_KEY, (self._wire_key(key),))
+        request = Request(Op.DELETE_KEY, (_wire_key(key),))
 
         def delete() -> bool:
             self._send(request)
@@ -681,12 +735,11 @@ class TCPStore(Store):
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:  # noqa: D102
         check_multi_set(keys, values)
-        request = Request(Op.MULTI_SET, self._wire_keys(keys), tuple(map(self._value, values)))
+        request = Request(Op.MULTI_SET, self._wire_keys(keys), tuple(map(_value, values)))
         self._call(lambda: self._send(request))
 
     def append(self, key: str, value: Value) -> None:  # noqa: D102
-        request = Request(Op.APPEND, (self._wire_key(key),), (self._value(value),))
-        self._call(lambda: self._send(request))
+        self._post(encode_request(Request(Op.APPEND, (_wire_key(key),), (_value(value),))))
 
     def list_keys(self) -> list[str]:
         """Return every user key on the server (keys outside torch's ``/`` namespace are left out)."""
@@ -706,11 +759,10 @@ class TCPStore(Store):
         return self._call(list_keys)
 
     def queue_push(self, key: str, value: Value) -> None:  # noqa: D102
-        request = Request(Op.QUEUE_PUSH, (self._wire_key(key),), (self._value(value),))
-        self._call(lambda: self._send(request))
+        self._post(encode_request(Request(Op.QUEUE_PUSH, (_wire_key(key),), (_value(value),))))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:  # noqa: D102
-        wire = self._wire_key(key)
+        wire = _wire_key(key)
         seconds = self.timeout.total_seconds()
         deadline = time.monotonic() + seconds
 
@@ -728,7 +780,7 @@ class TCPStore(Store):
         return self._call(queue_pop)
 
     def queue_len(self, key: str) -> int:  # noqa: D102
-        request = Request(Op.QUEUE_LEN, (self._wire_key(key),))
+        request = Request(Op.QUEUE_LEN, (_wire_key(key),))
 
         def queue_len() -> int:
             self._send(request)
@@ -751,9 +803,9 @@ class TCPStore(Store):
         Raises:
             NotImplementedError: The server is torch's, which cannot watch.
         """
-        wire = self._wire_key(key)
+        wire = _wire_key(key)
         seconds = to_seconds(timeout)
-        values = () if previous is None else (self._value(previous),)
+        values = () if previous is None else (_value(previous),)
         request = Request(Op.WATCH, (wire,), values, self._ms(seconds))
 
         def watch() -> bytes | None:
