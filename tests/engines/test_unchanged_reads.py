@@ -7,11 +7,12 @@ steady-state traffic grow as N² per second.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import pytest
 
+from rdzv.backends.base import RendezvousBackend
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.state import RendezvousState, encode_state
 from rdzv.store.server import TCPStoreServer
@@ -20,6 +21,7 @@ from rdzv.store.tcp import TCPStore
 pytestmark = pytest.mark.timeout(60)
 
 NODES = 2048
+_B = TypeVar("_B", bound=RendezvousBackend)
 
 
 def _state(round_id: int) -> bytes:
@@ -111,16 +113,25 @@ def test_c10d_still_reads_and_replaces_a_record_of_the_one_key_layout(tcp_store:
     assert C10dRendezvousBackend(tcp_store, "job").get_state() == written[:2]
 
 
+def _written_and_reader(
+    make: Callable[[], _B],
+) -> tuple[_B, _B, tuple[bytes, Any, bool]]:
+    """Two backends of one run: the first writes a state of NODES participants."""
+    writer, reader = make(), make()
+    first = writer.set_state(_state(1))
+    assert first is not None
+    return writer, reader, first
+
+
 @pytest.mark.etcd
 def test_etcd_reads_the_value_of_an_unchanged_state_once(
     etcd_client: Any, unique: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from rdzv.backends.etcd import EtcdRendezvousBackend
 
-    writer = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
-    reader = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
-    first = writer.set_state(_state(1))
-    assert first is not None
+    writer, reader, first = _written_and_reader(
+        lambda: EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
+    )
     gets: list[bytes] = []
     real_get = etcd_client.get
 
@@ -145,10 +156,9 @@ def test_etcd_reads_the_value_of_an_unchanged_state_once(
 def test_redis_reads_the_value_of_an_unchanged_state_once(redis_client: Any, unique: str) -> None:
     from rdzv.backends.redis import RedisRendezvousBackend
 
-    writer = RedisRendezvousBackend(redis_client, unique, key_prefix="test:")
-    reader = RedisRendezvousBackend(redis_client, unique, key_prefix="test:")
-    first = writer.set_state(_state(1))
-    assert first is not None
+    writer, reader, first = _written_and_reader(
+        lambda: RedisRendezvousBackend(redis_client, unique, key_prefix="test:")
+    )
     replies: list[Any] = []
     script = reader._read
 
