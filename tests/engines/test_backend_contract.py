@@ -30,6 +30,7 @@ def test_corrupt_etcd_value_is_a_state_error(etcd_client: Any, unique: str) -> N
         (lambda r, k: r.set(k, b"x"), "not a hash"),
         (lambda r, k: r.hset(k, mapping={b"v": b"x"}), "missing"),
         (lambda r, k: r.hset(k, mapping={b"v": b"x", b"rev": b"abc"}), "not an integer"),
+        (lambda r, k: r.hset(k, mapping={b"v": b"x", b"rev": b""}), "not an integer"),
     ],
 )
 def test_corrupt_redis_record_is_a_state_error(

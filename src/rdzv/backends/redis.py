@@ -107,7 +107,7 @@ if #last > 0 then id = last[1][1] end
 if kind == 'none' then return {0, id} end
 if kind ~= 'hash' then return {-1, id, kind} end
 local rev = redis.call('HGET', KEYS[1], 'rev')
-if rev ~= false and rev == ARGV[1] and redis.call('HEXISTS', KEYS[1], 'v') == 1 then
+if ARGV[1] ~= '' and rev == ARGV[1] and redis.call('HEXISTS', KEYS[1], 'v') == 1 then
   return {2, id, rev}
 end
 local cur = redis.call('HMGET', KEYS[1], 'v', 'rev')
@@ -240,7 +240,8 @@ class RedisRendezvousBackend(
         last_id = as_bytes(reply[1])
         if code == 0:
             return None, last_id
-        if code == 2 and last is not None and _token(reply[2]) == last[1]:
+        if code == 2 and last is not None:
+            # Only sent when the stored rev is the one named: last's token.
             return last, last_id
         if code == -1:
             raise self._corrupt(f"it is a {as_bytes(reply[2]).decode()}, not a hash")
