@@ -68,7 +68,9 @@ _FILE_FAILED = "The file creation for C10d store has failed. See inner exception
 
 _MAGIC = b"RDZ1"
 _HEAD_MAGIC = b"RDZ2"
+_MAGICS = (_MAGIC, _HEAD_MAGIC)
 _HEADER = len(_MAGIC) + 8 + 4
+_GENERATION = slice(len(_MAGIC), len(_MAGIC) + 8)
 _PROBE = b"\x00rdzv-probe"
 # Reads of a head whose body a newer write already replaced, before giving up.
 _BODY_ATTEMPTS = 8
@@ -181,17 +183,9 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
         if token is None:
             expected = b""
             generation = 1
-        elif (
-            isinstance(token, bytes)
-            and len(token) >= _HEADER
-            and token[:4]
-            in (
-                _MAGIC,
-                _HEAD_MAGIC,
-            )
-        ):
+        elif isinstance(token, bytes) and len(token) >= _HEADER and token[:4] in _MAGICS:
             expected = token
-            generation = int.from_bytes(token[4:12], "big") + 1
+            generation = int.from_bytes(token[_GENERATION], "big") + 1
             if generation >= 1 << 64:
                 raise RendezvousStateError(
                     f"the stored rendezvous record ({self._key!r}) has generation 2**64-1, "
