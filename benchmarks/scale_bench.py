@@ -471,6 +471,9 @@ class Run:
         self.impl = impl
         self.opts = opts
         self.procs: list[subprocess.Popen[str]] = []
+        self.asked: list[subprocess.Popen[str]] = []
+        self.finals: list[dict[str, Any]] = []
+        self.dead: list[str] = []
         self.server: subprocess.Popen[str] | None = None
         self.base: dict[str, Any] = {
             "endpoint": endpoints.get(impl, ""),
@@ -533,15 +536,18 @@ class Run:
             reports.append(json.loads(line) if line else {"error": "no report (timed out)"})
         return reports
 
-    def close(self) -> list[str]:
-        """Stop everything; return every dead judgement the live agents made.
+    def stop_agents(self) -> None:
+        """Tell the agent processes to stop; keep their final reports and dead judgements.
 
-        The agent processes' final reports (their counters at the stop) are
-        kept in ``finals``.
+        The final reports (each process's counters at the stop) go to
+        ``finals``, the judgements to ``dead``; a process is asked once.
         """
-        dead: list[str] = []
-        self.finals: list[dict[str, Any]] = []
-        live = [p for p in self.procs if p.poll() is None and p.stdin is not None]
+        live = [
+            p
+            for p in self.procs
+            if p.poll() is None and p.stdin is not None and p not in self.asked
+        ]
+        self.asked.extend(live)
         for proc in live:
             assert proc.stdin is not None
             with contextlib.suppress(OSError):
@@ -552,14 +558,18 @@ class Run:
             while line := _readline(proc, deadline):
                 report = json.loads(line)
                 if "round" not in report:
-                    dead.extend(report.get("dead", []))
+                    self.dead.extend(report.get("dead", []))
                     self.finals.append(report)
                     break
+
+    def close(self) -> list[str]:
+        """Stop everything; return every dead judgement the agents made."""
+        self.stop_agents()
         for proc in self.procs:
             _stop(proc)
         if self.server is not None:
             _stop(self.server)
-        return dead
+        return self.dead
 
 
 def summarise(reports: Sequence[dict[str, Any]], start: float, server_cpu: float) -> dict[str, Any]:
@@ -672,14 +682,13 @@ def steady(run: Run, n: int, opts: argparse.Namespace) -> dict[str, Any]:
     time.sleep(opts.steady)
     server = run.server_cpu() - cpu0
     window = time.monotonic() - began
-    dead = run.close()
+    run.stop_agents()
     finals = run.finals
     polls = sum(f["polls"] for f in finals)
     if len(finals) != len(group) or not polls:
         return {
             "error": f"{len(group) - len(finals)} of {len(group)} agent processes gave no final "
             f"report ({polls} polls)",
-            "dead_list": dead,
         }
     totals = [sum(f["totals"][i] for f in finals) - formed[i] for i in range(3)]
     agent_cpu = sum(f["cpu"] for f in finals) - cpu_formed
@@ -692,7 +701,6 @@ def steady(run: Run, n: int, opts: argparse.Namespace) -> dict[str, Any]:
         "poll_read": totals[2] / polls,
         "agent_cpu_us_per_poll": 1e6 * agent_cpu / polls,
         "server_cpu_per_s": server / window,
-        "dead_list": dead,
     }
 
 
@@ -715,7 +723,7 @@ def run_scenario(
     except Exception as exc:  # one failed cell does not end the table
         result = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
-        dead = run.close() + result.pop("dead_list", [])
+        dead = run.close()
     killed = set(result.pop("killed", []))
     result["dead"] = len(dead)
     result["false_deaths"] = len(set(dead) - killed)
