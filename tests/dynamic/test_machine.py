@@ -63,6 +63,15 @@ def test_closed_run_lets_spares_exit_gracefully() -> None:
     )
 
 
+def test_member_of_the_sealed_round_completes_although_the_run_closed_after() -> None:
+    clock = FakeClock()
+    progress = _joined(2, clock)
+    closed = RendezvousState(0, (A, ME)).close()
+    assert decide(progress, closed, 2, ME, LIMITS, clock()) == Complete(1)
+    later = replace(progress, round_id=1)
+    assert decide(later, closed, 2, ME, LIMITS, clock()) == Fail(FailReason.CLOSED)
+
+
 def test_sealed_round_with_me_completes_with_my_rank() -> None:
     clock = FakeClock()
     progress = _joined(2, clock)

@@ -98,6 +98,7 @@ def agents(request: pytest.FixtureRequest, unique: str) -> Iterator[Agents]:
 
 
 def check_round(results: list[dict[str, Any]], size: int) -> None:
+    assert all(r["event"] == "round" for r in results), results
     assert sorted(r["rank"] for r in results) == list(range(size))
     assert {r["world_size"] for r in results} == {size}
     assert len({tuple(r["participants"]) for r in results}) == 1

@@ -262,12 +262,19 @@ def decide(
     Returns:
         The next action.
     """
+    rank = None
+    if state is not None and state.round == progress.round_id:
+        rank = state.rank_of(node)
+    if rank is not None:
+        # Sealed with this node in it: a close that came after the seal (a
+        # faster member finished and closed the run before this node read
+        # the state) ends the run for later joiners, not for this round.
+        return Complete(rank)
     if state is not None and state.closed:
         spare = progress.position is not None and _is_spare_in(state, progress, limits)
         return Fail(FailReason.GRACEFUL_EXIT if spare else FailReason.CLOSED)
     if state is not None and state.round >= progress.round_id:
-        rank = state.rank_of(node) if state.round == progress.round_id else None
-        return Complete(rank) if rank is not None else Requeue(state.next_round)
+        return Requeue(state.next_round)
     next_round = 0 if state is None else state.next_round
     if next_round < progress.round_id:
         # The state went back: the store was wiped or restored from an older
