@@ -336,6 +336,25 @@ def test_leaders_judge_missing_members_often_others_only_once_the_seal_stalled()
     assert due
 
 
+@pytest.mark.parametrize(
+    ("position", "starts_after_graces"),
+    [(5, 2), (6, 3), (7, 3), (8, 4), (11, 4), (12, 5), (36, 7), (1, 2), (3, 2)],
+)
+def test_others_judge_a_stalled_seal_in_tiers_doubling_each_dead_node_timeout(
+    position: int, starts_after_graces: int
+) -> None:
+    from rdzv.dynamic.machine import SealJudging
+
+    start = starts_after_graces * LIMITS.grace
+    judging = SealJudging()
+    due, judging = judging.due(position, LIMITS, 0.0, 1.0)
+    assert not due
+    due, judging = judging.due(position, LIMITS, start - 0.01, 1.0)
+    assert not due
+    due, judging = judging.due(position, LIMITS, start, 1.0)
+    assert due
+
+
 def test_judge_interval_bounds() -> None:
     from rdzv.dynamic.machine import judge_interval
 

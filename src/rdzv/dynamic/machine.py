@@ -35,7 +35,7 @@ re-join. Death is judged by :func:`judge_marks` on the observer's own
 monotonic clock: a member watches its ring successor (:func:`successor_of`),
 and a node whose seal waits for members that have not re-joined
 (:func:`missing_members`) watches those (the last-call leaders at once,
-everyone else once the seal has stalled for twice the dead-node timeout),
+everyone else once the seal has stalled, in tiers: :class:`SealJudging`),
 so a round whose members all died does not block the next one; it watches
 the other queued nodes too and leaves those it judged dead out of the seal it
 writes. This module decides; ``rdzv.dynamic.handler`` acts.
@@ -507,9 +507,12 @@ class SealJudging:
     leaders (the nodes whose join made the round sealable: queue positions
     ``min_nodes`` and ``max_nodes``) judge the missing ones often, or a round
     whose members all died would block the next one forever. Everyone else
-    judges only once the seal stalled for two dead-node timeouts (the leaders
-    may be dead too), and only once per heartbeat interval: all N nodes
-    judging at once would cost O(N^2) reads.
+    judges only once the seal stalled (the leaders may be dead too), in tiers
+    like the backups (:func:`backup_delay`): the next position after two
+    dead-node timeouts, the two after it one timeout later, the four after
+    those one more, and so on, each once per heartbeat interval. Each judge
+    reads the marks of every node it waits for, so all N nodes judging at
+    once would cost O(N^2) reads.
 
     Attributes:
         blocked_since: When this node first waited on the deferred seal.
@@ -536,7 +539,13 @@ class SealJudging:
         """
         since = now if self.blocked_since is None else self.blocked_since
         leader = position in (limits.min_nodes, limits.max_nodes)
-        stalled = now - since >= 2 * limits.grace
+        tier = limits.grace
+        if position is not None:
+            tier = min(
+                backup_delay(position, limits.min_nodes, limits.grace),
+                backup_delay(position, limits.max_nodes, limits.grace),
+            )
+        stalled = now - since >= limits.grace + tier
         if not (leader or stalled) or now < self.next_at:
             return False, SealJudging(since, self.next_at)
         every = judge_interval(interval, limits.grace) if leader else interval
