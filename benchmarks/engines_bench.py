@@ -21,6 +21,7 @@ from typing import Any
 import redis
 from tests.engines.servers import etcd_cluster, redis_server
 
+from _common import stamp
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
 from rdzv.backends.etcd_client import EtcdClient
 from rdzv.backends.etcd_store import EtcdStore
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     args = parser.parse_args()
     columns: dict[str, dict[str, list[float]]] = {}
+    stamp("start")
     with etcd_cluster(1) as cluster:
         client = EtcdClient(parse_endpoints(cluster.endpoints), read_timeout=10)
         try:
@@ -120,6 +122,7 @@ def main() -> None:
             columns["Redis 7"] = measure(rbackend, rstore, args.rounds)
         finally:
             rclient.close()
+    stamp("end")
     report(columns)
 
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _common import stamp
+
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 SECRET = "hostile-bench-secret"
@@ -445,6 +447,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     rows = []
+    stamp("start")
     with tempfile.TemporaryDirectory() as tmp:
         files = Path(tmp)
         make_certificate(files)
@@ -453,6 +456,7 @@ def main() -> None:
                 row = run(attack, kind, files, args.duration, args.memory_limit_mib)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
+    stamp("end")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print(

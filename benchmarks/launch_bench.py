@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import stamp
+
 ROOT = Path(__file__).resolve().parent.parent
 HELLO = ROOT / "examples" / "hello.py"
 
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
+    stamp("start")
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "fail_once.py"
         script.write_text(FAIL_ONCE)
@@ -170,6 +173,7 @@ def main() -> None:
                 "restart": statistics.median(restart),
                 "grow": math.nan if any(map(math.isnan, grow)) else statistics.median(grow),
             }
+    stamp("end")
     print(f"median of {args.runs} runs, --standalone --nproc-per-node {args.nproc}")
     print("grow: 2 c10d agents running, a third starts; seconds until all 3 workers run")
     print("(nan: no round of 3 within 60 s)")

@@ -52,6 +52,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from _common import stamp
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(1, str(ROOT))  # for tests.engines.servers (private etcd and redis-server)
@@ -690,8 +692,10 @@ def main() -> None:
         return
     if args.quick:
         args.repeat, args.sizes, args.rdzv_only_sizes = 1, "8,32", ""
+    stamp("start")
     with engine_servers(args.backends) as engines:
         table = run_all(args, args.backends, engines)
+    stamp("end")
     print(
         f"\nmedian of {args.repeat}; max({args.procs}, N/64) worker processes; "
         f"{os.cpu_count()} CPUs\n"

@@ -72,6 +72,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from _common import load, stamp
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(1, str(ROOT))  # tests.engines.servers: private etcd and redis-server
@@ -749,12 +751,6 @@ def engine_servers(backends: Sequence[str]) -> Iterator[dict[str, str]]:
         yield endpoints
 
 
-def load() -> str:
-    with open("/proc/loadavg") as f:
-        avg = f.read().split()
-    return f"loadavg {' '.join(avg[:3])} on {os.cpu_count()} cores ({avg[3]} running/threads)"
-
-
 def _fmt(value: Any, unit: str = "") -> str:
     if value is None:
         return "-"
@@ -830,7 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in backends + scenarios:
         if name not in BACKENDS + SCENARIOS:
             raise ValueError(f"unknown backend or scenario {name!r}")
-    print(f"start: {time.strftime('%H:%M:%S')} {load()}", flush=True)
+    stamp("start")
     rows: list[dict[str, Any]] = []
     with engine_servers(backends) as endpoints:
         for n in sizes:
@@ -842,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     result["load_after"] = load()
                     print_row(impl, scenario, n, result)
                     rows.append({"impl": impl, "scenario": scenario, "n": n, **result})
-    print(f"end: {time.strftime('%H:%M:%S')} {load()}", flush=True)
+    stamp("end")
     if opts.json:
         Path(opts.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import stamp
+
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ("set", "get", "add", "compare_set")
 VALUE = b"v" * 100
@@ -78,12 +80,6 @@ def worker(kind: str, port: int, op: str, duration: float, start_at: float, inde
     if op == "set":
         store.get(key)  # sets have no reply: make sure the server consumed them all
     print(count, flush=True)
-
-
-def load() -> str:
-    with open("/proc/loadavg") as f:
-        avg = f.read().split()
-    return f"loadavg {' '.join(avg[:3])} on {os.cpu_count()} cores ({avg[3]} running/threads)"
 
 
 def start_server(kind: str) -> tuple[subprocess.Popen[str], int]:
@@ -192,7 +188,7 @@ def main() -> None:
         setups[f"rdzv {loop}"] = (loop, "rdzv")
         setups[f"torch->rdzv {loop}"] = (loop, "torch")
     results: dict[tuple[str, str, int], float] = {}
-    print(f"start: {time.strftime('%H:%M:%S')} {load()}", flush=True)
+    stamp("start")
     servers = {kind: start_server(kind) for kind in ("torch", *loops)}
     try:
         # Interleave the setups cell by cell so that a change in the machine's
@@ -210,7 +206,8 @@ def main() -> None:
     finally:
         for proc, _port in servers.values():
             stop_server(proc)
-    print(f"end: {time.strftime('%H:%M:%S')} {load()}\n", flush=True)
+    stamp("end")
+    print()
 
     print(
         f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "

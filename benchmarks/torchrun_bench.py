@@ -37,6 +37,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from _common import stamp
+
 ROOT = Path(__file__).resolve().parent.parent
 
 WORKER = """\
@@ -181,6 +183,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
+    stamp("start")
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         env = environment(tmp)
@@ -190,6 +193,7 @@ def main() -> None:
                 "start": statistics.median(r[0] for r in runs),
                 "restart": statistics.median(r[1] for r in runs),
             }
+    stamp("end")
     print(
         f"torchrun, {args.nodes} agents x {args.nproc} workers on loopback, "
         f"median of {args.repeats}"
