@@ -145,7 +145,13 @@ def main() -> int:
             while time.monotonic() < stint_end and handler.num_nodes_waiting() == 0:
                 time.sleep(0.05)
         except RendezvousError as exc:
-            emit(event="error", phase="train", node=node, error=type(exc).__name__)
+            emit(
+                event="error",
+                phase="train",
+                node=node,
+                error=type(exc).__name__,
+                message=str(exc)[:300],
+            )
             return 3
 
 

@@ -155,6 +155,8 @@ class Figures:
     faults: Counter[str] = field(default_factory=Counter)
     agent_starts: int = 0
     agent_errors: Counter[str] = field(default_factory=Counter)
+    error_samples: dict[str, str] = field(default_factory=dict)
+    """The first message seen of each error class (by phase and class)."""
     state_reads: int = 0
     quiet_seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
@@ -172,6 +174,7 @@ class Figures:
             f"state_reads={self.state_reads} violations={len(self.violations)}",
             f"quiet_seconds_checked={self.quiet_seconds:.1f}",
         ]
+        lines += [f"  first {name}: {text}" for name, text in sorted(self.error_samples.items())]
         lines += [f"  VIOLATION {v}" for v in self.violations[:20]]
         return "\n".join(lines)
 
@@ -480,6 +483,8 @@ class ChaosRun:
         elif event == "error":
             agent.begun = None
             self.figures.agent_errors[str(line.get("error"))] += 1
+            sample = f"{line.get('phase')} {line.get('error')}"
+            self.figures.error_samples.setdefault(sample, str(line.get("message", ""))[:300])
             if agent.node is not None and "took" in line:
                 self.checker.call_took(agent.node, float(line["took"]), "raised")
 

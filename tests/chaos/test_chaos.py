@@ -37,6 +37,15 @@ def checker() -> Checker:
     return Checker(Settings(seed=0), Figures(seed=0))
 
 
+def test_summary_names_the_first_message_of_each_error() -> None:
+    figures = Figures(seed=0)
+    figures.agent_errors["RendezvousConnectionError"] += 2
+    figures.error_samples["rendezvous RendezvousConnectionError"] = "could not connect within 3 s"
+    assert "first rendezvous RendezvousConnectionError: could not connect within 3 s" in (
+        figures.summary()
+    )
+
+
 def test_checker_accepts_an_agreeing_round(checker: Checker) -> None:
     checker.round_line(line("a", 0, ["a", "b"]))
     checker.round_line(line("b", 1, ["a", "b"]))
