@@ -134,6 +134,35 @@ def test_without_a_secret_incomplete_requests_are_bounded_in_total(tmp_path: Pat
     assert quantile(taken, 0.5) < LATENCY_BOUND, taken
 
 
+def test_without_a_secret_keys_decoded_from_incomplete_requests_count_at_their_memory_cost(
+    tmp_path: Path,
+) -> None:
+    # Incomplete CHECKs of 1-byte keys: 1.1 MiB on the wire each, about five
+    # times that once decoded. Counted by wire bytes, six of them (6.8 MiB)
+    # stayed under a 16 MiB total while holding about 40 MiB; counted at their
+    # memory cost, the oldest are closed, and what a closed one held is freed
+    # at once (its parser referred back to its connection, so it lingered
+    # until a garbage collection: the server grew 44 MiB here).
+    frame = encode_request(Request(Op.CHECK, (b"k",) * MAX_MULTI_KEYS))[:-100]
+    limit = 16 * MiB
+    with server_process(tmp_path, max_buffered_bytes=limit) as server, ExitStack() as stack:
+        idle_rss = server.rss()
+        socks = []
+        for _ in range(6):
+            sock = stack.enter_context(attacker(server.port))
+            send_quietly(sock, VALIDATE + frame)
+            socks.append(sock)
+            time.sleep(0.3)  # each one's request starts later than the one before
+        assert eventually(lambda: "max_buffered_bytes" in server.log())
+        grown = server.rss() - idle_rss
+        for sock in socks:
+            sock.settimeout(1.0)
+        closed = [closed_by_server(sock) for sock in socks]
+    assert grown < limit + 8 * MiB, grown
+    assert closed[:3] == [True] * 3, closed  # the oldest went first ...
+    assert closed[-1] is False, closed  # ... and the newest is still being read
+
+
 def test_a_request_before_validate_is_refused_at_its_first_byte(
     make_server: type[TCPStoreServer], caplog: pytest.LogCaptureFixture
 ) -> None:

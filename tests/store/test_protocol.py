@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import struct
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
@@ -114,6 +115,28 @@ def test_incomplete_request_consumes_nothing() -> None:
     assert parser.pending == len(data) - 1
     parser.feed(data[-1:])
     assert parser.next_request() == Request(Op.SET, (b"/key",), (b"value",))
+
+
+def test_keys_decoded_from_an_incomplete_request_are_held_at_their_memory_cost() -> None:
+    keys = tuple(b"%d" % (i % 10) for i in range(50_000))
+    data = encode_request(Request(Op.CHECK, keys))
+    parser = RequestParser()
+    tracemalloc.start()
+    try:
+        parser.feed(data[:-5])  # the last key (8-byte length, 1 byte) is 4 bytes short
+        assert parser.next_request() is None
+        allocated = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert parser.pending == len(data) - 5
+    assert parser.held == parser.pending + 49_999 * protocol.DECODED_ITEM_OVERHEAD
+    # What the decoding really allocated (the buffer and 49,999 key objects)
+    # is more than four times the wire bytes, and within what is counted.
+    assert allocated > 4 * parser.pending
+    assert allocated <= parser.held
+    parser.feed(data[-5:])
+    assert parser.next_request() == Request(Op.CHECK, keys)
+    assert parser.held == parser.pending == 0
 
 
 def test_key_over_the_limit_fails_as_soon_as_its_length_is_read() -> None:

@@ -62,6 +62,7 @@ __all__ = [
     "AUTH_MAC_BYTES",
     "AUTH_NONCE_BYTES",
     "CLIENT_AUTH_LABEL",
+    "DECODED_ITEM_OVERHEAD",
     "EXTENSION_BASE",
     "FEATURE_AUTH_REQUIRED",
     "FRAME_BYTES",
@@ -103,6 +104,12 @@ MAX_MULTI_KEYS = 128 * 1024
 MAX_REQUEST_BYTES = 256 * 1024 * 1024
 """Largest request accepted as a whole, in bytes (rdzv's bound on a multi-set;
 torch sets none, but 128 Ki values of up to 8 MiB each would be 1 TiB)."""
+DECODED_ITEM_OVERHEAD = 48
+"""Bytes of memory a decoded key or value costs beyond its wire bytes, an upper
+bound: a bytes object's 33-byte header, rounded with the key by CPython's
+allocator to 16 bytes (48 for keys of up to 14 bytes), and its list slot (8,
+plus the list's spare room), less the 8-byte length prefix the wire bytes
+already count. Decoded 1-byte keys take about five times their wire size."""
 MAX_REPLY_ITEMS = 1 << 31
 """Most items a client accepts in one list reply (a sanity bound for LIST_KEYS)."""
 
@@ -451,6 +458,15 @@ class RequestParser:
         """The number of buffered bytes not yet decoded into a request."""
         start = self._pos if self._layout is None else self._start
         return len(self._buf) - start
+
+    @property
+    def held(self) -> int:
+        """The memory, in bytes, that the bytes of :attr:`pending` hold.
+
+        Each item already decoded from an incomplete list counts
+        :data:`DECODED_ITEM_OVERHEAD` more than its wire bytes.
+        """
+        return self.pending + DECODED_ITEM_OVERHEAD * len(self._items)
 
     def next_request(self) -> Request | None:
         """Decode the next complete request.

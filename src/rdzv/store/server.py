@@ -49,7 +49,9 @@ Each limit has a named default and a constructor parameter (see
   executes at most :data:`REQUESTS_PER_TURN` requests; once the connection's unsent replies pass ``max_unsent_bytes``
   it executes nothing more, and reads nothing, until the peer has read; the
   engine refuses a reply past its own bound. Received bytes not executed
-  yet (mostly incomplete requests) are counted over all connections; past
+  yet (mostly incomplete requests) are counted over all connections, the
+  keys already decoded from an incomplete request at their memory cost
+  (:data:`~rdzv.store.protocol.DECODED_ITEM_OVERHEAD` more each); past
   ``max_buffered_bytes`` the slowest incomplete request's connection is
   closed. The parser refuses oversize
   keys, values and key counts as soon as their length is readable, and
@@ -94,7 +96,9 @@ from rdzv.net import bind_listener, enable_keepalive, listen_backlog, server_tls
 from rdzv.store.engine import BLOCKING_OPS, DEFAULT_MAX_WAITING_BYTES, StoreEngine, Woken
 from rdzv.store.protocol import (
     CLIENT_AUTH_LABEL,
+    DECODED_ITEM_OVERHEAD,
     FEATURE_AUTH_REQUIRED,
+    MAX_MULTI_KEYS,
     MAX_REQUEST_BYTES,
     PROBE_NONCE,
     SERVER_AUTH_LABEL,
@@ -145,8 +149,10 @@ DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: Final[int | None] = None
 """None: three quarters of the connection cap without a secret, no cap with one."""
 DEFAULT_MAX_UNSENT_BYTES: Final = 1 << 20
 """Bytes of replies a connection may leave unread before its requests wait."""
-DEFAULT_MAX_BUFFERED_BYTES: Final = MAX_REQUEST_BYTES
-"""Bytes of received, unexecuted requests held over every connection at once."""
+DEFAULT_MAX_BUFFERED_BYTES: Final = MAX_REQUEST_BYTES + 2 * MAX_MULTI_KEYS * DECODED_ITEM_OVERHEAD
+"""Bytes held by received, unexecuted requests over every connection at once,
+items already decoded from incomplete ones counted at their memory cost: one
+request of the largest size, with the most items, fits."""
 DEFAULT_FRAME_TIMEOUT: Final = 60.0
 """Seconds within which a started request (or the handshake) must arrive in full."""
 DEFAULT_IDLE_TIMEOUT: Final[float | None] = None
@@ -292,6 +298,8 @@ class _Connection(asyncio.BufferedProtocol):
                 self.parser.pending,
             )
         self.server.release(self)
+        self.parser = RequestParser()  # see abort(): free what it held now
+        self.inbox.clear()
         self.transport = None
 
     def pause_writing(self) -> None:
@@ -444,7 +452,14 @@ class _Connection(asyncio.BufferedProtocol):
         return None
 
     def abort(self) -> None:
-        """Close at once, whatever stage the connection is in."""
+        """Close at once, whatever stage the connection is in.
+
+        What it had received is dropped now: the parser refers back to this
+        connection (``on_count``), so left to the garbage collector a shed
+        request's decoded keys could outlive it by many requests.
+        """
+        self.parser = RequestParser()
+        self.inbox.clear()
         if self.transport is not None:
             self.transport.abort()
         elif self.attaching is not None:
@@ -621,12 +636,14 @@ class TCPStoreServer:
             :data:`~rdzv.store.engine.WAITED_KEY_OVERHEAD`; a request that
             would pass it closes its connection with a warning naming the
             limit (default :data:`~rdzv.store.engine.DEFAULT_MAX_WAITING_BYTES`).
-        max_buffered_bytes: Received bytes of requests not executed yet
-            (mostly incomplete ones) the server holds over all connections;
+        max_buffered_bytes: Bytes held by requests not executed yet
+            (mostly incomplete ones) over all connections: their received
+            bytes, plus :data:`~rdzv.store.protocol.DECODED_ITEM_OVERHEAD`
+            for each key or value already decoded from an incomplete one;
             past it, the connection whose incomplete request has been
-            arriving the longest is closed, and so on until under. At
-            least :data:`~rdzv.store.protocol.MAX_REQUEST_BYTES` (the
-            default) lets one request of the largest size through.
+            arriving the longest is closed, and so on until under. The
+            default lets one request of the largest size (and the most
+            items) through.
         frame_timeout: Seconds within which a request must arrive in full once
             its first byte has, and for which a peer may leave its replies
             unread; a slower peer is disconnected.
@@ -903,7 +920,7 @@ class TCPStoreServer:
         """Count what ``conn`` buffers now; shed the oldest partial requests past the total."""
         if conn.released:
             return
-        held = conn.parser.pending + len(conn.inbox)
+        held = conn.parser.held + len(conn.inbox)
         if held != conn.buffered:
             self.buffered += held - conn.buffered
             conn.buffered = held
