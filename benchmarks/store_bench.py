@@ -3,6 +3,7 @@
 Run from the repository root:
 
     python benchmarks/store_bench.py [--duration 2] [--clients 1 8] [--loops asyncio uvloop]
+                                     [--before GIT_REF]
 
 Every server runs in its own process (torch's ``TCPStore(is_master=True)``,
 and ``rdzv serve --loop LOOP`` once per event loop of ``--loops``), every
@@ -15,17 +16,25 @@ machine's load (``/proc/loadavg``, cores) is printed before and after. A run
 whose clients have not all reported within ``CLIENT_TIMEOUT`` (a thrashing
 machine) is killed and left out, with a line on stderr; a cell left without
 any run shows ``n/a``.
+
+``--before GIT_REF`` adds the server of an earlier commit (checked out into a
+temporary git worktree, removed afterwards) on the standard library's loop,
+driven by torch's client, so that the same run shows the server before and
+after a change next to torch's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +91,13 @@ def worker(kind: str, port: int, op: str, duration: float, start_at: float, inde
     print(count, flush=True)
 
 
-def start_server(kind: str) -> tuple[subprocess.Popen[str], int]:
-    """Start torch's server (``torch``) or ``rdzv serve`` on the event loop ``kind``."""
+def start_server(kind: str, source: Path | None = None) -> tuple[subprocess.Popen[str], int]:
+    """Start torch's server (``torch``) or ``rdzv serve`` on the event loop ``kind``.
+
+    ``source``: another tree's ``src`` directory to run ``rdzv serve`` from,
+    on its default loop (``kind`` is then only its name).
+    """
+    environ = env()
     if kind == "torch":
         code = (
             "import sys, time, torch.distributed as dist\n"
@@ -94,9 +108,12 @@ def start_server(kind: str) -> tuple[subprocess.Popen[str], int]:
         cmd = [sys.executable, "-c", code]
     else:
         cmd = [sys.executable, "-m", "rdzv.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
-        cmd += ["--loop", kind]
+        if source is None:
+            cmd += ["--loop", kind]
+        else:
+            environ["PYTHONPATH"] = os.pathsep.join([str(source), environ["PYTHONPATH"]])
     proc = subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env()
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environ
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -169,14 +186,17 @@ def main() -> None:
         help="event loops of the rdzv server, one column pair each (uvloop is left out "
         "when not installed)",
     )
+    parser.add_argument(
+        "--before",
+        metavar="GIT_REF",
+        help="also measure the rdzv server of this commit (asyncio, torch's client)",
+    )
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         kind, port, op, duration, start_at, index = args.worker
         worker(kind, int(port), op, float(duration), float(start_at), int(index))
         return
-
-    import torch
 
     loops = list(args.loops)
     if "uvloop" in loops and importlib.util.find_spec("uvloop") is None:
@@ -188,9 +208,44 @@ def main() -> None:
         setups[f"rdzv {loop}"] = (loop, "rdzv")
         setups[f"torch->rdzv {loop}"] = (loop, "torch")
     results: dict[tuple[str, str, int], float] = {}
-    stamp("start")
-    servers = {kind: start_server(kind) for kind in ("torch", *loops)}
+    with contextlib.ExitStack() as stack:
+        if args.before:
+            setups["torch->before"] = ("before", "torch")
+            before = stack.enter_context(worktree(args.before))
+        sources: dict[str, Path | None] = dict.fromkeys(("torch", *loops))
+        if args.before:
+            sources["before"] = before / "src"
+        stamp("start")
+        run_cells(args, setups, sources, results)
+    stamp("end")
+    print()
+    report(args, loops, results)
+
+
+@contextlib.contextmanager
+def worktree(ref: str) -> Iterator[Path]:
+    """Check ``ref`` out into a temporary git worktree; remove it afterwards."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "before"
+        git = ["git", "-C", str(ROOT), "worktree"]
+        subprocess.run([*git, "add", "--detach", str(tree), ref], check=True, capture_output=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run([*git, "remove", "--force", str(tree)], check=False)
+
+
+def run_cells(
+    args: argparse.Namespace,
+    setups: dict[str, tuple[str, str]],
+    sources: dict[str, Path | None],
+    results: dict[tuple[str, str, int], float],
+) -> None:
+    """Start the servers (kind: source tree), measure every cell, stop the servers."""
+    servers: dict[str, tuple[subprocess.Popen[str], int]] = {}
     try:
+        for kind, source in sources.items():
+            servers[kind] = start_server(kind, source)
         # Interleave the setups cell by cell so that a change in the machine's
         # load during the run affects every column alike.
         for clients in args.clients:
@@ -206,8 +261,13 @@ def main() -> None:
     finally:
         for proc, _port in servers.values():
             stop_server(proc)
-    stamp("end")
-    print()
+
+
+def report(
+    args: argparse.Namespace, loops: list[str], results: dict[tuple[str, str, int], float]
+) -> None:
+    """Print the table: ops/s per setup, and each rdzv setup's ratio to torch's."""
+    import torch
 
     print(
         f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
@@ -219,20 +279,23 @@ def main() -> None:
         header += [f"rdzv server ({loop}) + rdzv client", "ratio"]
     for loop in loops:
         header += [f"rdzv server ({loop}) + torch client", "ratio"]
+    columns = [f"torch->rdzv {loop}" for loop in loops]
+    if args.before:
+        header += [f"rdzv server at {args.before} (asyncio) + torch client", "ratio"]
+        columns.append("torch->before")
     print("| " + " | ".join(header) + " |")
     print("|---|" + "---:|" * (len(header) - 1))
     for clients in args.clients:
         for op in args.ops:
             base = results.get(("torch", op, clients))
             row = [op, str(clients), "n/a" if base is None else f"{base:,.0f}"]
-            for client in ("rdzv", "torch->rdzv"):
-                for loop in loops:
-                    rate = results.get((f"{client} {loop}", op, clients))
-                    if rate is None:
-                        row += ["n/a", ""]
-                    else:
-                        ratio = "" if base is None else f"{rate / base:.2f}x"
-                        row += [f"{rate:,.0f}", ratio]
+            for name in [f"rdzv {loop}" for loop in loops] + columns:
+                rate = results.get((name, op, clients))
+                if rate is None:
+                    row += ["n/a", ""]
+                else:
+                    ratio = "" if base is None else f"{rate / base:.2f}x"
+                    row += [f"{rate:,.0f}", ratio]
             print("| " + " | ".join(row) + " |")
 
 
