@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,25 @@ def _records(outdir: Path, world: int) -> list[dict[str, Any]]:
     return [r for r in found if r["WORLD_SIZE"] == str(world)]
 
 
+def _finish_survivors(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str, str]]:
+    """Each agent's exit code and output; when one hangs, what every one of them printed."""
+    results: list[tuple[int, str, str]] = []
+    try:
+        for p in procs:
+            results.append(finish(p, timeout=120))  # noqa: PERF401 - kept up to a hang
+    except subprocess.TimeoutExpired:
+        tails = [
+            f"agent {p.pid} ({code}):\n{out[-2000:]}\n{err[-4000:]}"
+            for p, (code, out, err) in zip(procs, results, strict=False)
+        ]
+        for p in procs[len(results) :]:
+            p.kill()
+            out, err = p.communicate(timeout=30)
+            tails.append(f"agent {p.pid} (hung):\n{out[-2000:]}\n{err[-4000:]}")
+        raise AssertionError("a survivor did not finish:\n" + "\n".join(tails)) from None
+    return results
+
+
 def test_a_sigkilled_agent_of_a_ddp_job_costs_no_restart(endpoint: str, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     args = [
@@ -58,7 +78,7 @@ def test_a_sigkilled_agent_of_a_ddp_job_costs_no_restart(endpoint: str, tmp_path
             os.kill(victim.pid, signal.SIGKILL)
             wait_for(lambda: _stepped(tmp_path, 2) >= 2, timeout=120, what="2 ranks training")
             (tmp_path / "release-2").write_text("")
-            results = [finish(p, timeout=120) for p in procs[:2]]
+            results = _finish_survivors(procs[:2])
             victim.communicate(timeout=10)
         assert victim.returncode == -signal.SIGKILL
         assert [code for code, _, _ in results] == [0, 0], results
