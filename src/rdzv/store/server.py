@@ -302,8 +302,7 @@ class _Connection(asyncio.BufferedProtocol):
                 self.parser.pending,
             )
         self.server.release(self)
-        self.parser = RequestParser()  # see abort(): free what it held now
-        self.inbox.clear()
+        self._drop_received()
         self.transport = None
 
     def pause_writing(self) -> None:
@@ -455,15 +454,22 @@ class _Connection(asyncio.BufferedProtocol):
             return f"the connection was idle for {idle:g} s (idle_timeout)"
         return None
 
-    def abort(self) -> None:
-        """Close at once, whatever stage the connection is in.
+    def _drop_received(self) -> None:
+        """Free at once what was received and not executed.
 
-        What it had received is dropped now: the parser refers back to this
-        connection (``on_count``), so left to the garbage collector a shed
-        request's decoded keys could outlive it by many requests.
+        The parser refers back to this connection (``on_count``): left to the
+        garbage collector, a dropped request's decoded keys could outlive the
+        connection by many requests.
         """
         self.parser = RequestParser()
         self.inbox.clear()
+
+    def abort(self) -> None:
+        """Close at once, whatever stage the connection is in.
+
+        What it had received is dropped now (:meth:`_drop_received`).
+        """
+        self._drop_received()
         if self.transport is not None:
             self.transport.abort()
         elif self.attaching is not None:
@@ -474,8 +480,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         if replies:
             self.transport.write(b"".join(replies))
-        self.parser = RequestParser()
-        self.inbox.clear()
+        self._drop_received()
         self.transport.close()
 
     def _refuse(self, op: int, replies: list[bytes]) -> None:
