@@ -208,13 +208,11 @@ def main() -> None:
         setups[f"rdzv {loop}"] = (loop, "rdzv")
         setups[f"torch->rdzv {loop}"] = (loop, "torch")
     results: dict[tuple[str, str, int], float] = {}
+    sources: dict[str, Path | None] = dict.fromkeys(("torch", *loops))
     with contextlib.ExitStack() as stack:
         if args.before:
             setups["torch->before"] = ("before", "torch")
-            before = stack.enter_context(worktree(args.before))
-        sources: dict[str, Path | None] = dict.fromkeys(("torch", *loops))
-        if args.before:
-            sources["before"] = before / "src"
+            sources["before"] = stack.enter_context(worktree(args.before)) / "src"
         stamp("start")
         run_cells(args, setups, sources, results)
     stamp("end")

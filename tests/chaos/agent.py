@@ -34,6 +34,11 @@ def emit(**fields: object) -> None:
     sys.stdout.flush()
 
 
+def emit_error(phase: str, exc: Exception, **fields: object) -> None:
+    """One ``error`` line: the phase, the exception's class and its message (cut at 300)."""
+    emit(event="error", phase=phase, error=type(exc).__name__, message=str(exc)[:300], **fields)
+
+
 class _Completions(logging.Handler):
     """Remember the round number of this node's last ``complete`` event."""
 
@@ -113,14 +118,7 @@ def main() -> int:
         try:
             info = handler.next_rendezvous()
         except RendezvousError as exc:
-            emit(
-                event="error",
-                phase="rendezvous",
-                node=node,
-                error=type(exc).__name__,
-                message=str(exc)[:300],
-                took=time.monotonic() - started,
-            )
+            emit_error("rendezvous", exc, node=node, took=time.monotonic() - started)
             return 3
         took = time.monotonic() - started
         completed_at = time.time()  # before the epoch read, which may wait on the store
@@ -145,13 +143,7 @@ def main() -> int:
             while time.monotonic() < stint_end and handler.num_nodes_waiting() == 0:
                 time.sleep(0.05)
         except RendezvousError as exc:
-            emit(
-                event="error",
-                phase="train",
-                node=node,
-                error=type(exc).__name__,
-                message=str(exc)[:300],
-            )
+            emit_error("train", exc, node=node)
             return 3
 
 
