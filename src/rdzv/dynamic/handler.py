@@ -91,6 +91,7 @@ from rdzv.backends.base import (
     Token,
 )
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness
+from rdzv.dynamic.confirm import RoundConfirmation, drop_confirmation, member_lost
 from rdzv.dynamic.keepalive import KeepAlive
 from rdzv.dynamic.machine import (
     Complete,
@@ -136,7 +137,7 @@ from rdzv.errors import (
     RendezvousTimeoutError,
 )
 from rdzv.net import advertised_address, primary_address
-from rdzv.retry import Clock, as_clock, call_within, deadline_within
+from rdzv.retry import Clock, as_clock, call_within, caller_deadline, deadline_within
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 
@@ -150,6 +151,8 @@ _JOIN_GRACE = 1.0
 """Seconds a backend call may run past the join deadline (the machine fails the join at it)."""
 _STATE_WAIT_CAP = 1.0
 _QUEUE_WAIT_CAP = 0.25
+_CONFIRM_CHECK = 0.25
+"""Seconds between checks that no member was lost while waiting for all to confirm."""
 _BOOTSTRAP_CHECK = 0.5
 """Seconds between checks that rank 0 is still a member while waiting for its address."""
 
@@ -191,6 +194,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._node_rank = -1 if node_rank is None else node_rank
         self._clock = as_clock(clock)
         prefix = f"rdzv.handler/{settings.run_id}/"
+        self._prefix = prefix
         self._queue: JoinQueueBackend = (
             backend if isinstance(backend, JoinQueueBackend) else StoreJoinQueue(store, prefix)
         )
@@ -436,11 +440,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
             action = decide(progress, state, queue_length, self._node, self._limits, now)
             if isinstance(action, Complete):
                 assert state is not None  # Complete is only decided on a sealed state
-                info = self._complete(state, action.rank)
+                info = self._complete(
+                    state, action.rank, progress.started_at + self._limits.join_timeout
+                )
                 if info is not None:
                     return info
-                # Rank 0 left before publishing its address: join the next
-                # round, still within this call's join deadline.
+                # A member was lost before every member confirmed, or rank 0
+                # left before publishing its address: join the next round,
+                # still within this call's join deadline.
                 self._leave_round()
                 state, token = self._shared.read()
                 now = self._clock()
@@ -561,6 +568,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             dropped = droppable_queue(round_id)
             if dropped is not None:
                 self._queue.drop_queue(dropped)
+                drop_confirmation(self._store, self._prefix, dropped)
             return plan, new_token, progress, []
         return decode_state(new_state), new_token, progress, []
 
@@ -580,14 +588,25 @@ class DynamicRendezvousHandler(RendezvousHandler):
             f"join timeout of {join:g} s"
         )
 
-    def _complete(self, state: RendezvousState, rank: int) -> RendezvousInfo | None:
-        """Become a member of the sealed round; None if it broke before rank 0 published."""
+    def _complete(
+        self, state: RendezvousState, rank: int, join_deadline: float
+    ) -> RendezvousInfo | None:
+        """Become a member of the sealed round; None if it broke before it completed.
+
+        It breaks when a member is lost before every member confirmed, or
+        rank 0 left before publishing its address.
+        """
         with self._lock:
             self._member_of = state
             self._watched = state
+        # The ring judging starts now: a member that died in the queue is
+        # evicted by its predecessor while the others wait to confirm.
         self._keepalive.wake()
         store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{state.round}", self._store)
         self._release_port()
+        if len(state.participants) > 1 and not self._confirm(state, join_deadline):
+            self._event("broken", state.round, rank=rank, reason="a member was lost")
+            return None
         bootstrap: RendezvousStoreInfo | None = None
         if state.bootstrap_port:
             bootstrap = RendezvousStoreInfo(
@@ -615,6 +634,32 @@ class DynamicRendezvousHandler(RendezvousHandler):
             [node_address(n) for n in state.participants],
             waiting,
         )
+
+    def _confirm(self, state: RendezvousState, join_deadline: float) -> bool:
+        """Confirm the sealed round (:mod:`rdzv.dynamic.confirm`); False once a member is lost.
+
+        Raises:
+            RendezvousTimeoutError: Not every member confirmed within the
+                join timeout, and none was evicted.
+        """
+        confirmation = RoundConfirmation(
+            self._store, self._prefix, state.round, len(state.participants)
+        )
+        confirmation.confirm()
+        while not confirmation.wait(_CONFIRM_CHECK):
+            current, _ = self._shared.read()
+            if member_lost(state, current):
+                return False
+            real_deadline = caller_deadline()
+            if self._clock() >= join_deadline or (
+                real_deadline is not None and time.monotonic() >= real_deadline
+            ):
+                raise RendezvousTimeoutError(
+                    f"round {state.round} of {self._config()}: {confirmation.confirmed()} of "
+                    f"{len(state.participants)} members confirmed it within the join timeout "
+                    f"of {self._limits.join_timeout:g} s"
+                )
+        return True
 
     def _await_bootstrap(self, state: RendezvousState, rank: int, store: Store) -> bool:
         """Wait for rank 0's bootstrap address; False once rank 0 is no live member.
