@@ -198,6 +198,9 @@ def main() -> None:
         worker(kind, int(port), op, float(duration), float(start_at), int(index))
         return
 
+    # A SIGTERM unwinds like Ctrl-C, so the servers stop and --before's
+    # worktree is removed.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     loops = list(args.loops)
     if "uvloop" in loops and importlib.util.find_spec("uvloop") is None:
         print("uvloop is not installed (the rdzv[fast] extra): measuring asyncio only\n")
@@ -218,6 +221,10 @@ def main() -> None:
     stamp("end")
     print()
     report(args, loops, results)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager
