@@ -6,7 +6,13 @@ import threading
 
 import pytest
 
-from rdzv.dynamic.confirm import RoundConfirmation, drop_confirmation, member_lost
+from rdzv.dynamic.confirm import (
+    CHECKS_PER_SECOND,
+    RoundConfirmation,
+    check_period,
+    drop_confirmation,
+    member_lost,
+)
 from rdzv.dynamic.state import RendezvousState
 from rdzv.store.memory import HashStore
 
@@ -67,3 +73,13 @@ def test_dropping_a_round_deletes_its_keys_only() -> None:
 )
 def test_member_lost(stored: RendezvousState | None, lost: bool) -> None:
     assert member_lost(SEALED, stored) is lost
+
+
+@pytest.mark.parametrize("world_size", [2, 100, 500, 2_000, 8_192, 100_000])
+def test_waiting_members_check_within_the_budget(world_size: int) -> None:
+    period = check_period(world_size)
+    assert 0.25 <= period <= 1.0  # a lost member is noticed within a second
+    if world_size > 2 * CHECKS_PER_SECOND:
+        assert period == 1.0
+    else:
+        assert world_size / period <= CHECKS_PER_SECOND

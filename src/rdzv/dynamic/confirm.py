@@ -36,7 +36,31 @@ from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import StoreTimeoutError
 from rdzv.store.base import Store
 
-__all__ = ["RoundConfirmation", "drop_confirmation", "member_lost"]
+__all__ = [
+    "CHECKS_PER_SECOND",
+    "RoundConfirmation",
+    "check_period",
+    "drop_confirmation",
+    "member_lost",
+]
+
+CHECKS_PER_SECOND = 2000.0
+"""The most state checks per second the members of a round make while they wait to confirm."""
+
+
+def check_period(world_size: int) -> float:
+    """Return how often a member waiting to confirm checks that no member was lost.
+
+    Every 0.25 s in a round of up to 500; in larger rounds less often, so
+    the round stays within :data:`CHECKS_PER_SECOND`; at least once a second.
+
+    Args:
+        world_size: The number of participants.
+
+    Returns:
+        Seconds between checks.
+    """
+    return min(1.0, max(0.25, world_size / CHECKS_PER_SECOND))
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,12 @@ from rdzv.backends.base import (
     Token,
 )
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness
-from rdzv.dynamic.confirm import RoundConfirmation, drop_confirmation, member_lost
+from rdzv.dynamic.confirm import (
+    RoundConfirmation,
+    check_period,
+    drop_confirmation,
+    member_lost,
+)
 from rdzv.dynamic.keepalive import KeepAlive
 from rdzv.dynamic.machine import (
     Complete,
@@ -151,8 +156,6 @@ _JOIN_GRACE = 1.0
 """Seconds a backend call may run past the join deadline (the machine fails the join at it)."""
 _STATE_WAIT_CAP = 1.0
 _QUEUE_WAIT_CAP = 0.25
-_CONFIRM_CHECK = 0.25
-"""Seconds between checks that no member was lost while waiting for all to confirm."""
 _BOOTSTRAP_CHECK = 0.5
 """Seconds between checks that rank 0 is still a member while waiting for its address."""
 
@@ -646,7 +649,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._store, self._prefix, state.round, len(state.participants)
         )
         confirmation.confirm()
-        while not confirmation.wait(_CONFIRM_CHECK):
+        while not confirmation.wait(check_period(len(state.participants))):
             current, _ = self._shared.read()
             if member_lost(state, current):
                 return False
