@@ -251,6 +251,21 @@ class JoinQueueBackend(ABC):
             RendezvousConnectionError: The backend cannot be reached.
         """
 
+    def confirmation_queue(self) -> JoinQueueBackend | None:
+        """Return a queue of this kind under other keys, for the confirmations of sealed rounds.
+
+        Once a round is sealed, each member appends one record to the
+        confirmation queue of that round (:mod:`rdzv.dynamic.confirm`); an
+        engine offers its own so that confirming costs what joining costs
+        (one write, no compare-and-set, no wake-up of other waiters). The
+        same rules hold as for join queues.
+
+        Returns:
+            The queue, or None (this default) when the engine offers none:
+            the handler then keeps confirmations in its store.
+        """
+        return None
+
     @abstractmethod
     def drop_queue(self, round_id: int) -> None:
         """Delete the queue of ``round_id`` (idempotent; a round nobody reads).

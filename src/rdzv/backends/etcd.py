@@ -19,6 +19,8 @@ Beside the state, a run keeps (all under ``<key_prefix><run_id>/``):
 * ``queue/<round>/<unique>`` -- join records; one transaction puts a record
   and counts the round's records, so the count is the record's position
   (etcd serialises transactions, so positions are gap-free);
+* ``confirm/<round>/<unique>`` -- the members' confirmations of a sealed
+  round, kept the same way (:meth:`EtcdRendezvousBackend.confirmation_queue`);
 * ``alive/<node>`` -- a node's heartbeat: a put under the node's own lease,
   whose ``mod_revision`` is the heartbeat mark; if the node dies the lease
   expires and the server deletes the key;
@@ -33,6 +35,7 @@ means "re-read".
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 import uuid
@@ -133,6 +136,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
         # The last state read or written, with its modification revision.
         self._last: tuple[bytes, int] | None = None
         self._run_prefix = self._key + b"/"
+        self._queue_name = "queue"
         self._ttl = ttl
         self._liveness_ttl = liveness_ttl
         self._lock = threading.Lock()
@@ -294,7 +298,18 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
     # -- join queue -----------------------------------------------------------
 
     def _queue_prefix(self, round_id: int) -> bytes:
-        return self._run_prefix + f"queue/{round_id}/".encode()
+        return self._run_prefix + f"{self._queue_name}/{round_id}/".encode()
+
+    def confirmation_queue(self) -> EtcdRendezvousBackend:
+        """Return a view of this backend whose queues are the confirmations, ``confirm/<round>/``.
+
+        Returns:
+            The view (it owns no client).
+        """
+        view = copy.copy(self)
+        view._queue_name = "confirm"
+        view._owns_client = False
+        return view
 
     def enqueue(self, round_id: int, record: bytes) -> int:
         """Append a join record to the queue of ``round_id`` in one transaction.

@@ -55,15 +55,22 @@ class StoreJoinQueue(JoinQueueBackend):
     Args:
         store: The store.
         prefix: The key prefix (ends with ``/``).
+        kind: The queues' name under the prefix: ``q`` for join queues,
+            ``c`` for confirmations (:meth:`confirmation_queue`).
     """
 
-    def __init__(self, store: Store, prefix: str) -> None:
+    def __init__(self, store: Store, prefix: str, kind: str = "q") -> None:
         self._queue_store = store
         self._queue_prefix = prefix
+        self._queue_kind = kind
 
     def _queue_keys(self, round_id: int) -> tuple[str, str]:
-        base = f"{self._queue_prefix}q/{round_id}"
+        base = f"{self._queue_prefix}{self._queue_kind}/{round_id}"
         return base, f"{base}/n"
+
+    def confirmation_queue(self) -> StoreJoinQueue:
+        """Return the confirmation queues, keyed ``<prefix>c/<round>`` in the same store."""
+        return StoreJoinQueue(self._queue_store, self._queue_prefix, "c")
 
     def enqueue(self, round_id: int, record: bytes) -> int:  # noqa: D102 - see JoinQueueBackend
         validate_record(round_id, record)

@@ -20,8 +20,9 @@ script, then blocks in ``XREAD BLOCK`` from that id: a write in between is
 never missed and a reader that reconnects resumes from its id (pub/sub
 would lose messages while reconnecting).
 
-Join queues are lists (``RPUSH`` returns the position) with a stream each
-for blocking waits; heartbeats are per-node counters with a ``PX`` TTL
+Join queues (``<key>:queue:<round>``) and the members' confirmations of a
+sealed round (``<key>:confirm:<round>``) are lists (``RPUSH`` returns the
+position) with a stream each for blocking waits; heartbeats are per-node counters with a ``PX`` TTL
 (``INCR`` + ``PEXPIRE``), so a dead node's key expires on the server; a
 counter that is not an integer (written by something else) is reset to 1 by
 the next beat, so a poisoned key never stops its owner's heartbeats.
@@ -33,6 +34,7 @@ Redis Cluster is not supported (a run's keys are not hash-tagged together).
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 from rdzv.backends.base import (
@@ -187,6 +189,7 @@ class RedisRendezvousBackend(
         self._owns_client = owns_client
         self._endpoint = endpoint_of(client)
         self._key = f"{prefix}{run_id}"
+        self._queue_name = "queue"
         self._events = f"{self._key}:events"
         self._ttl_ms = ttl * 1000
         self._liveness_ms = liveness_ttl * 1000
@@ -334,8 +337,19 @@ class RedisRendezvousBackend(
     # -- join queue -----------------------------------------------------------
 
     def _queue_keys(self, round_id: int) -> list[str]:
-        base = f"{self._key}:queue:{round_id}"
+        base = f"{self._key}:{self._queue_name}:{round_id}"
         return [base, f"{base}:events"]
+
+    def confirmation_queue(self) -> RedisRendezvousBackend:
+        """Return a view of this backend whose queues are the confirmations, ``confirm:<round>``.
+
+        Returns:
+            The view (it owns no client).
+        """
+        view = copy.copy(self)
+        view._queue_name = "confirm"
+        view._owns_client = False
+        return view
 
     def enqueue(self, round_id: int, record: bytes) -> int:
         """Append a join record to the queue of ``round_id`` (``RPUSH``).

@@ -12,18 +12,23 @@ the round completed, by its ring predecessor one dead-node timeout later,
 and every member restarted its workers.
 
 So a member does not return from ``next_rendezvous`` on reading the seal.
-It *confirms*: it adds one to the round's confirmation counter, and a member
-whose add brings the counter to the world size writes the verdict key (more
-than one may; they write the same thing). Every member waits for the verdict
-in short slices and, between them, reads the state: once the round is gone
-or a member of it was evicted (the ring predecessor of a dead member judges
-and evicts it, as after any death), it joins the next round instead, within
-the same call. A round with a dead member therefore completes for nobody,
-and the verdict proves that every member was alive after the seal.
+It *confirms*: it appends its node key to the round's confirmation queue (a
+second queue of the engine's join-queue kind,
+:meth:`~rdzv.backends.base.JoinQueueBackend.confirmation_queue`: one
+non-conflicting write, like a join, which wakes no other waiter), and a
+member whose position reaches the world size reads the queue and, when the
+distinct nodes in it are every participant (an append retried after a lost
+reply can count a member twice), writes the verdict key in the store. Every
+member waits for the verdict in short slices (:func:`check_period`) and,
+between them, reads the state: once the round is gone or a member of it was
+evicted (the ring predecessor of a dead member judges and evicts it, as
+after any death), it joins the next round instead, within the same call. A
+round with a dead member therefore completes for nobody, and the verdict
+proves that every member was alive after the seal.
 
-Cost: two requests per member (the add and the wait; a member that finds the
-counter full also writes the verdict) and nothing while all are alive. The
-counter and the verdict of a round are deleted with its join queue
+Cost: two requests per member (the append and the wait; the last one also
+reads the queue and writes the verdict) and nothing while all are alive.
+The queue and the verdict of a round are deleted with its join queue
 (:func:`drop_confirmation`). A round of one needs no confirmation.
 """
 
@@ -32,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+from rdzv.backends.base import JoinQueueBackend
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import StoreTimeoutError
 from rdzv.store.base import Store
@@ -48,50 +54,57 @@ CHECKS_PER_SECOND = 2000.0
 """The most state checks per second the members of a round make while they wait to confirm."""
 
 
-def check_period(world_size: int) -> float:
+def check_period(world_size: int, dead_after: float) -> float:
     """Return how often a member waiting to confirm checks that no member was lost.
 
-    Every 0.25 s in a round of up to 500; in larger rounds less often, so
-    the round stays within :data:`CHECKS_PER_SECOND`; at least once a second.
+    A member is lost by an eviction, which comes a dead-node timeout after
+    the seal at the soonest, so a check every quarter of that timeout finds
+    it late by at most a quarter; never more often than every 0.25 s, and in
+    rounds over 500 members less often, so a round stays within
+    :data:`CHECKS_PER_SECOND` (but at least once a second, or once a quarter
+    timeout if that is longer).
 
     Args:
         world_size: The number of participants.
+        dead_after: The dead-node timeout, in seconds.
 
     Returns:
         Seconds between checks.
     """
-    return min(1.0, max(0.25, world_size / CHECKS_PER_SECOND))
+    quarter = dead_after / 4
+    return min(max(1.0, quarter), max(0.25, world_size / CHECKS_PER_SECOND, quarter))
 
 
 @dataclass(frozen=True)
 class RoundConfirmation:
-    """The confirmation of one sealed round, in the run's store.
+    """The confirmation of one sealed round.
 
     Attributes:
-        store: The store (the client of the thread that joins).
+        queue: The confirmation queues.
+        store: The store that holds the verdict (the client of the thread
+            that joins).
         prefix: The run's key prefix in the store.
-        round_id: The sealed round.
-        world_size: The number of its participants.
+        sealed: The sealed round.
     """
 
+    queue: JoinQueueBackend
     store: Store
     prefix: str
-    round_id: int
-    world_size: int
-
-    @property
-    def count_key(self) -> str:
-        """The key counting the members that confirmed."""
-        return _keys(self.prefix, self.round_id)[0]
+    sealed: RendezvousState
 
     @property
     def verdict_key(self) -> str:
         """The key that exists once every member confirmed."""
-        return _keys(self.prefix, self.round_id)[1]
+        return _verdict_key(self.prefix, self.sealed.round)
 
-    def confirm(self) -> None:
-        """Count this member in; the member that completes the count writes the verdict."""
-        if self.store.add(self.count_key, 1) >= self.world_size:
+    def confirm(self, node: str) -> None:
+        """Count ``node`` in; once every participant is counted, write the verdict.
+
+        Args:
+            node: This member's node key.
+        """
+        position = self.queue.enqueue(self.sealed.round, node.encode())
+        if position >= len(self.sealed.participants) and not self.unconfirmed():
             self.store.set(self.verdict_key, b"confirmed")
 
     def wait(self, seconds: float) -> bool:
@@ -109,21 +122,25 @@ class RoundConfirmation:
             return False
         return True
 
-    def confirmed(self) -> int:
-        """Return how many members confirmed so far."""
-        return self.store.add(self.count_key, 0)
+    def unconfirmed(self) -> list[str]:
+        """Return the participants that have not confirmed yet, in rank order."""
+        confirmed = {
+            r.decode("utf-8", "replace") for r in self.queue.queue_records(self.sealed.round)
+        }
+        return [n for n in self.sealed.participants if n not in confirmed]
 
 
-def drop_confirmation(store: Store, prefix: str, round_id: int) -> None:
-    """Delete the confirmation keys of ``round_id`` (a round nobody waits on).
+def drop_confirmation(queue: JoinQueueBackend, store: Store, prefix: str, round_id: int) -> None:
+    """Delete the confirmations of ``round_id`` (a round nobody waits on).
 
     Args:
-        store: The store.
-        prefix: The run's key prefix.
+        queue: The confirmation queues.
+        store: The store that holds the verdict.
+        prefix: The run's key prefix in the store.
         round_id: The round.
     """
-    for key in _keys(prefix, round_id):
-        store.delete_key(key)
+    queue.drop_queue(round_id)
+    store.delete_key(_verdict_key(prefix, round_id))
 
 
 def member_lost(sealed: RendezvousState, stored: RendezvousState | None) -> bool:
@@ -144,6 +161,5 @@ def member_lost(sealed: RendezvousState, stored: RendezvousState | None) -> bool
     return stored.live_count < len(sealed.participants)
 
 
-def _keys(prefix: str, round_id: int) -> tuple[str, str]:
-    base = f"{prefix}confirm/{round_id}/"
-    return base + "count", base + "verdict"
+def _verdict_key(prefix: str, round_id: int) -> str:
+    return f"{prefix}confirm/{round_id}/verdict"

@@ -201,6 +201,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._queue: JoinQueueBackend = (
             backend if isinstance(backend, JoinQueueBackend) else StoreJoinQueue(store, prefix)
         )
+        # Confirmations of sealed rounds: the engine's own when it offers them.
+        self._confirms = self._queue.confirmation_queue() or StoreJoinQueue(store, prefix, "c")
         self._liveness: LivenessBackend = (
             backend if isinstance(backend, LivenessBackend) else StoreLiveness(store, prefix)
         )
@@ -571,7 +573,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             dropped = droppable_queue(round_id)
             if dropped is not None:
                 self._queue.drop_queue(dropped)
-                drop_confirmation(self._store, self._prefix, dropped)
+                drop_confirmation(self._confirms, self._store, self._prefix, dropped)
             return plan, new_token, progress, []
         return decode_state(new_state), new_token, progress, []
 
@@ -645,11 +647,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             RendezvousTimeoutError: Not every member confirmed within the
                 join timeout, and none was evicted.
         """
-        confirmation = RoundConfirmation(
-            self._store, self._prefix, state.round, len(state.participants)
-        )
-        confirmation.confirm()
-        while not confirmation.wait(check_period(len(state.participants))):
+        confirmation = RoundConfirmation(self._confirms, self._store, self._prefix, state)
+        confirmation.confirm(self._node)
+        period = check_period(len(state.participants), self._dead_after)
+        while not confirmation.wait(period):
             current, _ = self._shared.read()
             if member_lost(state, current):
                 return False
@@ -657,10 +658,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if self._clock() >= join_deadline or (
                 real_deadline is not None and time.monotonic() >= real_deadline
             ):
+                missing = confirmation.unconfirmed()
+                size = len(state.participants)
                 raise RendezvousTimeoutError(
-                    f"round {state.round} of {self._config()}: {confirmation.confirmed()} of "
-                    f"{len(state.participants)} members confirmed it within the join timeout "
-                    f"of {self._limits.join_timeout:g} s"
+                    f"round {state.round} of {self._config()}: {size - len(missing)} of {size} "
+                    f"members confirmed it within the join timeout of "
+                    f"{self._limits.join_timeout:g} s; not confirmed: " + _some_nodes(missing)
                 )
         return True
 
@@ -883,6 +886,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._lock:
             if self._watched is member:
                 self._watched = member.evict(dead)
+
+
+def _some_nodes(nodes: Sequence[str], shown: int = 5) -> str:
+    """Name the first ``shown`` of ``nodes`` (valid node keys print as they are), and the rest's count."""
+    named = ", ".join(nodes[:shown])
+    return named + (f" and {len(nodes) - shown} more" if len(nodes) > shown else "")
 
 
 def create_handler(

@@ -437,6 +437,31 @@ def _queue_wait_wakes(harness: BackendHarness) -> None:
     _expect(seen == [1], f"wait_queue_length must return the new length: {seen}")
 
 
+def _confirmation_queue(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    _need(backend, JoinQueueBackend)
+    assert isinstance(backend, JoinQueueBackend)
+    confirms = backend.confirmation_queue()
+    if confirms is None:
+        raise CapabilityMissing("the backend offers no confirmation queues")
+    backend.enqueue(2, b"join")
+    _expect(confirms.queue_length(2) == 0, "confirmations do not see join records")
+    _expect(confirms.enqueue(2, b"a") == 1, "the first confirmation gets position 1")
+    _expect(confirms.enqueue(2, b"b") == 2, "the second confirmation gets position 2")
+    _expect(confirms.queue_records(2) == [b"a", b"b"], "confirmations come back in order")
+    _expect(backend.queue_records(2) == [b"join"], "the join queue does not see confirmations")
+    other = harness.connect()
+    assert isinstance(other, JoinQueueBackend)
+    mirror = other.confirmation_queue()
+    _expect(
+        mirror is not None and mirror.queue_length(2) == 2,
+        "another connection to the run sees the same confirmations",
+    )
+    confirms.drop_queue(2)
+    _expect(confirms.queue_length(2) == 0, "a dropped confirmation queue is empty")
+    _expect(backend.queue_records(2) == [b"join"], "dropping confirmations keeps the join queue")
+
+
 def _liveness(harness: BackendHarness) -> None:
     backend = harness.connect()
     _need(backend, LivenessBackend)
@@ -477,6 +502,7 @@ BACKEND_CHECKS: list[Check] = [
     Check("queue_basics", JoinQueueBackend, _queue_basics),
     Check("queue_concurrent", JoinQueueBackend, _queue_concurrent),
     Check("queue_wait_wakes", JoinQueueBackend, _queue_wait_wakes),
+    Check("confirmation_queue", JoinQueueBackend, _confirmation_queue),
     Check("liveness", LivenessBackend, _liveness),
 ]
 

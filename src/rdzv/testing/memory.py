@@ -10,6 +10,7 @@ state record.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ class InMemoryRendezvousStorage:
         self.changed = threading.Condition()
         self.record: bytes | None = None
         self.queues: dict[int, list[bytes]] = {}
+        self.confirmations: dict[int, list[bytes]] = {}
         self.marks: dict[str, int] = {}
         self.waiters: set[threading.Event] = set()
         self.counts = OperationCounts()
@@ -86,6 +88,7 @@ class InMemoryRendezvousStorage:
         with self.changed:
             self.record = None
             self.queues.clear()
+            self.confirmations.clear()
             self.marks.clear()
             self.notify()
 
@@ -120,6 +123,17 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
     ) -> None:
         self.storage = storage if storage is not None else InMemoryRendezvousStorage()
         self._clock = clock if clock is not None else Clock()
+        self._confirming = False
+
+    def _queues(self) -> dict[int, list[bytes]]:
+        """The join queues, or for the view of :meth:`confirmation_queue` the confirmations."""
+        return self.storage.confirmations if self._confirming else self.storage.queues
+
+    def confirmation_queue(self) -> InMemoryBackend:
+        """Return a view of this backend whose queues are the confirmations."""
+        view = copy.copy(self)
+        view._confirming = True
+        return view
 
     def _wait_change(self, deadline: float) -> None:
         """Wait (the caller holds ``changed``) until the storage changes or ``deadline``."""
@@ -203,7 +217,7 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
             storage.check_up()
             storage.counts.writes += 1
             storage.counts.bytes_written += len(record)
-            queue = storage.queues.setdefault(round_id, [])
+            queue = self._queues().setdefault(round_id, [])
             queue.append(bytes(record))
             storage.notify()
             return len(queue)
@@ -213,7 +227,7 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
         with storage.changed:
             storage.check_up()
             storage.counts.reads += 1
-            records = list(storage.queues.get(round_id, ()))
+            records = list(self._queues().get(round_id, ()))
             storage.counts.bytes_read += sum(len(r) for r in records)
             return records
 
@@ -222,7 +236,7 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
         with storage.changed:
             storage.check_up()
             storage.counts.reads += 1
-            return len(storage.queues.get(round_id, ()))
+            return len(self._queues().get(round_id, ()))
 
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:  # noqa: D102
         storage = self.storage
@@ -231,7 +245,7 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
             storage.check_up()
             storage.counts.reads += 1
             while True:
-                length = len(storage.queues.get(round_id, ()))
+                length = len(self._queues().get(round_id, ()))
                 if length != known or deadline - self._clock() <= 0:
                     return length
                 self._wait_change(deadline)
@@ -241,7 +255,7 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
         with storage.changed:
             storage.check_up()
             storage.counts.writes += 1
-            storage.queues.pop(round_id, None)
+            self._queues().pop(round_id, None)
             storage.notify()
 
     def beat(self, node: str) -> None:  # noqa: D102 - see LivenessBackend
