@@ -23,15 +23,17 @@ backend against all of it.
 
 from __future__ import annotations
 
+import copy
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "MAX_RECORD_SIZE",
     "JoinQueueBackend",
     "LivenessBackend",
+    "NamedQueues",
     "RendezvousBackend",
     "Token",
     "WatchableBackend",
@@ -42,6 +44,8 @@ __all__ = [
 ]
 
 Token = Any
+
+_Named = TypeVar("_Named", bound="NamedQueues")
 
 
 class RendezvousBackend(ABC):
@@ -276,6 +280,29 @@ class JoinQueueBackend(ABC):
         Raises:
             RendezvousConnectionError: The backend cannot be reached.
         """
+
+
+class NamedQueues(JoinQueueBackend):
+    """A join-queue engine whose queues live under a name: ``queue`` for joins, ``confirm`` for confirmations.
+
+    The engine builds its queue keys from ``_queue_name``; :meth:`confirmation_queue`
+    is a shallow copy of the engine under the other name, sharing its client
+    but not owning it (closing the view closes nothing).
+    """
+
+    _queue_name = "queue"
+    _owns_client = False
+
+    def confirmation_queue(self: _Named) -> _Named:
+        """Return a view of this engine whose queues are the confirmations.
+
+        Returns:
+            The view (it owns no client).
+        """
+        view = copy.copy(self)
+        view._queue_name = "confirm"
+        view._owns_client = False
+        return view
 
 
 class LivenessBackend(ABC):

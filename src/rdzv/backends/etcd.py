@@ -35,7 +35,6 @@ means "re-read".
 from __future__ import annotations
 
 import contextlib
-import copy
 import threading
 import time
 import uuid
@@ -43,8 +42,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from rdzv.backends.base import (
-    JoinQueueBackend,
     LivenessBackend,
+    NamedQueues,
     RendezvousBackend,
     Token,
     WatchableBackend,
@@ -95,7 +94,7 @@ def _valid_token(token: Token | None) -> int | None:
     return token
 
 
-class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, LivenessBackend):
+class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, LivenessBackend):
     """Keeps a run's rendezvous state in etcd v3, with compare-and-set on ``mod_revision``.
 
     Besides the backend contract it offers waiting for a state change
@@ -136,7 +135,6 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
         # The last state read or written, with its modification revision.
         self._last: tuple[bytes, int] | None = None
         self._run_prefix = self._key + b"/"
-        self._queue_name = "queue"
         self._ttl = ttl
         self._liveness_ttl = liveness_ttl
         self._lock = threading.Lock()
@@ -299,17 +297,6 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, JoinQueueBacken
 
     def _queue_prefix(self, round_id: int) -> bytes:
         return self._run_prefix + f"{self._queue_name}/{round_id}/".encode()
-
-    def confirmation_queue(self) -> EtcdRendezvousBackend:
-        """Return a view of this backend whose queues are the confirmations, ``confirm/<round>/``.
-
-        Returns:
-            The view (it owns no client).
-        """
-        view = copy.copy(self)
-        view._queue_name = "confirm"
-        view._owns_client = False
-        return view
 
     def enqueue(self, round_id: int, record: bytes) -> int:
         """Append a join record to the queue of ``round_id`` in one transaction.

@@ -34,12 +34,11 @@ Redis Cluster is not supported (a run's keys are not hash-tagged together).
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any
 
 from rdzv.backends.base import (
-    JoinQueueBackend,
     LivenessBackend,
+    NamedQueues,
     RendezvousBackend,
     Token,
     WatchableBackend,
@@ -147,9 +146,7 @@ def _token(value: Any) -> int:
     return int(as_bytes(value))
 
 
-class RedisRendezvousBackend(
-    RendezvousBackend, WatchableBackend, JoinQueueBackend, LivenessBackend
-):
+class RedisRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, LivenessBackend):
     """Keeps a run's rendezvous state in Redis, with compare-and-set in one Lua script.
 
     Besides the backend contract it offers waiting for a state change
@@ -189,7 +186,6 @@ class RedisRendezvousBackend(
         self._owns_client = owns_client
         self._endpoint = endpoint_of(client)
         self._key = f"{prefix}{run_id}"
-        self._queue_name = "queue"
         self._events = f"{self._key}:events"
         self._ttl_ms = ttl * 1000
         self._liveness_ms = liveness_ttl * 1000
@@ -339,17 +335,6 @@ class RedisRendezvousBackend(
     def _queue_keys(self, round_id: int) -> list[str]:
         base = f"{self._key}:{self._queue_name}:{round_id}"
         return [base, f"{base}:events"]
-
-    def confirmation_queue(self) -> RedisRendezvousBackend:
-        """Return a view of this backend whose queues are the confirmations, ``confirm:<round>``.
-
-        Returns:
-            The view (it owns no client).
-        """
-        view = copy.copy(self)
-        view._queue_name = "confirm"
-        view._owns_client = False
-        return view
 
     def enqueue(self, round_id: int, record: bytes) -> int:
         """Append a join record to the queue of ``round_id`` (``RPUSH``).

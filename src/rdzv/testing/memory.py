@@ -10,13 +10,12 @@ state record.
 
 from __future__ import annotations
 
-import copy
 import threading
 from dataclasses import dataclass
 
 from rdzv.backends.base import (
-    JoinQueueBackend,
     LivenessBackend,
+    NamedQueues,
     RendezvousBackend,
     Token,
     WatchableBackend,
@@ -108,7 +107,7 @@ def _split(record: bytes) -> tuple[bytes, int]:
     return record[_GENERATION_BYTES:], int.from_bytes(record[:_GENERATION_BYTES], "big")
 
 
-class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, LivenessBackend):
+class InMemoryBackend(RendezvousBackend, WatchableBackend, NamedQueues, LivenessBackend):
     """A backend keeping everything in an :class:`InMemoryRendezvousStorage`.
 
     Tokens are generation numbers (ints). Any other token is invalid.
@@ -123,17 +122,11 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, JoinQueueBackend, Liv
     ) -> None:
         self.storage = storage if storage is not None else InMemoryRendezvousStorage()
         self._clock = clock if clock is not None else Clock()
-        self._confirming = False
 
     def _queues(self) -> dict[int, list[bytes]]:
         """The join queues, or for the view of :meth:`confirmation_queue` the confirmations."""
-        return self.storage.confirmations if self._confirming else self.storage.queues
-
-    def confirmation_queue(self) -> InMemoryBackend:
-        """Return a view of this backend whose queues are the confirmations."""
-        view = copy.copy(self)
-        view._confirming = True
-        return view
+        storage = self.storage
+        return storage.confirmations if self._queue_name == "confirm" else storage.queues
 
     def _wait_change(self, deadline: float) -> None:
         """Wait (the caller holds ``changed``) until the storage changes or ``deadline``."""
