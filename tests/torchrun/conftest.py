@@ -94,7 +94,9 @@ class Job:
                 found.append(json.loads(text))
         return found
 
-    def wait_until(self, what: str, predicate: Callable[[], bool], timeout: float = 60) -> None:
+    # The bounds only catch hangs: four workers importing torch and meeting
+    # over gloo took over 60 s on a two-core machine at load average 50.
+    def wait_until(self, what: str, predicate: Callable[[], bool], timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
             failed = [p.args for p in self.agents if p.poll() not in (None, 0)]
@@ -102,7 +104,7 @@ class Job:
                 pytest.fail(f"{what}: not reached (failed agents: {failed})\n{self.log_tail()}")
             time.sleep(0.1)
 
-    def wait_agents(self, timeout: float = 60) -> list[int]:
+    def wait_agents(self, timeout: float = 180) -> list[int]:
         deadline = time.monotonic() + timeout
         while any(proc.poll() is None for proc in self.agents):
             if time.monotonic() > deadline:
