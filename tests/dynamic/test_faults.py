@@ -5,6 +5,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.state import RendezvousState, decode_state, encode_state
 from rdzv.errors import (
+    RendezvousConnectionError,
     RendezvousExhaustedError,
     RendezvousStateError,
 )
@@ -265,3 +267,41 @@ def test_a_missing_secret_file_is_a_value_error_naming_the_key(tmp_path: Path) -
     params = RendezvousParameters("c10d", "h:1", "job", 1, 1, auth_token_file=str(missing))
     with pytest.raises(ValueError, match=f"auth_token_file '{missing}' cannot be read"):
         StoreBackendOptions.from_params(params)
+
+
+class DeafBeats(InMemoryBackend):
+    """This node's heartbeats never land: the backend refuses them."""
+
+    def beat(self, node: str) -> None:
+        raise RendezvousConnectionError("injected: the heartbeat was refused")
+
+
+def test_a_node_whose_heartbeats_gave_up_completes_no_round() -> None:
+    # Traced in a chaos run: a member cut off from Redis sealed a round, its
+    # keep-alive gave up, and when the cut healed it still completed the
+    # round, which the others were bound to judge it dead in.
+    storage = InMemoryRendezvousStorage()
+    store = HashStore(timeout=5)
+    settings: dict[str, Any] = {
+        "timeout": RendezvousTimeout(join=3, last_call=0.05),
+        "keep_alive_interval": 0.05,
+    }
+    deaf = DynamicRendezvousHandler.from_backend(
+        "job", store, DeafBeats(storage), 2, 2, "deaf", **settings
+    )
+    other = DynamicRendezvousHandler.from_backend(
+        "job", store, InMemoryBackend(storage), 2, 2, "other", **settings
+    )
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            joined = pool.submit(deaf.next_rendezvous)
+            deadline = time.monotonic() + 30  # a generous bound: three beats of 0.05 s
+            while deaf._keepalive.error is None:
+                assert time.monotonic() < deadline, "the keep-alive never gave up"
+                time.sleep(0.01)
+            pool.submit(other.next_rendezvous)  # the round can seal now
+            with pytest.raises(RendezvousConnectionError, match="failed keep-alive heartbeats"):
+                joined.result(timeout=30)
+        finally:
+            deaf.close()
+            other.close()

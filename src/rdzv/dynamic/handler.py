@@ -601,6 +601,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         It breaks when a member is lost before every member confirmed, or
         rank 0 left before publishing its address.
         """
+        # A node whose heartbeats gave up is as good as dead to the others:
+        # it joins no round (nor completes one it confirmed meanwhile, below).
+        self._check_keepalive()
         with self._lock:
             self._member_of = state
             self._watched = state
@@ -612,6 +615,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if len(state.participants) > 1 and not self._confirm(state, join_deadline):
             self._event("broken", state.round, rank=rank, reason="a member was lost")
             return None
+        self._check_keepalive()
         bootstrap: RendezvousStoreInfo | None = None
         if state.bootstrap_port:
             bootstrap = RendezvousStoreInfo(
