@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import sys
 
 from tests.chaos.harness import ChaosRun, Settings
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         help="netns: each agent and server in its own network namespace, partition faults (root)",
     )
     args = parser.parse_args(argv)
+    # A SIGTERM unwinds like Ctrl-C (which a shell's background job ignores),
+    # so the agents, servers and namespaces of the run go with it.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     backends = list(BACKENDS) if args.backend == "all" else [args.backend]
     print(
@@ -55,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         print(figures.summary(), flush=True)
         violations += len(figures.violations)
     return 1 if violations else 0
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
