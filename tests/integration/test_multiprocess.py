@@ -144,11 +144,17 @@ def test_skewed_clocks_do_not_evict_the_living_nor_keep_the_dead(
         agents(*common, "--addr", "127.0.0.2", "--clock-skew", "-3600"),
         agents(*common, "--addr", "127.0.0.3"),
     ]
-    _same_round([_round(a, 3) for a in nodes])
+    rounds = [_round(a, 3) for a in nodes]
+    _same_round(rounds)
     time.sleep(2.5)  # > 2 dead-node timeouts (0.4 s x 3)
-    for a in nodes:
-        assert not any(i["event"] == "waiting" for i in a.lines), a.lines
-        assert not any(i.get("action") in ("dead", "evict") for i in a.lines), a.lines
+    for a, formed in zip(nodes, rounds, strict=True):
+        # On a loaded machine one agent may start after the last call, so a
+        # round of two forms first and grows; only what follows the round of
+        # three must be quiet.
+        lines = list(a.lines)
+        after = lines[next(i for i, line in enumerate(lines) if line is formed) + 1 :]
+        assert not any(i["event"] == "waiting" for i in after), lines
+        assert not any(i.get("action") in ("dead", "evict") for i in lines), lines
     nodes[0].kill()
     survivors = nodes[1:]
     _same_round([_round(a, 2) for a in survivors])
