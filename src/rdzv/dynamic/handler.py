@@ -202,7 +202,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             backend if isinstance(backend, JoinQueueBackend) else StoreJoinQueue(store, prefix)
         )
         # Confirmations of sealed rounds: the engine's own when it offers them.
-        self._confirms = self._queue.confirmation_queue() or StoreJoinQueue(store, prefix, "c")
+        self._confirms = (
+            self._queue.confirmation_queue() or StoreJoinQueue(store, prefix).confirmation_queue()
+        )
         self._liveness: LivenessBackend = (
             backend if isinstance(backend, LivenessBackend) else StoreLiveness(store, prefix)
         )
