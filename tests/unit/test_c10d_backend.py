@@ -1,5 +1,9 @@
 """The c10d backend's own behaviour beyond the shared suite (tests/conformance)."""
 
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
 import pytest
 
 from rdzv.backends.store import C10dRendezvousBackend, P10dRendezvousBackend, TpRendezvousBackend
@@ -28,6 +32,26 @@ def test_corrupt_join_queue_raises_state_error() -> None:
     store.set("rdzv.backend/r/q/0", b"10:abc")
     with pytest.raises(RendezvousStateError, match="truncated"):
         backend.queue_records(0)
+
+
+def test_reading_a_queue_never_waits_for_a_key_dropped_meanwhile() -> None:
+    class _DroppedAfterCheck(HashStore):
+        """The queue is dropped right after anyone finds it present."""
+
+        def check(self, keys: Sequence[str]) -> bool:
+            found = super().check(keys)
+            for key in keys:
+                self.delete_key(key)
+            return found
+
+    store = _DroppedAfterCheck(timeout=timedelta(seconds=30))
+    backend = C10dRendezvousBackend(store, "r")
+    backend.enqueue(0, b"a#1#x -1")
+    started = time.monotonic()
+    assert backend.queue_records(0) in ([], [b"a#1#x -1"])
+    # A hang-catching bound: a get that waits for the dropped key takes the
+    # store's whole 30 s timeout.
+    assert time.monotonic() - started < 10
 
 
 def test_store_failures_become_connection_errors() -> None:

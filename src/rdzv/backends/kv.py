@@ -83,9 +83,12 @@ class StoreJoinQueue(JoinQueueBackend):
     def queue_records(self, round_id: int) -> list[bytes]:  # noqa: D102
         data_key, _ = self._queue_keys(round_id)
         store = self._queue_store
-        if not store_call("queue_records", lambda: store.check([data_key])):
+        # One read that never waits: a queue dropped (or a store restarted)
+        # between a presence check and a get would make the get block for
+        # the store's whole timeout.
+        raw = store_call("queue_records", lambda: store.try_multi_get([data_key]))[0]
+        if raw is None:
             return []
-        raw = store_call("queue_records", lambda: store.get(data_key))
         records: list[bytes] = []
         offset = 0
         while offset < len(raw):
