@@ -8,10 +8,12 @@ the current world size, so the test decides when a round may finish.
 from __future__ import annotations
 
 import signal
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
+from rdzv.store.tcp import TCPStore
 from tests.launch.procs import (
     ALLREDUCE,
     WORKER,
@@ -161,6 +163,16 @@ def test_a_join_timeout_names_who_came_and_the_other_runs(endpoint: str, tmp_pat
 
     with agents() as group:
         other = group.start(args("other-run", "2"))  # queued, never complete: its keys stay
+        # On a loaded machine its agent may take seconds to start: the others
+        # start once its record is in the store.
+        host, port = endpoint.rsplit(":", 1)
+        probe = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+        try:
+            wait_for(
+                lambda: probe.check(["rdzv.backend/other-run/q/0"]), what="the other run's queue"
+            )
+        finally:
+            probe.close()
         waiting = [group.start(args("short", "3")) for _ in range(2)]
         results = [finish(p) for p in waiting]
         finish(other)
