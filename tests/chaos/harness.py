@@ -55,6 +55,8 @@ from tests.procs import subprocess_env
 READ_TIMEOUT = 5.0
 _HARNESS_CALL = 1.0
 """Seconds the harness's own reads and writes of the servers may take (a paused store)."""
+_FINAL_READ = 15.0
+"""Seconds the harness tries at most to read the state once the faults are over."""
 
 
 @dataclass
@@ -446,18 +448,37 @@ class ChaosRun:
     def _monitor(self) -> None:
         """Read and decode the stored state every half second."""
         while not self._monitor_stop.wait(0.5):
-            with self._cluster_lock, deadline_within(_HARNESS_CALL):
-                try:
-                    data = self.cluster.read_state()
-                except Exception:
-                    continue
-            if data is None:
-                continue
-            self.figures.state_reads += 1
+            self._check_state(_HARNESS_CALL)
+
+    def _check_state(self, seconds: float) -> bool:
+        """Read and decode the stored state once; False when it could not be read."""
+        with self._cluster_lock, deadline_within(seconds):
             try:
-                self.cluster.decode(data)
-            except RendezvousStateError as exc:
-                self.checker.violation(f"the stored state does not decode: {exc}")
+                data = self.cluster.read_state()
+            except Exception:
+                return False
+        if data is None:
+            return False
+        self.figures.state_reads += 1
+        try:
+            self.cluster.decode(data)
+        except RendezvousStateError as exc:
+            self.checker.violation(f"the stored state does not decode: {exc}")
+        return True
+
+    def _final_state_check(self) -> None:
+        """Read the state once more after the faults, with a loaded machine's time.
+
+        The monitor's reads have a short deadline (a paused store must not
+        hold the harness); on a loaded machine, with the faults of a short
+        run, every one of them can miss. This read comes after the last
+        partition healed and the store resumed.
+        """
+        if self.topology is not None:
+            self.topology.heal_now()
+        give_up = time.monotonic() + _FINAL_READ
+        while not self._check_state(_FINAL_READ / 3) and time.monotonic() < give_up:
+            time.sleep(0.2)
 
     # -- agents --------------------------------------------------------------
 
@@ -678,6 +699,7 @@ class ChaosRun:
             self._run_pending(float("inf"))  # resume a paused store before stopping
             self._monitor_stop.set()
             monitor.join(30)
+            self._final_state_check()
             sampler.join(30)
             for agent in self.agents:
                 agent.stop()

@@ -258,6 +258,12 @@ class NetnsTopology:
             return True
         return False
 
+    def heal_now(self) -> None:
+        """Heal the partition now, if one is in place."""
+        if self._heal_at:
+            self._heal_at = 0.0
+            self.bed.heal()
+
     def close(self) -> None:
         """Remove the bed (killing whatever still runs in it)."""
         with contextlib.suppress(Exception):
