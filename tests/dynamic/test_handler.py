@@ -4,6 +4,7 @@ Tests of keep-alive death detection run on one shared fake clock
 (``Cluster(..., fake=True)``; see tests/dynamic/ticking.py).
 """
 
+import contextlib
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ import pytest
 from rdzv.api import RendezvousInfo, RendezvousStoreInfo, RendezvousTimeout
 from rdzv.backends.base import RendezvousBackend, Token
 from rdzv.dynamic.handler import DynamicRendezvousHandler
-from rdzv.dynamic.state import JoinRecord, encode_record
+from rdzv.dynamic.state import JoinRecord, decode_state, encode_record
 from rdzv.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -484,6 +485,40 @@ def test_a_member_dying_while_the_others_rejoin_is_found_by_its_ring_neighbour(
     # A round that admitted the ghost never completes: it cannot confirm.
     _check_round(infos)
     assert set(infos[0].participants) == {"b", "e"}
+
+
+def test_members_re_joining_together_write_one_leave(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    # Every compare-and-set of the state writes the whole participant list;
+    # a thousand members re-joining at once (a scale-up, a lost peer) used to
+    # race with a thousand of them. The barrier makes the race certain: the
+    # leaves that try to write meet there before any of them writes.
+    c = cluster_factory(3, 3)
+    handlers = [c.handler(f"n{i}") for i in range(3)]
+    first = [f.result(timeout=40) for f in c.join(handlers)]
+    _check_round(first)
+    attempts: list[bytes] = []
+    meet = threading.Barrier(3, timeout=1)
+    backends = [h._backend for h in handlers]
+    for backend in backends:
+        assert isinstance(backend, InMemoryBackend)
+        real = backend.set_state
+
+        def gated(
+            state: bytes, token: Token | None = None, real: Callable[..., object] = real
+        ) -> object:
+            if decode_state(state).round == 0:  # a leave: round 0 with a member evicted
+                attempts.append(state)
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    meet.wait()
+            return real(state, token)
+
+        backend.set_state = gated  # type: ignore[method-assign,assignment]
+    second = [f.result(timeout=40) for f in c.join(handlers)]
+    _check_round(second)
+    assert second[0].world_size == 3
+    assert len(attempts) == 1, f"{len(attempts)} members wrote a leave of round 0"
 
 
 def test_a_node_that_died_waiting_alone_in_the_queue_completes_no_round(

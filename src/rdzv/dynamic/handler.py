@@ -90,7 +90,7 @@ from rdzv.backends.base import (
     RendezvousBackend,
     Token,
 )
-from rdzv.backends.kv import StoreJoinQueue, StoreLiveness
+from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.dynamic.confirm import (
     RoundConfirmation,
     check_period,
@@ -576,6 +576,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if dropped is not None:
                 self._queue.drop_queue(dropped)
                 drop_confirmation(self._confirms, self._store, self._prefix, dropped)
+                store_call(
+                    "drop", lambda: self._store.delete_key(_leave_key(self._prefix, dropped))
+                )
             return plan, new_token, progress, []
         return decode_state(new_state), new_token, progress, []
 
@@ -822,13 +825,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         A member that re-joins a full round would otherwise look like a spare
         to the others, who would never re-form with it. Once any member has
-        left or was evicted the others re-form anyway, so no more writes are
-        needed: at most a few compare-and-sets however many members re-join.
+        left or was evicted the others re-form anyway, so one leave is
+        enough. Members re-join together (a scale-up, a lost peer), and each
+        compare-and-set of the state writes the whole participant list: a
+        thousand leaving members raced with a thousand such writes. So the
+        members first count themselves on the round's leave key, and only the
+        first one writes. Should it die before writing, the others still
+        re-form once its ring predecessor evicts it.
         """
         with self._lock:
             member = self._member_of
             self._member_of = None
-        if member is not None:
+        if member is None:
+            return
+        key = _leave_key(self._prefix, member.round)
+        if store_call("leave", lambda: self._store.add(key, 1)) == 1:
             self._evict([self._node], member.round, unless_any_evicted=True)
 
     def _evict(
@@ -892,6 +903,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._lock:
             if self._watched is member:
                 self._watched = member.evict(dead)
+
+
+def _leave_key(prefix: str, round_id: int) -> str:
+    """The key counting the members that left ``round_id`` (see ``_leave_round``)."""
+    return f"{prefix}leave/{round_id}"
 
 
 def _some_nodes(nodes: Sequence[str], shown: int = 5) -> str:
