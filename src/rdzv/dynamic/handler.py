@@ -828,10 +828,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         left or was evicted the others re-form anyway, so one leave is
         enough. Members re-join together (a scale-up, a lost peer), and each
         compare-and-set of the state writes the whole participant list: a
-        thousand leaving members raced with a thousand such writes. So the
-        members first count themselves on the round's leave key, and only the
-        first one writes. Should it die before writing, the others still
-        re-form once its ring predecessor evicts it.
+        thousand leaving members raced with a thousand such writes. So each
+        first tries to create the round's leave key, holding its node key
+        (one compare-and-set of a small key that only creates it, so it never
+        retries: an ``add`` would be a retried compare-and-set loop on etcd),
+        and only the one that created it writes the state. Should it die
+        before writing, the others still re-form once its ring predecessor
+        evicts it.
         """
         with self._lock:
             member = self._member_of
@@ -839,7 +842,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if member is None:
             return
         key = _leave_key(self._prefix, member.round)
-        if store_call("leave", lambda: self._store.add(key, 1)) == 1:
+        me = self._node.encode()
+        if store_call("leave", lambda: self._store.compare_set(key, b"", me)) == me:
             self._evict([self._node], member.round, unless_any_evicted=True)
 
     def _evict(
@@ -906,7 +910,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
 
 def _leave_key(prefix: str, round_id: int) -> str:
-    """The key counting the members that left ``round_id`` (see ``_leave_round``)."""
+    """The key naming the member that left ``round_id`` first (see ``_leave_round``)."""
     return f"{prefix}leave/{round_id}"
 
 
