@@ -15,7 +15,7 @@ import dataclasses
 import math
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Union, cast
@@ -611,7 +611,10 @@ class RendezvousInfo:
         rank: This node's rank, in ``0..world_size-1``.
         world_size: The number of nodes in the round.
         bootstrap_store_info: Where workers find their bootstrap store.
-        participants: The members' addresses (node descriptors), in rank order.
+        participants: The members' addresses (node descriptors), in rank
+            order; or a function that returns them, called once, when
+            :attr:`participants` is first read (a handler of thousands of
+            members then builds the list only for a caller that asks).
         wait_list: Nodes waiting for the next round.
     """
 
@@ -623,14 +626,16 @@ class RendezvousInfo:
         rank: int,
         world_size: int,
         bootstrap_store_info: RendezvousStoreInfo | None = None,
-        participants: Sequence[str] | None = None,
+        participants: Sequence[str] | Callable[[], Sequence[str]] | None = None,
         wait_list: Sequence[str] | None = None,
     ) -> None:
         self._store = store
         self._rank = rank
         self._world_size = world_size
         self._bootstrap = bootstrap_store_info
-        self._participants = tuple(participants or ())
+        self._participants: tuple[str, ...] | Callable[[], Sequence[str]] = (
+            participants if callable(participants) else tuple(participants or ())
+        )
         self._wait_list = tuple(wait_list or ())
 
     @property
@@ -656,6 +661,8 @@ class RendezvousInfo:
     @property
     def participants(self) -> tuple[str, ...]:
         """The members, in rank order."""
+        if callable(self._participants):
+            self._participants = tuple(self._participants())
         return self._participants
 
     @property

@@ -23,7 +23,14 @@ SEALED = RendezvousState(4, ("a", "b", "c"))
 def _confirmation(
     store: HashStore, sealed: RendezvousState = SEALED, prefix: str = "run/"
 ) -> RoundConfirmation:
-    return RoundConfirmation(StoreJoinQueue(store, prefix, "c"), store, prefix, sealed)
+    return RoundConfirmation(
+        StoreJoinQueue(store, prefix, "c"),
+        store,
+        prefix,
+        sealed.round,
+        len(sealed.participants),
+        lambda: sealed.participants,
+    )
 
 
 def test_the_member_that_completes_the_count_writes_the_verdict() -> None:
@@ -102,7 +109,7 @@ def test_dropping_a_round_deletes_its_confirmations_only() -> None:
     ],
 )
 def test_member_lost(stored: RendezvousState | None, lost: bool) -> None:
-    assert member_lost(SEALED, stored) is lost
+    assert member_lost(SEALED.round, len(SEALED.participants), stored) is lost
 
 
 @pytest.mark.parametrize("world_size", [2, 100, 500, 2_000, 8_192, 100_000])

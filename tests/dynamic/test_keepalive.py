@@ -17,6 +17,7 @@ import pytest
 
 from rdzv.backends.base import LivenessBackend
 from rdzv.dynamic.keepalive import KeepAlive
+from rdzv.dynamic.seat import Seat
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousConnectionError
 from rdzv.testing import FakeClock
@@ -59,7 +60,7 @@ class Run:
         self.clock = FakeClock()
         self.started = self.clock()
         self.events: list[tuple[str, dict[str, Any]]] = []
-        round_ = RendezvousState(0, (ME, SUCCESSOR))
+        round_ = Seat.of(RendezvousState(0, (ME, SUCCESSOR)), ME)
         self.keepalive = KeepAlive(
             ME,
             liveness,

@@ -366,7 +366,7 @@ def test_judge_interval_bounds() -> None:
 def test_round_lost() -> None:
     from rdzv.dynamic.machine import round_lost
 
-    mine = RendezvousState(3, (ME, A))
+    mine = 3
     assert not round_lost(mine, RendezvousState(3, (ME, A), evicted=frozenset({1})))
     assert round_lost(mine, None)  # wiped
     assert round_lost(mine, RendezvousState(2, (ME, A)))  # went back

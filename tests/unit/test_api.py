@@ -285,6 +285,21 @@ def test_rendezvous_info_properties() -> None:
     assert "rank=0" in repr(bare)
 
 
+def test_rendezvous_info_builds_lazy_participants_once_on_first_read() -> None:
+    calls: list[int] = []
+
+    def build() -> list[str]:
+        calls.append(1)
+        return ["a", "b"]
+
+    info = RendezvousInfo(HashStore(), 0, 2, participants=build)
+    assert calls == []
+    assert info.participants == ("a", "b")
+    assert info.participants == ("a", "b")
+    assert calls == [1]
+    assert "participants=['a', 'b']" in repr(info)
+
+
 class _Handler(rdzv.RendezvousHandler):
     def get_backend(self) -> str:
         return "fake"

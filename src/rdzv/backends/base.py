@@ -15,8 +15,9 @@ Tokens are opaque; callers only hand back what they received.
 Optional capabilities (below the contract) let a backend do better than
 compare-and-set on one blob: :class:`WatchableBackend` (block until the state
 changes), :class:`JoinQueueBackend` (one non-conflicting write per joining
-node) and :class:`LivenessBackend` (per-node heartbeats judged on the
-observer's clock). The handler uses each when present and degrades to
+node), :class:`LivenessBackend` (per-node heartbeats judged on the
+observer's clock) and :class:`SeatedBackend` (a seal that also stores each
+member's own small record, so that a member of thousands reads O(1) bytes). The handler uses each when present and degrades to
 polling and compare-and-set when not. ``rdzv.testing.conformance`` checks a
 backend against all of it.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import copy
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "LivenessBackend",
     "NamedQueues",
     "RendezvousBackend",
+    "SeatedBackend",
     "Token",
     "WatchableBackend",
     "MAX_RUN_ID",
@@ -160,6 +162,94 @@ class WatchableBackend(ABC):
         Raises:
             RendezvousConnectionError: The backend cannot be reached.
             RendezvousStateError: The stored record is corrupt.
+        """
+
+
+class SeatedBackend(ABC):
+    """Capability: a write that also stores one small *seat* per member, each read alone.
+
+    A member learns its round, rank, world size and bootstrap address from
+    its seat, whose size does not grow with the round, instead of reading
+    the whole participant list: at N members that is N small reads in all
+    instead of N reads of O(N) bytes. A seat belongs to the write that
+    stored it: :meth:`read_seat` answers for one token and nothing else, so
+    a seat stored by a write that lost its compare-and-set, or one that a
+    later write replaced, is never taken for the current one.
+
+    The store backend implements it: the seats go to the store in the same
+    request as the state's body, before the compare-and-set that commits
+    both, and each node's seat key is overwritten by the next seat, so the
+    store holds at most one seat per node.
+    """
+
+    @abstractmethod
+    def set_state_seated(
+        self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
+    ) -> tuple[bytes, Token, bool] | None:
+        """Write the state as :meth:`RendezvousBackend.set_state`, with ``seats``.
+
+        Once the write wins, :meth:`read_seat` with the returned token
+        returns ``seats[node]`` for every node of ``seats``.
+
+        Args:
+            state: The new state.
+            token: The token from the last read, or None to create.
+            seats: ``{node key: seat}``; each seat at most
+                :data:`MAX_RECORD_SIZE` bytes.
+
+        Returns:
+            As :meth:`RendezvousBackend.set_state`.
+
+        Raises:
+            ValueError: A node key or a seat is invalid.
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored record is corrupt.
+        """
+
+    @abstractmethod
+    def read_token(self) -> Token | None:
+        """Return the stored state's token without reading the state.
+
+        Returns:
+            The token, or None when nothing is stored.
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored record is corrupt.
+        """
+
+    @abstractmethod
+    def wait_for_token(self, token: Token | None, timeout: float) -> Token | None:
+        """Wait as :meth:`WatchableBackend.wait_for_state`; return the token alone.
+
+        Args:
+            token: A token of this backend, or None.
+            timeout: The longest time to block, in seconds (>= 0).
+
+        Returns:
+            The stored token when the call returns, or None when nothing is
+            stored.
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored record is corrupt.
+        """
+
+    @abstractmethod
+    def read_seat(self, token: Token, node: str) -> bytes | None:
+        """Return the seat that the write of ``token`` stored for ``node``.
+
+        Args:
+            token: A token of this backend.
+            node: The node key.
+
+        Returns:
+            The seat; None when that write stored none for ``node``, or a
+            later seated write replaced it.
+
+        Raises:
+            ValueError: ``node`` is not a valid node key.
+            RendezvousConnectionError: The backend cannot be reached.
         """
 
 

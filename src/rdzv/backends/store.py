@@ -18,6 +18,11 @@ and ``TpRendezvousBackend``. It offers every capability:
   replaces it with a head;
 * watch: ``Store.watch`` on the head key when the store supports it,
   otherwise polling with jittered, capped backoff;
+* seats: a seated write stores each member's seat under
+  ``seat/<node key>`` in the same ``multi_set`` as the body, before the
+  head moves, each value led by the new head, so a seat is read for the
+  head that committed it and no other; the next seat of a node overwrites
+  it, so the store holds one seat per node;
 * join queue: ``append`` of a length-prefixed record, then ``add`` on the
   round's counter (two non-conflicting operations per joining node);
 * liveness: ``add(key, 1)`` on a per-node counter.
@@ -38,9 +43,18 @@ import os
 import secrets
 import tempfile
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from rdzv.backends.base import RendezvousBackend, Token, WatchableBackend, validate_run_id
+from rdzv.backends.base import (
+    MAX_RECORD_SIZE,
+    RendezvousBackend,
+    SeatedBackend,
+    Token,
+    WatchableBackend,
+    validate_node_key,
+    validate_run_id,
+)
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
@@ -76,7 +90,9 @@ _PROBE = b"\x00rdzv-probe"
 _BODY_ATTEMPTS = 8
 
 
-class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue, StoreLiveness):
+class C10dRendezvousBackend(
+    RendezvousBackend, WatchableBackend, SeatedBackend, StoreJoinQueue, StoreLiveness
+):
     """Keeps a run's rendezvous in a key-value store (the TCP store, usually).
 
     Args:
@@ -97,6 +113,7 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
         StoreLiveness.__init__(self, liveness_store or store, prefix)
         self._store = store
         self._run_id = run_id
+        self._prefix = prefix
         self._key = f"{prefix}state"
         # The body of the last head read or written: an unchanged state is
         # read as its head alone.
@@ -180,6 +197,21 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
     def set_state(  # noqa: D102 - see RendezvousBackend
         self, state: bytes, token: Token | None = None
     ) -> tuple[bytes, Token, bool] | None:
+        return self._write(state, token, {})
+
+    def set_state_seated(  # noqa: D102 - see SeatedBackend
+        self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
+    ) -> tuple[bytes, Token, bool] | None:
+        for node, seat in seats.items():
+            validate_node_key(node)
+            if not isinstance(seat, bytes) or not 1 <= len(seat) <= MAX_RECORD_SIZE:
+                raise ValueError(f"the seat of {node} must be 1-{MAX_RECORD_SIZE} bytes")
+        return self._write(state, token, seats)
+
+    def _write(
+        self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
+    ) -> tuple[bytes, Token, bool] | None:
+        """Store the body (and seats) under a new head, then move the head to it."""
         if token is None:
             expected = b""
             generation = 1
@@ -197,7 +229,14 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
         state = bytes(state)
         head = _HEAD_MAGIC + generation.to_bytes(8, "big") + secrets.token_bytes(4)
         body_key = self._body_key(head)
-        store_call("set_state", lambda: self._store.set(body_key, state))
+        # One request: the body and every seat, each seat led by the head
+        # that commits it (read_seat answers for that head only).
+        if seats:
+            keys = [body_key, *(self._seat_key(node) for node in seats)]
+            values = [state, *(head + seat for seat in seats.values())]
+            store_call("set_state", lambda: self._store.multi_set(keys, values))
+        else:
+            store_call("set_state", lambda: self._store.set(body_key, state))
         result = store_call("set_state", lambda: self._store.compare_set(self._key, expected, head))
         if result == head:
             self._last = (state, head)
@@ -210,21 +249,55 @@ class C10dRendezvousBackend(RendezvousBackend, WatchableBackend, StoreJoinQueue,
         current_state, current_token = self._resolve(result)
         return current_state, current_token, False
 
+    def _seat_key(self, node: str) -> str:
+        return f"{self._prefix}seat/{node}"
+
+    def read_seat(self, token: Token, node: str) -> bytes | None:  # noqa: D102 - see SeatedBackend
+        key = self._seat_key(validate_node_key(node))
+        if not (isinstance(token, bytes) and self._is_head(token)):
+            return None
+        raw = store_call("read_seat", lambda: self._store.try_multi_get([key]))[0]
+        if raw is None or not raw.startswith(token) or len(raw) == len(token):
+            return None
+        return raw[len(token) :]
+
+    def forget(self, node: str) -> None:
+        """Delete ``node``'s heartbeat counter and its seat (a node that leaves for good)."""
+        super().forget(node)
+        key = self._seat_key(node)
+        store_call("forget", lambda: self._liveness_store.delete_key(key))
+
+    def read_token(self) -> Token | None:  # noqa: D102 - see SeatedBackend
+        raw = self._read_raw()
+        return None if raw is None else self._checked(raw)
+
+    def _checked(self, raw: bytes) -> bytes:
+        """Return a stored head or old-layout record; raise for anything else."""
+        if self._is_head(raw) or (len(raw) >= _HEADER and raw.startswith(_MAGIC)):
+            return raw
+        raise self._corrupt(raw)
+
     def wait_for_state(  # noqa: D102 - see WatchableBackend
         self, token: Token | None, timeout: float
     ) -> tuple[bytes, Token] | None:
+        raw = self.wait_for_token(token, timeout)
+        return None if raw is None else self._resolve(raw)
+
+    def wait_for_token(  # noqa: D102 - see SeatedBackend
+        self, token: Token | None, timeout: float
+    ) -> Token | None:
         previous = token if isinstance(token, bytes) else None
         store = self._store
         if store.supports_watch:
             raw = store_call("wait_for_state", lambda: store.watch(self._key, previous, timeout))
-            return None if raw is None else self._resolve(raw)
+            return None if raw is None else self._checked(raw)
         deadline = time.monotonic() + timeout
         attempt = 0
         while True:
             raw = self._read_raw()
             remaining = deadline - time.monotonic()
             if raw != previous or remaining <= 0:
-                return None if raw is None else self._resolve(raw)
+                return None if raw is None else self._checked(raw)
             time.sleep(min(remaining, poll_backoff(attempt)))
             attempt += 1
 

@@ -34,6 +34,7 @@ The queue and the verdict of a round are deleted with its join queue
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -84,28 +85,40 @@ class RoundConfirmation:
         store: The store that holds the verdict (the client of the thread
             that joins).
         prefix: The run's key prefix in the store.
-        sealed: The sealed round.
+        round_id: The sealed round.
+        world_size: Its number of participants.
+        participants: Returns its participants in rank order (read only to
+            name those that did not confirm).
     """
 
     queue: JoinQueueBackend
     store: Store
     prefix: str
-    sealed: RendezvousState
+    round_id: int
+    world_size: int
+    participants: Callable[[], Sequence[str]]
 
     @property
     def verdict_key(self) -> str:
         """The key that exists once every member confirmed."""
-        return _verdict_key(self.prefix, self.sealed.round)
+        return _verdict_key(self.prefix, self.round_id)
 
     def confirm(self, node: str) -> None:
         """Count ``node`` in; once every participant is counted, write the verdict.
 
+        Only members of the round confirm it, so ``world_size`` distinct
+        nodes in the queue are every participant (an append retried after a
+        lost reply can count one twice).
+
         Args:
             node: This member's node key.
         """
-        position = self.queue.enqueue(self.sealed.round, node.encode())
-        if position >= len(self.sealed.participants) and not self.unconfirmed():
+        position = self.queue.enqueue(self.round_id, node.encode())
+        if position >= self.world_size and len(self._confirmed()) >= self.world_size:
             self.store.set(self.verdict_key, b"confirmed")
+
+    def _confirmed(self) -> set[str]:
+        return {r.decode("utf-8", "replace") for r in self.queue.queue_records(self.round_id)}
 
     def wait(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for every member to confirm.
@@ -124,10 +137,8 @@ class RoundConfirmation:
 
     def unconfirmed(self) -> list[str]:
         """Return the participants that have not confirmed yet, in rank order."""
-        confirmed = {
-            r.decode("utf-8", "replace") for r in self.queue.queue_records(self.sealed.round)
-        }
-        return [n for n in self.sealed.participants if n not in confirmed]
+        confirmed = self._confirmed()
+        return [n for n in self.participants() if n not in confirmed]
 
 
 def drop_confirmation(queue: JoinQueueBackend, store: Store, prefix: str, round_id: int) -> None:
@@ -143,22 +154,23 @@ def drop_confirmation(queue: JoinQueueBackend, store: Store, prefix: str, round_
     store.delete_key(_verdict_key(prefix, round_id))
 
 
-def member_lost(sealed: RendezvousState, stored: RendezvousState | None) -> bool:
+def member_lost(round_id: int, world_size: int, stored: RendezvousState | None) -> bool:
     """Tell whether a round awaiting confirmation lost a member, so it never completes.
 
     A close that came after the seal does not count: every live member still
     confirms (see :func:`rdzv.dynamic.machine.decide`).
 
     Args:
-        sealed: The round as sealed.
+        round_id: The sealed round.
+        world_size: Its number of participants as sealed.
         stored: The stored state now.
 
     Returns:
         True when the round is gone from the store or a member was evicted.
     """
-    if stored is None or stored.round != sealed.round:
+    if stored is None or stored.round != round_id:
         return True
-    return stored.live_count < len(sealed.participants)
+    return stored.live_count < world_size
 
 
 def _verdict_key(prefix: str, round_id: int) -> str:

@@ -70,8 +70,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from rdzv.api import (
@@ -118,11 +119,13 @@ from rdzv.dynamic.machine import (
     leaving_members,
     missing_members,
     nodes_waiting,
+    nodes_waiting_unchanged,
     observe,
     plan_seal,
     round_lost,
     start_join,
 )
+from rdzv.dynamic.seat import Seat, seats_of, watching_seat
 from rdzv.dynamic.shared import SharedState
 from rdzv.dynamic.state import (
     JoinRecord,
@@ -139,6 +142,7 @@ from rdzv.errors import (
     RendezvousConnectionError,
     RendezvousExhaustedError,
     RendezvousGracefulExitError,
+    RendezvousStateError,
     RendezvousTimeoutError,
 )
 from rdzv.net import advertised_address, primary_address
@@ -226,12 +230,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._side = SharedState(backend.side_channel(), backend_name, self._clock)
         self._lock = threading.Lock()
         self._held_port: socket.socket | None = None
-        self._member_of: RendezvousState | None = None
-        # The last round this node completed, as this node sees it: its ring
-        # successor there is watched until the node completes another round
+        self._member_of: _Membership | None = None
+        # This node's seat in the last round it completed: its ring successor
+        # there is watched until the node completes another round
         # (re-joining does not stop it), so a member that dies while the
         # others re-join is still found by its ring predecessor.
-        self._watched: RendezvousState | None = None
+        self._watched: Seat | None = None
         self._keepalive = KeepAlive(
             node,
             self._liveness,
@@ -441,15 +445,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
         watches: dict[str, MarkWatch] = {}
         judging = SealJudging()
         reported = 0
+        seated: _Membership | None = None
         self._event("join", progress.round_id)
         while True:
             progress = observe(progress, state, queue_length, self._limits, now)
-            action = decide(progress, state, queue_length, self._node, self._limits, now)
+            action = (
+                Complete(seated.seat.rank)
+                if seated is not None
+                else decide(progress, state, queue_length, self._node, self._limits, now)
+            )
             if isinstance(action, Complete):
-                assert state is not None  # Complete is only decided on a sealed state
-                info = self._complete(
-                    state, action.rank, progress.started_at + self._limits.join_timeout
-                )
+                member = seated or _Membership.of(state, token, self._node)
+                info = self._complete(member, progress.started_at + self._limits.join_timeout)
                 if info is not None:
                     return info
                 # A member was lost before every member confirmed, or rank 0
@@ -460,6 +467,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 now = self._clock()
                 progress = replace(start_join(state, now), started_at=progress.started_at)
                 queue_length, suspects, judging, excluded = 0, [], SealJudging(), set()
+                seated = None
                 self._event("join", progress.round_id)
                 continue
             if isinstance(action, Fail):
@@ -493,11 +501,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
                             watches = self._judge_suspects(state, suspects, watches, excluded)
                     state, token = self._shared.read()
                 else:
-                    state, token = self._shared.wait(
-                        token, min(remaining, _STATE_WAIT_CAP), attempt
+                    state, token, seated = self._wait_state(
+                        state, token, progress.round_id, min(remaining, _STATE_WAIT_CAP), attempt
                     )
                     attempt += 1
-                    if state is None or state.round < progress.round_id:
+                    if seated is None and (state is None or state.round < progress.round_id):
                         # A sealed round decides without the queue: one
                         # request fewer for each of its members.
                         queue_length = self._queue.queue_length(progress.round_id)
@@ -515,6 +523,33 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         ),
                     )
             now = self._clock()
+
+    def _wait_state(
+        self,
+        state: RendezvousState | None,
+        token: Token | None,
+        round_id: int,
+        timeout: float,
+        attempt: int,
+    ) -> tuple[RendezvousState | None, Token | None, _Membership | None]:
+        """Wait for the state to change; on a seated backend, read this node's seat first.
+
+        A node seated in ``round_id`` by the new token is a member without
+        reading the participant list; otherwise the state is read whole
+        when its token changed.
+
+        Returns:
+            ``(state, token, membership)``: the membership when a seat of
+            ``round_id`` was found (``state`` is then the one before).
+        """
+        if not self._shared.seated:
+            return (*self._shared.wait(token, timeout, attempt), None)
+        current, seat = self._shared.wait_seat(token, timeout, self._node)
+        if seat is not None and seat.round == round_id:
+            return state, token, _Membership(seat, current, None)
+        if current == token:
+            return state, token, None
+        return (*self._shared.read(), None)
 
     def _judge_suspects(
         self,
@@ -566,19 +601,29 @@ class DynamicRendezvousHandler(RendezvousHandler):
             queued = [r.node for r in records if r.node != self._node and r.node not in missing]
             blocked = replace(progress, blocked=(queue_length, state))
             return state, token, blocked, missing + list(dict.fromkeys(queued))
-        result = self._shared.write(encode_state(plan), token)
+        # The seats let each member learn its place without the participant
+        # list; a seal that does not know rank 0's port stores none (every
+        # member then reads the state and waits for rank 0's address).
+        seats = seats_of(plan) if plan.bootstrap_port else None
+        result = self._shared.write(encode_state(plan), token, seats)
         if result is None:
             return None, None, progress, []
         new_state, new_token, written = result
         if written:
             self._event("sealed", round_id, world_size=len(plan.participants))
+            if seats:
+                # The round's list for members that ask (RendezvousInfo.participants),
+                # kept as long as its join queue: written before this node
+                # confirms, so before any member completes.
+                encoded = encode_state(plan)
+                key = _round_key(self._prefix, round_id)
+                store_call("seal", lambda: self._store.set(key, encoded))
             dropped = droppable_queue(round_id)
             if dropped is not None:
                 self._queue.drop_queue(dropped)
                 drop_confirmation(self._confirms, self._store, self._prefix, dropped)
-                store_call(
-                    "drop", lambda: self._store.delete_key(_leave_key(self._prefix, dropped))
-                )
+                for key in (_leave_key(self._prefix, dropped), _round_key(self._prefix, dropped)):
+                    store_call("drop", partial(self._store.delete_key, key))
             return plan, new_token, progress, []
         return decode_state(new_state), new_token, progress, []
 
@@ -598,79 +643,113 @@ class DynamicRendezvousHandler(RendezvousHandler):
             f"join timeout of {join:g} s"
         )
 
-    def _complete(
-        self, state: RendezvousState, rank: int, join_deadline: float
-    ) -> RendezvousInfo | None:
+    def _complete(self, member: _Membership, join_deadline: float) -> RendezvousInfo | None:
         """Become a member of the sealed round; None if it broke before it completed.
 
         It breaks when a member is lost before every member confirmed, or
         rank 0 left before publishing its address.
         """
+        seat = member.seat
         # A node whose heartbeats gave up is as good as dead to the others:
         # it joins no round (nor completes one it confirmed meanwhile, below).
         self._check_keepalive()
         with self._lock:
-            self._member_of = state
-            self._watched = state
+            self._member_of = member
+            self._watched = seat
         # The ring judging starts now: a member that died in the queue is
         # evicted by its predecessor while the others wait to confirm.
         self._keepalive.wake()
-        store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{state.round}", self._store)
+        store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{seat.round}", self._store)
         self._release_port()
-        if len(state.participants) > 1 and not self._confirm(state, join_deadline):
-            self._event("broken", state.round, rank=rank, reason="a member was lost")
+        if seat.world_size > 1 and not self._confirm(member, join_deadline):
+            self._event("broken", seat.round, rank=seat.rank, reason="a member was lost")
             return None
         self._check_keepalive()
         bootstrap: RendezvousStoreInfo | None = None
-        if state.bootstrap_port:
-            bootstrap = RendezvousStoreInfo(
-                node_address(state.participants[0]), state.bootstrap_port
-            )
-        elif rank != 0 and not self._await_bootstrap(state, rank, store):
-            self._event("broken", state.round, rank=rank, reason="rank 0 left before publishing")
-            return None
-        self._event("complete", state.round, rank=rank, world_size=len(state.participants))
-        if bootstrap is None or rank == 0:
+        if seat.port:
+            bootstrap = RendezvousStoreInfo(node_address(seat.master), seat.port)
+        elif seat.rank != 0:
+            # Only a state read whole lacks the port: stored seats name it.
+            assert member.state is not None
+            if not self._await_bootstrap(member.state, seat.rank, store):
+                self._event(
+                    "broken", seat.round, rank=seat.rank, reason="rank 0 left before publishing"
+                )
+                return None
+        self._event("complete", seat.round, rank=seat.rank, world_size=seat.world_size)
+        if bootstrap is None or seat.rank == 0:
             bootstrap = RendezvousStoreInfo.build(
-                rank,
+                seat.rank,
                 store,
                 local_addr=bootstrap.master_addr if bootstrap else self._local_addr,
                 server_port=bootstrap.master_port if bootstrap else None,
             )
         waiting = [
-            node_address(decode_record(r).node) for r in self._queue.queue_records(state.next_round)
+            node_address(decode_record(r).node) for r in self._queue.queue_records(seat.round + 1)
         ]
         return RendezvousInfo(
             store,
-            rank,
-            len(state.participants),
+            seat.rank,
+            seat.world_size,
             bootstrap,
-            [node_address(n) for n in state.participants],
+            # Read on first use: a member of thousands learns its place from
+            # its seat, and reads the participant list only when asked.
+            lambda: [node_address(n) for n in self._participants_of(member)],
             waiting,
         )
 
-    def _confirm(self, state: RendezvousState, join_deadline: float) -> bool:
+    def _participants_of(self, member: _Membership) -> tuple[str, ...]:
+        """Return the node keys of ``member``'s round in rank order, reading the state if needed.
+
+        Raises:
+            RendezvousStateError: The store no longer holds that round.
+            RendezvousConnectionError: The backend cannot be reached.
+        """
+        if member.state is not None:
+            return member.state.participants
+        key = _round_key(self._prefix, member.round)
+        raw = store_call("participants", lambda: self._store.try_multi_get([key]))[0]
+        state = decode_state(raw) if raw is not None else self._shared.read()[0]
+        if state is None or state.round != member.round:
+            now = "nothing" if state is None else f"round {state.round}"
+            raise RendezvousStateError(
+                f"the participants of round {member.round} are no longer stored "
+                f"(the store holds {now}); read RendezvousInfo.participants before "
+                "the next round"
+            )
+        return state.participants
+
+    def _confirm(self, member: _Membership, join_deadline: float) -> bool:
         """Confirm the sealed round (:mod:`rdzv.dynamic.confirm`); False once a member is lost.
 
         Raises:
             RendezvousTimeoutError: Not every member confirmed within the
                 join timeout, and none was evicted.
         """
-        confirmation = RoundConfirmation(self._confirms, self._store, self._prefix, state)
+        seat = member.seat
+        confirmation = RoundConfirmation(
+            self._confirms,
+            self._store,
+            self._prefix,
+            seat.round,
+            seat.world_size,
+            lambda: self._participants_of(member),
+        )
         confirmation.confirm(self._node)
-        period = check_period(len(state.participants), self._dead_after)
+        period = check_period(seat.world_size, self._dead_after)
         while not confirmation.wait(period):
-            current, _ = self._shared.read()
-            if member_lost(state, current):
+            # The token alone tells a seated member that nothing changed.
+            changed, current = self._shared.changed_since(member.token)
+            if changed and member_lost(seat.round, seat.world_size, current):
                 return False
             real_deadline = caller_deadline()
             if self._clock() >= join_deadline or (
                 real_deadline is not None and time.monotonic() >= real_deadline
             ):
                 missing = confirmation.unconfirmed()
-                size = len(state.participants)
+                size = seat.world_size
                 raise RendezvousTimeoutError(
-                    f"round {state.round} of {self._config()}: {size - len(missing)} of {size} "
+                    f"round {seat.round} of {self._config()}: {size - len(missing)} of {size} "
                     f"members confirmed it within the join timeout of "
                     f"{self._limits.join_timeout:g} s; not confirmed: " + _some_nodes(missing)
                 )
@@ -761,13 +840,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 node's heartbeats failed ``keep_alive_max_attempt`` times.
         """
         self._check_keepalive()
-        state, _ = self._shared.read()
-        length = self._queue.queue_length(0 if state is None else state.next_round)
         with self._lock:
-            member_of = self._member_of
-        if member_of is None:
-            return length
-        if state is None or round_lost(member_of, state):
+            member = self._member_of
+        if member is None:
+            state, _ = self._shared.read()
+            return self._queue.queue_length(0 if state is None else state.next_round)
+        changed, state = self._shared.changed_since(member.token)
+        if not changed:
+            state = state or member.state
+            if state is None:
+                # Still as sealed with this node's seat: no list to read.
+                length = self._queue.queue_length(member.round + 1)
+                return nodes_waiting_unchanged(member.seat.world_size, length, self._limits)
+        length = self._queue.queue_length(0 if state is None else state.next_round)
+        if state is None or round_lost(member.round, state):
             return max(1, length)
         return nodes_waiting(state, length, self._node, self._limits)
 
@@ -798,7 +884,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._event("shutdown", -1 if member is None else member.round)
         return True
 
-    def _leave(self, member: RendezvousState | None) -> None:
+    def _leave(self, member: _Membership | None) -> None:
         if member is not None:
             self._evict([self._node], member.round)
         self._liveness.forget(self._node)
@@ -897,16 +983,63 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _stop_keepalive(self) -> None:
         self._keepalive.stop()
 
-    def _watched_round(self) -> RendezvousState | None:
+    def _watched_round(self) -> Seat | None:
         with self._lock:
             return self._watched
 
-    def _evict_dead(self, dead: list[str], member: RendezvousState) -> None:
-        """Evict ring successors the keep-alive judged dead in ``member``'s round."""
-        self._evict(dead, member.round, via=self._side)
+    def _evict_dead(self, dead: list[str], seat: Seat) -> None:
+        """Evict the ring successor the keep-alive judged dead from ``seat``; watch the next one.
+
+        The next successor comes from the state as stored after the
+        eviction (a rare read of the whole list); once the round is gone,
+        nobody is watched until this node completes another.
+        """
+        self._evict(dead, seat.round, via=self._side)
+        current, _ = self._side.read()
+        following = (
+            watching_seat(current, self._node)
+            if current is not None and current.round == seat.round
+            else None
+        )
         with self._lock:
-            if self._watched is member:
-                self._watched = member.evict(dead)
+            if self._watched is seat:
+                self._watched = following
+
+
+@dataclass(frozen=True)
+class _Membership:
+    """The round this node is a member of, as it learned it.
+
+    Attributes:
+        seat: This node's seat.
+        token: The token of the state this node learned it from: while it
+            is stored, the round is as sealed.
+        state: That state, when this node read it whole; None when it
+            learned its place from its stored seat alone.
+    """
+
+    seat: Seat
+    token: Token
+    state: RendezvousState | None
+
+    @property
+    def round(self) -> int:
+        """The round."""
+        return self.seat.round
+
+    @classmethod
+    def of(cls, state: RendezvousState | None, token: Token, node: str) -> _Membership:
+        """Return ``node``'s membership of ``state``, which seats it (``Complete`` was decided)."""
+        # Complete is decided only on a sealed state that holds this node.
+        assert state is not None
+        seat = Seat.of(state, node)
+        assert seat is not None
+        return cls(seat, token, state)
+
+
+def _round_key(prefix: str, round_id: int) -> str:
+    """The key holding ``round_id`` as sealed, for members that ask for its participants."""
+    return f"{prefix}round/{round_id}"
 
 
 def _leave_key(prefix: str, round_id: int) -> str:

@@ -12,7 +12,8 @@ tick it does two independent things:
 * **judge**: more often (once the node is a member, which :meth:`KeepAlive.wake`
   signals; until then the thread wakes only to beat; in a large ring less often, so that the whole ring
   stays within :data:`~rdzv.dynamic.machine.RING_READS_PER_SECOND`), it
-  reads the mark of its ring successor in the last round it completed (:func:`~rdzv.dynamic.machine.successor_of`) and judges
+  reads the mark of its ring successor in the last round it completed (its
+  :class:`~rdzv.dynamic.seat.Seat` names it) and judges
   it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`),
   crediting at most one ``interval`` between two readings, so a stalled
   backend or this node's own failed or starved reads never count against
@@ -42,8 +43,8 @@ import threading
 from collections.abc import Callable
 
 from rdzv.backends.base import LivenessBackend
-from rdzv.dynamic.machine import MarkWatch, judge_marks, ring_judge_period, successor_of
-from rdzv.dynamic.state import RendezvousState
+from rdzv.dynamic.machine import MarkWatch, judge_marks, ring_judge_period
+from rdzv.dynamic.seat import Seat
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.retry import Clock, deadline_within
 from rdzv.threads import start_thread
@@ -71,9 +72,10 @@ class KeepAlive:
             which it is dead.
         judge_every: Seconds between readings of the successor's mark.
         clock: The clock; the ticks wait on it.
-        watched: Returns the round whose ring is watched, or None.
-        on_dead: Called with the nodes judged dead and the round they were
-            judged in.
+        watched: Returns this node's seat in the round whose ring is
+            watched (its successor there is the node judged), or None.
+        on_dead: Called with the nodes judged dead and the seat they were
+            judged from.
         event: Logs one structured event: ``event(action, round, **fields)``.
     """
 
@@ -86,8 +88,8 @@ class KeepAlive:
         dead_after: float,
         judge_every: float,
         clock: Clock,
-        watched: Callable[[], RendezvousState | None],
-        on_dead: Callable[[list[str], RendezvousState], None],
+        watched: Callable[[], Seat | None],
+        on_dead: Callable[[list[str], Seat], None],
         event: Event,
     ) -> None:
         self._node = node
@@ -181,9 +183,7 @@ class KeepAlive:
                 self._clock.wait(self._wake, max(0.0, next_beat - self._clock()))
                 self._wake.clear()
             else:
-                period = ring_judge_period(
-                    self._judge_every, self._interval, len(member.participants)
-                )
+                period = ring_judge_period(self._judge_every, self._interval, member.world_size)
                 self._clock.wait(stop, period * (0.75 + random.random() / 2))
 
     def _beat(self, failures: int, stop: threading.Event) -> int:
@@ -207,7 +207,7 @@ class KeepAlive:
     ) -> tuple[int, dict[str, MarkWatch]]:
         """Read the ring successor's mark and judge it; return the watches kept."""
         member = self._watched()
-        successor = successor_of(member, self._node) if member is not None else None
+        successor = member.successor if member is not None else None
         if member is None or successor is None:
             return judged
         watched_round, watches = judged

@@ -78,6 +78,7 @@ __all__ = [
     "judge_marks",
     "missing_members",
     "nodes_waiting",
+    "nodes_waiting_unchanged",
     "observe",
     "plan_seal",
     "start_join",
@@ -392,6 +393,23 @@ def nodes_waiting(
     return waiting + evicted
 
 
+def nodes_waiting_unchanged(world_size: int, next_queue_length: int, limits: Limits) -> int:
+    """Tell a member how many nodes wait, when the state is still as sealed.
+
+    As :func:`nodes_waiting` for the sealed state itself: nobody was
+    evicted, so only queued nodes count, when the round has room.
+
+    Args:
+        world_size: The round's number of participants.
+        next_queue_length: The length of the next round's queue.
+        limits: The settings.
+
+    Returns:
+        The number of waiting nodes that should make the member re-join.
+    """
+    return next_queue_length if world_size < limits.max_nodes else 0
+
+
 @dataclass(frozen=True)
 class MarkWatch:
     """What an observer knows of one node's heartbeat mark.
@@ -552,7 +570,7 @@ class SealJudging:
         return True, SealJudging(since, now + every)
 
 
-def round_lost(member_of: RendezvousState, stored: RendezvousState | None) -> bool:
+def round_lost(member_round: int, stored: RendezvousState | None) -> bool:
     """Tell whether the round a member completed is gone from the store.
 
     It is gone when nothing is stored (the store was wiped), or the stored
@@ -561,13 +579,13 @@ def round_lost(member_of: RendezvousState, stored: RendezvousState | None) -> bo
     track); a newer legitimate round always waits for its live members.
 
     Args:
-        member_of: The round this node is a member of.
+        member_round: The round this node is a member of.
         stored: The stored state.
 
     Returns:
         True when the member must re-join.
     """
-    return stored is None or stored.round != member_of.round
+    return stored is None or stored.round != member_round
 
 
 def bootstrap_abandoned(sealed: RendezvousState, stored: RendezvousState | None) -> bool:

@@ -14,14 +14,20 @@
   retry with jittered backoff on a conflict, until a deadline (its own, or
   the caller's: :class:`rdzv.retry.Retry`);
 * :meth:`SharedState.wait` blocks until the state changes (the backend's
-  watch) or polls with backoff.
+  watch) or polls with backoff;
+* with a :class:`~rdzv.backends.base.SeatedBackend`, a write may carry the
+  members' seats (:mod:`rdzv.dynamic.seat`), :meth:`SharedState.wait_seat`
+  waits for the token alone and reads this node's seat, and
+  :meth:`SharedState.changed_since` tells from the token alone that nothing
+  changed: a member of a large round then never reads the participant list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from rdzv.backends.base import RendezvousBackend, Token, WatchableBackend
+from rdzv.backends.base import RendezvousBackend, SeatedBackend, Token, WatchableBackend
+from rdzv.dynamic.seat import Seat, decode_seat
 from rdzv.dynamic.state import RendezvousState, decode_state, encode_state
 from rdzv.errors import RendezvousStateError
 from rdzv.retry import Clock, Retry, as_clock, poll_backoff
@@ -83,12 +89,21 @@ class SharedState:
         self._last = (bytes(data), state)
         return state
 
-    def write(self, data: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
+    @property
+    def seated(self) -> bool:
+        """Whether the backend stores seats (:class:`~rdzv.backends.base.SeatedBackend`)."""
+        return isinstance(self._backend, SeatedBackend)
+
+    def write(
+        self, data: bytes, token: Token | None, seats: Mapping[str, bytes] | None = None
+    ) -> tuple[bytes, Token, bool] | None:
         """Compare-and-set the encoded state.
 
         Args:
             data: The encoded state.
             token: The token of the last read, or None to create.
+            seats: The members' encoded seats, stored with the state when the
+                backend is seated (ignored otherwise).
 
         Returns:
             ``(stored, token, written)``, or None when nothing is stored.
@@ -97,7 +112,11 @@ class SharedState:
             RendezvousStateError: The backend broke the contract (see the module).
             RendezvousConnectionError: The backend cannot be reached.
         """
-        result = self._backend.set_state(data, token)
+        backend = self._backend
+        if seats and isinstance(backend, SeatedBackend):
+            result = backend.set_state_seated(data, token, seats)
+        else:
+            result = backend.set_state(data, token)
         if result is not None:
             return result
         found = self._backend.get_state()
@@ -165,3 +184,56 @@ class SharedState:
             return (None, None) if found is None else (self._decode(found[0]), found[1])
         self._clock.sleep(min(timeout, poll_backoff(attempt)))
         return self.read()
+
+    def wait_seat(
+        self, token: Token | None, timeout: float, node: str
+    ) -> tuple[Token | None, Seat | None]:
+        """Wait up to ``timeout`` for the token to change; read ``node``'s seat if it did.
+
+        Only for a seated backend (:attr:`seated`).
+
+        Args:
+            token: The token of the last read.
+            timeout: Seconds to wait at most.
+            node: This node's key.
+
+        Returns:
+            ``(token, seat)``: the stored token, and this node's seat stored
+            with it (None when the token did not change or the write that
+            produced it stored no seat for ``node``).
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored record or the seat is corrupt.
+        """
+        backend = self._backend
+        assert isinstance(backend, SeatedBackend)
+        current = backend.wait_for_token(token, timeout)
+        if current is None or current == token:
+            return current, None
+        raw = backend.read_seat(current, node)
+        return current, None if raw is None else decode_seat(raw)
+
+    def changed_since(self, token: Token) -> tuple[bool, RendezvousState | None]:
+        """Tell whether the state changed since the write of ``token``; read it if it did.
+
+        A seated backend answers "unchanged" from the token alone, without
+        reading the state.
+
+        Args:
+            token: A token of this backend.
+
+        Returns:
+            ``(changed, state)``: the stored state, or None when it is not
+            stored or was not read (a seated backend whose token is
+            unchanged).
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored record is corrupt.
+        """
+        backend = self._backend
+        if isinstance(backend, SeatedBackend) and backend.read_token() == token:
+            return False, None
+        state, current = self.read()
+        return current is None or current != token, state

@@ -31,6 +31,7 @@ from rdzv.backends.base import (
     JoinQueueBackend,
     LivenessBackend,
     RendezvousBackend,
+    SeatedBackend,
     WatchableBackend,
 )
 from rdzv.errors import RendezvousStateError
@@ -357,6 +358,45 @@ def _watch(harness: BackendHarness) -> None:
     _expect(from_none == (b"v2", updated[1]), f"token None returns any state: {from_none}")
 
 
+def _seats(harness: BackendHarness) -> None:
+    backend = harness.connect()
+    _need(backend, SeatedBackend)
+    assert isinstance(backend, SeatedBackend)
+    _expect(backend.read_token() is None, "an empty run has no token")
+    _expect(backend.wait_for_token(None, 0.0) is None, "waiting on an empty run gives None")
+    seats = {"a#1#x": b"seat of a", "b#1#y": b"seat of b"}
+    created = backend.set_state_seated(b"v1", None, seats)
+    _expect(created is not None and created[2], f"a seated create must win: {created}")
+    assert created is not None
+    token = created[1]
+    reader = harness.connect()
+    assert isinstance(reader, SeatedBackend)
+    _expect(reader.read_token() == token, "read_token must return the written token")
+    for node, seat in seats.items():
+        got = reader.read_seat(token, node)
+        _expect(got == seat, f"read_seat({node!r}) must return its seat: {got!r}")
+    _expect(reader.read_seat(token, "c#1#z") is None, "a node without a seat reads None")
+    # A write that loses its compare-and-set stores no seat anyone reads (it
+    # may have replaced the winner's: the reader then reads the state).
+    lost = reader.set_state_seated(b"v-lost", None, {"a#1#x": b"loser"})
+    _expect(lost is not None and not lost[2], "a stale seated write must lose")
+    after = reader.read_seat(token, "a#1#x")
+    _expect(after in (b"seat of a", None), f"a losing write's seat was read: {after!r}")
+    # The seat belongs to its write: a later write's token has none.
+    updated = reader.set_state(b"v2", token)
+    assert updated is not None
+    _expect(reader.read_seat(updated[1], "a#1#x") is None, "an unseated write has no seats")
+    _expect(reader.read_seat(token, "b#1#y") == b"seat of b", "a seat reads for its own token")
+    woke = backend.wait_for_token(token, 5.0)
+    _expect(woke == updated[1], f"wait_for_token must return the new token: {woke!r}")
+    same = backend.wait_for_token(updated[1], 0.05)
+    _expect(same == updated[1], f"an unchanged token must come back on timeout: {same!r}")
+    reseated = reader.set_state_seated(b"v3", updated[1], {"a#1#x": b"next seat of a"})
+    assert reseated is not None
+    _expect(reader.read_seat(reseated[1], "a#1#x") == b"next seat of a", "a reseat reads back")
+    _expect(reader.read_seat(token, "a#1#x") is None, "a replaced seat reads None")
+
+
 def _queue_basics(harness: BackendHarness) -> None:
     backend = harness.connect()
     _need(backend, JoinQueueBackend)
@@ -499,6 +539,7 @@ BACKEND_CHECKS: list[Check] = [
     Check("concurrent_no_lost_update", None, _concurrent_no_lost_update),
     Check("corrupt_state", None, _corrupt_state),
     Check("watch", WatchableBackend, _watch),
+    Check("seats", SeatedBackend, _seats),
     Check("queue_basics", JoinQueueBackend, _queue_basics),
     Check("queue_concurrent", JoinQueueBackend, _queue_concurrent),
     Check("queue_wait_wakes", JoinQueueBackend, _queue_wait_wakes),

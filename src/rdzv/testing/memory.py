@@ -11,12 +11,14 @@ state record.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rdzv.backends.base import (
     LivenessBackend,
     NamedQueues,
     RendezvousBackend,
+    SeatedBackend,
     Token,
     WatchableBackend,
     validate_node_key,
@@ -58,6 +60,7 @@ class InMemoryRendezvousStorage:
         self.queues: dict[int, list[bytes]] = {}
         self.confirmations: dict[int, list[bytes]] = {}
         self.marks: dict[str, int] = {}
+        self.seats: dict[str, tuple[int, bytes]] = {}
         self.waiters: set[threading.Event] = set()
         self.counts = OperationCounts()
         self._failures = 0
@@ -89,6 +92,7 @@ class InMemoryRendezvousStorage:
             self.queues.clear()
             self.confirmations.clear()
             self.marks.clear()
+            self.seats.clear()
             self.notify()
 
     def check_up(self) -> None:
@@ -107,7 +111,9 @@ def _split(record: bytes) -> tuple[bytes, int]:
     return record[_GENERATION_BYTES:], int.from_bytes(record[:_GENERATION_BYTES], "big")
 
 
-class InMemoryBackend(RendezvousBackend, WatchableBackend, NamedQueues, LivenessBackend):
+class InMemoryBackend(
+    RendezvousBackend, WatchableBackend, SeatedBackend, NamedQueues, LivenessBackend
+):
     """A backend keeping everything in an :class:`InMemoryRendezvousStorage`.
 
     Tokens are generation numbers (ints). Any other token is invalid.
@@ -162,6 +168,14 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, NamedQueues, Liveness
     def set_state(  # noqa: D102 - see RendezvousBackend
         self, state: bytes, token: Token | None = None
     ) -> tuple[bytes, Token, bool] | None:
+        return self.set_state_seated(state, token, {})
+
+    def set_state_seated(  # noqa: D102 - see SeatedBackend
+        self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
+    ) -> tuple[bytes, Token, bool] | None:
+        for node, seat in seats.items():
+            validate_node_key(node)
+            validate_record(0, seat)
         storage = self.storage
         with storage.changed:
             storage.check_up()
@@ -178,7 +192,8 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, NamedQueues, Liveness
                 return None if current is None else (current[0], current[1], False)
             generation = 1 if current is None else current[1] + 1
             storage.record = generation.to_bytes(_GENERATION_BYTES, "big") + bytes(state)
-            storage.counts.bytes_written += len(state)
+            storage.counts.bytes_written += len(state) + sum(len(seat) for seat in seats.values())
+            storage.seats.update((node, (generation, bytes(seat))) for node, seat in seats.items())
             storage.notify()
             return bytes(state), generation, True
 
@@ -202,6 +217,41 @@ class InMemoryBackend(RendezvousBackend, WatchableBackend, NamedQueues, Liveness
             if current is not None:
                 storage.counts.bytes_read += len(current[0])
             return current
+
+    def read_token(self) -> Token | None:  # noqa: D102 - see SeatedBackend
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.reads += 1
+            current = self._current()
+            return None if current is None else current[1]
+
+    def wait_for_token(  # noqa: D102 - see SeatedBackend
+        self, token: Token | None, timeout: float
+    ) -> Token | None:
+        storage = self.storage
+        deadline = self._clock() + max(0.0, timeout)
+        with storage.changed:
+            storage.check_up()
+            storage.counts.reads += 1
+            while True:
+                current = self._current()
+                generation = None if current is None else current[1]
+                if generation != token or deadline - self._clock() <= 0:
+                    return generation
+                self._wait_change(deadline)
+
+    def read_seat(self, token: Token, node: str) -> bytes | None:  # noqa: D102 - see SeatedBackend
+        validate_node_key(node)
+        storage = self.storage
+        with storage.changed:
+            storage.check_up()
+            storage.counts.reads += 1
+            found = storage.seats.get(node)
+            if found is None or found[0] != token:
+                return None
+            storage.counts.bytes_read += len(found[1])
+            return found[1]
 
     def enqueue(self, round_id: int, record: bytes) -> int:  # noqa: D102 - see JoinQueueBackend
         validate_record(round_id, record)

@@ -1,0 +1,170 @@
+"""A member's seat in a sealed round: what it needs to know, in O(1) bytes.
+
+A member of a round needs its rank, the world size, the bootstrap address
+(rank 0's address and the port it holds) and the node it watches (its ring
+successor); it does not need the participant list. The state lists every
+participant, so at N members each member reading it reads O(N) bytes and
+decodes O(N) keys: O(N^2) for a formation. The sealer therefore computes
+every member's seat from the plan (:func:`seats_of`) and a backend with the
+:class:`~rdzv.backends.base.SeatedBackend` capability stores them with the
+seal; a member reads its own seat when the state's token changes and
+reads the state only when it has none.
+
+Encoding: ``b"1 <round> <rank> <world size> <port> <rank 0 key> <successor
+key or ->"``, ASCII; node keys hold no spaces. :func:`decode_seat` validates
+every field and raises :class:`~rdzv.errors.RendezvousStateError` for
+anything else, as for the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rdzv.backends.base import validate_node_key
+from rdzv.dynamic.state import RendezvousState
+from rdzv.errors import RendezvousStateError
+
+__all__ = ["Seat", "decode_seat", "encode_seat", "seats_of", "watching_seat"]
+
+_VERSION = b"1"
+_NO_SUCCESSOR = "-"
+
+
+@dataclass(frozen=True)
+class Seat:
+    """One member's place in a sealed round.
+
+    Attributes:
+        round: The round.
+        rank: The member's rank.
+        world_size: The number of participants.
+        master: Rank 0's node key (its address is ``MASTER_ADDR``).
+        port: The bootstrap port rank 0 holds (``MASTER_PORT``); 0 when
+            the seal does not know it (a stored seat always names it).
+        successor: The node key of the next rank (wrapping), which this
+            member watches; None in a round of one.
+    """
+
+    round: int
+    rank: int
+    world_size: int
+    master: str
+    port: int
+    successor: str | None
+
+    @classmethod
+    def of(cls, state: RendezvousState, node: str) -> Seat | None:
+        """Return ``node``'s seat in ``state`` as sealed, or None when it is no live member.
+
+        The successor is the next live participant, as
+        :func:`rdzv.dynamic.machine.successor_of` finds it.
+
+        Args:
+            state: A sealed state.
+            node: The node key.
+
+        Returns:
+            The seat, or None.
+        """
+        rank = state.rank_of(node)
+        if rank is None:
+            return None
+        live = state.live_participants()
+        successor = live[(live.index(node) + 1) % len(live)] if len(live) > 1 else None
+        return cls(
+            state.round,
+            rank,
+            len(state.participants),
+            state.participants[0],
+            state.bootstrap_port,
+            successor,
+        )
+
+
+def encode_seat(seat: Seat) -> bytes:
+    """Encode a seat.
+
+    Args:
+        seat: The seat.
+
+    Returns:
+        The bytes to store.
+    """
+    fields = (
+        seat.round,
+        seat.rank,
+        seat.world_size,
+        seat.port,
+        seat.master,
+        seat.successor or _NO_SUCCESSOR,
+    )
+    return _VERSION + b" " + " ".join(str(f) for f in fields).encode("ascii")
+
+
+def decode_seat(data: bytes) -> Seat:
+    """Decode and validate a stored seat.
+
+    Args:
+        data: The stored bytes.
+
+    Returns:
+        The seat.
+
+    Raises:
+        RendezvousStateError: The bytes are no valid seat.
+    """
+    parts = data.split(b" ")
+    if len(parts) != 7 or parts[0] != _VERSION or not all(p.isdigit() for p in parts[1:5]):
+        raise RendezvousStateError(f"a stored seat is corrupt: {data[:80]!r}")
+    round_id, rank, world_size, port = (int(p) for p in parts[1:5])
+    try:
+        master = validate_node_key(parts[5].decode("ascii"))
+        successor_text = parts[6].decode("ascii")
+        successor = None if successor_text == _NO_SUCCESSOR else validate_node_key(successor_text)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RendezvousStateError(f"a stored seat names an invalid node key: {exc}") from exc
+    if not (rank < world_size and 1 <= port <= 65535):
+        raise RendezvousStateError(
+            f"a stored seat is inconsistent: rank {rank} of {world_size}, port {port}"
+        )
+    return Seat(round_id, rank, world_size, master, port, successor)
+
+
+def seats_of(state: RendezvousState) -> dict[str, bytes]:
+    """Return every live member's encoded seat in a freshly sealed ``state``.
+
+    Args:
+        state: The sealed state.
+
+    Returns:
+        ``{node key: encoded seat}``, in rank order.
+    """
+    live = [
+        (rank, node) for rank, node in enumerate(state.participants) if rank not in state.evicted
+    ]
+    size = len(state.participants)
+    seats: dict[str, bytes] = {}
+    for index, (rank, node) in enumerate(live):
+        successor = live[(index + 1) % len(live)][1] if len(live) > 1 else None
+        seat = Seat(state.round, rank, size, state.participants[0], state.bootstrap_port, successor)
+        seats[node] = encode_seat(seat)
+    return seats
+
+
+def watching_seat(state: RendezvousState, node: str) -> Seat | None:
+    """Return ``node``'s seat in ``state`` for watching its ring, ``node`` itself counted live.
+
+    A member that left its round to re-join (it evicted itself) keeps
+    watching that round's ring until it completes another; its successor is
+    the next participant nobody evicted.
+
+    Args:
+        state: The stored state of the watched round.
+        node: The watching node's key.
+
+    Returns:
+        The seat, or None when ``node`` is no participant of ``state``.
+    """
+    own = {i for i in state.evicted if state.participants[i] == node}
+    view = replace(state, evicted=state.evicted - own) if own else state
+    return Seat.of(view, node)
