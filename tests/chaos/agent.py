@@ -126,7 +126,11 @@ def main() -> int:
         after = read_epoch(probe)
         # The node keys of the sealed round, in rank order (info only has addresses).
         member_of = handler._member_of  # type: ignore[attr-defined]  # test agent reads the state
-        participants = list(member_of.participants) if member_of is not None else []
+        participants = (
+            list(handler._participants_of(member_of))  # type: ignore[attr-defined]
+            if member_of is not None
+            else []
+        )
         emit(
             event="round",
             node=node,

@@ -69,6 +69,7 @@ def main() -> int:
     handler = rdzv.create_handler(params)
     node = getattr(handler, "node", "?")
     member_of = "_member_of"
+    participants_of = "_participants_of"  # the node keys in rank order (info has addresses)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         started = time.monotonic()
@@ -96,7 +97,7 @@ def main() -> int:
             node=node,
             round=completions.round,
             rank=info.rank,
-            participants=list(sealed.participants) if sealed is not None else [],
+            participants=list(getattr(handler, participants_of)(sealed)) if sealed else [],
             at=time.time(),
             took=took,
         )
