@@ -1,0 +1,209 @@
+"""Seats: a member's place in a sealed round in O(1) bytes (rdzv.dynamic.seat), and their use."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+
+from rdzv.api import RendezvousInfo, RendezvousTimeout
+from rdzv.backends.store import C10dRendezvousBackend
+from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.dynamic.seat import Seat, decode_seat, encode_seat, seats_of, watching_seat
+from rdzv.dynamic.state import RendezvousState
+from rdzv.errors import RendezvousStateError
+from rdzv.store.base import Timeout, Value
+from rdzv.store.memory import HashStore, PrefixStore
+
+pytestmark = pytest.mark.timeout(120)
+
+A, B, C, D = "10.0.0.1#1#a", "10.0.0.2#1#b", "10.0.0.3#1#c", "10.0.0.4#1#d"
+
+
+def test_every_members_seat_decodes_to_its_place_in_the_state() -> None:
+    state = RendezvousState(7, (A, B, C, D), bootstrap_port=29500)
+    seats = seats_of(state)
+    assert list(seats) == [A, B, C, D]
+    for rank, node in enumerate(state.participants):
+        seat = decode_seat(seats[node])
+        assert seat == Seat.of(state, node)
+        assert (seat.round, seat.rank, seat.world_size, seat.port) == (7, rank, 4, 29500)
+        assert seat.master == A
+        assert seat.successor == state.participants[(rank + 1) % 4]
+
+
+def test_a_round_of_one_has_no_successor_and_evicted_members_no_seat() -> None:
+    alone = decode_seat(seats_of(RendezvousState(0, (A,), bootstrap_port=1))[A])
+    assert alone.successor is None
+    assert alone.world_size == 1
+    evicted = RendezvousState(2, (A, B, C), evicted=frozenset({1}), bootstrap_port=9)
+    seats = seats_of(evicted)
+    assert set(seats) == {A, C}
+    assert decode_seat(seats[A]).successor == C  # the ring skips the evicted
+    assert decode_seat(seats[C]) == Seat(2, 2, 3, A, 9, A)
+
+
+def test_the_seat_size_does_not_grow_with_the_round() -> None:
+    def largest_seat(size: int) -> int:
+        nodes = tuple(f"10.0.{i:05d}#1#x" for i in range(size))  # keys of one length
+        seats = seats_of(RendezvousState(0, nodes, bootstrap_port=1))
+        return max(len(s) for s in seats.values())
+
+    # Only the digits of the rank and of the world size grow.
+    assert largest_seat(8192) <= largest_seat(8) + 6
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"2 1 0 2 80 a b",  # an unknown version
+        b"1 1 0 2 80 a",  # a field missing
+        b"1 1 2 2 80 a b",  # rank >= world size
+        b"1 1 0 2 0 a b",  # a stored seat always names the port
+        b"1 1 0 2 70000 a b",
+        b"1 -1 0 2 80 a b",
+        b"1 1 0 2 80 a\xff b",
+        b"1 1 0 2 80 a " + b"b" * 300,  # a node key too long
+    ],
+)
+def test_a_corrupt_seat_is_a_state_error(data: bytes) -> None:
+    with pytest.raises(RendezvousStateError):
+        decode_seat(data)
+
+
+def test_a_member_that_left_keeps_watching_the_next_live_participant() -> None:
+    state = RendezvousState(3, (A, B, C), evicted=frozenset({0, 1}), bootstrap_port=5)
+    seat = watching_seat(state, A)  # A left (evicted itself), B was judged dead
+    assert seat is not None
+    assert seat.successor == C
+    assert watching_seat(state, D) is None
+    assert encode_seat(seat).startswith(b"1 3 0 3 5 ")
+
+
+class CountingStore(PrefixStore):
+    """One node's client of a shared store: counts the bytes and keys it read."""
+
+    def __init__(self, inner: HashStore) -> None:
+        super().__init__("shared", inner)
+        self.bytes_read = 0
+        self.keys_read: list[str] = []
+
+    def _got(self, key: str, value: bytes | None) -> None:
+        self.keys_read.append(key)
+        self.bytes_read += 0 if value is None else len(value)
+
+    def get(self, key: str) -> bytes:
+        value = super().get(key)
+        self._got(key, value)
+        return value
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        value = super().compare_set(key, expected, desired)
+        self._got(key, value)
+        return value
+
+    def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        values = super().try_multi_get(keys)
+        for key, value in zip(keys, values, strict=True):
+            self._got(key, value)
+        return values
+
+    def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:
+        value = super().watch(key, previous, timeout)
+        self._got(key, value)
+        return value
+
+
+def _form(size: int) -> tuple[list[RendezvousInfo], list[CountingStore], HashStore]:
+    shared = HashStore(timeout=30)
+    clients = [CountingStore(shared) for _ in range(size)]
+    handlers = [
+        DynamicRendezvousHandler.from_backend(
+            "seats",
+            client,
+            C10dRendezvousBackend(client, "seats"),
+            size,
+            size,
+            local_addr=f"10.1.{i // 250}.{i % 250}",
+            timeout=RendezvousTimeout(join=60, last_call=0.1),
+            keep_alive_interval=5,
+        )
+        for i, client in enumerate(clients)
+    ]
+    infos: list[RendezvousInfo | None] = [None] * size
+
+    def join(i: int) -> None:
+        infos[i] = handlers[i].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    for h in handlers:
+        h.pre_shutdown()
+    assert all(info is not None for info in infos), "a member did not complete"
+    return [i for i in infos if i is not None], clients, shared
+
+
+def test_members_learn_their_place_from_their_seats_without_reading_the_state() -> None:
+    infos, clients, _ = _form(6)
+    assert sorted(i.rank for i in infos) == list(range(6))
+    assert {i.world_size for i in infos} == {6}
+    assert len({i.bootstrap_store_info for i in infos}) == 1
+    body_readers = [c for c in clients if any("/state/" in k for k in c.keys_read)]
+    # Only the sealer read the (pre-seal) state body: every other member its seat.
+    assert len(body_readers) <= 1
+    seat_readers = [c for c in clients if any("/seat/" in k for k in c.keys_read)]
+    assert len(seat_readers) >= 5
+    # Everyone that asks gets the same participant list, in rank order.
+    lists = {i.participants for i in infos}
+    assert len(lists) == 1
+    assert len(next(iter(lists))) == 6
+
+
+def test_bytes_read_per_member_do_not_grow_with_the_round() -> None:
+    medians = []
+    for size in (8, 48):
+        _, clients, _ = _form(size)
+        reads = sorted(c.bytes_read for c in clients)
+        medians.append(reads[len(reads) // 2])
+    small, large = medians
+    # The state lists 28 bytes a member: a member reading it would read 6x more at 48.
+    assert large <= small * 1.2, medians
+
+
+def test_an_unchanged_round_is_polled_without_reading_the_state() -> None:
+    shared = HashStore(timeout=30)
+    clients = [CountingStore(shared) for _ in range(3)]
+    handlers = [
+        DynamicRendezvousHandler.from_backend(
+            "poll",
+            c,
+            C10dRendezvousBackend(c, "poll"),
+            3,
+            3,
+            local_addr=f"10.2.0.{i}",
+            timeout=RendezvousTimeout(join=60, last_call=0.1),
+            keep_alive_interval=5,
+        )
+        for i, c in enumerate(clients)
+    ]
+    threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    try:
+        for client, handler in zip(clients, handlers, strict=True):
+            before = len(client.keys_read)
+            assert [handler.num_nodes_waiting() for _ in range(5)] == [0] * 5
+            assert not any("/state/" in k for k in client.keys_read[before:])
+        # A member leaves: the token changes, the others read the state and re-join.
+        assert handlers[2].shutdown()
+        assert [h.num_nodes_waiting() for h in handlers[:2]] == [1, 1]
+    finally:
+        for h in handlers:
+            h.pre_shutdown()
