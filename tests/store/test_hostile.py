@@ -354,7 +354,8 @@ def test_unauthenticated_connections_cannot_take_an_authenticated_clients_slot(
     make_server: type[TCPStoreServer], caplog: pytest.LogCaptureFixture
 ) -> None:
     # Row 7 with a secret: idle sockets that never authenticate only ever
-    # hold handshake slots; a newcomer takes the oldest one's.
+    # hold handshake slots; a newcomer is refused while they are young and
+    # takes the oldest one's once it is past the grace.
     server = make_server(
         "127.0.0.1", 0, auth_token=SECRET, max_connections=16, max_handshakes=8
     ).start()
@@ -362,11 +363,43 @@ def test_unauthenticated_connections_cannot_take_an_authenticated_clients_slot(
         for _ in range(40):
             sock = stack.enter_context(attacker(server.port))
             send_quietly(sock, VALIDATE)
-        assert eventually(lambda: server.reclaimed_connections >= 32)
+        assert eventually(
+            lambda: server.reclaimed_connections + server.refused_connections >= 32
+        )
         assert server.connection_count() <= 8
         taken = latencies(server.port, 1.0, auth_token=SECRET)
     assert quantile(taken, 0.5) < LATENCY_BOUND, taken
     assert "max_handshakes" in caplog.text
+
+
+def test_a_storm_of_real_clients_connects_without_reclaiming_each_other(
+    make_server: type[TCPStoreServer],
+) -> None:
+    # Every agent of a large job connects at once: with more of them than
+    # handshake slots, young handshakes are kept and newcomers retry, so no
+    # real client's handshake is cut (before the grace, each newcomer closed
+    # the oldest and they closed each other's faster than any finished).
+    server = make_server("127.0.0.1", 0, auth_token=SECRET, max_handshakes=2).start()
+    clients: list[TCPStore] = []
+    guard = threading.Lock()
+
+    def connect() -> None:
+        store = TCPStore("127.0.0.1", server.port, timeout=60, auth_token=SECRET)
+        with guard:
+            clients.append(store)
+
+    threads = [threading.Thread(target=connect) for _ in range(48)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert len(clients) == 48
+        assert server.reclaimed_connections == 0
+        assert eventually(lambda: server.connection_count() == 48)
+    finally:
+        for store in clients:
+            store.close()
 
 
 def test_unauthenticated_connections_expire_after_the_handshake_timeout(
@@ -418,7 +451,9 @@ def test_tls_handshakes_in_progress_count_and_expire(
     client_context = ssl.create_default_context(cafile=tls_files.ca_cert)
     with ExitStack() as stack:
         socks = [stack.enter_context(attacker(server.port)) for _ in range(40)]
-        assert eventually(lambda: server.reclaimed_connections >= 32)
+        assert eventually(
+            lambda: server.reclaimed_connections + server.refused_connections >= 32
+        )
         assert server.connection_count() <= 8
         taken = latencies(server.port, 1.0, ssl_context=client_context)
         assert all(closed_by_server(sock) for sock in socks)  # reclaimed or expired

@@ -36,7 +36,11 @@ Each limit has a named default and a constructor parameter (see
   ``VALIDATE``, authentication) until it finishes it; those are capped by
   ``max_handshakes``, where a newcomer closes the oldest (a real client
   finishes in milliseconds, a stalling one is what gets reclaimed), and by
-  a deadline, ``handshake_timeout``. Only a finished handshake takes one of
+  a deadline, ``handshake_timeout``. A handshake younger than
+  :func:`handshake_grace` is never reclaimed: the newcomer is refused
+  instead and retries (the client backs off). Without the grace, thousands
+  of real clients connecting at once (every agent of a large job starting)
+  closed each other's handshakes faster than any could finish. Only a finished handshake takes one of
   the ``max_connections`` slots, so peers without the secret never hold
   one. Without a secret anyone finishes the handshake with ``VALIDATE``, so
   one peer address may hold at most ``max_connections_per_address`` slots.
@@ -133,7 +137,9 @@ __all__ = [
     "RECEIVE_BUFFER_BYTES",
     "LOG_INTERVAL",
     "REQUESTS_PER_TURN",
+    "HANDSHAKE_GRACE",
     "TCPStoreServer",
+    "handshake_grace",
     "server_tls_context",
 ]
 
@@ -145,6 +151,8 @@ DEFAULT_MAX_HANDSHAKES: Final = 128
 """Most connections in their handshake (TLS, ``VALIDATE``, authentication) at once."""
 DEFAULT_HANDSHAKE_TIMEOUT: Final = 10.0
 """Seconds within which a new connection must finish its handshake."""
+HANDSHAKE_GRACE: Final = 1.0
+"""Seconds a handshake in progress is safe from a newcomer (see :func:`handshake_grace`)."""
 DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: Final[int | None] = None
 """None: three quarters of the connection cap without a secret, no cap with one."""
 DEFAULT_MAX_UNSENT_BYTES: Final = 1 << 20
@@ -187,6 +195,22 @@ EVENT_LOOPS: Final = ("asyncio", "uvloop")
 _ACCEPT_OUT_OF_RESOURCES: Final = frozenset(
     {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 )
+
+
+def handshake_grace(handshake_timeout: float) -> float:
+    """Return how long a handshake in progress is safe from being reclaimed by a newcomer.
+
+    :data:`HANDSHAKE_GRACE`, or a quarter of the handshake deadline when
+    that is shorter: a stalling peer is still reclaimed well before it
+    would expire.
+
+    Args:
+        handshake_timeout: Seconds within which a handshake must finish.
+
+    Returns:
+        Seconds.
+    """
+    return min(HANDSHAKE_GRACE, handshake_timeout / 4)
 
 
 class _Disconnect(Exception):  # noqa: N818 - control flow, not an error report
@@ -736,6 +760,7 @@ class TCPStoreServer:
         """The connection cap in force: ``max_connections``, or less when the
         open-file limit does not allow it (set when the server starts)."""
         self.handshake_cap = max_handshakes
+        self.handshake_grace = handshake_grace(handshake_timeout)
         """The cap on connections in their handshake in force (likewise)."""
         self.address_cap = self._address_cap(max_connections, auth_token is not None)
         """The per-address cap in force, or None."""
@@ -970,6 +995,14 @@ class TCPStoreServer:
             return
         while len(self.handshaking) >= self.handshake_cap:
             oldest = next(iter(self.handshaking))
+            if time.monotonic() - oldest.opened_at < self.handshake_grace:
+                self._refuse(
+                    peer,
+                    f"all {self.handshake_cap} handshake slots (max_handshakes) hold handshakes "
+                    f"started less than {self.handshake_grace:g} s ago; it may retry",
+                )
+                sock.close()
+                return
             self.release(oldest)
             oldest.abort()
             self.reclaimed_connections += 1

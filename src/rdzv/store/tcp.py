@@ -403,10 +403,10 @@ class TCPStore(Store):
         client_nonce = os.urandom(AUTH_NONCE_BYTES)
         tag = auth_tag(self._secret, CLIENT_AUTH_LABEL, server_nonce, client_nonce)
         self._send(Request(Op.AUTH_RESPONSE, values=(client_nonce, tag)))
-        try:
-            status = self._read(self._reader.read_u8)
-        except ConnectionError:
-            status = AuthStatus.REFUSED
+        # A refusal is a REFUSED byte before a clean close; a connection cut
+        # here (a handshake the server reclaimed) is connection trouble, and
+        # retried, not a refused secret.
+        status = self._read(self._reader.read_u8)
         if status != AuthStatus.OK:
             raise StoreAuthenticationError(
                 f"authentication failed: the store at {self._address} refused auth_token"
