@@ -27,6 +27,13 @@ What runs
   Redis are not counted.
 * Dead-node judgements are the handlers' ``dead`` events; a judgement of a
   node that was never killed is a *false death*.
+* Keep-alive: torch's and rdzv's default interval (5 s) x ``--attempts``,
+  except in recovery (1 s, so the dead-node bound is 3 s); ``--interval``
+  sets it for every scenario. At 1 s, 8,192 simulated agents' beats alone
+  took the two cores (8,192 beats a second from one machine).
+* The agent processes run with a GIL switch interval of
+  :data:`SWITCH_INTERVAL`: hundreds of threads in one interpreter are the
+  harness's cost, not the handlers'.
 
 Scenarios
 ---------
@@ -78,11 +85,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(1, str(ROOT))  # tests.engines.servers: private etcd and redis-server
 
+from rdzv.api import DEFAULT_KEEP_ALIVE_INTERVAL  # noqa: E402 - after the path
+
 BACKENDS = ("rdzv", "torch", "etcd", "redis")
 SCENARIOS = ("formation", "lastcall", "recovery", "scaleup", "steady")
 TORCH_MAX_N = 128
 """torch's handler is run up to this N (at 256 it livelocks on this machine)."""
 _TICK = os.sysconf("SC_CLK_TCK")
+SWITCH_INTERVAL = 0.1
+"""The GIL switch interval of the agent processes (CPython's default is 5 ms).
+
+Hundreds of handler threads share one interpreter here, where a real job
+runs one per host. A thread waiting for the GIL wakes every switch interval;
+at 8,192 handlers in 256 processes those wake-ups alone made thousands of
+threads runnable (load average 7,000), the store server got a few percent
+of the CPU despite its niceness, and watches went unanswered. The handlers
+block on sockets, which releases the GIL at once, so a longer interval only
+stops the waiters from spinning."""
+RECOVERY_INTERVAL = 1.0
+"""The keep-alive interval of the recovery scenario when ``--interval`` is not given."""
 
 # --------------------------------------------------------------------------
 # Counting (inside agent processes)
@@ -273,6 +294,8 @@ def sample_stacks(stop: threading.Event, every: float = 0.01) -> None:
 def agent_process(impl: str, cfg: dict[str, Any]) -> None:
     """Run ``cfg['threads']`` handlers; report each round on stdout as one JSON line."""
     threading.stack_size(512 * 1024)
+    # See SWITCH_INTERVAL: the harness's own cost, not the handlers'.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     # The servers run at a higher priority (see favour): on a cluster the
     # store host has its own CPU, which thousands of agent threads on the
     # same two cores would otherwise take from it.
@@ -406,7 +429,11 @@ def server_process(impl: str, max_connections: int) -> None:
         return
     from rdzv.store.server import TCPStoreServer
 
-    server = TCPStoreServer("127.0.0.1", 0, max_connections=max_connections).start()
+    # Every simulated host connects from 127.0.0.1: no cap per address (the
+    # default, three quarters of the slots, refused 8,192 nodes' clients).
+    server = TCPStoreServer(
+        "127.0.0.1", 0, max_connections=max_connections, max_connections_per_address=max_connections
+    ).start()
     print(server.port, flush=True)
     sys.stdin.read()
     server.stop()
@@ -469,7 +496,9 @@ def favour(pid: int) -> None:
 class Run:
     """One scenario's server and agent processes."""
 
-    def __init__(self, impl: str, endpoints: dict[str, str], opts: argparse.Namespace) -> None:
+    def __init__(
+        self, impl: str, endpoints: dict[str, str], opts: argparse.Namespace, interval: float
+    ) -> None:
         self.impl = impl
         self.opts = opts
         self.procs: list[subprocess.Popen[str]] = []
@@ -481,7 +510,7 @@ class Run:
             "endpoint": endpoints.get(impl, ""),
             "run_id": f"scale{random.getrandbits(32):08x}",
             "join": opts.join,
-            "interval": opts.interval,
+            "interval": interval,
             "attempts": opts.attempts,
             "poll": opts.poll,
             "two_clients": not opts.one_client,
@@ -654,7 +683,7 @@ def membership_change(run: Run, n: int, opts: argparse.Namespace, kill: bool) ->
             proc.stdin.write("rejoin\n")
             proc.stdin.flush()
         second = run.collect(group)
-        bound = opts.interval * opts.attempts
+        bound = run.base["interval"] * opts.attempts
     else:
         late = run.spawn(1, 1, min=n, max=n + 1, last_call=opts.last_call, rounds=1)
         run.ready(late)
@@ -709,7 +738,10 @@ def steady(run: Run, n: int, opts: argparse.Namespace) -> dict[str, Any]:
 def run_scenario(
     impl: str, scenario: str, n: int, endpoints: dict[str, str], opts: argparse.Namespace
 ) -> dict[str, Any]:
-    run = Run(impl, endpoints, opts)
+    interval = opts.interval
+    if interval is None:
+        interval = RECOVERY_INTERVAL if scenario == "recovery" else DEFAULT_KEEP_ALIVE_INTERVAL
+    run = Run(impl, endpoints, opts, interval)
     try:
         if scenario == "formation":
             result = formation(run, n, opts, min=n, max=n, last_call=30.0)
@@ -803,8 +835,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", default="256,1024,2048", help="comma-separated N")
     parser.add_argument("--backends", default="rdzv,torch", help=f"of {','.join(BACKENDS)}")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--per-proc", type=int, default=256, help="handlers per agent process")
-    parser.add_argument("--interval", type=float, default=1.0, help="keep-alive interval (s)")
+    parser.add_argument("--per-proc", type=int, default=128, help="handlers per agent process")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=None,
+        help=f"keep-alive interval (s); {RECOVERY_INTERVAL:g} for recovery, else "
+        f"{DEFAULT_KEEP_ALIVE_INTERVAL:g} (torch's and rdzv's default)",
+    )
     parser.add_argument("--attempts", type=int, default=3, help="keep-alive max attempts")
     parser.add_argument("--last-call", type=float, default=1.0)
     parser.add_argument("--poll", type=float, default=0.5, help="members' poll period (s)")

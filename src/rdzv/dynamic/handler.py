@@ -124,6 +124,7 @@ from rdzv.dynamic.machine import (
     plan_seal,
     round_lost,
     start_join,
+    state_wait_cap,
 )
 from rdzv.dynamic.seat import Seat, seats_of, watching_seat
 from rdzv.dynamic.shared import SharedState
@@ -158,7 +159,6 @@ _SHUTDOWN_WITHIN = 5.0
 """Seconds ``shutdown`` waits for the backend before giving up on leaving cleanly."""
 _JOIN_GRACE = 1.0
 """Seconds a backend call may run past the join deadline (the machine fails the join at it)."""
-_STATE_WAIT_CAP = 1.0
 _QUEUE_WAIT_CAP = 0.25
 _BOOTSTRAP_CHECK = 0.5
 """Seconds between checks that rank 0 is still a member while waiting for its address."""
@@ -502,7 +502,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     state, token = self._shared.read()
                 else:
                     state, token, seated = self._wait_state(
-                        state, token, progress.round_id, min(remaining, _STATE_WAIT_CAP), attempt
+                        state,
+                        token,
+                        progress.round_id,
+                        min(remaining, state_wait_cap(queue_length)),
+                        attempt,
                     )
                     attempt += 1
                     if seated is None and (state is None or state.round < progress.round_id):

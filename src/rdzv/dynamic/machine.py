@@ -82,6 +82,7 @@ __all__ = [
     "observe",
     "plan_seal",
     "start_join",
+    "state_wait_cap",
     "successor_of",
 ]
 
@@ -494,6 +495,31 @@ def judge_interval(interval: float, dead_after: float) -> float:
 
 RING_READS_PER_SECOND = 2000.0
 """The most mark readings per second a whole ring makes (one store host serves them all)."""
+
+QUEUE_POLLS_PER_SECOND = 2000.0
+"""The most queue-length readings per second the nodes waiting for a seal make together."""
+
+
+def state_wait_cap(queue_length: int) -> float:
+    """Return the longest one wait for the state lasts before a node reads the queue again.
+
+    A node waiting for a seal wakes at once for a change of the state and
+    at its own deadlines (last call, backup, join timeout); in between it
+    re-reads the queue's length, whose growth moves its backup deadline.
+    Every waiting node doing so every second made 2N requests a second of
+    polling: at 8,192 nodes, 16,000 a second while the seal was written.
+    So the wait lasts a second, longer in queues over 2,000 nodes, so that
+    they stay within :data:`QUEUE_POLLS_PER_SECOND` together; a backup then
+    notices the queue grow late by at most that wait, which only delays a
+    backup seal.
+
+    Args:
+        queue_length: The length of the round's queue as last read.
+
+    Returns:
+        Seconds.
+    """
+    return max(1.0, queue_length / QUEUE_POLLS_PER_SECOND)
 
 
 def ring_judge_period(judge_every: float, interval: float, world_size: int) -> float:
