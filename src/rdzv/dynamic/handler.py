@@ -159,7 +159,14 @@ _SHUTDOWN_WITHIN = 5.0
 """Seconds ``shutdown`` waits for the backend before giving up on leaving cleanly."""
 _JOIN_GRACE = 1.0
 """Seconds a backend call may run past the join deadline (the machine fails the join at it)."""
-_QUEUE_WAIT_CAP = 0.25
+_QUEUE_WAIT_CAP = 0.05
+"""Seconds a deferred seal waits on the queue before it reads the state again.
+
+A seal deferred for a missing member waits for it on the queue, which
+cannot watch the state too; the eviction that unblocks it (by the missing
+member's ring predecessor) is seen at the next read. At 0.25 s a recovery
+took the dead-node bound plus up to a quarter second; only the few nodes
+whose seal is deferred poll this often."""
 _BOOTSTRAP_CHECK = 0.5
 """Seconds between checks that rank 0 is still a member while waiting for its address."""
 
