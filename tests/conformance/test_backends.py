@@ -37,7 +37,7 @@ EACH_CHECK = pytest.mark.parametrize("check", BACKEND_CHECKS, ids=lambda c: c.na
 def run_all(check: Check, harness: BackendHarness, seated: bool = True) -> None:
     """Run ``check``, which must apply: these backends offer every capability.
 
-    etcd and Redis (``seated=False``) store no seats: their members read the state.
+    etcd (``seated=False``) stores no seats: its members read the state.
     """
     if not seated and check.capability is SeatedBackend:
         assert not check.applies_to(harness.connect())
@@ -220,7 +220,7 @@ class RedisHarness(BackendHarness):
 def test_redis(check: Check, redis_srv: RedisServer) -> None:
     harness = RedisHarness(redis_srv)
     try:
-        run_all(check, harness, seated=False)
+        run_all(check, harness)
     finally:
         harness.close()
 

@@ -363,9 +363,7 @@ def test_unauthenticated_connections_cannot_take_an_authenticated_clients_slot(
         for _ in range(40):
             sock = stack.enter_context(attacker(server.port))
             send_quietly(sock, VALIDATE)
-        assert eventually(
-            lambda: server.reclaimed_connections + server.refused_connections >= 32
-        )
+        assert eventually(lambda: server.reclaimed_connections + server.refused_connections >= 32)
         assert server.connection_count() <= 8
         taken = latencies(server.port, 1.0, auth_token=SECRET)
     assert quantile(taken, 0.5) < LATENCY_BOUND, taken
@@ -451,9 +449,7 @@ def test_tls_handshakes_in_progress_count_and_expire(
     client_context = ssl.create_default_context(cafile=tls_files.ca_cert)
     with ExitStack() as stack:
         socks = [stack.enter_context(attacker(server.port)) for _ in range(40)]
-        assert eventually(
-            lambda: server.reclaimed_connections + server.refused_connections >= 32
-        )
+        assert eventually(lambda: server.reclaimed_connections + server.refused_connections >= 32)
         assert server.connection_count() <= 8
         taken = latencies(server.port, 1.0, ssl_context=client_context)
         assert all(closed_by_server(sock) for sock in socks)  # reclaimed or expired

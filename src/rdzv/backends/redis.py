@@ -20,6 +20,14 @@ script, then blocks in ``XREAD BLOCK`` from that id: a write in between is
 never missed and a reader that reconnects resumes from its id (pub/sub
 would lose messages while reconnecting).
 
+Seats (:class:`~rdzv.backends.base.SeatedBackend`): a seated write passes
+every member's seat to the same script, which stores each, after the
+compare-and-set won, under ``<key>:seat:<node>`` as ``<new rev>:<seat>``
+with the state's TTL; a member reads its own with one ``GET`` and takes it
+only when it names the revision it saw. A waiting member reads the
+revision alone (one script: the type, the revision and the stream's last
+id), so a seal costs each member O(1) bytes.
+
 Join queues (``<key>:queue:<round>``) and the members' confirmations of a
 sealed round (``<key>:confirm:<round>``) are lists (``RPUSH`` returns the
 position) with a stream each for blocking waits; heartbeats are per-node counters with a ``PX`` TTL
@@ -34,12 +42,15 @@ Redis Cluster is not supported (a run's keys are not hash-tagged together).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rdzv.backends.base import (
+    MAX_RECORD_SIZE,
     LivenessBackend,
     NamedQueues,
     RendezvousBackend,
+    SeatedBackend,
     Token,
     WatchableBackend,
     validate_node_key,
@@ -97,6 +108,9 @@ redis.call('HSET', KEYS[1], 'v', ARGV[2], 'rev', new)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'rev', new)
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
+for i = 3, #KEYS do
+  redis.call('SET', KEYS[i], new .. ':' .. ARGV[i + 2], 'PX', ARGV[3])
+end
 return {1, new}
 """
 
@@ -114,6 +128,20 @@ end
 local cur = redis.call('HMGET', KEYS[1], 'v', 'rev')
 if cur[1] == false or cur[2] == false or tonumber(cur[2]) == nil then return {-2, id} end
 return {1, id, cur[1], cur[2]}
+"""
+
+_READ_REV = """
+local kind = redis.call('TYPE', KEYS[1]).ok
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local id = '0-0'
+if #last > 0 then id = last[1][1] end
+if kind == 'none' then return {0, id} end
+if kind ~= 'hash' then return {-1, id, kind} end
+local rev = redis.call('HGET', KEYS[1], 'rev')
+if rev == false or tonumber(rev) == nil or redis.call('HEXISTS', KEYS[1], 'v') == 0 then
+  return {-2, id}
+end
+return {1, id, rev}
 """
 
 _ENQUEUE = """
@@ -146,7 +174,9 @@ def _token(value: Any) -> int:
     return int(as_bytes(value))
 
 
-class RedisRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, LivenessBackend):
+class RedisRendezvousBackend(
+    RendezvousBackend, WatchableBackend, SeatedBackend, NamedQueues, LivenessBackend
+):
     """Keeps a run's rendezvous state in Redis, with compare-and-set in one Lua script.
 
     Besides the backend contract it offers waiting for a state change
@@ -191,6 +221,7 @@ class RedisRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, L
         self._liveness_ms = liveness_ttl * 1000
         self._cas = client.register_script(_CAS)
         self._read = client.register_script(_READ)
+        self._read_token = client.register_script(_READ_REV)
         # The last state read or written, with its token: the read script
         # leaves the value out when the stored token is still this one.
         self._last: tuple[bytes, int] | None = None
@@ -278,6 +309,30 @@ class RedisRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, L
             RendezvousConnectionError: Redis could not be reached.
             RendezvousStateError: The stored record is corrupt.
         """
+        return self.set_state_seated(state, token, {})
+
+    def set_state_seated(
+        self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
+    ) -> tuple[bytes, Token, bool] | None:
+        """Write the state and, when the write wins, the members' seats (see :class:`SeatedBackend`).
+
+        Args:
+            state: The new state.
+            token: The token from the last read, or None to create.
+            seats: ``{node key: seat}``.
+
+        Returns:
+            ``(state, token, written)``, or None when nothing is stored.
+
+        Raises:
+            ValueError: A node key or a seat is invalid.
+            RendezvousConnectionError: Redis could not be reached.
+            RendezvousStateError: The stored record is corrupt.
+        """
+        for node, seat in seats.items():
+            if not isinstance(seat, bytes) or not 1 <= len(seat) <= MAX_RECORD_SIZE:
+                raise ValueError(f"the seat of {node} must be 1-{MAX_RECORD_SIZE} bytes")
+        seat_keys = [self._seat_key(node) for node in seats]
         state = bytes(state)
         if token is None:
             expected = 0
@@ -288,8 +343,8 @@ class RedisRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, L
             expected = token
         with redis_errors(self._endpoint, "writing the rendezvous state"):
             reply = self._cas(
-                keys=[self._key, self._events],
-                args=[str(expected), state, self._ttl_ms, _STREAM_MAXLEN],
+                keys=[self._key, self._events, *seat_keys],
+                args=[str(expected), state, self._ttl_ms, _STREAM_MAXLEN, *seats.values()],
             )
         code = int(reply[0])
         if code == 1:
@@ -302,6 +357,63 @@ class RedisRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, L
         if code == -2:
             raise self._corrupt("its fields v and rev are missing or rev is not an integer")
         return as_bytes(reply[1]), _token(reply[2]), False
+
+    def _seat_key(self, node: str) -> str:
+        validate_node_key(node)
+        return f"{self._key}:seat:{node}"
+
+    def _read_rev(self) -> tuple[int | None, bytes]:
+        """Return the stored revision (None when nothing is stored) and the stream's last id."""
+        with redis_errors(self._endpoint, "reading the rendezvous token"):
+            reply = self._read_token(keys=[self._key, self._events])
+        code = int(reply[0])
+        if code == -1:
+            raise self._corrupt(f"it is a {as_bytes(reply[2]).decode()}, not a hash")
+        if code == -2:
+            raise self._corrupt("its fields v and rev are missing or rev is not an integer")
+        return (None if code == 0 else _token(reply[2])), as_bytes(reply[1])
+
+    def read_token(self) -> Token | None:
+        """Return the stored revision without the state (see :class:`SeatedBackend`).
+
+        Returns:
+            The token, or None when nothing is stored.
+        """
+        return self._read_rev()[0]
+
+    def wait_for_token(self, token: Token | None, timeout: float) -> Token | None:
+        """Wait as :meth:`wait_for_state`, reading the revision alone.
+
+        Args:
+            token: A token of this backend, or None.
+            timeout: The longest time to block, in seconds.
+
+        Returns:
+            The stored token when the call returns, or None.
+        """
+        current, last_id = self._read_rev()
+        if current != token or timeout <= 0:
+            return current
+        self._block(self._events, last_id, timeout)
+        return self._read_rev()[0]
+
+    def read_seat(self, token: Token, node: str) -> bytes | None:
+        """Return the seat the write of ``token`` stored for ``node`` (see :class:`SeatedBackend`).
+
+        Args:
+            token: A token of this backend.
+            node: The node key.
+
+        Returns:
+            The seat, or None.
+        """
+        key = self._seat_key(node)
+        with redis_errors(self._endpoint, "reading a seat"):
+            value = self._client.get(key)
+        if value is None or isinstance(token, bool) or not isinstance(token, int):
+            return None
+        head, _, seat = as_bytes(value).partition(b":")
+        return seat if head == str(token).encode() and seat else None
 
     def _block(self, stream: str, last_id: bytes, timeout: float) -> None:
         """Block until ``stream`` has an entry after ``last_id`` or ``timeout`` elapses."""
@@ -446,14 +558,14 @@ class RedisRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, L
         return None if value is None else as_bytes(value)
 
     def forget(self, node: str) -> None:
-        """Delete the node's heartbeat key.
+        """Delete the node's heartbeat key and its seat.
 
         Args:
             node: The node key.
         """
-        key = self._alive_key(node)
+        keys = [self._alive_key(node), self._seat_key(node)]
         with redis_errors(self._endpoint, "deleting a heartbeat"):
-            self._client.delete(key)
+            self._client.delete(*keys)
 
 
 def open_redis(options: RedisOptions) -> tuple[RedisRendezvousBackend, RedisStore]:

@@ -513,8 +513,12 @@ class ElasticAgent:
         stats.world_size = info.world_size
         stats.first_round = True
         failed, self._failed_round = self._failed_round, None
+        if failed is None or self._restarts == 0:
+            return
+        # Read only after a failure: the list is O(N) bytes, which every
+        # agent of a large job would read at every round.
         members = _members(info)
-        if failed is not None and members != failed and self._restarts > 0:
+        if members != failed:
             self._restarts -= 1
             stats.restarts = self._restarts
             stats.reforms += 1
