@@ -43,6 +43,7 @@ __all__ = [
     "validate_node_key",
     "validate_run_id",
     "validate_record",
+    "validate_seats",
 ]
 
 Token = Any
@@ -541,3 +542,19 @@ def validate_record(round_id: int, record: bytes) -> None:
     if not isinstance(record, bytes) or not 1 <= len(record) <= MAX_RECORD_SIZE:
         size = len(record) if isinstance(record, bytes) else type(record).__name__
         raise ValueError(f"a join record must be 1-{MAX_RECORD_SIZE} bytes, got {size}")
+
+
+def validate_seats(seats: Mapping[str, bytes]) -> None:
+    """Check the seats of :meth:`SeatedBackend.set_state_seated`.
+
+    Args:
+        seats: ``{node key: seat}``.
+
+    Raises:
+        ValueError: A node key is invalid, or a seat is empty or larger
+            than :data:`MAX_RECORD_SIZE`.
+    """
+    for node, seat in seats.items():
+        validate_node_key(node)
+        if not isinstance(seat, bytes) or not 1 <= len(seat) <= MAX_RECORD_SIZE:
+            raise ValueError(f"the seat of {node} must be 1-{MAX_RECORD_SIZE} bytes")

@@ -46,7 +46,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rdzv.backends.base import (
-    MAX_RECORD_SIZE,
     LivenessBackend,
     NamedQueues,
     RendezvousBackend,
@@ -55,6 +54,7 @@ from rdzv.backends.base import (
     WatchableBackend,
     validate_node_key,
     validate_record,
+    validate_seats,
 )
 from rdzv.backends.options import RedisOptions, check_key_settings
 from rdzv.backends.redis_connection import (
@@ -122,26 +122,18 @@ if #last > 0 then id = last[1][1] end
 if kind == 'none' then return {0, id} end
 if kind ~= 'hash' then return {-1, id, kind} end
 local rev = redis.call('HGET', KEYS[1], 'rev')
+if ARGV[2] == 'rev' then
+  if rev == false or tonumber(rev) == nil or redis.call('HEXISTS', KEYS[1], 'v') == 0 then
+    return {-2, id}
+  end
+  return {2, id, rev}
+end
 if ARGV[1] ~= '' and rev == ARGV[1] and redis.call('HEXISTS', KEYS[1], 'v') == 1 then
   return {2, id, rev}
 end
 local cur = redis.call('HMGET', KEYS[1], 'v', 'rev')
 if cur[1] == false or cur[2] == false or tonumber(cur[2]) == nil then return {-2, id} end
 return {1, id, cur[1], cur[2]}
-"""
-
-_READ_REV = """
-local kind = redis.call('TYPE', KEYS[1]).ok
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-local id = '0-0'
-if #last > 0 then id = last[1][1] end
-if kind == 'none' then return {0, id} end
-if kind ~= 'hash' then return {-1, id, kind} end
-local rev = redis.call('HGET', KEYS[1], 'rev')
-if rev == false or tonumber(rev) == nil or redis.call('HEXISTS', KEYS[1], 'v') == 0 then
-  return {-2, id}
-end
-return {1, id, rev}
 """
 
 _ENQUEUE = """
@@ -221,7 +213,6 @@ class RedisRendezvousBackend(
         self._liveness_ms = liveness_ttl * 1000
         self._cas = client.register_script(_CAS)
         self._read = client.register_script(_READ)
-        self._read_token = client.register_script(_READ_REV)
         # The last state read or written, with its token: the read script
         # leaves the value out when the stored token is still this one.
         self._last: tuple[bytes, int] | None = None
@@ -264,7 +255,7 @@ class RedisRendezvousBackend(
         last = self._last
         with redis_errors(self._endpoint, "reading the rendezvous state"):
             reply = self._read(
-                keys=[self._key, self._events], args=["" if last is None else str(last[1])]
+                keys=[self._key, self._events], args=["" if last is None else str(last[1]), ""]
             )
         code = int(reply[0])
         last_id = as_bytes(reply[1])
@@ -329,9 +320,7 @@ class RedisRendezvousBackend(
             RendezvousConnectionError: Redis could not be reached.
             RendezvousStateError: The stored record is corrupt.
         """
-        for node, seat in seats.items():
-            if not isinstance(seat, bytes) or not 1 <= len(seat) <= MAX_RECORD_SIZE:
-                raise ValueError(f"the seat of {node} must be 1-{MAX_RECORD_SIZE} bytes")
+        validate_seats(seats)
         seat_keys = [self._seat_key(node) for node in seats]
         state = bytes(state)
         if token is None:
@@ -365,7 +354,7 @@ class RedisRendezvousBackend(
     def _read_rev(self) -> tuple[int | None, bytes]:
         """Return the stored revision (None when nothing is stored) and the stream's last id."""
         with redis_errors(self._endpoint, "reading the rendezvous token"):
-            reply = self._read_token(keys=[self._key, self._events])
+            reply = self._read(keys=[self._key, self._events], args=["", "rev"])
         code = int(reply[0])
         if code == -1:
             raise self._corrupt(f"it is a {as_bytes(reply[2]).decode()}, not a hash")

@@ -47,13 +47,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from rdzv.backends.base import (
-    MAX_RECORD_SIZE,
     RendezvousBackend,
     SeatedBackend,
     Token,
     WatchableBackend,
     validate_node_key,
     validate_run_id,
+    validate_seats,
 )
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.backends.options import StoreBackendOptions
@@ -202,10 +202,7 @@ class C10dRendezvousBackend(
     def set_state_seated(  # noqa: D102 - see SeatedBackend
         self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
     ) -> tuple[bytes, Token, bool] | None:
-        for node, seat in seats.items():
-            validate_node_key(node)
-            if not isinstance(seat, bytes) or not 1 <= len(seat) <= MAX_RECORD_SIZE:
-                raise ValueError(f"the seat of {node} must be 1-{MAX_RECORD_SIZE} bytes")
+        validate_seats(seats)
         return self._write(state, token, seats)
 
     def _write(

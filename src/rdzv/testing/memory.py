@@ -23,6 +23,7 @@ from rdzv.backends.base import (
     WatchableBackend,
     validate_node_key,
     validate_record,
+    validate_seats,
 )
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 from rdzv.retry import Clock
@@ -173,9 +174,7 @@ class InMemoryBackend(
     def set_state_seated(  # noqa: D102 - see SeatedBackend
         self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
     ) -> tuple[bytes, Token, bool] | None:
-        for node, seat in seats.items():
-            validate_node_key(node)
-            validate_record(0, seat)
+        validate_seats(seats)
         storage = self.storage
         with storage.changed:
             storage.check_up()
@@ -197,23 +196,24 @@ class InMemoryBackend(
             storage.notify()
             return bytes(state), generation, True
 
+    def _await_change(self, token: Token | None, timeout: float) -> tuple[bytes, int] | None:
+        """Wait (the caller holds ``changed``) until the token differs from ``token``; return the state."""
+        deadline = self._clock() + max(0.0, timeout)
+        while True:
+            current = self._current()
+            generation = None if current is None else current[1]
+            if generation != token or deadline - self._clock() <= 0:
+                return current
+            self._wait_change(deadline)
+
     def wait_for_state(  # noqa: D102 - see WatchableBackend
         self, token: Token | None, timeout: float
     ) -> tuple[bytes, Token] | None:
         storage = self.storage
-        deadline = self._clock() + max(0.0, timeout)
         with storage.changed:
             storage.check_up()
             storage.counts.reads += 1
-            while True:
-                current = self._current()
-                if (current is None) != (token is None) or (
-                    current is not None and current[1] != token
-                ):
-                    break
-                if deadline - self._clock() <= 0:
-                    break
-                self._wait_change(deadline)
+            current = self._await_change(token, timeout)
             if current is not None:
                 storage.counts.bytes_read += len(current[0])
             return current
@@ -230,16 +230,11 @@ class InMemoryBackend(
         self, token: Token | None, timeout: float
     ) -> Token | None:
         storage = self.storage
-        deadline = self._clock() + max(0.0, timeout)
         with storage.changed:
             storage.check_up()
             storage.counts.reads += 1
-            while True:
-                current = self._current()
-                generation = None if current is None else current[1]
-                if generation != token or deadline - self._clock() <= 0:
-                    return generation
-                self._wait_change(deadline)
+            current = self._await_change(token, timeout)
+            return None if current is None else current[1]
 
     def read_seat(self, token: Token, node: str) -> bytes | None:  # noqa: D102 - see SeatedBackend
         validate_node_key(node)
