@@ -6,6 +6,9 @@ verify."""
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -23,6 +26,18 @@ from rdzv.backends.store import create_backend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError
 from rdzv.status import EXIT_UNKNOWN_RUN
+from rdzv.store.protocol import (
+    AUTH_NONCE_BYTES,
+    FEATURE_AUTH_REQUIRED,
+    SERVER_AUTH_LABEL,
+    SERVER_HELLO,
+    AuthStatus,
+    Request,
+    RequestParser,
+    auth_tag,
+    encode_u8,
+    encode_u32,
+)
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
 from tests.certs import TLSFiles, make_tls_files
@@ -356,3 +371,58 @@ def test_rdzv_status_verifies_the_store_over_tls(tls_files: TLSFiles, token_file
         )
         assert unverified.returncode != 0
         assert "certificate" in unverified.stderr
+
+
+def _requests(conn: socket.socket, parser: RequestParser, count: int) -> list[Request]:
+    """Read ``count`` requests from ``conn``."""
+    found: list[Request] = []
+    while len(found) < count:
+        request = parser.next_request()
+        if request is not None:
+            found.append(request)
+            continue
+        data = conn.recv(4096)
+        assert data, "the client closed the connection"
+        parser.feed(data)
+    return found
+
+
+def test_a_connection_cut_while_authenticating_is_retried_not_taken_for_a_refusal() -> None:
+    # A server that reclaims a handshake (its slots full) cuts the connection
+    # after the client sent its tag; that is connection trouble, and the
+    # client's retry authenticates. It used to raise "refused auth_token".
+    secret = SECRET.encode()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    kept: list[socket.socket] = []
+
+    def serve() -> None:
+        for attempt in range(2):
+            conn, _ = listener.accept()
+            kept.append(conn)
+            parser = RequestParser()
+            _requests(conn, parser, 2)  # VALIDATE, PING
+            conn.sendall(encode_u32(SERVER_HELLO | FEATURE_AUTH_REQUIRED))
+            _requests(conn, parser, 1)  # AUTH_CHALLENGE
+            server_nonce = os.urandom(AUTH_NONCE_BYTES)
+            conn.sendall(server_nonce)
+            (response,) = _requests(conn, parser, 1)
+            if attempt == 0:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()  # a reset, as the server's abort of a reclaimed handshake
+                continue
+            client_nonce = response.values[0]
+            proof = auth_tag(secret, SERVER_AUTH_LABEL, server_nonce, client_nonce)
+            conn.sendall(encode_u8(AuthStatus.OK) + proof)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        store = TCPStore("127.0.0.1", port, timeout=20, auth_token=SECRET)
+        store.close()
+        thread.join(20)
+        assert len(kept) == 2  # cut once, then authenticated on the retry
+    finally:
+        listener.close()
+        for conn in kept:
+            conn.close()
