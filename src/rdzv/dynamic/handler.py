@@ -613,9 +613,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             blocked = replace(progress, blocked=(queue_length, state))
             return state, token, blocked, missing + list(dict.fromkeys(queued))
         # The seats let each member learn its place without the participant
-        # list; a seal that does not know rank 0's port stores none (every
-        # member then reads the state and waits for rank 0's address).
-        seats = seats_of(plan) if plan.bootstrap_port else None
+        # list, on a backend that stores them; a seal that does not know rank
+        # 0's port stores none (every member then reads the state and waits
+        # for rank 0's address).
+        seats = seats_of(plan) if plan.bootstrap_port and self._shared.seated else None
         result = self._shared.write(encode_state(plan), token, seats)
         if result is None:
             return None, None, progress, []
