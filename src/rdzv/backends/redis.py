@@ -257,20 +257,31 @@ class RedisRendezvousBackend(
             reply = self._read(
                 keys=[self._key, self._events], args=["" if last is None else str(last[1]), ""]
             )
-        code = int(reply[0])
+        code = self._read_code(reply)
         last_id = as_bytes(reply[1])
         if code == 0:
             return None, last_id
         if code == 2 and last is not None:
             # Only sent when the stored rev is the one named: last's token.
             return last, last_id
+        found = (as_bytes(reply[2]), _token(reply[3]))
+        self._last = found
+        return found, last_id
+
+    def _get(self, key: str, what: str) -> bytes | None:
+        """``GET`` one key; None when it is absent."""
+        with redis_errors(self._endpoint, what):
+            value = self._client.get(key)
+        return None if value is None else as_bytes(value)
+
+    def _read_code(self, reply: Any) -> int:
+        """Return the read script's code; raise for a corrupt record (codes -1 and -2)."""
+        code = int(reply[0])
         if code == -1:
             raise self._corrupt(f"it is a {as_bytes(reply[2]).decode()}, not a hash")
         if code == -2:
             raise self._corrupt("its fields v and rev are missing or rev is not an integer")
-        found = (as_bytes(reply[2]), _token(reply[3]))
-        self._last = found
-        return found, last_id
+        return code
 
     def get_state(self) -> tuple[bytes, Token] | None:
         """Read the state (see :class:`RendezvousBackend`).
@@ -355,11 +366,7 @@ class RedisRendezvousBackend(
         """Return the stored revision (None when nothing is stored) and the stream's last id."""
         with redis_errors(self._endpoint, "reading the rendezvous token"):
             reply = self._read(keys=[self._key, self._events], args=["", "rev"])
-        code = int(reply[0])
-        if code == -1:
-            raise self._corrupt(f"it is a {as_bytes(reply[2]).decode()}, not a hash")
-        if code == -2:
-            raise self._corrupt("its fields v and rev are missing or rev is not an integer")
+        code = self._read_code(reply)
         return (None if code == 0 else _token(reply[2])), as_bytes(reply[1])
 
     def read_token(self) -> Token | None:
@@ -396,12 +403,10 @@ class RedisRendezvousBackend(
         Returns:
             The seat, or None.
         """
-        key = self._seat_key(node)
-        with redis_errors(self._endpoint, "reading a seat"):
-            value = self._client.get(key)
+        value = self._get(self._seat_key(node), "reading a seat")
         if value is None or isinstance(token, bool) or not isinstance(token, int):
             return None
-        head, _, seat = as_bytes(value).partition(b":")
+        head, _, seat = value.partition(b":")
         return seat if head == str(token).encode() and seat else None
 
     def _block(self, stream: str, last_id: bytes, timeout: float) -> None:
@@ -541,10 +546,7 @@ class RedisRendezvousBackend(
         Returns:
             The mark, or None.
         """
-        key = self._alive_key(node)
-        with redis_errors(self._endpoint, "reading a heartbeat"):
-            value = self._client.get(key)
-        return None if value is None else as_bytes(value)
+        return self._get(self._alive_key(node), "reading a heartbeat")
 
     def forget(self, node: str) -> None:
         """Delete the node's heartbeat key and its seat.

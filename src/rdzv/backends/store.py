@@ -151,9 +151,7 @@ class C10dRendezvousBackend(
                 bodies could be read, ``_BODY_ATTEMPTS`` times.
         """
         for _ in range(_BODY_ATTEMPTS):
-            if not self._is_head(raw):
-                if len(raw) < _HEADER or not raw.startswith(_MAGIC):
-                    raise self._corrupt(raw)
+            if not self._is_head(self._checked(raw)):
                 return raw[_HEADER:], raw
             cached = self._last
             if cached is not None and cached[1] == raw:

@@ -617,7 +617,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # 0's port stores none (every member then reads the state and waits
         # for rank 0's address).
         seats = seats_of(plan) if plan.bootstrap_port and self._shared.seated else None
-        result = self._shared.write(encode_state(plan), token, seats)
+        encoded = encode_state(plan)
+        result = self._shared.write(encoded, token, seats)
         if result is None:
             return None, None, progress, []
         new_state, new_token, written = result
@@ -627,7 +628,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 # The round's list for members that ask (RendezvousInfo.participants),
                 # kept as long as its join queue: written before this node
                 # confirms, so before any member completes.
-                encoded = encode_state(plan)
                 key = _round_key(self._prefix, round_id)
                 store_call("seal", lambda: self._store.set(key, encoded))
             dropped = droppable_queue(round_id)

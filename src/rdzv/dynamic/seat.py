@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rdzv.backends.base import validate_node_key
+from rdzv.dynamic.machine import successor_of
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousStateError
 
@@ -56,8 +57,8 @@ class Seat:
     def of(cls, state: RendezvousState, node: str) -> Seat | None:
         """Return ``node``'s seat in ``state`` as sealed, or None when it is no live member.
 
-        The successor is the next live participant, as
-        :func:`rdzv.dynamic.machine.successor_of` finds it.
+        The successor is the next live participant
+        (:func:`rdzv.dynamic.machine.successor_of`).
 
         Args:
             state: A sealed state.
@@ -69,15 +70,13 @@ class Seat:
         rank = state.rank_of(node)
         if rank is None:
             return None
-        live = state.live_participants()
-        successor = live[(live.index(node) + 1) % len(live)] if len(live) > 1 else None
         return cls(
             state.round,
             rank,
             len(state.participants),
             state.participants[0],
             state.bootstrap_port,
-            successor,
+            successor_of(state, node),
         )
 
 
@@ -138,6 +137,10 @@ def seats_of(state: RendezvousState) -> dict[str, bytes]:
 
     Returns:
         ``{node key: encoded seat}``, in rank order.
+
+    Each seat equals :meth:`Seat.of` for its node (``tests/dynamic/test_seat.py``
+    checks it), built in one pass: :meth:`Seat.of` looks the node up, which
+    for every member of 8,192 would be quadratic.
     """
     live = [
         (rank, node) for rank, node in enumerate(state.participants) if rank not in state.evicted
