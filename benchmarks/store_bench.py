@@ -9,7 +9,10 @@ Every server runs in its own process (torch's ``TCPStore(is_master=True)``,
 and ``rdzv serve --loop LOOP`` once per event loop of ``--loops``), every
 client in its own process. Each client repeats one operation on its own key
 with a 100-byte value for ``--duration`` seconds, all clients starting at the
-same instant; the table shows the sum of their operations per second (the
+same instant; the table shows the sum of their operations per second (a
+client's sets count until the server has taken the last one, which a ``get``
+after them shows: sets have no reply, and those still in the socket buffers
+when the time is up are not done yet; the
 best of ``--repeat`` interleaved runs, which filters out other load on the
 machine), and each rdzv setup's throughput as a ratio of torch's. The
 machine's load (``/proc/loadavg``, cores) is printed before and after. A run
@@ -81,14 +84,17 @@ def worker(kind: str, port: int, op: str, duration: float, start_at: float, inde
     }[op]
     time.sleep(max(0.0, start_at - time.time()))
     count = 0
-    end = time.monotonic() + duration
+    started = time.monotonic()
+    end = started + duration
     while time.monotonic() < end:
         for _ in range(50):
             action()
         count += 50
     if op == "set":
-        store.get(key)  # sets have no reply: make sure the server consumed them all
-    print(count, flush=True)
+        # Sets have no reply: the last ones may still wait in the socket's
+        # buffers. The time runs until the server has taken them all.
+        store.get(key)
+    print(count, time.monotonic() - started, flush=True)
 
 
 def start_server(kind: str, source: Path | None = None) -> tuple[subprocess.Popen[str], int]:
@@ -148,14 +154,15 @@ def measure(client: str, port: int, op: str, clients: int, duration: float) -> f
                 env=env(),
             )
         )
-    total = 0
+    total = 0.0
     deadline = time.monotonic() + CLIENT_TIMEOUT
     try:
         for proc in procs:
             out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
             if proc.returncode != 0:
                 raise RuntimeError(f"a {client} client failed on {op}")
-            total += int(out.strip())
+            count, elapsed = out.split()
+            total += int(count) / float(elapsed)
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
@@ -167,7 +174,7 @@ def measure(client: str, port: int, op: str, clients: int, duration: float) -> f
             flush=True,
         )
         return None
-    return total / duration
+    return total
 
 
 def main() -> None:

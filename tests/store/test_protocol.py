@@ -60,35 +60,115 @@ SAMPLES = [
 ]
 
 
-def parse_all(parser: RequestParser) -> list[Request]:
+def parse_all(parser: RequestParser, fast: bool = False, limit: int = 1024) -> list[Request]:
+    """Decode every complete request; ``fast``: runs of sets as the server does."""
     out = []
-    while (request := parser.next_request()) is not None:
+    while True:
+        if fast:
+            sets = parser.next_sets(limit)
+            assert len(sets) <= limit
+            out += [Request(Op.SET, (key,), (value,)) for key, value in sets]
+        request = parser.next_request()
+        if request is None:
+            return out
         out.append(request)
-    return out
 
 
-def feed_in_chunks(data: bytes, sizes: list[int]) -> list[Request]:
+def feed_in_chunks(data: bytes, sizes: list[int], fast: bool = False) -> list[Request]:
     parser = RequestParser()
     out: list[Request] = []
     pos = 0
     for size in sizes:
         parser.feed(data[pos : pos + size])
         pos += size
-        out += parse_all(parser)
+        out += parse_all(parser, fast)
     parser.feed(data[pos:])
-    out += parse_all(parser)
+    out += parse_all(parser, fast)
     assert parser.pending == 0
     return out
 
 
+FAST = pytest.mark.parametrize("fast", [False, True], ids=["one-by-one", "set-runs"])
+
+
+@FAST
 @pytest.mark.parametrize("request_", SAMPLES, ids=lambda r: Op(r.op).name)
-def test_each_request_round_trips_whole_chunked_and_bytewise(request_: Request) -> None:
+def test_each_request_round_trips_whole_chunked_and_bytewise(request_: Request, fast: bool) -> None:
     data = encode_request(request_)
     assert data[0] == request_.op
-    assert feed_in_chunks(data, []) == [request_]
-    assert feed_in_chunks(data, [1] * len(data)) == [request_]
+    assert feed_in_chunks(data, [], fast) == [request_]
+    assert feed_in_chunks(data, [1] * len(data), fast) == [request_]
     rng = random.Random(len(data))
-    assert feed_in_chunks(data, [rng.randint(1, 5) for _ in range(len(data))]) == [request_]
+    sizes = [rng.randint(1, 5) for _ in range(len(data))]
+    assert feed_in_chunks(data, sizes, fast) == [request_]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(
+        st.tuples(st.integers(0, 40), st.sampled_from([0, 1, 100, 4_000, 5_000, 40_000])),
+        min_size=1,
+        max_size=30,
+    ),
+    others=st.lists(st.integers(0, 29), max_size=5),
+    cuts=st.lists(st.integers(1, 20_000), max_size=12),
+    limit=st.integers(1, 7),
+)
+def test_runs_of_sets_decode_as_one_by_one_however_split(
+    sizes: list[tuple[int, int]], others: list[int], cuts: list[int], limit: int
+) -> None:
+    """Sets of every size around the fast path's first window, other requests
+    between them, the stream cut anywhere: the same requests in the same order."""
+    requests = [
+        Request(Op.SET, (b"k" * k,), (bytes([i % 251]) * v,)) for i, (k, v) in enumerate(sizes)
+    ]
+    for where in sorted(others, reverse=True):
+        requests.insert(min(where, len(requests)), Request(Op.GET, (b"/between",)))
+    data = b"".join(map(encode_request, requests))
+    parser = RequestParser()
+    decoded: list[Request] = []
+    pos = 0
+    for size in [*cuts, len(data)]:
+        parser.feed(data[pos : pos + size])
+        pos += size
+        decoded += parse_all(parser, fast=True, limit=limit)
+    assert decoded == requests
+    assert parser.pending == 0
+
+
+def test_the_set_fast_path_leaves_what_it_does_not_take_to_the_per_request_path() -> None:
+    parser = RequestParser()
+    parser.allowed = {Op.VALIDATE}
+    parser.feed(encode_request(Request(Op.SET, (b"/k",), (b"v",))))
+    assert parser.next_sets(10) == []  # not allowed: refused by next_request
+    with pytest.raises(protocol.RefusedOpcodeError):
+        parser.next_request()
+
+    parser = RequestParser()
+    parser.feed(encode_request(Request(Op.SET, (b"/a",), (b"1",))))
+    parser.feed(b"\x01" + struct.pack("<Q", MAX_KEY_BYTES + 1))
+    assert parser.next_sets(10) == [(b"/a", b"1")]
+    assert parser.next_sets(10) == []
+    with pytest.raises(ProtocolError, match="key of 8193 bytes"):
+        parser.next_request()
+
+    parser = RequestParser()
+    parser.feed(encode_request(Request(Op.SET, (b"/a",), (b"1",))))
+    parser.feed(b"\x01" + encode_bytes(b"/b") + struct.pack("<Q", MAX_VALUE_BYTES + 1))
+    assert parser.next_sets(10) == [(b"/a", b"1")]
+    with pytest.raises(ProtocolError, match="value of"):
+        parser.next_request()
+
+    parser = RequestParser()
+    whole = encode_request(Request(Op.SET, (b"/k",), (b"v" * 10,)))
+    parser.feed(whole[:-3])  # a request partly decoded is finished by next_request
+    assert parser.next_sets(10) == []
+    assert parser.next_request() is None
+    parser.feed(whole[-3:] + whole)
+    assert parser.next_sets(10) == []
+    assert parser.next_request() == Request(Op.SET, (b"/k",), (b"v" * 10,))
+    assert parser.next_sets(10) == [(b"/k", b"v" * 10)]
+    assert parser.pending == 0
 
 
 def test_torch_wire_layout_of_set_and_add() -> None:
@@ -101,10 +181,11 @@ def test_torch_wire_layout_of_set_and_add() -> None:
     assert encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC)) == b"\x00\xce\xf7\x85\x3c"
 
 
-def test_a_stream_of_every_request_fed_byte_by_byte() -> None:
+@FAST
+def test_a_stream_of_every_request_fed_byte_by_byte(fast: bool) -> None:
     stream = b"".join(encode_request(r) for r in SAMPLES)
-    assert feed_in_chunks(stream, [1] * len(stream)) == SAMPLES
-    assert feed_in_chunks(stream, []) == SAMPLES
+    assert feed_in_chunks(stream, [1] * len(stream), fast) == SAMPLES
+    assert feed_in_chunks(stream, [], fast) == SAMPLES
 
 
 def test_incomplete_request_consumes_nothing() -> None:
@@ -219,18 +300,35 @@ def test_encoder_refuses_over_limit_fields() -> None:
         encode_request(Request(99))
 
 
-@settings(max_examples=400, deadline=None)
-@given(data=st.binary(max_size=300), cut=st.lists(st.integers(1, 40), max_size=20))
-def test_garbage_only_ever_raises_protocol_error(data: bytes, cut: list[int]) -> None:
+SET_FRAME = encode_request(Request(Op.SET, (b"/k",), (b"v",)))
+"""Garbage starts with an opcode, a set or neither, so the fast path meets it."""
+
+
+def _decode_garbage(data: bytes, cut: list[int], fast: bool) -> tuple[list[Request], str]:
     parser = RequestParser()
+    decoded: list[Request] = []
     pos = 0
     try:
         for size in [*cut, len(data)]:
             parser.feed(data[pos : pos + size])
             pos += size
-            parse_all(parser)
-    except ProtocolError:
-        pass
+            decoded += parse_all(parser, fast)
+    except ProtocolError as exc:
+        return decoded, str(exc)
+    return decoded, ""
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    data=st.tuples(st.sampled_from([b"", b"\x01", SET_FRAME]), st.binary(max_size=300)).map(
+        b"".join
+    ),
+    cut=st.lists(st.integers(1, 40), max_size=20),
+)
+def test_garbage_only_ever_raises_protocol_error_and_the_set_fast_path_agrees(
+    data: bytes, cut: list[int]
+) -> None:
+    assert _decode_garbage(data, cut, fast=True) == _decode_garbage(data, cut, fast=False)
 
 
 @settings(max_examples=200, deadline=None)

@@ -272,6 +272,28 @@ class StoreEngine(Generic[ClientT]):
             )
         return handler(client, request)
 
+    def set_many(self, pairs: list[tuple[bytes, bytes]]) -> Woken[ClientT]:
+        """Carry out a run of ``SET`` requests, in order (no reply is owed).
+
+        The driver's fast path for sets that arrive back to back
+        (:meth:`~rdzv.store.protocol.RequestParser.next_sets`): the same as
+        :meth:`apply` of each, in one call. The caller checks that the client
+        has no blocked request.
+
+        Args:
+            pairs: The ``(key, value)`` of each set.
+
+        Returns:
+            The ``(client, reply)`` pairs of the blocked requests the sets answered.
+        """
+        if not self._index:
+            self._data.update(pairs)
+            return ()
+        woken: list[tuple[ClientT, bytes]] = []
+        for key, value in pairs:
+            woken += self._write(key, value)
+        return woken
+
     def drop(self, client: ClientT) -> bytes | None:
         """End the blocked request of ``client``; the engine answers nothing.
 
@@ -528,14 +550,7 @@ class StoreEngine(Generic[ClientT]):
         return b"".join(map(encode_bytes, values)), ()
 
     def _multi_set(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
-        pairs = zip(request.keys, request.values, strict=True)
-        if not self._index:
-            self._data.update(pairs)
-            return _NOTHING
-        woken: list[tuple[ClientT, bytes]] = []
-        for key, value in pairs:
-            woken += self._write(key, value)
-        return None, woken
+        return None, self.set_many(list(zip(request.keys, request.values, strict=True)))
 
     def _cancel_wait(self, client: ClientT, _request: Request) -> _Outcome[ClientT]:
         self.drop(client)

@@ -25,6 +25,11 @@ a server refuses a request that is not allowed yet (one before the
 handshake) before reading any of it. Every kind of bad input raises
 :class:`ProtocolError` and nothing else.
 
+Sets, the one request torch's clients send without waiting for a reply,
+arrive back to back; :meth:`RequestParser.next_sets` decodes such a run in
+one tight loop (about a third of the per-request path's time), stopping at
+the first byte that is not a complete, allowed set within the limits.
+
 :class:`ReplyReader` (the client side) is the mirror image: the client feeds
 it received bytes and asks for the next field of the shape it expects; a read
 that lacks bytes returns None and consumes nothing.
@@ -250,6 +255,9 @@ class Request(NamedTuple):
     number: int = 0
 
 
+_SET: Final = int(Op.SET)
+_FIRST_SET_WINDOW: Final = 4096
+"""Bytes :meth:`RequestParser.next_sets` copies first, doubled as the run goes on."""
 _U8 = struct.Struct("<B")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -526,6 +534,82 @@ class RequestParser:
         self._pos = pos
         return build(op, fields)
 
+    def next_sets(self, limit: int) -> list[tuple[bytes, bytes]]:
+        """Decode the run of complete ``SET`` requests at the head of the buffer.
+
+        The fast path of the most frequent request: torch's clients send
+        sets without waiting for a reply, so they arrive back to back, and
+        this loop decodes one in about a third of :meth:`next_request`'s
+        time. It stops at anything else (another opcode, an incomplete set,
+        a length over its limit, a request partly decoded already, sets not
+        :attr:`allowed`) and leaves it to :meth:`next_request`, which
+        decodes it or raises as always.
+
+        Args:
+            limit: The most sets to decode.
+
+        Returns:
+            The ``(key, value)`` pairs, in arrival order; empty when the next
+            request is no complete set.
+        """
+        buf = self._buf
+        pos = self._pos
+        if (
+            self._layout is not None
+            or (self.allowed is not None and _SET not in self.allowed)
+            or not (first := _set_size(buf, pos))
+        ):
+            return []
+        end = len(buf)
+        pairs: list[tuple[bytes, bytes]] = []
+        append = pairs.append
+        unpack = _U64.unpack_from
+        # Decode from an immutable copy of a window of the buffer, whose
+        # slices are the keys and values themselves (a bytearray's would be
+        # copied twice). When a set runs past the window but not past the
+        # buffer, the window doubles (or grows to that set), so a lone set
+        # copies little, a long run is copied about once, and nothing is
+        # copied while the first set is incomplete.
+        window = max(_FIRST_SET_WINDOW, first)
+        while limit:
+            chunk = bytes(buf[pos : pos + window])
+            size = len(chunk)
+            at = need = 0
+            while limit:
+                if at >= size:
+                    need = at + 1
+                    break
+                if chunk[at] != _SET:
+                    break
+                key = at + 9
+                if key > size:
+                    need = key
+                    break
+                key_size = unpack(chunk, at + 1)[0]
+                value = key + key_size + 8
+                if key_size > MAX_KEY_BYTES:
+                    break
+                if value > size:
+                    need = value
+                    break
+                value_size = unpack(chunk, value - 8)[0]
+                stop = value + value_size
+                if value_size > MAX_VALUE_BYTES:
+                    break
+                if stop > size:
+                    need = stop
+                    break
+                append((chunk[key : value - 8], chunk[value:stop]))
+                at = stop
+                limit -= 1
+            pos += at
+            need -= at
+            if need <= 0 or pos + need > end:
+                break  # no set next, or the buffer ends inside it
+            window = max(window * 2, need)
+        self._pos = pos
+        return pairs
+
     def _suspend(self, layout: _Layout, fields: list[Any], resume: int) -> None:
         """Keep what was decoded of an incomplete request and where to resume."""
         self._layout = layout
@@ -573,6 +657,25 @@ class RequestParser:
         if pairs:
             return (tuple(items[0::2]), tuple(items[1::2])), pos
         return tuple(items), pos
+
+
+def _set_size(buf: bytearray, pos: int) -> int:
+    """Return the size of the complete ``SET`` at ``pos``; 0 if none is there.
+
+    None is there: another opcode, an incomplete set, or a length over its limit.
+    """
+    end = len(buf)
+    if pos + 9 > end or buf[pos] != _SET:
+        return 0
+    key_size: int = _U64.unpack_from(buf, pos + 1)[0]
+    value = pos + 17 + key_size
+    if key_size > MAX_KEY_BYTES or value > end:
+        return 0
+    value_size: int = _U64.unpack_from(buf, value - 8)[0]
+    stop = value + value_size
+    if value_size > MAX_VALUE_BYTES or stop > end:
+        return 0
+    return stop - pos
 
 
 def _read_fixed(buf: bytearray, pos: int, fmt: struct.Struct) -> tuple[int, int]:

@@ -383,7 +383,25 @@ class _Connection(asyncio.BufferedProtocol):
         size = 0
         turn = REQUESTS_PER_TURN
         try:
-            while (request := parser.next_request()) is not None:
+            while True:
+                if sets := parser.next_sets(turn):
+                    self.frame_started = now
+                    self.server.requests += len(sets)
+                    for conn, answer in self.engine.set_many(sets):
+                        conn.answer(answer)
+                    turn -= len(sets)
+                    if not turn:
+                        self.stalled = True
+                        transport.pause_reading()
+                        break
+                request = parser.next_request()
+                if request is None:
+                    if inbox:
+                        self.stalled = True
+                        transport.pause_reading()
+                    elif not parser.pending:
+                        self.frame_started = None
+                    break
                 self.frame_started = now
                 self.server.requests += 1
                 run = self.store_handlers.get(request.op)
@@ -409,12 +427,6 @@ class _Connection(asyncio.BufferedProtocol):
                     self.stalled = True
                     transport.pause_reading()
                     break
-            else:
-                if inbox:
-                    self.stalled = True
-                    transport.pause_reading()
-                elif not parser.pending:
-                    self.frame_started = None
         except RefusedOpcodeError as exc:
             self._refuse(exc.op, replies)
             return
