@@ -615,7 +615,9 @@ class RendezvousInfo:
             order; or a function that returns them, called once, when
             :attr:`participants` is first read (a handler of thousands of
             members then builds the list only for a caller that asks).
-        wait_list: Nodes waiting for the next round.
+        wait_list: Nodes waiting for the next round; or a function that
+            returns them, called once, when :attr:`wait_list` is first read
+            (the handler's lists the nodes waiting then).
     """
 
     __slots__ = ("_bootstrap", "_participants", "_rank", "_store", "_wait_list", "_world_size")
@@ -627,7 +629,7 @@ class RendezvousInfo:
         world_size: int,
         bootstrap_store_info: RendezvousStoreInfo | None = None,
         participants: Sequence[str] | Callable[[], Sequence[str]] | None = None,
-        wait_list: Sequence[str] | None = None,
+        wait_list: Sequence[str] | Callable[[], Sequence[str]] | None = None,
     ) -> None:
         self._store = store
         self._rank = rank
@@ -636,7 +638,9 @@ class RendezvousInfo:
         self._participants: tuple[str, ...] | Callable[[], Sequence[str]] = (
             participants if callable(participants) else tuple(participants or ())
         )
-        self._wait_list = tuple(wait_list or ())
+        self._wait_list: tuple[str, ...] | Callable[[], Sequence[str]] = (
+            wait_list if callable(wait_list) else tuple(wait_list or ())
+        )
 
     @property
     def store(self) -> Store:
@@ -668,6 +672,8 @@ class RendezvousInfo:
     @property
     def wait_list(self) -> tuple[str, ...]:
         """Nodes waiting for the next round."""
+        if callable(self._wait_list):
+            self._wait_list = tuple(self._wait_list())
         return self._wait_list
 
     def __repr__(self) -> str:

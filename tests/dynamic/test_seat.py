@@ -164,6 +164,14 @@ def test_members_learn_their_place_from_their_seats_without_reading_the_state() 
     assert len(next(iter(lists))) == 6
 
 
+def test_the_wait_list_is_read_only_when_asked() -> None:
+    infos, clients, _ = _form(3)
+    next_queue = [k for c in clients for k in c.keys_read if "/q/1" in k]
+    assert next_queue == [], "a member read the next round's queue unasked"
+    assert infos[0].wait_list == ()
+    assert any("/q/1" in k for c in clients for k in c.keys_read)
+
+
 def test_bytes_read_per_member_do_not_grow_with_the_round() -> None:
     medians = []
     for size in (8, 48):

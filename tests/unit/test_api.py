@@ -1,4 +1,5 @@
 import re
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -285,18 +286,26 @@ def test_rendezvous_info_properties() -> None:
     assert "rank=0" in repr(bare)
 
 
-def test_rendezvous_info_builds_lazy_participants_once_on_first_read() -> None:
-    calls: list[int] = []
+def test_rendezvous_info_builds_lazy_lists_once_on_first_read() -> None:
+    calls: list[str] = []
 
-    def build() -> list[str]:
-        calls.append(1)
-        return ["a", "b"]
+    def build(name: str, nodes: list[str]) -> Callable[[], list[str]]:
+        def make() -> list[str]:
+            calls.append(name)
+            return nodes
 
-    info = RendezvousInfo(HashStore(), 0, 2, participants=build)
+        return make
+
+    info = RendezvousInfo(
+        HashStore(), 0, 2, participants=build("p", ["a", "b"]), wait_list=build("w", ["c"])
+    )
     assert calls == []
     assert info.participants == ("a", "b")
     assert info.participants == ("a", "b")
-    assert calls == [1]
+    assert calls == ["p"]
+    assert info.wait_list == ("c",)
+    assert info.wait_list == ("c",)
+    assert calls == ["p", "w"]
     assert "participants=['a', 'b']" in repr(info)
 
 

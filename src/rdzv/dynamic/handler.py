@@ -696,18 +696,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 local_addr=bootstrap.master_addr if bootstrap else self._local_addr,
                 server_port=bootstrap.master_port if bootstrap else None,
             )
-        waiting = [
-            node_address(decode_record(r).node) for r in self._queue.queue_records(seat.round + 1)
-        ]
         return RendezvousInfo(
             store,
             seat.rank,
             seat.world_size,
             bootstrap,
-            # Read on first use: a member of thousands learns its place from
-            # its seat, and reads the participant list only when asked.
+            # Both read on first use: a member of thousands learns its place
+            # from its seat, and reads lists only when asked.
             lambda: [node_address(n) for n in self._participants_of(member)],
-            waiting,
+            lambda: [
+                node_address(decode_record(r).node)
+                for r in self._queue.queue_records(seat.round + 1)
+            ],
         )
 
     def _participants_of(self, member: _Membership) -> tuple[str, ...]:
