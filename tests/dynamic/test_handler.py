@@ -8,7 +8,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -503,18 +503,22 @@ def test_members_re_joining_together_write_one_leave(
     backends = [h._backend for h in handlers]
     for backend in backends:
         assert isinstance(backend, InMemoryBackend)
-        real = backend.set_state
+        # A seated backend takes every write with the state's summary.
+        real = backend.set_state_seated
 
         def gated(
-            state: bytes, token: Token | None = None, real: Callable[..., object] = real
+            state: bytes,
+            token: Token | None,
+            seats: Mapping[str, bytes],
+            real: Callable[..., object] = real,
         ) -> object:
             if decode_state(state).round == 0:  # a leave: round 0 with a member evicted
                 attempts.append(state)
                 with contextlib.suppress(threading.BrokenBarrierError):
                     meet.wait()
-            return real(state, token)
+            return real(state, token, seats)
 
-        backend.set_state = gated  # type: ignore[method-assign,assignment]
+        backend.set_state_seated = gated  # type: ignore[method-assign,assignment]
     second = [f.result(timeout=40) for f in c.join(handlers)]
     _check_round(second)
     assert second[0].world_size == 3

@@ -3,6 +3,8 @@
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rdzv.dynamic.machine import (
     Complete,
@@ -21,7 +23,7 @@ from rdzv.dynamic.machine import (
     plan_seal,
     start_join,
 )
-from rdzv.dynamic.state import JoinRecord, RendezvousState, make_node_key
+from rdzv.dynamic.state import JoinRecord, RendezvousState, StateSummary, make_node_key
 from rdzv.testing import FakeClock
 
 LIMITS = Limits(min_nodes=2, max_nodes=4, join_timeout=100.0, last_call=10.0, grace=6.0)
@@ -413,3 +415,67 @@ def test_a_large_ring_reads_marks_less_often_within_one_interval() -> None:
     at_1024 = ring_judge_period(0.075, 1.0, 1024)
     assert 1024 / at_1024 == pytest.approx(RING_READS_PER_SECOND)
     assert ring_judge_period(0.075, 1.0, 8192) == pytest.approx(1.0)
+
+
+_NODES = tuple(make_node_key(f"10.1.0.{i}", 1, "p") for i in range(1, 9))
+
+
+def _state_of(round_: int, size: int, evicted: int, closed: bool, me_at: int) -> RendezvousState:
+    """A state; this node (ME) is its participant at ``me_at`` if that is a rank."""
+    if round_ < 0:
+        return RendezvousState(closed=closed)
+    nodes = list(_NODES[:size])
+    if me_at < size:
+        nodes[me_at] = ME
+    return RendezvousState(
+        round_,
+        tuple(nodes),
+        evicted=frozenset(range(min(evicted, size))),
+        closed=closed,
+    )
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    fields=st.tuples(
+        st.integers(-1, 3), st.integers(1, 8), st.integers(0, 8), st.booleans(), st.integers(0, 9)
+    ),
+    round_id=st.integers(0, 4),
+    position=st.one_of(st.none(), st.integers(1, 8)),
+    queue=st.integers(0, 8),
+    seen=st.tuples(st.one_of(st.none(), st.floats(0, 50)), st.one_of(st.none(), st.floats(0, 50))),
+    now=st.floats(0, 200),
+    limits=st.builds(
+        Limits,
+        min_nodes=st.integers(1, 3),
+        max_nodes=st.integers(3, 6),
+        join_timeout=st.just(100.0),
+        last_call=st.just(10.0),
+        grace=st.just(6.0),
+    ),
+)
+def test_a_state_s_summary_decides_as_the_state_until_the_round_joined_is_sealed(
+    fields: tuple[int, int, int, bool, int],
+    round_id: int,
+    position: int | None,
+    queue: int,
+    seen: tuple[float | None, float | None],
+    now: float,
+    limits: Limits,
+) -> None:
+    """Any state of any round, closed or not, with this node in it or not:
+    while the round joined is not sealed, a join observes and decides the same
+    on the state's summary (rdzv.dynamic.handler reads summaries then)."""
+    state = _state_of(*fields)
+    summary = StateSummary.of(state)
+    progress = JoinProgress(round_id, 0.0, position, seen[0], seen[1])
+    assert start_join(summary, now) == start_join(state, now)
+    on_state = observe(progress, state, queue, limits, now)
+    assert observe(progress, summary, queue, limits, now) == on_state
+    if state.round == round_id:
+        with pytest.raises(ValueError, match="cannot tell"):
+            decide(on_state, summary, queue, ME, limits, now)
+        return
+    assert decide(on_state, summary, queue, ME, limits, now) == decide(
+        on_state, state, queue, ME, limits, now
+    )

@@ -11,7 +11,7 @@ from rdzv.api import RendezvousInfo, RendezvousTimeout
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.seat import Seat, decode_seat, encode_seat, seats_of, watching_seat
-from rdzv.dynamic.state import RendezvousState
+from rdzv.dynamic.state import RendezvousState, StateSummary, decode_summary, encode_summary
 from rdzv.errors import RendezvousStateError
 from rdzv.store.base import Timeout, Value
 from rdzv.store.memory import HashStore, PrefixStore
@@ -80,6 +80,32 @@ def test_a_member_that_left_keeps_watching_the_next_live_participant() -> None:
     assert seat.successor == C
     assert watching_seat(state, D) is None
     assert encode_seat(seat).startswith(b"1 3 0 3 5 ")
+
+
+def test_a_state_summary_round_trips_and_stays_small() -> None:
+    for state in (
+        RendezvousState(),
+        RendezvousState(5, (A, B, C), evicted=frozenset({1}), closed=True),
+        RendezvousState(10**12, tuple(f"10.0.{i:05d}#1#x" for i in range(8192))),
+    ):
+        summary = StateSummary.of(state)
+        assert (summary.round, summary.closed, summary.live_count) == (
+            state.round,
+            state.closed,
+            state.live_count,
+        )
+        encoded = encode_summary(summary)
+        assert decode_summary(encoded) == summary
+        assert len(encoded) <= 40
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"S2 1 0 3", b"S1 1 0", b"S1 1 2 3", b"S1 -2 0 3", b"S1 1 0 -3", b"S1 x 0 3", b"1 1 0 3"],
+)
+def test_a_corrupt_summary_is_a_state_error(data: bytes) -> None:
+    with pytest.raises(RendezvousStateError):
+        decode_summary(data)
 
 
 class CountingStore(PrefixStore):
@@ -170,6 +196,67 @@ def test_the_wait_list_is_read_only_when_asked() -> None:
     assert next_queue == [], "a member read the next round's queue unasked"
     assert infos[0].wait_list == ()
     assert any("/q/1" in k for c in clients for k in c.keys_read)
+
+
+def test_members_waiting_for_a_round_read_a_leave_s_summary_not_the_state() -> None:
+    """The recovery of thousands: a member leaves (an eviction would do the
+    same) while the others wait to re-form without it. Each waiting member
+    reads the leave's summary; only the one that seals reads the state."""
+    shared = HashStore(timeout=30)
+    clients = [CountingStore(shared) for _ in range(4)]
+    handlers = [
+        DynamicRendezvousHandler.from_backend(
+            "leave",
+            client,
+            C10dRendezvousBackend(client, "leave"),
+            3,
+            4,
+            local_addr=f"10.3.0.{i}",
+            timeout=RendezvousTimeout(join=60, last_call=0.1),
+            keep_alive_interval=30,  # nobody is judged dead meanwhile
+        )
+        for i, client in enumerate(clients)
+    ]
+    infos: list[RendezvousInfo | None] = [None] * 4
+
+    def join(i: int) -> None:
+        infos[i] = handlers[i].next_rendezvous()
+
+    def run(indices: range) -> list[threading.Thread]:
+        threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in indices]
+        for t in threads:
+            t.start()
+        return threads
+
+    for t in run(range(4)):
+        t.join(90)
+    assert all(info is not None and info.world_size == 4 for info in infos)
+    infos[:3] = [None] * 3
+    rejoined = run(range(3))
+    for _ in range(2000):  # the three re-joined round 1 and wait for the fourth
+        if shared.add("shared/rdzv.backend/leave/q/1/n", 0) == 3:
+            break
+        threading.Event().wait(0.005)
+    else:
+        pytest.fail("the members did not re-join")
+    threading.Event().wait(0.2)  # each is blocked in its wait on the state's token
+    for client in clients:
+        client.keys_read.clear()
+    assert handlers[3].shutdown()
+    for t in rejoined:
+        t.join(90)
+    try:
+        assert all(info is not None and info.world_size == 3 for info in infos[:3])
+        body_reads = sorted(
+            sum("/state/" in key for key in client.keys_read) for client in clients[:3]
+        )
+        summary_reads = [sum("#summary" in k for k in c.keys_read) for c in clients[:3]]
+        # Two of the three (all but the sealer) read no state at all.
+        assert body_reads[:2] == [0, 0], body_reads
+        assert sum(summary_reads) >= 2, summary_reads
+    finally:
+        for h in handlers:
+            h.pre_shutdown()
 
 
 def test_bytes_read_per_member_do_not_grow_with_the_round() -> None:

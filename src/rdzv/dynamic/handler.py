@@ -110,6 +110,7 @@ from rdzv.dynamic.machine import (
     Requeue,
     Seal,
     SealJudging,
+    StateView,
     Wait,
     bootstrap_abandoned,
     decide,
@@ -131,6 +132,7 @@ from rdzv.dynamic.shared import SharedState
 from rdzv.dynamic.state import (
     JoinRecord,
     RendezvousState,
+    StateSummary,
     decode_record,
     decode_state,
     encode_record,
@@ -442,7 +444,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _join(self) -> RendezvousInfo:
         self._leave_round()
-        state, token = self._shared.read()
+        # Until this node's round is sealed, the state's summary decides as
+        # the state would (rdzv.dynamic.machine.StateView).
+        state, token = self._shared.read_view()
         now = self._clock()
         progress = start_join(state, now)
         queue_length = 0
@@ -462,7 +466,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 else decide(progress, state, queue_length, self._node, self._limits, now)
             )
             if isinstance(action, Complete):
-                member = seated or _Membership.of(state, token, self._node)
+                member = seated
+                if member is None:
+                    # decide() completes on a state, never on a summary.
+                    assert isinstance(state, RendezvousState)
+                    member = _Membership.of(state, token, self._node)
                 info = self._complete(member, progress.started_at + self._limits.join_timeout)
                 if info is not None:
                     return info
@@ -470,7 +478,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 # left before publishing its address: join the next round,
                 # still within this call's join deadline.
                 self._leave_round()
-                state, token = self._shared.read()
+                state, token = self._shared.read_view()
                 now = self._clock()
                 progress = replace(start_join(state, now), started_at=progress.started_at)
                 queue_length, suspects, judging, excluded = 0, [], SealJudging(), set()
@@ -491,6 +499,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 progress = JoinProgress(action.round_id, progress.started_at)
                 queue_length, judging, excluded = 0, SealJudging(), set()
             elif isinstance(action, Seal):
+                if isinstance(state, StateSummary):
+                    # The seal needs the participants: decide again on the state.
+                    state, token = self._shared.read()
+                    continue
                 state, token, progress, suspects = self._seal(
                     state, token, progress, queue_length, excluded
                 )
@@ -505,6 +517,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                             progress.position, self._limits, self._clock(), self._interval
                         )
                         if due:
+                            # A seal deferred on the state it read: not a summary.
+                            assert not isinstance(state, StateSummary)
                             watches = self._judge_suspects(state, suspects, watches, excluded)
                     state, token = self._shared.read()
                 else:
@@ -537,17 +551,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _wait_state(
         self,
-        state: RendezvousState | None,
+        state: StateView | None,
         token: Token | None,
         round_id: int,
         timeout: float,
         attempt: int,
-    ) -> tuple[RendezvousState | None, Token | None, _Membership | None]:
+    ) -> tuple[StateView | None, Token | None, _Membership | None]:
         """Wait for the state to change; on a seated backend, read this node's seat first.
 
         A node seated in ``round_id`` by the new token is a member without
-        reading the participant list; otherwise the state is read whole
-        when its token changed.
+        reading the participant list. Otherwise the new write's summary is
+        read, and the state whole only when that write sealed ``round_id``
+        or a later round (a summary cannot tell a member) or stored none.
 
         Returns:
             ``(state, token, membership)``: the membership when a seat of
@@ -560,6 +575,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return state, token, _Membership(seat, current, None)
         if current == token:
             return state, token, None
+        summary = None if current is None else self._shared.read_summary(current)
+        if summary is not None and summary.round < round_id:
+            return summary, current, None
         return (*self._shared.read(), None)
 
     def _judge_suspects(
@@ -618,7 +636,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # for rank 0's address).
         seats = seats_of(plan) if plan.bootstrap_port and self._shared.seated else None
         encoded = encode_state(plan)
-        result = self._shared.write(encoded, token, seats)
+        result = self._shared.write(plan, encoded, token, seats)
         if result is None:
             return None, None, progress, []
         new_state, new_token, written = result

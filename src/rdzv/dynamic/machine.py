@@ -59,7 +59,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from rdzv.dynamic.state import JoinRecord, RendezvousState, assign_ranks
+from rdzv.dynamic.state import JoinRecord, RendezvousState, StateSummary, assign_ranks
 
 __all__ = [
     "Action",
@@ -85,6 +85,11 @@ __all__ = [
     "state_wait_cap",
     "successor_of",
 ]
+
+StateView = RendezvousState | StateSummary
+"""What a join decides on: the state, or its summary while the round it
+joins is not sealed (a summary names no participant, so it cannot say
+whether this node is a member of a sealed round)."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +193,7 @@ class Fail:
 Action = Enqueue | Requeue | Seal | Wait | Complete | Fail
 
 
-def start_join(state: RendezvousState | None, now: float) -> JoinProgress:
+def start_join(state: StateView | None, now: float) -> JoinProgress:
     """Begin a join against the state as read now.
 
     Args:
@@ -203,7 +208,7 @@ def start_join(state: RendezvousState | None, now: float) -> JoinProgress:
 
 def observe(
     progress: JoinProgress,
-    state: RendezvousState | None,
+    state: StateView | None,
     queue_length: int,
     limits: Limits,
     now: float,
@@ -237,7 +242,7 @@ def observe(
     return progress
 
 
-def _is_spare_in(state: RendezvousState | None, progress: JoinProgress, limits: Limits) -> bool:
+def _is_spare_in(state: StateView | None, progress: JoinProgress, limits: Limits) -> bool:
     if progress.position is not None and progress.position > limits.max_nodes:
         return True
     return state is not None and state.live_count >= limits.max_nodes
@@ -245,7 +250,7 @@ def _is_spare_in(state: RendezvousState | None, progress: JoinProgress, limits: 
 
 def decide(
     progress: JoinProgress,
-    state: RendezvousState | None,
+    state: StateView | None,
     queue_length: int,
     node: str,
     limits: Limits,
@@ -255,7 +260,7 @@ def decide(
 
     Args:
         progress: The join so far (after :func:`observe`).
-        state: The stored state, or None.
+        state: The stored state or its summary, or None.
         queue_length: The length of the round's queue, as read.
         node: This node's key.
         limits: The settings.
@@ -263,9 +268,17 @@ def decide(
 
     Returns:
         The next action.
+
+    Raises:
+        ValueError: ``state`` is the summary of the round this node joins
+            (the caller reads the state itself then).
     """
     rank = None
     if state is not None and state.round == progress.round_id:
+        if not isinstance(state, RendezvousState):
+            raise ValueError(
+                f"the summary of sealed round {state.round} cannot tell whether this node is in it"
+            )
         rank = state.rank_of(node)
     if rank is not None:
         # Sealed with this node in it: a close that came after the seal (a

@@ -10,6 +10,16 @@ every member's seat from the plan (:func:`seats_of`) and a backend with the
 seal; a member reads its own seat when the state's token changes and
 reads the state only when it has none.
 
+Every write of the state to such a backend also stores the state's
+summary (:class:`~rdzv.dynamic.state.StateSummary`: the round, whether the
+run is closed, the number of live participants) as the seat of the
+pseudo-node :data:`SUMMARY_SEAT`. A node joining a round that is not sealed
+yet decides on those three alone (:mod:`rdzv.dynamic.machine`), so it reads
+the summary where it read the state: when it starts to join, and when a
+write that seats it not (an eviction, a leave) changes the token. In a
+recovery of thousands, every re-join and every eviction made each waiting
+member read the whole participant list.
+
 Encoding: ``b"1 <round> <rank> <world size> <port> <rank 0 key> <successor
 key or ->"``, ASCII; node keys hold no spaces. :func:`decode_seat` validates
 every field and raises :class:`~rdzv.errors.RendezvousStateError` for
@@ -25,10 +35,14 @@ from rdzv.dynamic.machine import successor_of
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousStateError
 
-__all__ = ["Seat", "decode_seat", "encode_seat", "seats_of", "watching_seat"]
+__all__ = ["SUMMARY_SEAT", "Seat", "decode_seat", "encode_seat", "seats_of", "watching_seat"]
 
 _VERSION = b"1"
 _NO_SUCCESSOR = "-"
+
+SUMMARY_SEAT = "#summary"
+"""The pseudo-node whose seat is the state's summary; no node key starts
+with ``#`` (:func:`~rdzv.dynamic.state.make_node_key` puts an address first)."""
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,13 @@
 * :meth:`SharedState.wait` blocks until the state changes (the backend's
   watch) or polls with backoff;
 * with a :class:`~rdzv.backends.base.SeatedBackend`, a write may carry the
-  members' seats (:mod:`rdzv.dynamic.seat`), :meth:`SharedState.wait_seat`
-  waits for the token alone and reads this node's seat, and
-  :meth:`SharedState.changed_since` tells from the token alone that nothing
-  changed: a member of a large round then never reads the participant list.
+  members' seats (:mod:`rdzv.dynamic.seat`) and always carries the state's
+  summary, :meth:`SharedState.wait_seat` waits for the token alone and
+  reads this node's seat, :meth:`SharedState.read_summary` and
+  :meth:`SharedState.read_view` read the summary instead of the state, and
+  :meth:`SharedState.changed_since` tells from the
+  token alone that nothing changed: a member of a large round then never
+  reads the participant list.
 """
 
 from __future__ import annotations
@@ -27,8 +30,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from rdzv.backends.base import RendezvousBackend, SeatedBackend, Token, WatchableBackend
-from rdzv.dynamic.seat import Seat, decode_seat
-from rdzv.dynamic.state import RendezvousState, decode_state, encode_state
+from rdzv.dynamic.seat import SUMMARY_SEAT, Seat, decode_seat
+from rdzv.dynamic.state import (
+    RendezvousState,
+    StateSummary,
+    decode_state,
+    decode_summary,
+    encode_state,
+    encode_summary,
+)
 from rdzv.errors import RendezvousStateError
 from rdzv.retry import Clock, Retry, as_clock, poll_backoff
 
@@ -95,12 +105,20 @@ class SharedState:
         return isinstance(self._backend, SeatedBackend)
 
     def write(
-        self, data: bytes, token: Token | None, seats: Mapping[str, bytes] | None = None
+        self,
+        state: RendezvousState,
+        data: bytes,
+        token: Token | None,
+        seats: Mapping[str, bytes] | None = None,
     ) -> tuple[bytes, Token, bool] | None:
         """Compare-and-set the encoded state.
 
+        On a seated backend the state's summary is stored with it, as the
+        seat of :data:`~rdzv.dynamic.seat.SUMMARY_SEAT`.
+
         Args:
-            data: The encoded state.
+            state: The state.
+            data: ``encode_state(state)``.
             token: The token of the last read, or None to create.
             seats: The members' encoded seats, stored with the state when the
                 backend is seated (ignored otherwise).
@@ -113,8 +131,9 @@ class SharedState:
             RendezvousConnectionError: The backend cannot be reached.
         """
         backend = self._backend
-        if seats and isinstance(backend, SeatedBackend):
-            result = backend.set_state_seated(data, token, seats)
+        if isinstance(backend, SeatedBackend):
+            stored = {**(seats or {}), SUMMARY_SEAT: encode_summary(StateSummary.of(state))}
+            result = backend.set_state_seated(data, token, stored)
         else:
             result = backend.set_state(data, token)
         if result is not None:
@@ -158,7 +177,7 @@ class SharedState:
             desired = change(state)
             if desired is None:
                 return None, True
-            result = self.write(encode_state(desired), token)
+            result = self.write(desired, encode_state(desired), token)
             if result is not None and result[2]:
                 return desired, True
             if (deadline is not None and (clock or self._clock)() >= deadline) or not retry.pause():
@@ -213,6 +232,45 @@ class SharedState:
             return current, None
         raw = backend.read_seat(current, node)
         return current, None if raw is None else decode_seat(raw)
+
+    def read_view(self) -> tuple[RendezvousState | StateSummary | None, Token | None]:
+        """Read what a join decides on before its round is sealed.
+
+        Returns:
+            ``(view, token)``: on a seated backend the summary of the stored
+            state, when stored with it; the state otherwise (as :meth:`read`).
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored record or summary is corrupt.
+        """
+        backend = self._backend
+        if not isinstance(backend, SeatedBackend):
+            return self.read()
+        token = backend.read_token()
+        if token is None:
+            return None, None
+        summary = self.read_summary(token)
+        return (summary, token) if summary is not None else self.read()
+
+    def read_summary(self, token: Token) -> StateSummary | None:
+        """Return the summary the write of ``token`` stored (a seated backend only).
+
+        Args:
+            token: A token of this backend.
+
+        Returns:
+            The summary; None when that write stored none (an older rdzv
+            wrote it) or a later write replaced it.
+
+        Raises:
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored summary is corrupt.
+        """
+        backend = self._backend
+        assert isinstance(backend, SeatedBackend)
+        raw = backend.read_seat(token, SUMMARY_SEAT)
+        return None if raw is None else decode_summary(raw)
 
     def changed_since(self, token: Token) -> tuple[bool, RendezvousState | None]:
         """Tell whether the state changed since the write of ``token``; read it if it did.

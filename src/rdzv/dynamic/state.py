@@ -16,6 +16,10 @@ readers of version 1 still read it. It is never pickle; :func:`decode_state`
 validates every field and raises :class:`~rdzv.errors.RendezvousStateError`
 for anything else.
 
+A state's summary (:class:`StateSummary`: its round, whether it is closed,
+its number of live participants; what a node joining a later round decides
+on) is ``b"S1 <round> <closed: 0 or 1> <live count>"``.
+
 A join record is ``b"<node key> <node rank>"``, or ``b"<node key> <node
 rank> <port>"`` from a node that holds a port for the bootstrap store.
 """
@@ -35,11 +39,14 @@ __all__ = [
     "STATE_VERSION",
     "JoinRecord",
     "RendezvousState",
+    "StateSummary",
     "assign_ranks",
     "decode_record",
     "decode_state",
+    "decode_summary",
     "encode_record",
     "encode_state",
+    "encode_summary",
     "make_node_key",
     "natural_key",
     "node_address",
@@ -47,6 +54,7 @@ __all__ = [
 
 STATE_VERSION = 2
 """The newest state encoding this rdzv writes (it reads 1 and 2)."""
+_SUMMARY_VERSION = b"S1"
 MAX_PARTICIPANTS = 65_536
 """The most participants a stored state may list; a longer list is a corrupt state.
 
@@ -391,3 +399,75 @@ def assign_ranks(
         key=lambda n: (natural_key(node_address(n)), natural_key(n)),
     )
     return tuple(kept + fresh)
+
+
+@dataclass(frozen=True)
+class StateSummary:
+    """What a node joining a round that is not sealed yet needs of the state.
+
+    It names no participant: it cannot tell a node whether it is a member.
+
+    Attributes:
+        round: The last sealed round, or -1 before the first.
+        closed: Whether the run is closed.
+        live_count: The number of participants not evicted.
+    """
+
+    round: int
+    closed: bool
+    live_count: int
+
+    @property
+    def next_round(self) -> int:
+        """The round a node joining now enqueues for."""
+        return self.round + 1
+
+    @classmethod
+    def of(cls, state: RendezvousState) -> StateSummary:
+        """Return the summary of ``state``.
+
+        Args:
+            state: The state.
+
+        Returns:
+            Its summary.
+        """
+        return cls(state.round, state.closed, state.live_count)
+
+
+def encode_summary(summary: StateSummary) -> bytes:
+    """Encode a state's summary.
+
+    Args:
+        summary: The summary.
+
+    Returns:
+        The bytes to store.
+    """
+    return b"%s %d %d %d" % (_SUMMARY_VERSION, summary.round, summary.closed, summary.live_count)
+
+
+def decode_summary(data: bytes) -> StateSummary:
+    """Decode and validate a stored summary.
+
+    Args:
+        data: The stored bytes.
+
+    Returns:
+        The summary.
+
+    Raises:
+        RendezvousStateError: The bytes are no valid summary.
+    """
+    parts = data.split(b" ")
+    if (
+        len(parts) != 4
+        or parts[0] != _SUMMARY_VERSION
+        or not (parts[1].isdigit() or parts[1] == b"-1")
+        or parts[2] not in (b"0", b"1")
+        or not parts[3].isdigit()
+        or len(parts[1]) > 20
+        or len(parts[3]) > 20
+    ):
+        raise RendezvousStateError(f"a stored state summary is corrupt: {data[:80]!r}")
+    return StateSummary(int(parts[1]), parts[2] == b"1", int(parts[3]))
