@@ -45,7 +45,8 @@ Scenarios
 * recovery: N form (min = N-1, max = N, last call ``--last-call``, shorter than the dead-node bound); one agent is
   SIGKILLed; the survivors re-rendezvous at once (as an agent does when its
   workers lose a peer), so the next round waits for the dead one's
-  judgement; time from the kill until all N-1 completed.
+  judgement (phase judged: the first ``dead`` event); time from the kill
+  until all N-1 completed.
 * scaleup: N form (min = N, max = N+1, last call ``--last-call``); one more agent
   calls ``next_rendezvous``; members poll ``num_nodes_waiting()`` every
   ``--poll`` s (jittered) and re-rendezvous; time from that call until all
@@ -180,6 +181,7 @@ class EventLog(logging.Handler):
         super().__init__(logging.INFO)
         self.guard = threading.Lock()
         self.sealed: list[float] = []
+        self.judged: list[float] = []
         self.dead: list[str] = []
         self.cuts: dict[int, dict[str, tuple[float, int, int, int]]] = {}
 
@@ -194,6 +196,7 @@ class EventLog(logging.Handler):
                 self.sealed.append(now)
             elif action == "dead":
                 self.dead.extend(event.get("suspects", []))
+                self.judged.append(now)
         index = getattr(_local, "index", None)
         counter = getattr(_local, "counter", None)
         if index is not None and counter is not None and action in ("enqueue", "complete"):
@@ -384,12 +387,13 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
         for _ in handlers:
             done[k].acquire()
         with log.guard:
-            sealed, dead = list(log.sealed), list(log.dead)
+            sealed, dead, judged = list(log.sealed), list(log.dead), list(log.judged)
         report = {
             "round": k,
             "results": results[k],
             "cpu": time.process_time() - cpu0,
             "sealed": sealed,
+            "judged": judged,
             "dead": dead,
         }
         print(json.dumps(report), flush=True)
@@ -632,6 +636,9 @@ def summarise(reports: Sequence[dict[str, Any]], start: float, server_cpu: float
         out["join"] = max(c[0] for c in enq) - start
     if sealed:
         out["seal"] = min(sealed) - start
+    judged = [t for rep in reports for t in rep.get("judged", []) if t >= start]
+    if judged:
+        out["judged"] = min(judged) - start
     if comp:
         out["address"] = max(c[0] for c in comp) - start
     if len(enq) == len(comp) == n:
@@ -809,6 +816,7 @@ def print_row(impl: str, scenario: str, n: int, r: dict[str, Any]) -> None:
     fields = [
         f"{scenario:9} {impl:5} N={n:<5}",
         f"join {_fmt(r.get('join'), 's')}",
+        *([f"judged {_fmt(r['judged'], 's')}"] if "judged" in r else []),
         f"seal {_fmt(r.get('seal'), 's')}",
         f"addr {_fmt(r.get('address'), 's')}",
         f"done {_fmt(r.get('completion'), 's')}",
