@@ -236,6 +236,35 @@ class SeatedBackend(ABC):
             RendezvousStateError: The stored record is corrupt.
         """
 
+    def wait_for_seat(self, token: Token | None, node: str, timeout: float) -> Token | None:
+        """Wait as :meth:`wait_for_token`, sleeping through writes that seat not ``node``.
+
+        A node waiting to be seated needs no wake-up for a write that
+        stores no seat for it (a leave, an eviction): in a recovery of
+        thousands each such write woke every waiting node at once. A
+        backend that can tell returns only once a newer write stored a seat
+        for ``node`` and its token is stored (the seal committed, or another
+        write won), or when ``timeout`` passes, with the token stored then,
+        changed or not; the caller looks at the token either way. By
+        default it is :meth:`wait_for_token`, which is also correct.
+
+        Args:
+            token: A token of this backend, or None.
+            node: The waiting node's key.
+            timeout: The longest time to block, in seconds (>= 0).
+
+        Returns:
+            The stored token when the call returns, or None when nothing is
+            stored.
+
+        Raises:
+            ValueError: ``node`` is not a valid node key.
+            RendezvousConnectionError: The backend cannot be reached.
+            RendezvousStateError: The stored record is corrupt.
+        """
+        validate_node_key(node)
+        return self.wait_for_token(token, timeout)
+
     @abstractmethod
     def read_seat(self, token: Token, node: str) -> bytes | None:
         """Return the seat that the write of ``token`` stored for ``node``.
@@ -245,8 +274,8 @@ class SeatedBackend(ABC):
             node: The node key.
 
         Returns:
-            The seat; None when that write stored none for ``node``, or a
-            later seated write replaced it.
+            The seat; None when that write stored none for ``node`` (or,
+            on some backends, once a later seated write replaced it).
 
         Raises:
             ValueError: ``node`` is not a valid node key.

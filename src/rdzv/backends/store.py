@@ -44,6 +44,7 @@ import secrets
 import tempfile
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING
 
 from rdzv.backends.base import (
@@ -118,6 +119,8 @@ class C10dRendezvousBackend(
         # The body of the last head read or written: an unchanged state is
         # read as its head alone.
         self._last: tuple[bytes, bytes] | None = None
+        # Each node's seat as last read (head and seat), by node key.
+        self._seats_seen: dict[str, bytes] = {}
 
     @property
     def name(self) -> str:
@@ -251,14 +254,46 @@ class C10dRendezvousBackend(
         key = self._seat_key(validate_node_key(node))
         if not (isinstance(token, bytes) and self._is_head(token)):
             return None
-        raw = store_call("read_seat", lambda: self._store.try_multi_get([key]))[0]
+        raw = self._seats_seen.get(node)
+        if raw is None or not raw.startswith(token):
+            # A seat is never rewritten under its head: one seen is current.
+            raw = store_call("read_seat", lambda: self._store.try_multi_get([key]))[0]
+            self._seen(node, raw)
         if raw is None or not raw.startswith(token) or len(raw) == len(token):
             return None
         return raw[len(token) :]
 
+    def wait_for_seat(  # noqa: D102 - see SeatedBackend
+        self, token: Token | None, node: str, timeout: float
+    ) -> Token | None:
+        key = self._seat_key(validate_node_key(node))
+        store = self._store
+        if not (store.supports_watch and isinstance(token, bytes) and self._is_head(token)):
+            return self.wait_for_token(token, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            previous = self._seats_seen.get(node)
+            remaining = max(0.0, deadline - time.monotonic())
+            raw = store_call("wait_for_seat", partial(store.watch, key, previous, remaining))
+            if raw == previous:
+                return self.read_token()  # the timeout: the caller looks at the token
+            self._seen(node, raw)
+            head = b"" if raw is None else raw[:_HEADER]
+            if self._is_head(head) and head[_GENERATION] > token[_GENERATION]:
+                # A newer write seated this node; its compare-and-set follows.
+                return self.wait_for_token(token, max(0.0, deadline - time.monotonic()))
+
+    def _seen(self, node: str, raw: bytes | None) -> None:
+        """Remember ``node``'s stored seat (what :meth:`wait_for_seat` watches)."""
+        if raw is None:
+            self._seats_seen.pop(node, None)
+        else:
+            self._seats_seen[node] = raw
+
     def forget(self, node: str) -> None:
         """Delete ``node``'s heartbeat counter and its seat (a node that leaves for good)."""
         super().forget(node)
+        self._seen(node, None)
         key = self._seat_key(node)
         store_call("forget", lambda: self._liveness_store.delete_key(key))
 

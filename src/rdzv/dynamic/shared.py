@@ -207,7 +207,10 @@ class SharedState:
     def wait_seat(
         self, token: Token | None, timeout: float, node: str
     ) -> tuple[Token | None, Seat | None]:
-        """Wait up to ``timeout`` for the token to change; read ``node``'s seat if it did.
+        """Wait up to ``timeout`` for a write that seats ``node``; read its seat if the token changed.
+
+        The backend may return earlier, at any write (see
+        :meth:`~rdzv.backends.base.SeatedBackend.wait_for_seat`).
 
         Only for a seated backend (:attr:`seated`).
 
@@ -227,7 +230,7 @@ class SharedState:
         """
         backend = self._backend
         assert isinstance(backend, SeatedBackend)
-        current = backend.wait_for_token(token, timeout)
+        current = backend.wait_for_seat(token, node, timeout)
         if current is None or current == token:
             return current, None
         raw = backend.read_seat(current, node)

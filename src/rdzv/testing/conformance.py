@@ -395,6 +395,23 @@ def _seats(harness: BackendHarness) -> None:
     assert reseated is not None
     _expect(reader.read_seat(reseated[1], "a#1#x") == b"next seat of a", "a reseat reads back")
     _expect(reader.read_seat(token, "a#1#x") is None, "a replaced seat reads None")
+    # wait_for_seat: a write that seats the node ends the wait with its token.
+    seen: list[object] = []
+    waiter = threading.Thread(
+        target=lambda: seen.append(backend.wait_for_seat(reseated[1], "a#1#x", 5.0)), daemon=True
+    )
+    waiter.start()
+    fourth = reader.set_state_seated(b"v4", reseated[1], {"a#1#x": b"fourth seat of a"})
+    waiter.join(10.0)
+    assert fourth is not None
+    _expect(seen == [fourth[1]], f"wait_for_seat must return the seating write's token: {seen}")
+    same = backend.wait_for_seat(fourth[1], "a#1#x", 0.05)
+    _expect(same == fourth[1], f"an unchanged token must come back on timeout: {same!r}")
+    # A write that seats it not ends the wait at once or at the timeout, with its token.
+    unseated = reader.set_state(b"v5", fourth[1])
+    assert unseated is not None
+    later = backend.wait_for_seat(fourth[1], "a#1#x", 0.2)
+    _expect(later == unseated[1], f"wait_for_seat must return the stored token: {later!r}")
 
 
 def _queue_basics(harness: BackendHarness) -> None:
