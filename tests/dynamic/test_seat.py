@@ -11,7 +11,14 @@ from rdzv.api import RendezvousInfo, RendezvousTimeout
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.seat import Seat, decode_seat, encode_seat, seats_of, watching_seat
-from rdzv.dynamic.state import RendezvousState, StateSummary, decode_summary, encode_summary
+from rdzv.dynamic.shared import SharedState
+from rdzv.dynamic.state import (
+    RendezvousState,
+    StateSummary,
+    decode_summary,
+    encode_state,
+    encode_summary,
+)
 from rdzv.errors import RendezvousStateError
 from rdzv.store.base import Timeout, Value
 from rdzv.store.memory import HashStore, PrefixStore
@@ -265,6 +272,38 @@ def test_a_leave_wakes_no_member_waiting_for_the_next_round() -> None:
     finally:
         for h in handlers:
             h.pre_shutdown()
+
+
+class _RacedBackend(C10dRendezvousBackend):
+    """Another node writes the state between this one's token and summary reads, ``races`` times."""
+
+    def __init__(self, store: HashStore, races: int) -> None:
+        super().__init__(store, "raced")
+        self.races = races
+        self.other = SharedState(C10dRendezvousBackend(store, "raced"), "c10d")
+        self.written: dict[object, RendezvousState] = {}
+
+    def write(self, state: RendezvousState) -> None:
+        current = self.other.read()[1]
+        result = self.other.write(state, encode_state(state), current)
+        assert result is not None
+        assert result[2]
+        self.written[result[1]] = state
+
+    def read_seat(self, token: object, node: str) -> bytes | None:
+        if self.races:
+            self.races -= 1
+            self.write(RendezvousState(4 + self.races, (A, B, C), bootstrap_port=7))
+        return super().read_seat(token, node)
+
+
+@pytest.mark.parametrize("races", [0, 1, 2, 5])
+def test_a_join_starts_on_a_summary_even_when_writes_race_with_its_reads(races: int) -> None:
+    backend = _RacedBackend(HashStore(timeout=5), races)
+    backend.write(RendezvousState(9, (A, B, C), bootstrap_port=7))
+    view, token = SharedState(backend, "c10d").read_view()
+    # The summary of the very write whose token comes with it, never the state.
+    assert view == StateSummary.of(backend.written[token])
 
 
 def test_bytes_read_per_member_do_not_grow_with_the_round() -> None:

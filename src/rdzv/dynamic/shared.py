@@ -46,6 +46,8 @@ __all__ = ["SharedState"]
 
 CAS_ATTEMPTS = 64
 """Compare-and-set attempts of one update before it gives up."""
+_SUMMARY_ATTEMPTS = 3
+"""Reads of the token and its summary before :meth:`SharedState.read_view` reads the state."""
 
 Change = Callable[[RendezvousState | None], RendezvousState | None]
 
@@ -250,11 +252,16 @@ class SharedState:
         backend = self._backend
         if not isinstance(backend, SeatedBackend):
             return self.read()
-        token = backend.read_token()
-        if token is None:
-            return None, None
-        summary = self.read_summary(token)
-        return (summary, token) if summary is not None else self.read()
+        # A write between the two reads replaces the summary read for: read
+        # the newer one (members re-joining together race with the leave).
+        for _ in range(_SUMMARY_ATTEMPTS):
+            token = backend.read_token()
+            if token is None:
+                return None, None
+            summary = self.read_summary(token)
+            if summary is not None:
+                return summary, token
+        return self.read()
 
     def read_summary(self, token: Token) -> StateSummary | None:
         """Return the summary the write of ``token`` stored (a seated backend only).
