@@ -6,7 +6,11 @@ Theory of operation
 length), ask :func:`rdzv.dynamic.machine.decide` for the next action, apply
 it to the backend, repeat. Waiting uses the backend's watch when it has one
 (``WatchableBackend``), otherwise polling with jittered, capped backoff.
-Every wait is bounded by the join deadline, so nothing hangs.
+Every wait is bounded by the join deadline, so nothing hangs. On a backend
+that stores seats (``SeatedBackend``) the loop decides on the state's
+summary until this node's round is sealed (:data:`rdzv.dynamic.machine.StateView`),
+waits for a seal that seats it, and reads the state itself only to seal
+or when a round was sealed without a seat for it (:mod:`rdzv.dynamic.seat`).
 
 Backends without the join-queue or liveness capability get them from the
 handler's store (``StoreJoinQueue``/``StoreLiveness``): the shared state
