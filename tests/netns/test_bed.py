@@ -135,14 +135,17 @@ def test_a_sigkilled_creator_is_swept_by_the_next_run() -> None:
     tag = creator.stdout.readline().strip()
     assert tag.startswith(f"rdzv{creator.pid}")
     os.kill(creator.pid, signal.SIGKILL)
-    creator.wait(timeout=10)
-    creator.stdout.close()
+    # Unreaped, the dead creator still counts as alive to every sweep, so a
+    # bed that another test worker opens meanwhile leaves its leftovers be.
+    assert gone_or_zombie(creator.pid)
     left = bed_names(tag)
     assert sorted(left) == sorted([f"{tag}h0", f"{tag}h1", f"{tag}b", f"{tag}v0", f"{tag}v1"])
     orphans = subprocess.run(
         ["ip", "netns", "pids", f"{tag}h0"], capture_output=True, text=True, check=True
     ).stdout.split()
     assert len(orphans) == 1
+    creator.wait(timeout=10)  # now stale: the next bed to open sweeps it
+    creator.stdout.close()
     with NetnsBed(1) as bed:  # entering sweeps stale beds
         assert not bed.tag.startswith(tag)
         assert bed_names(tag) == []
