@@ -359,7 +359,7 @@ class RedisRendezvousBackend(
         return as_bytes(reply[1]), _token(reply[2]), False
 
     def _seat_key(self, node: str) -> str:
-        validate_node_key(node)
+        """The key of ``node``'s seat; the caller validated ``node``."""
         return f"{self._key}:seat:{node}"
 
     def _read_rev(self) -> tuple[int | None, bytes]:
@@ -403,7 +403,7 @@ class RedisRendezvousBackend(
         Returns:
             The seat, or None.
         """
-        value = self._get(self._seat_key(node), "reading a seat")
+        value = self._get(self._seat_key(validate_node_key(node)), "reading a seat")
         if value is None or isinstance(token, bool) or not isinstance(token, int):
             return None
         head, _, seat = value.partition(b":")

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from types import MethodType
 from typing import Any, Final, Generic, TypeAlias, TypeVar
 
@@ -272,7 +272,7 @@ class StoreEngine(Generic[ClientT]):
             )
         return handler(client, request)
 
-    def set_many(self, pairs: list[tuple[bytes, bytes]]) -> Woken[ClientT]:
+    def set_many(self, pairs: Iterable[tuple[bytes, bytes]]) -> Woken[ClientT]:
         """Carry out a run of ``SET`` requests, in order (no reply is owed).
 
         The driver's fast path for sets that arrive back to back
@@ -550,7 +550,7 @@ class StoreEngine(Generic[ClientT]):
         return b"".join(map(encode_bytes, values)), ()
 
     def _multi_set(self, _client: ClientT, request: Request) -> _Outcome[ClientT]:
-        return None, self.set_many(list(zip(request.keys, request.values, strict=True)))
+        return None, self.set_many(zip(request.keys, request.values, strict=True))
 
     def _cancel_wait(self, client: ClientT, _request: Request) -> _Outcome[ClientT]:
         self.drop(client)

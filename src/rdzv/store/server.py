@@ -772,8 +772,9 @@ class TCPStoreServer:
         """The connection cap in force: ``max_connections``, or less when the
         open-file limit does not allow it (set when the server starts)."""
         self.handshake_cap = max_handshakes
-        self.handshake_grace = handshake_grace(handshake_timeout)
         """The cap on connections in their handshake in force (likewise)."""
+        self.handshake_grace = handshake_grace(handshake_timeout)
+        """Seconds a handshake in progress is safe from a newcomer."""
         self.address_cap = self._address_cap(max_connections, auth_token is not None)
         """The per-address cap in force, or None."""
         self.refused_connections = 0
