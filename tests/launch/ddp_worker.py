@@ -60,10 +60,17 @@ def main() -> int:
     gathered = [torch.zeros_like(weights) for _ in range(world)]
     dist.all_gather(gathered, weights)
     in_sync = all(torch.equal(g, weights) for g in gathered)
-    print(f"rank {rank}/{world}: {steps} steps, parameters in sync: {in_sync}")
+    print(f"rank {rank}/{world}: {steps} steps, parameters in sync: {in_sync}", flush=True)
+    # DDP's reducer holds the process group: drop it first, so that gloo's
+    # threads are joined here and not while the interpreter shuts down,
+    # where torch 2.13 aborts now and then ("terminate called without an
+    # active exception", SIGABRT, seen once on a loaded machine).
+    del model, optimizer
     dist.destroy_process_group()
     return 0 if in_sync else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown for gloo's threads to trip on
