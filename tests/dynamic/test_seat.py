@@ -197,6 +197,40 @@ def test_members_learn_their_place_from_their_seats_without_reading_the_state() 
     assert len(next(iter(lists))) == 6
 
 
+def test_a_seat_is_stored_only_by_the_write_that_committed_and_proves_it() -> None:
+    """The c10d backend stores seats after its compare-and-set: a losing
+    write stores none, and a member whose seat watch fires knows its write
+    committed without reading the state's head again."""
+    shared = HashStore(timeout=30)
+    writer = C10dRendezvousBackend(CountingStore(shared), "proof")
+    waiting = CountingStore(shared)
+    member = C10dRendezvousBackend(waiting, "proof")
+    first = writer.set_state_seated(b"v1", None, {A: b"first seat"})
+    assert first is not None
+    assert first[2]
+    stale = writer.set_state_seated(b"v-lost", None, {A: b"loser"})
+    assert stale is not None
+    assert not stale[2]
+    assert member.read_seat(first[1], A) == b"first seat"
+    got: list[object] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(member.wait_for_seat(first[1], A, 10.0)), daemon=True
+    )
+    waiter.start()
+    for _ in range(2000):  # the waiter's watch is in place once it read the seat key
+        if any("/seat/" in k for k in waiting.keys_read):
+            break
+        threading.Event().wait(0.005)
+    waiting.keys_read.clear()
+    second = writer.set_state_seated(b"v2", first[1], {A: b"second seat"})
+    waiter.join(10.0)
+    assert second is not None
+    assert second[2]
+    assert got == [second[1]]
+    assert not any(k.endswith("/state") for k in waiting.keys_read), waiting.keys_read
+    assert member.read_seat(second[1], A) == b"second seat"
+
+
 def test_the_wait_list_is_read_only_when_asked() -> None:
     infos, clients, _ = _form(3)
     next_queue = [k for c in clients for k in c.keys_read if "/q/1" in k]

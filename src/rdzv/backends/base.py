@@ -177,10 +177,11 @@ class SeatedBackend(ABC):
     a seat stored by a write that lost its compare-and-set, or one that a
     later write replaced, is never taken for the current one.
 
-    The store backend implements it: the seats go to the store in the same
-    request as the state's body, before the compare-and-set that commits
-    both, and each node's seat key is overwritten by the next seat, so the
-    store holds at most one seat per node.
+    The store backend implements it: the seats go to the store in one
+    request right after the compare-and-set that commits the state (a seat
+    found proves its write committed), and each node's seat key is
+    overwritten by the next seat, so the store holds at most one seat per
+    node.
     """
 
     @abstractmethod
@@ -242,11 +243,12 @@ class SeatedBackend(ABC):
         A node waiting to be seated needs no wake-up for a write that
         stores no seat for it (a leave, an eviction): in a recovery of
         thousands each such write woke every waiting node at once. A
-        backend that can tell returns only once a newer write stored a seat
-        for ``node`` and its token is stored (the seal committed, or another
-        write won), or when ``timeout`` passes, with the token stored then,
-        changed or not; the caller looks at the token either way. By
-        default it is :meth:`wait_for_token`, which is also correct.
+        backend that can tell returns only once a newer committed write
+        seated ``node``, with that write's token (a later write may have
+        replaced it since: the caller checks, as after any read), or when
+        ``timeout`` passes, with the token stored then, changed or not; the
+        caller looks at the token either way. By default it is
+        :meth:`wait_for_token`, which is also correct.
 
         Args:
             token: A token of this backend, or None.

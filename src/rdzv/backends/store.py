@@ -19,10 +19,13 @@ and ``TpRendezvousBackend``. It offers every capability:
 * watch: ``Store.watch`` on the head key when the store supports it,
   otherwise polling with jittered, capped backoff;
 * seats: a seated write stores each member's seat under
-  ``seat/<node key>`` in the same ``multi_set`` as the body, before the
-  head moves, each value led by the new head, so a seat is read for the
-  head that committed it and no other; the next seat of a node overwrites
-  it, so the store holds one seat per node;
+  ``seat/<node key>`` in one ``multi_set`` once its ``compare_set`` moved
+  the head, each value led by the new head, so a seat is read for the head
+  that committed it and no other, and a seat found proves that head was
+  committed (a waiter watching its seat key reads nothing more); the next
+  seat of a node overwrites it, so the store holds one seat per node. A
+  writer that dies between the two leaves a committed state without seats:
+  its readers find no seat and read the state (:mod:`rdzv.dynamic.seat`);
 * join queue: ``append`` of a length-prefixed record, then ``add`` on the
   round's counter (two non-conflicting operations per joining node);
 * liveness: ``add(key, 1)`` on a per-node counter.
@@ -227,19 +230,22 @@ class C10dRendezvousBackend(
         state = bytes(state)
         head = _HEAD_MAGIC + generation.to_bytes(8, "big") + secrets.token_bytes(4)
         body_key = self._body_key(head)
-        # One request: the body and every seat, each seat led by the head
-        # that commits it (read_seat answers for that head only).
-        if seats:
-            keys = [body_key, *(self._seat_key(node) for node in seats)]
-            values = [state, *(head + seat for seat in seats.values())]
-            store_call("set_state", lambda: self._store.multi_set(keys, values))
-        else:
-            store_call("set_state", lambda: self._store.set(body_key, state))
+        store_call("set_state", lambda: self._store.set(body_key, state))
         result = store_call("set_state", lambda: self._store.compare_set(self._key, expected, head))
         if result == head:
+            if seats:
+                # Only once the head moved, each seat led by that head: a seat
+                # found is a committed write's (a waiter needs no second read).
+                keys = [self._seat_key(node) for node in seats]
+                values = [head + seat for seat in seats.values()]
+                store_call("set_state", lambda: self._store.multi_set(keys, values))
             self._last = (state, head)
+            # The reply to the next request on this connection means the
+            # seats are stored: readers on other connections find them.
             if self._is_head(expected):
                 self._discard(expected)
+            elif seats:
+                store_call("set_state", lambda: self._store.check([body_key]))
             return state, head, True
         self._discard(head)
         if expected and result == expected:
@@ -268,7 +274,13 @@ class C10dRendezvousBackend(
     ) -> Token | None:
         key = self._seat_key(validate_node_key(node))
         store = self._store
-        if not (store.supports_watch and isinstance(token, bytes) and self._is_head(token)):
+        if token is None:
+            known = b""  # a seat of any head is newer than nothing stored
+        elif isinstance(token, bytes) and self._is_head(token):
+            known = token[_GENERATION]
+        else:
+            return self.wait_for_token(token, timeout)
+        if not store.supports_watch:
             return self.wait_for_token(token, timeout)
         deadline = time.monotonic() + timeout
         while True:
@@ -279,9 +291,9 @@ class C10dRendezvousBackend(
                 return self.read_token()  # the timeout: the caller looks at the token
             self._seen(node, raw)
             head = b"" if raw is None else raw[:_HEADER]
-            if self._is_head(head) and head[_GENERATION] > token[_GENERATION]:
-                # A newer write seated this node; its compare-and-set follows.
-                return self.wait_for_token(token, max(0.0, deadline - time.monotonic()))
+            if self._is_head(head) and head[_GENERATION] > known:
+                # A newer write seated this node, and seats follow the commit.
+                return head
 
     def _seen(self, node: str, raw: bytes | None) -> None:
         """Remember ``node``'s stored seat (what :meth:`wait_for_seat` watches)."""

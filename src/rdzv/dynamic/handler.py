@@ -388,6 +388,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._node
 
     def _event(self, action: str, round_id: int, **fields: Any) -> None:
+        if not LOGGER.isEnabledFor(logging.INFO):
+            return
         event = {
             "run_id": self._settings.run_id,
             "round": round_id,
@@ -395,7 +397,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             "action": action,
             **fields,
         }
-        LOGGER.info("rdzv %s", json.dumps(event, sort_keys=True), extra={"rdzv_event": event})
+        LOGGER.info("rdzv %s", _EventText(event), extra={"rdzv_event": event})
 
     def _check_keepalive(self) -> None:
         error = self._keepalive.error
@@ -1069,6 +1071,23 @@ class _Membership:
         seat = Seat.of(state, node)
         assert seat is not None
         return cls(seat, token, state)
+
+
+class _EventText:
+    """An event's JSON text, built only when a log handler formats the record.
+
+    The handlers that read the event itself (``rdzv run``'s progress, the
+    torchrun bridge) never pay for it; a member of thousands logs four
+    events per round.
+    """
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: dict[str, Any]) -> None:
+        self._event = event
+
+    def __str__(self) -> str:
+        return json.dumps(self._event, sort_keys=True)
 
 
 def _round_key(prefix: str, round_id: int) -> str:

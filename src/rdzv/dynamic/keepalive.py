@@ -10,7 +10,9 @@ tick it does two independent things:
   the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
 * **judge**: more often (once the node is a member, which :meth:`KeepAlive.wake`
-  signals; until then the thread wakes only to beat; in a large ring less often, so that the whole ring
+  signals, the first reading a random part of one period later, so that
+  the members of a round do not all read at the instant it is sealed;
+  until then the thread wakes only to beat; in a large ring less often, so that the whole ring
   stays within :data:`~rdzv.dynamic.machine.RING_READS_PER_SECOND`), it
   reads the mark of its ring successor in the last round it completed (its
   :class:`~rdzv.dynamic.seat.Seat` names it) and judges
@@ -180,8 +182,16 @@ class KeepAlive:
                 # Nobody to judge (not a member yet): wake only to beat. A
                 # thousand joining handlers in one process would otherwise
                 # wake dozens of times a second each, for nothing.
-                self._clock.wait(self._wake, max(0.0, next_beat - self._clock()))
+                woken = self._clock.wait(self._wake, max(0.0, next_beat - self._clock()))
                 self._wake.clear()
+                seat = self._watched()
+                if woken and seat is not None:
+                    # The first reading of a new ring only sets its baseline:
+                    # spread over one period, so that the members of a round
+                    # sealed at once do not all read while they confirm.
+                    period = ring_judge_period(self._judge_every, self._interval, seat.world_size)
+                    left = max(0.0, next_beat - self._clock())
+                    self._clock.wait(stop, min(left, period * random.random()))
             else:
                 period = ring_judge_period(self._judge_every, self._interval, member.world_size)
                 self._clock.wait(stop, period * (0.75 + random.random() / 2))
