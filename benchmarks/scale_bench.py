@@ -41,7 +41,10 @@ Scenarios
   enqueue), seal (the sealing write), address (the last member knowing the
   bootstrap address), completion (the last ``next_rendezvous`` returning).
 * lastcall: min = N/2, max = N, N/2 join, last call ``--last-call``; the
-  overhead is completion minus the last call.
+  overhead is completion minus the last call, both from the common start
+  (so the N/2 joins are part of it), and "after the last call" is the
+  overhead minus the join phase: completion minus the moment the last call,
+  which starts at the last (the N/2-th) enqueue, expired.
 * recovery: N form (min = N-1, max = N, last call ``--last-call``, shorter than the dead-node bound); one agent is
   SIGKILLed; the survivors re-rendezvous at once (as an agent does when its
   workers lose a peer), so the next round waits for the dead one's
@@ -757,6 +760,10 @@ def run_scenario(
             result = formation(run, half, opts, min=half, max=n, last_call=opts.last_call)
             if "completion" in result:
                 result["overhead"] = result["completion"] - opts.last_call
+                if "join" in result:
+                    # The leader (position N/2, the last to join) starts the
+                    # last call at its enqueue: what comes after it expired.
+                    result["after_last_call"] = result["overhead"] - result["join"]
         elif scenario == "steady":
             result = steady(run, n, opts)
         else:
@@ -823,6 +830,8 @@ def print_row(impl: str, scenario: str, n: int, r: dict[str, Any]) -> None:
     ]
     if "overhead" in r:
         fields.append(f"overhead {_fmt(r['overhead'], 's')}")
+        if "after_last_call" in r:
+            fields.append(f"after the last call {_fmt(r['after_last_call'], 's')}")
     if "initial_formation" in r:
         fields.append(
             f"(formed first in {_fmt(r['initial_formation'], 's')}, bound {r['bound']:g}s)"

@@ -174,7 +174,7 @@ class KeepAlive:
                 next_beat = now + self._interval
             try:
                 with deadline_within(self._dead_after):
-                    judged = self._judge(judged, now)
+                    judged = self._judge(judged)
             except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
                 self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
             member = self._watched()
@@ -212,10 +212,14 @@ class KeepAlive:
             return failures
         return 0
 
-    def _judge(
-        self, judged: tuple[int, dict[str, MarkWatch]], now: float
-    ) -> tuple[int, dict[str, MarkWatch]]:
-        """Read the ring successor's mark and judge it; return the watches kept."""
+    def _judge(self, judged: tuple[int, dict[str, MarkWatch]]) -> tuple[int, dict[str, MarkWatch]]:
+        """Read the ring successor's mark and judge it; return the watches kept.
+
+        The reading counts from when it is sent: the mark read is at least
+        as new as then. Stamped at the top of the tick instead, a reading
+        that followed a beat slowed by a loaded machine counted that beat's
+        time as its own, and judgements came late by as much.
+        """
         member = self._watched()
         successor = member.successor if member is not None else None
         if member is None or successor is None:
@@ -223,6 +227,7 @@ class KeepAlive:
         watched_round, watches = judged
         if member.round != watched_round:
             watches = {}
+        now = self._clock()
         try:
             marks = {successor: self._liveness.heartbeat_mark(successor)}
         except RendezvousConnectionError as exc:
