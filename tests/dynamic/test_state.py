@@ -1,5 +1,7 @@
 import contextlib
+import itertools
 import json
+import re
 
 import pytest
 from hypothesis import given
@@ -165,6 +167,25 @@ def test_node_keys() -> None:
 def test_natural_sort() -> None:
     names = ["node66", "node7", "node100", "node8", "a"]
     assert sorted(names, key=natural_key) == ["a", "node7", "node8", "node66", "node100"]
+
+
+def _tagged_natural_key(text: str) -> tuple[tuple[int, int, str], ...]:
+    """The natural order spelled out: runs in turn, a number before any text, numbers by value."""
+    return tuple(
+        (0, int(part), "") if part.isdigit() else (1, 0, part)
+        for part in re.split(r"(\d+)", text)
+        if part
+    )
+
+
+@given(st.lists(st.text(alphabet="a1.0#-9b:", max_size=8), min_size=2, max_size=40))
+def test_natural_key_orders_as_the_runs_compared_in_turn(names: list[str]) -> None:
+    by_key = sorted(names, key=natural_key)
+    assert [_tagged_natural_key(n) for n in by_key] == sorted(map(_tagged_natural_key, names))
+    for a, b in itertools.pairwise(names):
+        assert (natural_key(a) == natural_key(b)) == (
+            _tagged_natural_key(a) == _tagged_natural_key(b)
+        )
 
 
 def test_evict_and_close() -> None:
