@@ -40,6 +40,7 @@ __all__ = [
     "Token",
     "WatchableBackend",
     "MAX_RUN_ID",
+    "is_pseudo_node",
     "validate_node_key",
     "validate_run_id",
     "validate_record",
@@ -177,11 +178,12 @@ class SeatedBackend(ABC):
     a seat stored by a write that lost its compare-and-set, or one that a
     later write replaced, is never taken for the current one.
 
-    The store backend implements it: the seats go to the store in one
-    request right after the compare-and-set that commits the state (a seat
-    found proves its write committed), and each node's seat key is
-    overwritten by the next seat, so the store holds at most one seat per
-    node.
+    The store backend implements it: the members' seats go to the store in
+    one request right after the compare-and-set that commits the state (a
+    member's seat found proves its write committed), a pseudo-node's
+    (:func:`is_pseudo_node`: the state's summary) with the body before it,
+    and each node's seat key is overwritten by the next seat, so the store
+    holds at most one seat per node.
     """
 
     @abstractmethod
@@ -191,7 +193,10 @@ class SeatedBackend(ABC):
         """Write the state as :meth:`RendezvousBackend.set_state`, with ``seats``.
 
         Once the write wins, :meth:`read_seat` with the returned token
-        returns ``seats[node]`` for every node of ``seats``.
+        returns ``seats[node]`` for every node of ``seats``: at once on this
+        backend's connection, and as soon as the store has taken the request
+        on others (the store backend sends the members' seats last and
+        does not wait for them; :meth:`wait_for_seat` waits for them).
 
         Args:
             state: The new state.
@@ -573,6 +578,21 @@ def validate_record(round_id: int, record: bytes) -> None:
     if not isinstance(record, bytes) or not 1 <= len(record) <= MAX_RECORD_SIZE:
         size = len(record) if isinstance(record, bytes) else type(record).__name__
         raise ValueError(f"a join record must be 1-{MAX_RECORD_SIZE} bytes, got {size}")
+
+
+def is_pseudo_node(key: str) -> bool:
+    """Tell whether a seat's key names a pseudo-node: a seat about the write, not a member.
+
+    No node key starts with ``#`` (its address comes first), so such a seat
+    (the state's summary) can never be taken for a member's.
+
+    Args:
+        key: A key of :meth:`SeatedBackend.set_state_seated`'s seats.
+
+    Returns:
+        True when ``key`` starts with ``#``.
+    """
+    return key.startswith("#")
 
 
 def validate_seats(seats: Mapping[str, bytes]) -> None:

@@ -25,7 +25,10 @@ and ``TpRendezvousBackend``. It offers every capability:
   committed (a waiter watching its seat key reads nothing more); the next
   seat of a node overwrites it, so the store holds one seat per node. A
   writer that dies between the two leaves a committed state without seats:
-  its readers find no seat and read the state (:mod:`rdzv.dynamic.seat`);
+  its readers find no seat and read the state (:mod:`rdzv.dynamic.seat`).
+  A pseudo-node's seat (the state's summary) goes in the same ``multi_set``
+  as the body, before the head moves, so that whoever reads the new head
+  finds it;
 * join queue: ``append`` of a length-prefixed record, then ``add`` on the
   round's counter (two non-conflicting operations per joining node);
 * liveness: ``add(key, 1)`` on a per-node counter.
@@ -55,6 +58,7 @@ from rdzv.backends.base import (
     SeatedBackend,
     Token,
     WatchableBackend,
+    is_pseudo_node,
     validate_node_key,
     validate_run_id,
     validate_seats,
@@ -230,22 +234,30 @@ class C10dRendezvousBackend(
         state = bytes(state)
         head = _HEAD_MAGIC + generation.to_bytes(8, "big") + secrets.token_bytes(4)
         body_key = self._body_key(head)
-        store_call("set_state", lambda: self._store.set(body_key, state))
+        # Each seat is led by the head that commits it (read_seat answers for
+        # that head only). A pseudo-node's seat describes the write (the
+        # state's summary): it goes with the body, so that whoever sees the
+        # new head finds it. A member's seat only once the head moved: a seat
+        # found is then a committed write's (its member reads nothing more).
+        early = [node for node in seats if is_pseudo_node(node)]
+        members = [node for node in seats if not is_pseudo_node(node)]
+        keys = [body_key, *(self._seat_key(node) for node in early)]
+        values = [state, *(head + seats[node] for node in early)]
+        store_call("set_state", lambda: self._store.multi_set(keys, values))
         result = store_call("set_state", lambda: self._store.compare_set(self._key, expected, head))
         if result == head:
-            if seats:
-                # Only once the head moved, each seat led by that head: a seat
-                # found is a committed write's (a waiter needs no second read).
-                keys = [self._seat_key(node) for node in seats]
-                values = [head + seat for seat in seats.values()]
-                store_call("set_state", lambda: self._store.multi_set(keys, values))
             self._last = (state, head)
-            # The reply to the next request on this connection means the
-            # seats are stored: readers on other connections find them.
+            # The replaced body goes first: once the seats land, every member
+            # sends its confirmation at once, and a request of this node's
+            # with a reply would queue behind theirs (at 8,192 members a
+            # reply after the seats came 2.7 s later, and the round's
+            # verdict, which waits for this node's confirmation too, with it).
             if self._is_head(expected):
                 self._discard(expected)
-            elif seats:
-                store_call("set_state", lambda: self._store.check([body_key]))
+            if members:
+                seated = [self._seat_key(node) for node in members]
+                places = [head + seats[node] for node in members]
+                store_call("set_state", lambda: self._store.multi_set(seated, places))
             return state, head, True
         self._discard(head)
         if expected and result == expected:

@@ -165,6 +165,13 @@ _SHUTDOWN_WITHIN = 5.0
 """Seconds ``shutdown`` waits for the backend before giving up on leaving cleanly."""
 _JOIN_GRACE = 1.0
 """Seconds a backend call may run past the join deadline (the machine fails the join at it)."""
+_SEAT_LAG = 1.0
+"""Seconds a node that finds its round sealed waits for its seat before reading the state.
+
+A seal stores the members' seats right after its compare-and-set; a node
+that looks in between finds the round sealed and its seat not yet there.
+It reads the whole state only if the seat has not come by then (the
+sealer died in between, or the seal left this node out)."""
 _QUEUE_WAIT_CAP = 0.05
 """Seconds a deferred seal waits on the queue before it reads the state again.
 
@@ -584,6 +591,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         summary = None if current is None else self._shared.read_summary(current)
         if summary is not None and summary.round < round_id:
             return summary, current, None
+        if summary is not None and summary.round == round_id and not summary.closed:
+            # Sealed, and members' seats follow the seal's compare-and-set:
+            # this node's may be on its way (at 8,192 nodes, those that
+            # looked in between read the 240 KB state, thousands at once).
+            seating, seat = self._shared.wait_seat(token, min(timeout, _SEAT_LAG), self._node)
+            if seat is not None and seat.round == round_id:
+                return state, token, _Membership(seat, seating, None)
         return (*self._shared.read(), None)
 
     def _judge_suspects(

@@ -42,7 +42,9 @@ _NO_SUCCESSOR = "-"
 
 SUMMARY_SEAT = "#summary"
 """The pseudo-node whose seat is the state's summary; no node key starts
-with ``#`` (:func:`~rdzv.dynamic.state.make_node_key` puts an address first)."""
+with ``#`` (:func:`~rdzv.dynamic.state.make_node_key` puts an address first),
+and a backend stores it with the state, before the members' seats
+(:func:`~rdzv.backends.base.is_pseudo_node`)."""
 
 
 @dataclass(frozen=True)

@@ -373,6 +373,8 @@ def _seats(harness: BackendHarness) -> None:
     assert isinstance(reader, SeatedBackend)
     _expect(reader.read_token() == token, "read_token must return the written token")
     for node, seat in seats.items():
+        # Another client sees a member's seat once the store took it.
+        _expect(reader.wait_for_seat(None, node, 5.0) == token, f"{node} is seated by the write")
         got = reader.read_seat(token, node)
         _expect(got == seat, f"read_seat({node!r}) must return its seat: {got!r}")
     _expect(reader.read_seat(token, "c#1#z") is None, "a node without a seat reads None")
