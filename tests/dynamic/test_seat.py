@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from rdzv.api import RendezvousInfo, RendezvousTimeout
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.dynamic.machine import waiting_poll_gap
 from rdzv.dynamic.seat import Seat, decode_seat, encode_seat, seats_of, watching_seat
 from rdzv.dynamic.shared import SharedState
 from rdzv.dynamic.state import (
@@ -405,6 +407,59 @@ def test_bytes_read_per_member_do_not_grow_with_the_round() -> None:
     assert large <= small * 1.2, medians
 
 
+def test_num_nodes_waiting_reads_the_backend_at_most_once_per_gap() -> None:
+    """Agents ask every monitor interval; a round of N reads at most
+    WAITING_POLLS_PER_SECOND times a second in all (waiting_poll_gap), on the
+    handler's own clock."""
+    frozen: list[float | None] = [None]  # real time until the round formed, then held
+
+    def clock() -> float:
+        held = frozen[0]
+        return time.monotonic() if held is None else held
+
+    shared = HashStore(timeout=30)
+    clients = [CountingStore(shared) for _ in range(3)]
+    handlers = [
+        DynamicRendezvousHandler.from_backend(
+            "gap",
+            c,
+            C10dRendezvousBackend(c, "gap"),
+            2,
+            3,
+            local_addr=f"10.6.0.{i}",
+            timeout=RendezvousTimeout(join=60, last_call=0.1),
+            keep_alive_interval=30,
+            clock=clock,
+        )
+        for i, c in enumerate(clients)
+    ]
+    threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in handlers[:2]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    member, client = handlers[0], clients[0]
+    frozen[0] = time.monotonic()
+    try:
+        assert member.num_nodes_waiting() == 0
+        asked = len(client.keys_read)
+        assert [member.num_nodes_waiting() for _ in range(20)] == [0] * 20
+        assert len(client.keys_read) == asked, "a repeated ask within the gap read the store"
+        late = threading.Thread(target=handlers[2].next_rendezvous, daemon=True)
+        late.start()
+        for _ in range(2000):  # the third node waits in the next round's queue
+            if shared.add("shared/rdzv.backend/gap/q/1/n", 0) == 1:
+                break
+            threading.Event().wait(0.005)
+        assert member.num_nodes_waiting() == 0, "the answer within the gap is the last one"
+        frozen[0] = clock() + waiting_poll_gap(2)
+        assert member.num_nodes_waiting() == 1
+        assert len(client.keys_read) > asked
+    finally:
+        for h in handlers:
+            h.pre_shutdown()
+
+
 def test_an_unchanged_round_is_polled_without_reading_the_state() -> None:
     shared = HashStore(timeout=30)
     clients = [CountingStore(shared) for _ in range(3)]
@@ -431,8 +486,10 @@ def test_an_unchanged_round_is_polled_without_reading_the_state() -> None:
             before = len(client.keys_read)
             assert [handler.num_nodes_waiting() for _ in range(5)] == [0] * 5
             assert not any("/state/" in k for k in client.keys_read[before:])
-        # A member leaves: the token changes, the others read the state and re-join.
+        # A member leaves: the token changes, the others read the state and
+        # re-join (once the last answer's gap passed: waiting_poll_gap).
         assert handlers[2].shutdown()
+        threading.Event().wait(waiting_poll_gap(3))
         assert [h.num_nodes_waiting() for h in handlers[:2]] == [1, 1]
     finally:
         for h in handlers:

@@ -84,6 +84,7 @@ __all__ = [
     "start_join",
     "state_wait_cap",
     "successor_of",
+    "waiting_poll_gap",
 ]
 
 StateView = RendezvousState | StateSummary
@@ -511,6 +512,31 @@ RING_READS_PER_SECOND = 2000.0
 
 QUEUE_POLLS_PER_SECOND = 2000.0
 """The most queue-length readings per second the nodes waiting for a seal make together."""
+
+
+WAITING_POLLS_PER_SECOND = 2000.0
+"""The most backend reads per second the members of a round make together for ``num_nodes_waiting``."""
+
+
+def waiting_poll_gap(world_size: int) -> float:
+    """Return how long a member serves its last ``num_nodes_waiting`` answer before reading again.
+
+    An agent asks every monitor interval (0.1 s for ``rdzv run`` and
+    torchrun): at 2,048 members that was 20,000 reads a second, two
+    requests each, on one store host, forever. The answer is served for
+    ``world_size / WAITING_POLLS_PER_SECOND`` seconds, so the round stays
+    within :data:`WAITING_POLLS_PER_SECOND` (a round of up to 200 members
+    asking every 0.1 s is not held back; torch serves its state for 1 s at
+    any size); a waiting node or a lost member is then seen late by at most
+    that much.
+
+    Args:
+        world_size: The number of participants of the round.
+
+    Returns:
+        Seconds.
+    """
+    return world_size / WAITING_POLLS_PER_SECOND
 
 
 def state_wait_cap(queue_length: int) -> float:
