@@ -287,6 +287,61 @@ def test_a_node_that_finds_its_round_sealed_before_its_seat_waits_for_the_seat()
             h.pre_shutdown()
 
 
+class _Ordered(CountingStore):
+    """Records the appends and deletes of one client in order."""
+
+    def __init__(self, inner: HashStore) -> None:
+        super().__init__(inner)
+        self.writes: list[tuple[str, str]] = []
+
+    def append(self, key: str, value: Value) -> None:
+        self.writes.append(("append", key))
+        super().append(key, value)
+
+    def delete_key(self, key: str) -> bool:
+        self.writes.append(("delete", key))
+        return super().delete_key(key)
+
+
+def test_the_sealer_confirms_before_it_drops_old_rounds() -> None:
+    """A seal of round r makes round r - 2's queues droppable. The deletes
+    have replies, which a loaded store serves behind every member's
+    confirmation; the round's verdict waits for the sealer's confirmation
+    too, so the sealer confirms first and drops afterwards."""
+    shared = HashStore(timeout=30)
+    clients = [_Ordered(shared) for _ in range(3)]
+    handlers = [
+        DynamicRendezvousHandler.from_backend(
+            "drops",
+            c,
+            C10dRendezvousBackend(c, "drops"),
+            3,
+            3,
+            local_addr=f"10.7.0.{i}",
+            timeout=RendezvousTimeout(join=60, last_call=0.1),
+            keep_alive_interval=30,
+        )
+        for i, c in enumerate(clients)
+    ]
+    try:
+        for round_id in range(3):
+            threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in handlers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert not any(t.is_alive() for t in threads), f"round {round_id} did not complete"
+        dropping = [c for c in clients if ("delete", "rdzv.backend/drops/q/0") in c.writes]
+        assert len(dropping) == 1, [c.writes for c in clients]
+        writes = dropping[0].writes
+        confirmed = writes.index(("append", "rdzv.backend/drops/c/2"))
+        assert confirmed < writes.index(("delete", "rdzv.backend/drops/q/0")), writes
+        assert shared.add("shared/rdzv.backend/drops/q/0/n", 0) == 0
+    finally:
+        for h in handlers:
+            h.pre_shutdown()
+
+
 def test_the_wait_list_is_read_only_when_asked() -> None:
     infos, clients, _ = _form(3)
     next_queue = [k for c in clients for k in c.keys_read if "/q/1" in k]

@@ -257,6 +257,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # (re-joining does not stop it), so a member that dies while the
         # others re-join is still found by its ring predecessor.
         self._watched: Seat | None = None
+        # The round whose queues this node's last seal made droppable.
+        self._dropping: int | None = None
         # The last answer of num_nodes_waiting: (membership, when, answer).
         self._waiting_answer: tuple[_Membership, float, int] | None = None
         self._keepalive = KeepAlive(
@@ -671,12 +673,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 # confirms, so before any member completes.
                 key = _round_key(self._prefix, round_id)
                 store_call("seal", lambda: self._store.set(key, encoded))
-            dropped = droppable_queue(round_id)
-            if dropped is not None:
-                self._queue.drop_queue(dropped)
-                drop_confirmation(self._confirms, self._store, self._prefix, dropped)
-                for key in (_leave_key(self._prefix, dropped), _round_key(self._prefix, dropped)):
-                    store_call("drop", partial(self._store.delete_key, key))
+            # Dropped once this node confirmed (_complete): requests with a
+            # reply sent now would queue behind every member's confirmation,
+            # and the round's verdict waits for this node's too.
+            self._dropping = droppable_queue(round_id)
             return plan, new_token, progress, []
         return decode_state(new_state), new_token, progress, []
 
@@ -714,7 +714,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._keepalive.wake()
         store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{seat.round}", self._store)
         self._release_port()
-        if seat.world_size > 1 and not self._confirm(member, join_deadline):
+        confirmed = seat.world_size == 1 or self._confirm(member, join_deadline)
+        self._drop_old_round()
+        if not confirmed:
             self._event("broken", seat.round, rank=seat.rank, reason="a member was lost")
             return None
         self._check_keepalive()
@@ -750,6 +752,23 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 for r in self._queue.queue_records(seat.round + 1)
             ],
         )
+
+    def _drop_old_round(self) -> None:
+        """Delete the queues and keys of the round this node's last seal made droppable.
+
+        Garbage collection: a store that fails it keeps the garbage, and the
+        round goes on (an event says so).
+        """
+        dropped, self._dropping = self._dropping, None
+        if dropped is None:
+            return
+        try:
+            self._queue.drop_queue(dropped)
+            drop_confirmation(self._confirms, self._store, self._prefix, dropped)
+            for key in (_leave_key(self._prefix, dropped), _round_key(self._prefix, dropped)):
+                store_call("drop", partial(self._store.delete_key, key))
+        except RendezvousConnectionError as exc:
+            self._event("drop-failed", dropped, error=str(exc))
 
     def _participants_of(self, member: _Membership) -> tuple[str, ...]:
         """Return the node keys of ``member``'s round in rank order, reading the state if needed.
