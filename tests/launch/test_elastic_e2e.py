@@ -68,7 +68,9 @@ def test_a_killed_agent_shrinks_the_group(endpoint: str, tmp_path: Path) -> None
             results = [finish(p) for p in survivors]
         assert [code for code, _, _ in results] == [0, 0], results
         wait_for(lambda: not alive(victim_pid), timeout=10, what="the victim's worker to end")
-        assert sorted(e["RANK"] for e in with_world(tmp_path, 2))[-2:] == ["0", "1"]
+        # Each round of 2 (an extra one may form first under load, before
+        # the third agent arrives) ranks its two workers 0 and 1.
+        assert {e["RANK"] for e in with_world(tmp_path, 2)} == {"0", "1"}
         assert {e["TORCHELASTIC_RESTART_COUNT"] for e in envs(tmp_path)} == {"0"}
     finally:
         kill_pids(pids)
