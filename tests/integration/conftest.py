@@ -113,6 +113,10 @@ def agents() -> Iterator[Callable[..., Agent]]:
     finally:
         for agent in started:
             agent.stop()
+        # Shown only when the test fails: every agent's events, not just
+        # those of the one whose wait ran out.
+        for agent in started:
+            print(f"agent {agent.proc.pid}: {agent.lines}")
 
 
 @pytest.fixture
