@@ -151,6 +151,31 @@ class CountingStore(PrefixStore):
         return value
 
 
+def _handlers(
+    clients: Sequence[CountingStore],
+    run_id: str,
+    nodes: tuple[int, int],
+    net: str,
+    keep_alive: float = 30,
+    **options: object,
+) -> list[DynamicRendezvousHandler]:
+    """One c10d handler per client; min and max ``nodes``, addresses ``<net>.<i>``."""
+    return [
+        DynamicRendezvousHandler.from_backend(
+            run_id,
+            client,
+            C10dRendezvousBackend(client, run_id),
+            nodes[0],
+            nodes[1],
+            local_addr=f"{net}.{i}",
+            timeout=RendezvousTimeout(join=60, last_call=0.1),
+            keep_alive_interval=keep_alive,
+            **options,  # type: ignore[arg-type]
+        )
+        for i, client in enumerate(clients)
+    ]
+
+
 def _form(size: int) -> tuple[list[RendezvousInfo], list[CountingStore], HashStore]:
     shared = HashStore(timeout=30)
     clients = [CountingStore(shared) for _ in range(size)]
@@ -310,19 +335,7 @@ def test_the_sealer_confirms_before_it_drops_old_rounds() -> None:
     too, so the sealer confirms first and drops afterwards."""
     shared = HashStore(timeout=30)
     clients = [_Ordered(shared) for _ in range(3)]
-    handlers = [
-        DynamicRendezvousHandler.from_backend(
-            "drops",
-            c,
-            C10dRendezvousBackend(c, "drops"),
-            3,
-            3,
-            local_addr=f"10.7.0.{i}",
-            timeout=RendezvousTimeout(join=60, last_call=0.1),
-            keep_alive_interval=30,
-        )
-        for i, c in enumerate(clients)
-    ]
+    handlers = _handlers(clients, "drops", (3, 3), "10.7.0")
     try:
         for round_id in range(3):
             threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in handlers]
@@ -474,20 +487,7 @@ def test_num_nodes_waiting_reads_the_backend_at_most_once_per_gap() -> None:
 
     shared = HashStore(timeout=30)
     clients = [CountingStore(shared) for _ in range(3)]
-    handlers = [
-        DynamicRendezvousHandler.from_backend(
-            "gap",
-            c,
-            C10dRendezvousBackend(c, "gap"),
-            2,
-            3,
-            local_addr=f"10.6.0.{i}",
-            timeout=RendezvousTimeout(join=60, last_call=0.1),
-            keep_alive_interval=30,
-            clock=clock,
-        )
-        for i, c in enumerate(clients)
-    ]
+    handlers = _handlers(clients, "gap", (2, 3), "10.6.0", clock=clock)
     threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in handlers[:2]]
     for t in threads:
         t.start()
@@ -518,19 +518,7 @@ def test_num_nodes_waiting_reads_the_backend_at_most_once_per_gap() -> None:
 def test_an_unchanged_round_is_polled_without_reading_the_state() -> None:
     shared = HashStore(timeout=30)
     clients = [CountingStore(shared) for _ in range(3)]
-    handlers = [
-        DynamicRendezvousHandler.from_backend(
-            "poll",
-            c,
-            C10dRendezvousBackend(c, "poll"),
-            3,
-            3,
-            local_addr=f"10.2.0.{i}",
-            timeout=RendezvousTimeout(join=60, last_call=0.1),
-            keep_alive_interval=5,
-        )
-        for i, c in enumerate(clients)
-    ]
+    handlers = _handlers(clients, "poll", (3, 3), "10.2.0", keep_alive=5)
     threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in handlers]
     for t in threads:
         t.start()
