@@ -286,14 +286,11 @@ class C10dRendezvousBackend(
     ) -> Token | None:
         key = self._seat_key(validate_node_key(node))
         store = self._store
-        if token is None:
-            known = b""  # a seat of any head is newer than nothing stored
-        elif isinstance(token, bytes) and self._is_head(token):
-            known = token[_GENERATION]
-        else:
+        headed = isinstance(token, bytes) and self._is_head(token)
+        if not store.supports_watch or not (token is None or headed):
             return self.wait_for_token(token, timeout)
-        if not store.supports_watch:
-            return self.wait_for_token(token, timeout)
+        # A seat of any head is newer than nothing stored.
+        known = b"" if token is None else token[_GENERATION]
         deadline = time.monotonic() + timeout
         while True:
             previous = self._seats_seen.get(node)
