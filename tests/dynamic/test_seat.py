@@ -179,19 +179,7 @@ def _handlers(
 def _form(size: int) -> tuple[list[RendezvousInfo], list[CountingStore], HashStore]:
     shared = HashStore(timeout=30)
     clients = [CountingStore(shared) for _ in range(size)]
-    handlers = [
-        DynamicRendezvousHandler.from_backend(
-            "seats",
-            client,
-            C10dRendezvousBackend(client, "seats"),
-            size,
-            size,
-            local_addr=f"10.1.{i // 250}.{i % 250}",
-            timeout=RendezvousTimeout(join=60, last_call=0.1),
-            keep_alive_interval=5,
-        )
-        for i, client in enumerate(clients)
-    ]
+    handlers = _handlers(clients, "seats", (size, size), "10.1.0", keep_alive=5)
     infos: list[RendezvousInfo | None] = [None] * size
 
     def join(i: int) -> None:
@@ -281,19 +269,7 @@ def test_a_node_that_finds_its_round_sealed_before_its_seat_waits_for_the_seat()
     waiting = CountingStore(shared)
     sealing = _LateSeats(shared, lag=1.3)
 
-    def handler(client: CountingStore, addr: str) -> DynamicRendezvousHandler:
-        return DynamicRendezvousHandler.from_backend(
-            "late",
-            client,
-            C10dRendezvousBackend(client, "late"),
-            2,
-            2,
-            local_addr=addr,
-            timeout=RendezvousTimeout(join=60, last_call=30),
-            keep_alive_interval=30,
-        )
-
-    first, second = handler(waiting, "10.5.0.1"), handler(sealing, "10.5.0.2")
+    first, second = _handlers([waiting, sealing], "late", (2, 2), "10.5.0")
     infos: list[RendezvousInfo] = []
     joining = threading.Thread(target=lambda: infos.append(first.next_rendezvous()), daemon=True)
     joining.start()
@@ -370,19 +346,8 @@ def test_a_leave_wakes_no_member_waiting_for_the_next_round() -> None:
     (each waits on its own seat); only the one that seals reads the state."""
     shared = HashStore(timeout=30)
     clients = [CountingStore(shared) for _ in range(4)]
-    handlers = [
-        DynamicRendezvousHandler.from_backend(
-            "leave",
-            client,
-            C10dRendezvousBackend(client, "leave"),
-            3,
-            4,
-            local_addr=f"10.3.0.{i}",
-            timeout=RendezvousTimeout(join=60, last_call=0.1),
-            keep_alive_interval=30,  # nobody is judged dead meanwhile
-        )
-        for i, client in enumerate(clients)
-    ]
+    # keep-alive 30 s: nobody is judged dead meanwhile
+    handlers = _handlers(clients, "leave", (3, 4), "10.3.0")
     infos: list[RendezvousInfo | None] = [None] * 4
 
     def join(i: int) -> None:
