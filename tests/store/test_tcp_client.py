@@ -377,8 +377,46 @@ def test_the_directly_built_frames_are_encode_requests(rdzv_server: TCPStoreServ
         ]
 
 
-def test_an_add_out_of_range_is_refused_as_before(rdzv_server: TCPStoreServer) -> None:
+def test_an_add_out_of_range_is_a_value_error_that_sends_nothing(
+    rdzv_server: TCPStoreServer,
+) -> None:
     with TCPStore("127.0.0.1", rdzv_server.port, timeout=5) as store:
-        with pytest.raises(RendezvousConnectionError, match="request fields do not fit opcode"):
+        before = store._sock
+        with pytest.raises(ValueError, match="amount to add 9223372036854775808 does not fit"):
             store.add("frames/big", 1 << 63)
-        assert store.add("frames/big", 1) == 1  # connected again
+        assert store._sock is before  # the connection was kept
+        assert store.add("frames/big", 1) == 1
+
+
+class _TricklingSocket(_RecordingSocket):
+    """A client's socket whose every ``recv`` returns at most one byte."""
+
+    def recv(self, size: int) -> bytes:
+        return self.sock.recv(min(size, 1))
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["whole", "one-byte-recvs"])
+def test_replies_whole_or_cut_anywhere_read_the_same(
+    rdzv_server: TCPStoreServer, trickle: bool
+) -> None:
+    # add, get and compare_set decode a reply that one recv brought whole
+    # straight from it; cut anywhere, they read it from the buffer instead.
+    with TCPStore("127.0.0.1", rdzv_server.port, timeout=0.3) as store:
+        store.set("cut/warm", b"")
+        sock = store._sock
+        assert sock is not None
+        if trickle:
+            store._sock = _TricklingSocket(sock)  # type: ignore[assignment]
+        current = store._sock
+        assert store.add("cut/n", 5) == 5
+        assert store.add("cut/n", -7) == -2
+        store.set("cut/k", b"x" * 300)
+        assert store.get("cut/k") == b"x" * 300
+        assert store.get("cut/warm") == b""
+        assert store.compare_set("cut/k", b"x" * 300, b"y") == b"y"
+        assert store.compare_set("cut/k", b"nope", b"z") == b"y"
+        with pytest.raises(StoreTimeoutError, match="cut/absent"):
+            store.get("cut/absent")
+        assert store._reader.pending == 0
+        assert store.add("cut/n", 2) == 0  # still in step on the same connection
+        assert store._sock is current
