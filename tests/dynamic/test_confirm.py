@@ -120,3 +120,26 @@ def test_waiting_members_check_within_the_budget(world_size: int, dead_after: fl
     assert period <= max(1.0, dead_after / 4)  # a lost member is noticed soon after its eviction
     assert period >= min(1.0, world_size / CHECKS_PER_SECOND)  # the round's checks stay in budget
     assert period >= dead_after / 4  # no check before an eviction could have come
+
+
+def test_a_slice_without_the_verdict_is_one_request_on_a_store_that_watches() -> None:
+    # At 8,192 members the first confirm seconds before the last: each slice
+    # they wait costs one request (the server ends it), not a WAIT and its
+    # CANCEL_WAIT.
+    from rdzv.store.server import TCPStoreServer
+    from rdzv.store.tcp import TCPStore
+
+    with (
+        TCPStoreServer("127.0.0.1", 0) as server,
+        TCPStore("127.0.0.1", server.port, timeout=5) as store,
+    ):
+        assert store.supports_watch
+        confirmation = RoundConfirmation(
+            StoreJoinQueue(store, "run/", "c"), store, "run/", 4, 2, lambda: ("a", "b")
+        )
+        confirmation.confirm("a")
+        before = server.requests
+        assert not confirmation.wait(0.1)
+        assert server.requests - before == 1
+        confirmation.confirm("b")
+        assert confirmation.wait(0.1)
