@@ -47,7 +47,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, overload
 
 from rdzv.errors import (
     RendezvousConnectionError,
@@ -525,37 +525,30 @@ class TCPStore(Store):
                 self._drop_connection()
                 raise
 
-    def _post(self, frame: bytes) -> None:
-        """Send one encoded request that has no reply (``set``, ``append`` ...).
+    @overload
+    def _exchange(self, frame: bytes) -> None: ...
 
-        :meth:`_call` of one ``sendall``, written out: the whole call is a
-        few microseconds of Python, so a closure and a method call per
-        request are a measurable share of it.
-        """
-        with self._lock:
-            sock = self._sock
-            if sock is None:
-                sock = self._ensure_connected()
-            try:
-                sock.sendall(frame)
-            except OSError as exc:
-                raise self._broken(exc) from exc
-            except BaseException:
-                self._drop_connection()
-                raise
-
+    @overload
     def _exchange(
         self, frame: bytes, whole: Callable[[bytes], _T | None], rest: Callable[[], _T]
-    ) -> _T:
-        """Send one encoded request and return its reply: the frequent requests' round trip.
+    ) -> _T: ...
 
-        :meth:`_call` of a ``sendall`` and a read, written out: the whole
-        call is a few microseconds of Python, so each call saved is a
-        measurable share of it. When nothing is buffered and the reply
-        timeout is the default, one ``recv`` usually brings exactly the
-        reply, which ``whole`` decodes; it returns None for anything else
-        (part of a reply, an error status), and ``rest`` reads the reply
-        from the buffer as :meth:`_read` does.
+    def _exchange(
+        self,
+        frame: bytes,
+        whole: Callable[[bytes], _T | None] | None = None,
+        rest: Callable[[], _T] | None = None,
+    ) -> _T | None:
+        """Send one encoded request and return its reply (None: a request without one).
+
+        :meth:`_call` of a ``sendall`` and a read, written out for the
+        frequent requests: the whole call is a few microseconds of Python,
+        so each call saved is a measurable share of it. When nothing is
+        buffered and the reply timeout is the default, one ``recv`` usually
+        brings exactly the reply, which ``whole`` decodes; it returns None
+        for anything else (part of a reply, an error status), and ``rest``
+        reads the reply from the buffer as :meth:`_read` does. Without
+        ``rest`` (``set``, ``append``...), nothing is read.
         """
         with self._lock:
             sock = self._sock
@@ -563,7 +556,13 @@ class TCPStore(Store):
                 sock = self._ensure_connected()
             try:
                 sock.sendall(frame)
-                if self._recv_timeout == self._reply_timeout and not self._reader.pending:
+                if rest is None:
+                    return None
+                if (
+                    whole is not None
+                    and self._recv_timeout == self._reply_timeout
+                    and not self._reader.pending
+                ):
                     data = _receive(sock)
                     value = whole(data)
                     if value is not None:
@@ -699,7 +698,7 @@ class TCPStore(Store):
     def set(self, key: str, value: Value) -> None:  # noqa: D102 - documented on Store
         wire = _wire_key(key)
         data = _value(value)
-        self._post(b"".join((_SET, _SIZE(len(wire)), wire, _SIZE(len(data)), data)))
+        self._exchange(b"".join((_SET, _SIZE(len(wire)), wire, _SIZE(len(data)), data)))
 
     def get(self, key: str) -> bytes:  # noqa: D102
         wire = _wire_key(key)
@@ -801,7 +800,7 @@ class TCPStore(Store):
         self._call(lambda: self._send(request))
 
     def append(self, key: str, value: Value) -> None:  # noqa: D102
-        self._post(encode_request(Request(Op.APPEND, (_wire_key(key),), (_value(value),))))
+        self._exchange(encode_request(Request(Op.APPEND, (_wire_key(key),), (_value(value),))))
 
     def list_keys(self) -> list[str]:
         """Return every user key on the server (keys outside torch's ``/`` namespace are left out)."""
@@ -821,7 +820,7 @@ class TCPStore(Store):
         return self._call(list_keys)
 
     def queue_push(self, key: str, value: Value) -> None:  # noqa: D102
-        self._post(encode_request(Request(Op.QUEUE_PUSH, (_wire_key(key),), (_value(value),))))
+        self._exchange(encode_request(Request(Op.QUEUE_PUSH, (_wire_key(key),), (_value(value),))))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:  # noqa: D102
         wire = _wire_key(key)
