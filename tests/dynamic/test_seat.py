@@ -260,14 +260,19 @@ class _LateSeats(CountingStore):
         super().multi_set(keys, values)
 
 
-def test_a_node_that_finds_its_round_sealed_before_its_seat_waits_for_the_seat() -> None:
+@pytest.mark.parametrize("lag", [1.3, 2.5])
+def test_a_node_that_finds_its_round_sealed_before_its_seat_waits_for_the_seat(
+    lag: float,
+) -> None:
     """Seats follow the seal's compare-and-set. A waiting node whose wait cap
     (1 s) ends in between finds its round sealed with no seat for it yet; it
     waits for the seat instead of reading the state (at 8,192 nodes, those
-    that read it read 240 KB each, thousands at once)."""
+    that read it read 240 KB each, thousands at once), also when the seats
+    come over a second later, past its next wait cap (a starved sealer,
+    in a recovery of 1,024 beside a second one)."""
     shared = HashStore(timeout=30)
     waiting = CountingStore(shared)
-    sealing = _LateSeats(shared, lag=1.3)
+    sealing = _LateSeats(shared, lag=lag)
 
     first, second = _handlers([waiting, sealing], "late", (2, 2), "10.5.0")
     infos: list[RendezvousInfo] = []
@@ -502,3 +507,24 @@ def test_an_unchanged_round_is_polled_without_reading_the_state() -> None:
     finally:
         for h in handlers:
             h.pre_shutdown()
+
+
+def test_a_waiting_node_whose_summary_was_replaced_reads_the_newest_one_not_the_state() -> None:
+    """Members that re-join together race with the leave and the eviction:
+    the head a waiting node looked at can be replaced, summary and all,
+    before it reads that head's summary. It reads the newest write's
+    summary then; it read the whole state before (dozens of 28 KB reads in
+    a recovery of 1,024 beside a second one)."""
+    store = HashStore(timeout=5)
+    backend = _RacedBackend(store, races=0)
+    backend.write(RendezvousState(2, (A, B, C), bootstrap_port=7))
+    seen = backend.other.read()[1]
+    backend.write(RendezvousState(3, (A, B, C), bootstrap_port=7))  # the head moved on
+    backend.races = 1  # and moves again between the node's look at it and its summary read
+    handler = DynamicRendezvousHandler.from_backend(
+        "raced", store, backend, 1, 3, local_addr="10.9.0.1"
+    )
+    view, token, seated = handler._wait_state(None, seen, 9, 0.05, 0, 5.0)
+    assert seated is None
+    assert isinstance(view, StateSummary)
+    assert view == StateSummary.of(backend.written[token])

@@ -166,13 +166,19 @@ _SHUTDOWN_WITHIN = 5.0
 """Seconds ``shutdown`` waits for the backend before giving up on leaving cleanly."""
 _JOIN_GRACE = 1.0
 """Seconds a backend call may run past the join deadline (the machine fails the join at it)."""
-_SEAT_LAG = 1.0
+_SEAT_LAG = 3.0
 """Seconds a node that finds its round sealed waits for its seat before reading the state.
 
 A seal stores the members' seats right after its compare-and-set; a node
 that looks in between finds the round sealed and its seat not yet there.
 It reads the whole state only if the seat has not come by then (the
-sealer died in between, or the seal left this node out)."""
+sealer died in between, or the seal left this node out: a spare then
+learns it a few seconds later, and waits for the next round anyway). The
+wait is not cut at the node's wait cap (``state_wait_cap``), which paces
+its readings of the queue before a seal. At 1 s, in a recovery of 1,024
+nodes run beside a second one, the sealer's seats came more than a second
+after its compare-and-set (its thread one of 128 in a starved process),
+and 200 to 430 members read the 28 KB state."""
 _QUEUE_WAIT_CAP = 0.05
 """Seconds a deferred seal waits on the queue before it reads the state again.
 
@@ -546,6 +552,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         progress.round_id,
                         min(remaining, state_wait_cap(queue_length)),
                         attempt,
+                        remaining,
                     )
                     attempt += 1
                     if seated is None and (state is None or state.round < progress.round_id):
@@ -574,6 +581,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         round_id: int,
         timeout: float,
         attempt: int,
+        join_left: float,
     ) -> tuple[StateView | None, Token | None, _Membership | None]:
         """Wait for the state to change; on a seated backend, read this node's seat first.
 
@@ -581,6 +589,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         reading the participant list. Otherwise the new write's summary is
         read, and the state whole only when that write sealed ``round_id``
         or a later round (a summary cannot tell a member) or stored none.
+        Once the summary says ``round_id`` is sealed, this node waits up to
+        :data:`_SEAT_LAG` for its seat, ``timeout`` or not, but never past
+        ``join_left`` (the seconds left before the join deadline).
 
         Returns:
             ``(state, token, membership)``: the membership when a seat of
@@ -594,13 +605,22 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if current == token:
             return state, token, None
         summary = None if current is None else self._shared.read_summary(current)
+        if summary is None and current is not None:
+            # A later write replaced the summary read for: members that
+            # re-join together race with the leave and the eviction of the
+            # dead (in a recovery of 1,024 beside a second one, dozens read
+            # the 28 KB state for it). Read the newest write's.
+            view, current = self._shared.read_view()
+            if not isinstance(view, StateSummary):
+                return view, current, None
+            summary = view
         if summary is not None and summary.round < round_id:
             return summary, current, None
         if summary is not None and summary.round == round_id and not summary.closed:
             # Sealed, and members' seats follow the seal's compare-and-set:
             # this node's may be on its way (at 8,192 nodes, those that
             # looked in between read the 240 KB state, thousands at once).
-            seating, seat = self._shared.wait_seat(token, min(timeout, _SEAT_LAG), self._node)
+            seating, seat = self._shared.wait_seat(token, min(join_left, _SEAT_LAG), self._node)
             if seat is not None and seat.round == round_id:
                 return state, token, _Membership(seat, seating, None)
         return (*self._shared.read(), None)
