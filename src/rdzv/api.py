@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Union, cast
 from rdzv.backends.base import validate_run_id
 from rdzv.errors import RendezvousStateError, RendezvousTimeoutError
 from rdzv.net import primary_address
-from rdzv.store.base import Store
+from rdzv.store.base import MAX_DURATION, Store
 
 __all__ = [
     "DEFAULT_KEEP_ALIVE_INTERVAL",
@@ -43,10 +43,6 @@ DEFAULT_KEEP_ALIVE_INTERVAL = 5
 
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3
 """Heartbeats a node may miss before it is judged dead (``keep_alive_max_attempt``)."""
-
-
-MAX_DURATION = 366 * 24 * 3600.0
-"""The longest timeout or interval, in seconds (a year): longer ones are typos."""
 
 
 def _duration(

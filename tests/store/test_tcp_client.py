@@ -8,6 +8,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 
@@ -420,3 +421,26 @@ def test_replies_whole_or_cut_anywhere_read_the_same(
         assert store._reader.pending == 0
         assert store.add("cut/n", 2) == 0  # still in step on the same connection
         assert store._sock is current
+
+
+@pytest.mark.parametrize("timeout", [timedelta.max, 1e10, 366 * 24 * 3600 + 1])
+def test_a_timeout_over_a_year_is_a_value_error_naming_it(
+    rdzv_server: TCPStoreServer, timeout: timedelta | float
+) -> None:
+    # Such timeouts no longer fit the calls that carry them: they failed
+    # with OverflowError, struct.error, or a "connection failed" that
+    # dropped the connection.
+    with pytest.raises(ValueError, match=r"at most 3.16224e\+07 s \(a year\)"):
+        TCPStore("127.0.0.1", rdzv_server.port, timeout=timeout)
+    with TCPStore("127.0.0.1", rdzv_server.port, timeout=5) as store:
+        store.set("year/k", b"v")
+        connection = store._sock
+        for call in (
+            lambda: store.wait(["year/k"], timeout),
+            lambda: store.watch("year/k", None, timeout),
+            lambda: store.set_timeout(timeout),
+        ):
+            with pytest.raises(ValueError, match="a year"):
+                call()
+        assert store._sock is connection
+        assert store.get("year/k") == b"v"

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_STORE_TIMEOUT",
+    "MAX_DURATION",
     "Store",
     "Timeout",
     "Value",
@@ -71,6 +72,14 @@ def check_multi_set(keys: Sequence[str], values: Sequence[Value]) -> None:
         )
 
 
+MAX_DURATION = 366 * 24 * 3600.0
+"""The longest timeout or interval, in seconds (a year): longer ones are typos.
+
+Past a few hundred years a timeout no longer fits the system calls that
+carry it (a socket's timeout, a request's milliseconds); a year is far
+below that and far above any wait a rendezvous or a store has."""
+
+
 def to_seconds(timeout: Timeout, name: str = "timeout") -> float:
     """Convert a timeout given as ``timedelta`` or seconds to seconds.
 
@@ -79,10 +88,11 @@ def to_seconds(timeout: Timeout, name: str = "timeout") -> float:
         name: The parameter name used in error messages.
 
     Returns:
-        The timeout in seconds, a finite non-negative float.
+        The timeout in seconds, a non-negative float of at most
+        :data:`MAX_DURATION`.
 
     Raises:
-        ValueError: The timeout is negative or not finite.
+        ValueError: The timeout is negative, not finite or over a year.
         TypeError: The timeout is not a ``timedelta`` or a number.
     """
     if isinstance(timeout, timedelta):
@@ -93,6 +103,8 @@ def to_seconds(timeout: Timeout, name: str = "timeout") -> float:
         raise TypeError(f"{name} must be a timedelta or seconds, not {type(timeout).__name__}")
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{name} must be a finite non-negative duration, got {timeout!r}")
+    if seconds > MAX_DURATION:
+        raise ValueError(f"{name} must be at most {MAX_DURATION:g} s (a year), got {timeout!r}")
     return seconds
 
 
