@@ -444,3 +444,17 @@ def test_a_timeout_over_a_year_is_a_value_error_naming_it(
                 call()
         assert store._sock is connection
         assert store.get("year/k") == b"v"
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1 << 63])
+def test_a_barrier_of_an_impossible_size_is_a_value_error_that_sends_nothing(
+    rdzv_server: TCPStoreServer, world_size: int
+) -> None:
+    with TCPStore("127.0.0.1", rdzv_server.port, timeout=5) as store:
+        connection = store._sock
+        with pytest.raises(
+            ValueError, match=f"world_size must be in 1..2\\*\\*63-1, got {world_size}"
+        ):
+            store.barrier("bar/k", world_size, 0.1)
+        assert store._sock is connection
+        assert store.add(f"bar/n{world_size}", 1) == 1

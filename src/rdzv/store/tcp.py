@@ -751,8 +751,13 @@ class TCPStore(Store):
 
         Raises:
             StoreTimeoutError: Fewer callers arrived within the timeout.
+            ValueError: ``world_size`` is below 1 or beyond a signed 64-bit
+                integer (nothing is sent).
         """
-        request = Request(Op.BARRIER, (_wire_key(key),), (), int(world_size))
+        world_size = int(world_size)
+        if not 1 <= world_size < 1 << 63:
+            raise ValueError(f"barrier world_size must be in 1..2**63-1, got {world_size}")
+        request = Request(Op.BARRIER, (_wire_key(key),), (), world_size)
         seconds = self._seconds(timeout)
         self._call(lambda: self._wait_raw(request, seconds, f"barrier {key!r}"))
 
