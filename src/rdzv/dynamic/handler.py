@@ -552,7 +552,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         progress.round_id,
                         min(remaining, state_wait_cap(queue_length)),
                         attempt,
-                        remaining,
+                        max(0.0, progress.started_at + self._limits.join_timeout - now),
                     )
                     attempt += 1
                     if seated is None and (state is None or state.round < progress.round_id):
