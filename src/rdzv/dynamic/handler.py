@@ -495,7 +495,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     # decide() completes on a state, never on a summary.
                     assert isinstance(state, RendezvousState)
                     member = _Membership.of(state, token, self._node)
-                info = self._complete(member, progress.started_at + self._limits.join_timeout)
+                info = self._complete(member, progress.deadline(self._limits))
                 if info is not None:
                     return info
                 # A member was lost before every member confirmed, or rank 0
@@ -552,7 +552,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         progress.round_id,
                         min(remaining, state_wait_cap(queue_length)),
                         attempt,
-                        max(0.0, progress.started_at + self._limits.join_timeout - now),
+                        max(0.0, progress.deadline(self._limits) - now),
                     )
                     attempt += 1
                     if seated is None and (state is None or state.round < progress.round_id):
@@ -568,9 +568,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         joined=queue_length,
                         min_nodes=self._limits.min_nodes,
                         max_nodes=self._limits.max_nodes,
-                        timeout_in=round(
-                            progress.started_at + self._limits.join_timeout - self._clock(), 3
-                        ),
+                        timeout_in=round(progress.deadline(self._limits) - self._clock(), 3),
                     )
             now = self._clock()
 

@@ -134,6 +134,10 @@ class JoinProgress:
     max_seen_at: float | None = None
     blocked: tuple[int, RendezvousState | None] | None = None
 
+    def deadline(self, limits: Limits) -> float:
+        """Return when the join times out: ``join_timeout`` after it began."""
+        return self.started_at + limits.join_timeout
+
 
 class FailReason(enum.Enum):
     """Why a join ends without a round."""
@@ -298,7 +302,7 @@ def decide(
         return Requeue(next_round)
     if progress.position is None:
         return Enqueue(progress.round_id)
-    join_deadline = progress.started_at + limits.join_timeout
+    join_deadline = progress.deadline(limits)
     if now >= join_deadline:
         exhausted = queue_length < limits.min_nodes
         return Fail(FailReason.EXHAUSTED if exhausted else FailReason.TIMEOUT)
