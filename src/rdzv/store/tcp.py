@@ -635,13 +635,13 @@ class TCPStore(Store):
             _release_server(server, self._multi_tenant)
 
     def _join_workers(self, world_size: int, is_master: bool) -> None:
-        self._call(lambda: self._add_raw(_INIT_KEY, 1))
+        self._add_wire(_INIT_KEY, 1)
         if not is_master:
             return
         budget = self.timeout.total_seconds()
         deadline = time.monotonic() + budget
         pause = _BACKOFF_FIRST
-        while (joined := self._call(lambda: self._add_raw(_INIT_KEY, 0))) < world_size:
+        while (joined := self._add_wire(_INIT_KEY, 0)) < world_size:
             if time.monotonic() >= deadline:
                 raise StoreTimeoutError(
                     f"only {joined} of {world_size} workers connected to the store at "
@@ -667,12 +667,6 @@ class TCPStore(Store):
         return math.ceil(seconds * 1000)
 
     # -- raw operations (lock held, socket connected) ------------------------
-
-    def _add_raw(self, key: bytes, amount: int) -> int:
-        sock = self._sock
-        assert sock is not None
-        sock.sendall(b"".join((_ADD, _SIZE(len(key)), key, _number(amount, "the amount to add"))))
-        return self._read_i64()
 
     def _wait_raw(self, request: Request, seconds: float, what: str) -> None:
         """Send a WAIT or BARRIER and read its answer, cancelling on timeout."""
@@ -722,8 +716,11 @@ class TCPStore(Store):
         return self._call(get)
 
     def add(self, key: str, amount: int) -> int:  # noqa: D102
-        wire = _wire_key(key)
-        frame = b"".join((_ADD, _SIZE(len(wire)), wire, _number(int(amount), "the amount to add")))
+        return self._add_wire(_wire_key(key), int(amount))
+
+    def _add_wire(self, wire: bytes, amount: int) -> int:
+        """``add`` of a key already in its wire form (``init/`` has no ``/`` prefix)."""
+        frame = b"".join((_ADD, _SIZE(len(wire)), wire, _number(amount, "the amount to add")))
         return self._exchange(frame, _whole_i64, self._read_i64)
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:  # noqa: D102
