@@ -22,7 +22,9 @@ reply can count a member twice), writes the verdict key in the store. Every
 member waits for the verdict in short slices (:func:`check_period`) and,
 between them, reads the state: once the round is gone or a member of it was
 evicted (the ring predecessor of a dead member judges and evicts it, as
-after any death), it joins the next round instead, within the same call. A
+after any death; a member's ring judging starts at the verdict, or at its
+first slice that passes without it), it joins the next round instead,
+within the same call. A
 round with a dead member therefore completes for nobody, and the verdict
 proves that every member was alive after the seal.
 

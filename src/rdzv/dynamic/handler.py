@@ -727,12 +727,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._lock:
             self._member_of = member
             self._watched = seat
-        # The ring judging starts now: a member that died in the queue is
-        # evicted by its predecessor while the others wait to confirm.
-        self._keepalive.wake()
         store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{seat.round}", self._store)
         self._release_port()
         confirmed = seat.world_size == 1 or self._confirm(member, join_deadline)
+        # The ring judging starts at the verdict, or at the confirmation's
+        # first late slice (see _confirm), whichever comes first.
+        self._keepalive.wake()
         self._drop_old_round()
         if not confirmed:
             self._event("broken", seat.round, rank=seat.rank, reason="a member was lost")
@@ -827,7 +827,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
         confirmation.confirm(self._node)
         period = check_period(seat.world_size, self._dead_after)
+        judging = False
         while not confirmation.wait(period):
+            if not judging:
+                # No verdict within a slice: a member may have died in the
+                # queue, and its ring predecessor must judge it. Until now
+                # the ring's first readings would only have competed with
+                # the confirmations of a large round.
+                self._keepalive.wake()
+                judging = True
             # The token alone tells a seated member that nothing changed.
             changed, current = self._shared.changed_since(member.token)
             if changed and member_lost(seat.round, seat.world_size, current):

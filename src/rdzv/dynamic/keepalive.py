@@ -10,8 +10,9 @@ tick it does two independent things:
   the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
 * **judge**: more often (once the node is a member, which :meth:`KeepAlive.wake`
-  signals, the first reading a random part of one period later, so that
-  the members of a round do not all read at the instant it is sealed;
+  signals: the handler calls it at the round's verdict, or when a
+  confirmation slice passes without it; the first reading a random part of
+  one period later, so that the members of a round do not all read at once;
   until then the thread wakes only to beat; in a large ring less often, so that the whole ring
   stays within :data:`~rdzv.dynamic.machine.RING_READS_PER_SECOND`), it
   reads the mark of its ring successor in the last round it completed (its
@@ -144,7 +145,7 @@ class KeepAlive:
             thread.join(STOP_WAIT)
 
     def wake(self) -> None:
-        """Start judging now: the node just became a member (see the module)."""
+        """Start judging now: the round is confirmed, or its confirmation late (see the module)."""
         self._wake.set()
 
     @property
@@ -188,7 +189,7 @@ class KeepAlive:
                 if woken and seat is not None:
                     # The first reading of a new ring only sets its baseline:
                     # spread over one period, so that the members of a round
-                    # sealed at once do not all read while they confirm.
+                    # confirmed at once do not all read at once.
                     period = ring_judge_period(self._judge_every, self._interval, seat.world_size)
                     left = max(0.0, next_beat - self._clock())
                     self._clock.wait(stop, min(left, period * random.random()))
