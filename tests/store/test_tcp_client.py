@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import ssl
 import struct
@@ -14,6 +16,7 @@ import pytest
 
 import rdzv
 from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError, StoreTimeoutError
+from rdzv.store import tcp
 from rdzv.store.protocol import (
     FEATURE_AUTH_REQUIRED,
     PROBE_NONCE,
@@ -27,6 +30,7 @@ from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
 from tests.certs import TLSFiles, make_tls_files
 from tests.procs import free_port
+from tests.store.helpers import serve_process
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -458,3 +462,32 @@ def test_a_barrier_of_an_impossible_size_is_a_value_error_that_sends_nothing(
             store.barrier("bar/k", world_size, 0.1)
         assert store._sock is connection
         assert store.add(f"bar/n{world_size}", 1) == 1
+
+
+def test_a_watch_a_paused_server_ends_late_is_answered_not_a_connection_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # At 8,192 simulated nodes on two busy cores the server ended watches
+    # more than 5 s after their timeout, and the client gave up on them as
+    # on a dead connection: the reply to a watch may take as long as any.
+    monkeypatch.setattr(tcp, "_REPLY_GRACE", 0.2)
+    with serve_process() as (proc, port):
+        store = TCPStore("127.0.0.1", port, timeout=2.0)  # any reply within 2.2 s
+        store.set("k", b"v")
+
+        def pause() -> None:
+            time.sleep(0.05)  # the watch is on its way or registered
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(1.5)  # far past the watch's 0.5 s and the old 0.2 s grace
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+
+        pauser = threading.Thread(target=pause)
+        pauser.start()
+        try:
+            assert store.watch("k", b"v", 0.5) == b"v"
+        finally:
+            pauser.join()
+        assert store.get("k") == b"v"  # the connection stayed in step
+        store.close()
