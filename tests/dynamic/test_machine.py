@@ -417,6 +417,16 @@ def test_a_large_ring_reads_marks_less_often_within_one_interval() -> None:
     assert ring_judge_period(0.075, 1.0, 8192) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("waiting", [1, 100, 1000, 2048, 8192, 100_000])
+def test_nodes_waiting_for_a_seal_poll_the_queue_within_the_budget(waiting: int) -> None:
+    from rdzv.dynamic.machine import QUEUE_POLLS_PER_SECOND, state_wait_cap
+
+    cap = state_wait_cap(waiting)
+    assert cap >= 1.0  # a small queue is read once a second, for backups and progress
+    assert waiting / cap <= QUEUE_POLLS_PER_SECOND * (1 + 1e-9)
+    assert cap <= max(1.0, waiting / QUEUE_POLLS_PER_SECOND) * (1 + 1e-9)  # never slower
+
+
 _NODES = tuple(make_node_key(f"10.1.0.{i}", 1, "p") for i in range(1, 9))
 
 
