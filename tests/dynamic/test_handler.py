@@ -525,19 +525,22 @@ def test_members_re_joining_together_write_one_leave(
     assert len(attempts) == 1, f"{len(attempts)} members wrote a leave of round 0"
 
 
-class _SlowConfirmer(InMemoryBackend):
-    """Records when its ring marks are read; can hold its node's confirmation back."""
+class _HeldConfirmer(InMemoryBackend):
+    """Records when its ring marks are read; runs ``hold`` before its node confirms."""
 
     def __init__(
-        self, storage: InMemoryRendezvousStorage, reads: list[float], hold: float = 0.0
+        self,
+        storage: InMemoryRendezvousStorage,
+        reads: list[float],
+        hold: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(storage)
         self.reads, self.hold = reads, hold
         self.released: list[float] = []  # shared with the confirmation view (a shallow copy)
 
     def enqueue(self, round_id: int, record: bytes) -> int:
-        if self._queue_name == "confirm" and self.hold:
-            time.sleep(self.hold)
+        if self._queue_name == "confirm" and self.hold is not None:
+            self.hold()
             self.released.append(time.monotonic())
         return super().enqueue(round_id, record)
 
@@ -546,45 +549,52 @@ class _SlowConfirmer(InMemoryBackend):
         return super().heartbeat_mark(node)
 
 
-def test_the_ring_is_first_read_at_the_verdict_not_while_the_members_confirm() -> None:
-    # The first reading of a ring only sets its baseline. At 2,048 members
-    # (confirming over a second and more) those readings made one request in
-    # ten of a formation and competed with the confirmations.
-    storage, store = InMemoryRendezvousStorage(), HashStore(timeout=5)
-    reads: list[float] = []
-    fast = _SlowConfirmer(storage, reads)
-    late = _SlowConfirmer(storage, [], hold=1.5)  # two periods of the ring's readings
-    handlers = [
+def _pair(
+    storage: InMemoryRendezvousStorage, backends: list[_HeldConfirmer], interval: float
+) -> list[DynamicRendezvousHandler]:
+    store = HashStore(timeout=5)
+    return [
         DynamicRendezvousHandler.from_backend(
-            "job", store, backend, 2, 2, local_addr=addr, keep_alive_interval=10.0
-        )  # dead after 30 s: readings every 0.75 s, the confirmation's slices 7.5 s
-        for addr, backend in (("a", fast), ("b", late))
+            "job", store, backend, 2, 2, local_addr=addr, keep_alive_interval=interval
+        )
+        for addr, backend in zip(("a", "b"), backends, strict=True)
     ]
+
+
+def _form(handlers: list[DynamicRendezvousHandler]) -> None:
     try:
         with ThreadPoolExecutor(2) as pool:
-            infos = [
-                f.result(timeout=40) for f in [pool.submit(h.next_rendezvous) for h in handlers]
-            ]
-        _check_round(infos)
-        (released,) = late.released
-        early = [round(t - released, 3) for t in reads if t < released]
-        assert not early, f"the ring was read {early} s before the last member confirmed"
+            futures = [pool.submit(h.next_rendezvous) for h in handlers]
+            _check_round([f.result(timeout=60) for f in futures])
     finally:
         for h in handlers:
             h.shutdown()
 
 
+def test_the_ring_is_first_read_at_the_verdict_not_while_the_members_confirm() -> None:
+    # The first reading of a ring only sets its baseline. At 2,048 members
+    # (confirming over a second and more) those readings made one request in
+    # ten of a formation and competed with the confirmations.
+    storage = InMemoryRendezvousStorage()
+    reads: list[float] = []
+    late = _HeldConfirmer(storage, [], hold=lambda: time.sleep(1.5))  # two ring periods
+    # Dead after 30 s: readings every 0.75 s, the confirmation's slices 7.5 s.
+    _form(_pair(storage, [_HeldConfirmer(storage, reads), late], interval=10.0))
+    (released,) = late.released
+    early = [round(t - released, 3) for t in reads if t < released]
+    assert not early, f"the ring was read {early} s before the last member confirmed"
+
+
 def test_the_ring_judging_starts_when_a_confirmation_slice_passes_without_the_verdict() -> None:
     # A member that died in the queue never confirms; its ring predecessor
     # must start judging it while the others wait, not at its next beat.
-    storage, store = InMemoryRendezvousStorage(), HashStore(timeout=5)
-    handlers = [
-        DynamicRendezvousHandler.from_backend(
-            "job", store, InMemoryBackend(storage), 2, 2, local_addr=addr, keep_alive_interval=1.0
-        )  # dead after 3 s: the confirmation's slices 0.75 s
-        for addr in ("a", "b")
-    ]
+    storage = InMemoryRendezvousStorage()
     woken = threading.Event()
+    before_verdict: list[bool] = []
+    # b confirms once a's ring judging started (or far past the slice).
+    late = _HeldConfirmer(storage, [], hold=lambda: before_verdict.append(woken.wait(30)))
+    # Dead after 3 s: the confirmation's slices 0.75 s.
+    handlers = _pair(storage, [_HeldConfirmer(storage, []), late], interval=1.0)
     wake = handlers[0]._keepalive.wake
 
     def spy() -> None:
@@ -592,25 +602,8 @@ def test_the_ring_judging_starts_when_a_confirmation_slice_passes_without_the_ve
         wake()
 
     handlers[0]._keepalive.wake = spy  # type: ignore[method-assign]
-    confirm = handlers[1]._confirms.enqueue
-
-    before_verdict: list[bool] = []
-
-    def held(round_id: int, record: bytes) -> int:
-        # b confirms once a's ring judging started (or far past the slice).
-        before_verdict.append(woken.wait(30))
-        return confirm(round_id, record)
-
-    handlers[1]._confirms.enqueue = held  # type: ignore[method-assign]
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(h.next_rendezvous) for h in handlers]
-            infos = [f.result(timeout=60) for f in futures]
-        _check_round(infos)
-        assert before_verdict == [True], "a's ring judging waited for the verdict"
-    finally:
-        for h in handlers:
-            h.shutdown()
+    _form(handlers)
+    assert before_verdict == [True], "a's ring judging waited for the verdict"
 
 
 def test_a_node_that_died_waiting_alone_in_the_queue_completes_no_round(

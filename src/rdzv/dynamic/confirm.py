@@ -24,9 +24,8 @@ between them, reads the state: once the round is gone or a member of it was
 evicted (the ring predecessor of a dead member judges and evicts it, as
 after any death; a member's ring judging starts at the verdict, or at its
 first slice that passes without it), it joins the next round instead,
-within the same call. A
-round with a dead member therefore completes for nobody, and the verdict
-proves that every member was alive after the seal.
+within the same call. A round with a dead member therefore completes for
+nobody, and the verdict proves that every member was alive after the seal.
 
 Cost: two requests per member (the append and the wait; the last one also
 reads the queue and writes the verdict) and nothing while all are alive.

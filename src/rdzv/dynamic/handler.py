@@ -827,15 +827,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
         confirmation.confirm(self._node)
         period = check_period(seat.world_size, self._dead_after)
-        judging = False
+        ring_judging = False
         while not confirmation.wait(period):
-            if not judging:
+            if not ring_judging:
                 # No verdict within a slice: a member may have died in the
                 # queue, and its ring predecessor must judge it. Until now
                 # the ring's first readings would only have competed with
                 # the confirmations of a large round.
                 self._keepalive.wake()
-                judging = True
+                ring_judging = True
             # The token alone tells a seated member that nothing changed.
             changed, current = self._shared.changed_since(member.token)
             if changed and member_lost(seat.round, seat.world_size, current):
