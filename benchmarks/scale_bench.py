@@ -117,13 +117,14 @@ RECOVERY_INTERVAL = 1.0
 class Counter:
     """Requests and payload bytes of one agent's store calls."""
 
-    __slots__ = ("polls", "read", "requests", "written")
+    __slots__ = ("by_op", "polls", "read", "requests", "written")
 
     def __init__(self) -> None:
         self.requests = 0
         self.written = 0
         self.read = 0
         self.polls = 0
+        self.by_op: dict[str, int] = {}
 
     def snapshot(self) -> tuple[int, int, int]:
         return self.requests, self.written, self.read
@@ -162,6 +163,7 @@ class CountingStore:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             counter.requests += 1
+            counter.by_op[name] = counter.by_op.get(name, 0) + 1
             counter.written += _size(args) + _size(tuple(kwargs.values()))
             result = attr(*args, **kwargs)
             counter.read += _size(result)
@@ -325,14 +327,16 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
     done = [threading.Semaphore(0) for _ in range(rounds)]
     stop = threading.Event()
     rejoin = threading.Event()
+    closed = threading.Event()  # stdin's end: the driver is gone
 
     def commands() -> None:
         for line in sys.stdin:
             if line.startswith("rejoin"):
                 rejoin.set()
             elif line.startswith("stop"):
-                break
+                stop.set()
         stop.set()
+        closed.set()
 
     threading.Thread(target=commands, daemon=True).start()
 
@@ -359,6 +363,7 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
                     return
             begin = time.time()
             before = counters[index].snapshot()
+            ops_before = dict(counters[index].by_op)
             try:
                 info = handler.next_rendezvous()
                 after = counters[index].snapshot()
@@ -369,6 +374,11 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
                     "world": info.world_size,
                     "before": before,
                     "ops": [a - b for a, b in zip(after, before, strict=True)],
+                    "by_op": {
+                        op: c - ops_before.get(op, 0)
+                        for op, c in counters[index].by_op.items()
+                        if c > ops_before.get(op, 0)
+                    },
                     "cuts": log.cuts.pop(index, {}),
                 }
             except Exception as exc:  # reported to the driver
@@ -414,7 +424,10 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
             "cpu": time.process_time() - cpu0,
         }
         print(json.dumps(final), flush=True)
-    stop.set()
+    # Wait to be killed, or for the driver to go: the driver stops the store
+    # server first, so that the connections' TIME-WAIT is on its side (see
+    # Run.close).
+    closed.wait()
     os._exit(0)
 
 
@@ -601,12 +614,21 @@ class Run:
                     break
 
     def close(self) -> list[str]:
-        """Stop everything; return every dead judgement the agents made."""
+        """Stop everything; return every dead judgement the agents made.
+
+        The store server goes first: the side that closes a connection
+        first keeps it in TIME-WAIT for a minute, and on the server's side
+        that holds only the server's port, where on the agents' side it
+        would hold one of this host's ephemeral ports per connection (after
+        one run at 8,192 nodes, 16,384 of its 28,232, and the next run's
+        nodes could not bind their bootstrap ports: ``EADDRINUSE``).
+        """
         self.stop_agents()
-        for proc in self.procs:
-            _stop(proc)
         if self.server is not None:
             _stop(self.server)
+            time.sleep(0.5)  # the agents' kernels take the server's FINs
+        for proc in self.procs:
+            _stop(proc)
         return self.dead
 
 
@@ -616,7 +638,13 @@ def summarise(reports: Sequence[dict[str, Any]], start: float, server_cpu: float
     errors = [r["error"] for r in results if "error" in r]
     errors += [rep["error"] for rep in reports if "error" in rep]
     if errors or not results:
-        return {"error": (errors or ["no results"])[0], "failed": len(errors)}
+        kinds: dict[str, int] = {}
+        for error in errors:
+            kinds[error] = kinds.get(error, 0) + 1
+        # The rarest error first: one node's failure often fails the others.
+        ranked = sorted(kinds.items(), key=lambda kv: kv[1])
+        text = "; ".join(f"{count} x {error}" for error, count in ranked) or "no results"
+        return {"error": text, "failed": len(errors)}
     n = len(results)
     ranks = sorted(r["rank"] for r in results)
     if ranks != list(range(n)) or {r["world"] for r in results} != {n}:
@@ -635,6 +663,11 @@ def summarise(reports: Sequence[dict[str, Any]], start: float, server_cpu: float
         "agent_cpu_ms": 1000 * sum(rep["cpu"] for rep in reports) / n,
         "server_cpu_ms": 1000 * server_cpu / n,
     }
+    by_op: dict[str, float] = {}
+    for r in results:
+        for op, count in r.get("by_op", {}).items():
+            by_op[op] = by_op.get(op, 0.0) + count / n
+    out["by_op"] = by_op
     if enq:
         out["join"] = max(c[0] for c in enq) - start
     if sealed:
@@ -805,9 +838,9 @@ def _fmt(value: Any, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
-def print_row(impl: str, scenario: str, n: int, r: dict[str, Any]) -> None:
+def print_row(impl: str, scenario: str, n: int, r: dict[str, Any], show_ops: bool) -> None:
     if "error" in r:
-        print(f"{scenario:9} {impl:5} N={n:<5} FAILED: {r['error'][:160]}", flush=True)
+        print(f"{scenario:9} {impl:5} N={n:<5} FAILED: {r['error'][:600]}", flush=True)
         return
     if scenario == "steady":
         print(
@@ -845,6 +878,9 @@ def print_row(impl: str, scenario: str, n: int, r: dict[str, Any]) -> None:
         f"dead {r['dead']} false {r['false_deaths']}",
     ]
     print(" | ".join(fields), flush=True)
+    if show_ops and r.get("by_op"):
+        ops = sorted(r["by_op"].items(), key=lambda kv: -kv[1])
+        print("  requests/agent by call: " + ", ".join(f"{op} {c:.3g}" for op, c in ops))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -873,6 +909,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sample", action="store_true", help="print where the first agent process's threads are"
     )
+    parser.add_argument(
+        "--ops", action="store_true", help="also print each agent's requests by store call"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     opts = parser.parse_args(argv)
     sizes = [int(x) for x in opts.n.split(",")]
@@ -891,7 +930,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         continue
                     result = run_scenario(impl, scenario, n, endpoints, opts)
                     result["load_after"] = load()
-                    print_row(impl, scenario, n, result)
+                    print_row(impl, scenario, n, result, opts.ops)
                     rows.append({"impl": impl, "scenario": scenario, "n": n, **result})
     stamp("end")
     if opts.json:
