@@ -56,11 +56,14 @@ class Liveness(LivenessBackend):
 class Run:
     """One keep-alive on a fake clock, watching ``SUCCESSOR`` in a round of two."""
 
-    def __init__(self, liveness: Liveness, on_dead: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self, liveness: Liveness, on_dead: Callable[[list[str]], None], world: int = 2
+    ) -> None:
         self.clock = FakeClock()
         self.started = self.clock()
         self.events: list[tuple[str, dict[str, Any]]] = []
-        round_ = Seat.of(RendezvousState(0, (ME, SUCCESSOR)), ME)
+        others = tuple(f"10.1.{i // 250}.{i % 250}#1#cc" for i in range(world - 2))
+        round_ = Seat.of(RendezvousState(0, (ME, SUCCESSOR, *others)), ME)
         self.keepalive = KeepAlive(
             ME,
             liveness,
@@ -137,6 +140,21 @@ def test_a_silent_successor_is_judged_dead_after_the_bound_and_not_before() -> N
         took = judged[0] - run.started
         # readings come every judge period (with jitter up to a quarter more)
         assert DEAD_AFTER <= took <= DEAD_AFTER + 3 * JUDGE_EVERY, took
+
+
+def test_in_a_large_ring_a_silent_successor_is_judged_at_the_bound_not_a_period_later() -> None:
+    from rdzv.dynamic.machine import ring_judge_period
+
+    world = 1024
+    period = ring_judge_period(JUDGE_EVERY, INTERVAL, world)
+    assert period > 0.4  # readings half a second apart
+    judged: list[float] = []
+    with Run(Liveness(), lambda dead: judged.append(run.clock()), world) as run:
+        run.drive(lambda: bool(judged), 30.0)
+        assert judged, "the successor was never judged dead"
+        took = judged[0] - run.started
+        # the first reading is at the start; the one that judges lands on the bound
+        assert DEAD_AFTER <= took <= DEAD_AFTER + 0.01, took
 
 
 def test_a_successor_that_beats_is_never_judged_dead() -> None:

@@ -21,7 +21,9 @@ tick it does two independent things:
   crediting at most one ``interval`` between two readings, so a stalled
   backend or this node's own failed or starved reads never count against
   the successor; a successor judged dead is handed to ``on_dead`` (the
-  handler evicts it).
+  handler evicts it). A reading is never later than the moment the
+  successor's unchanged mark reaches the bound, so the judgement comes at
+  the bound, not up to one period after it.
 
 Beats and judgements run under a caller's deadline
 (:func:`rdzv.retry.deadline_within`): the beats of one failure streak share
@@ -195,7 +197,15 @@ class KeepAlive:
                     self._clock.wait(stop, min(left, period * random.random()))
             else:
                 period = ring_judge_period(self._judge_every, self._interval, member.world_size)
-                self._clock.wait(stop, period * (0.75 + random.random() / 2))
+                pause = period * (0.75 + random.random() / 2)
+                watches = judged[1] if judged[0] == member.round else {}
+                watch = None if member.successor is None else watches.get(member.successor)
+                if watch is not None:
+                    # The reading that judges comes as the bound is reached,
+                    # not up to a period after it (half a second in a ring
+                    # of 1,024): the wait never passes the successor's bound.
+                    pause = min(pause, self._dead_after - watch.credited)
+                self._clock.wait(stop, pause)
 
     def _beat(self, failures: int, stop: threading.Event) -> int:
         """Beat once; return the number of failed beats in a row."""
