@@ -204,7 +204,9 @@ class KeepAlive:
                     # The reading that judges comes as the bound is reached,
                     # not up to a period after it (half a second in a ring
                     # of 1,024): the wait never passes the successor's bound.
-                    pause = min(pause, self._dead_after - watch.credited)
+                    # At least a millisecond: a rounding error short of the
+                    # bound would otherwise be waited for again and again.
+                    pause = min(pause, max(0.001, self._dead_after - watch.credited))
                 self._clock.wait(stop, pause)
 
     def _beat(self, failures: int, stop: threading.Event) -> int:
