@@ -53,7 +53,7 @@ Scenarios
 * scaleup: N form (min = N, max = N+1, last call ``--last-call``); one more agent
   calls ``next_rendezvous``; members poll ``num_nodes_waiting()`` every
   ``--poll`` s (jittered) and re-rendezvous; time from that call until all
-  N+1 completed.
+  N+1 completed, and from the last member's call ("all called") until then.
 * steady: N form (min = max = N), then every member polls
   ``num_nodes_waiting()`` every ``--poll`` s (jittered; ``rdzv run`` polls
   every 0.1 s by default) for ``--steady`` s while nothing changes; per poll
@@ -668,6 +668,8 @@ def summarise(reports: Sequence[dict[str, Any]], start: float, server_cpu: float
         for op, count in r.get("by_op", {}).items():
             by_op[op] = by_op.get(op, 0.0) + count / n
     out["by_op"] = by_op
+    # The last next_rendezvous call (members that poll call late in a scale-up).
+    out["called"] = max(r["begin"] for r in results) - start
     if enq:
         out["join"] = max(c[0] for c in enq) - start
     if sealed:
@@ -866,6 +868,10 @@ def print_row(impl: str, scenario: str, n: int, r: dict[str, Any], show_ops: boo
         if "after_last_call" in r:
             fields.append(f"after the last call {_fmt(r['after_last_call'], 's')}")
     if "initial_formation" in r:
+        fields.append(
+            f"all called {_fmt(r['called'], 's')}, done "
+            f"{_fmt(r['completion'] - r['called'], 's')} after"
+        )
         fields.append(
             f"(formed first in {_fmt(r['initial_formation'], 's')}, bound {r['bound']:g}s)"
         )
