@@ -426,7 +426,10 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
         print(json.dumps(final), flush=True)
     # Wait to be killed, or for the driver to go: the driver stops the store
     # server first, so that the connections' TIME-WAIT is on its side (see
-    # Run.close).
+    # Run.close). What the handlers' threads then report of the lost server
+    # (torch's C++ client writes a stack per heartbeat to stderr) is no news.
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
     closed.wait()
     os._exit(0)
 
