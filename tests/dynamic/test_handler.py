@@ -5,7 +5,9 @@ Tests of keep-alive death detection run on one shared fake clock
 """
 
 import contextlib
+import errno
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -447,6 +449,49 @@ def test_rank0_dying_before_it_publishes_does_not_hold_the_others_without_a_seal
         e["round"] for e in events if e["action"] == "complete" and e["node"] != dying.node
     }
     assert completed == {1}
+
+
+def test_a_node_without_a_free_port_joins_and_rank0_publishes_one_after_the_seal(
+    cluster_factory: Callable[..., Cluster],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from rdzv.dynamic import handler as handler_module
+
+    c = cluster_factory(3, 3)
+    c.store.set_timeout(20)
+    bound = handler_module._bound_socket
+    tried: list[str] = []
+
+    def no_port_for_r0() -> socket.socket:
+        name = threading.current_thread().name
+        tried.append(name)
+        if name.startswith("r0"):
+            raise OSError(errno.EADDRINUSE, "Address already in use")
+        return bound()
+
+    monkeypatch.setattr(handler_module, "_bound_socket", no_port_for_r0)
+    handlers = [c.handler(f"r{i}", node_rank=i) for i in range(3)]
+    with caplog.at_level(logging.INFO, logger="rdzv.dynamic"), ThreadPoolExecutor(3) as pool:
+        futures = []
+        for i, h in enumerate(handlers):
+            futures.append(pool.submit(_named, f"r{i}", h.next_rendezvous))
+        infos = [f.result(timeout=40) for f in futures]
+    _check_round(infos)
+    bootstrap = {i.rank: i for i in infos}[0].bootstrap_store_info
+    assert bootstrap is not None
+    assert bootstrap.master_addr == "r0"
+    assert 1 <= bootstrap.master_port <= 65535  # rank 0 published one after the seal
+    events = [getattr(r, "rdzv_event", {}) for r in caplog.records]
+    failed = [e for e in events if e.get("action") == "port-failed"]
+    assert [e["node"] for e in failed] == [handlers[0].node]
+    assert "Address already in use" in failed[0]["error"]
+    assert sorted(set(tried)) == ["r0", "r1", "r2"]
+
+
+def _named(name: str, call: Callable[[], RendezvousInfo]) -> RendezvousInfo:
+    threading.current_thread().name = name
+    return call()
 
 
 def test_a_store_restarted_empty_strands_nobody(cluster_factory: Callable[..., Cluster]) -> None:

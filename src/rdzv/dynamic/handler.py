@@ -40,9 +40,10 @@ seal. Each node lets its port go when it completes (rank 0's workers then
 serve on it) or fails; rank 0 also writes the two keys into the round's
 store, as torch's rank 0 does, for readers that look there.
 
-A state sealed without a port (by an older rdzv) falls back to waiting: a
-member of rank > 0 waits for rank 0 to publish the keys in short slices,
-checking between them that rank 0 is still a live member of the round. If
+A state sealed without a port (by an older rdzv, or with a rank 0 that
+found no free port to hold) falls back to waiting: a member of rank > 0
+waits for rank 0 to publish the keys in short slices, checking between
+them that rank 0 is still a live member of the round. If
 rank 0 died after the seal and before publishing, its ring predecessor
 evicts it and this member joins the next round at once instead of waiting
 out the store timeout.
@@ -1077,15 +1078,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return True
 
     def _hold_port(self) -> int:
-        """Bind a free port for the bootstrap store (once per join) and return it."""
+        """Bind a free port for the bootstrap store (once per join) and return it.
+
+        A host that has no free port (every ephemeral port taken) joins
+        without one: if it becomes rank 0, the seal names no port and rank
+        0 publishes one after the seal, as an older rdzv's rank 0 does,
+        instead of this node failing its join and leaving the others to
+        wait for it until their join timeout.
+        """
         if self._held_port is None:
-            held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                held.bind(("", 0))
-            except OSError:
-                held.close()
-                raise
-            self._held_port = held
+                self._held_port = _bound_socket()
+            except OSError as exc:
+                self._event("port-failed", -1, error=str(exc))
+                return 0
         return int(self._held_port.getsockname()[1])
 
     def _release_port(self) -> None:
@@ -1174,6 +1180,17 @@ class _EventText:
 def _round_key(prefix: str, round_id: int) -> str:
     """The key holding ``round_id`` as sealed, for members that ask for its participants."""
     return f"{prefix}round/{round_id}"
+
+
+def _bound_socket() -> socket.socket:
+    """Return a TCP socket bound to a free port on every interface (not listening)."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        held.bind(("", 0))
+    except OSError:
+        held.close()
+        raise
+    return held
 
 
 def _leave_key(prefix: str, round_id: int) -> str:
