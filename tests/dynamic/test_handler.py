@@ -630,6 +630,45 @@ def test_the_ring_is_first_read_at_the_verdict_not_while_the_members_confirm() -
     assert not early, f"the ring was read {early} s before the last member confirmed"
 
 
+def test_a_member_that_rejoins_judges_its_old_ring_until_the_new_round_is_confirmed() -> None:
+    # In a recovery of 1,024 nodes the 1,023 survivors' keep-alives switched
+    # to the new ring as they began to confirm, and its first readings
+    # competed with the confirmations; the old ring is still the one to
+    # watch until then (a member that died while the others re-joined).
+    storage = InMemoryRendezvousStorage()
+    armed, a_confirming = threading.Event(), threading.Event()
+    watched: list[int | None] = []
+
+    def hold_a() -> None:
+        if armed.is_set():
+            a_confirming.set()
+
+    def hold_b() -> None:  # b confirms round 1 once a is confirming it too
+        if armed.is_set():
+            assert a_confirming.wait(10), "a never began to confirm"
+            seat = handlers[0]._watched_round()
+            watched.append(None if seat is None else seat.round)
+
+    backends = [_HeldConfirmer(storage, [], hold=hold_a), _HeldConfirmer(storage, [], hold=hold_b)]
+    handlers = _pair(storage, backends, interval=10.0)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for round_id in (0, 1):
+                if round_id:
+                    armed.set()
+                infos = [
+                    f.result(timeout=60) for f in [pool.submit(h.next_rendezvous) for h in handlers]
+                ]
+                _check_round(infos)
+        seat = handlers[0]._watched_round()
+        assert seat is not None
+        assert seat.round == 1  # judged from the verdict on
+    finally:
+        for h in handlers:
+            h.shutdown()
+    assert watched == [0], f"a judged round {watched} while it confirmed round 1"
+
+
 def test_the_ring_judging_starts_when_a_confirmation_slice_passes_without_the_verdict() -> None:
     # A member that died in the queue never confirms; its ring predecessor
     # must start judging it while the others wait, not at its next beat.

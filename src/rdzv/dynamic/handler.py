@@ -727,13 +727,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._check_keepalive()
         with self._lock:
             self._member_of = member
-            self._watched = seat
         store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{seat.round}", self._store)
         self._release_port()
         confirmed = seat.world_size == 1 or self._confirm(member, join_deadline)
         # The ring judging starts at the verdict, or at the confirmation's
         # first late slice (see _confirm), whichever comes first.
-        self._keepalive.wake()
+        self._judge_ring(seat)
         self._drop_old_round()
         if not confirmed:
             self._event("broken", seat.round, rank=seat.rank, reason="a member was lost")
@@ -835,7 +834,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 # queue, and its ring predecessor must judge it. Until now
                 # the ring's first readings would only have competed with
                 # the confirmations of a large round.
-                self._keepalive.wake()
+                self._judge_ring(seat)
                 ring_judging = True
             # The token alone tells a seated member that nothing changed.
             changed, current = self._shared.changed_since(member.token)
@@ -1105,6 +1104,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _stop_keepalive(self) -> None:
         self._keepalive.stop()
+
+    def _judge_ring(self, seat: Seat) -> None:
+        """Make the keep-alive judge ``seat``'s ring from now on.
+
+        Until then a member of an earlier round keeps judging that round's
+        ring (a member that died while the others re-joined is found there),
+        and its first readings of the new ring do not compete with the
+        confirmations: in a recovery of 1,024 nodes the 1,023 survivors'
+        keep-alives read the new ring while they confirmed.
+        """
+        with self._lock:
+            self._watched = seat
+        self._keepalive.wake()
 
     def _watched_round(self) -> Seat | None:
         with self._lock:
