@@ -70,6 +70,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import secrets
 import socket
 import threading
@@ -551,7 +552,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         state,
                         token,
                         progress.round_id,
-                        min(remaining, state_wait_cap(queue_length)),
+                        min(remaining, state_wait_cap(queue_length) * (1 + random.random() / 2)),
                         attempt,
                         max(0.0, progress.deadline(self._limits) - now),
                     )
