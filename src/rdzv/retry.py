@@ -55,6 +55,7 @@ __all__ = [
     "call_within",
     "caller_deadline",
     "deadline_within",
+    "jitter",
     "poll_backoff",
     "time_left",
 ]
@@ -63,6 +64,27 @@ _T = TypeVar("_T")
 
 LAST_ATTEMPT = 0.25
 """Seconds an attempt made at or past the caller's deadline may still take."""
+
+_RANDOM = random.Random()
+"""rdzv's own generator for jitter. The global one is the application's: a
+training script that seeds :mod:`random` for a reproducible run would see
+its sequence change at every backoff and keep-alive tick of rdzv's threads
+(and Hypothesis, which checks that nothing else draws from it while it
+generates a test case, failed tests run beside a waiting handler)."""
+
+
+def jitter(low: float, high: float) -> float:
+    """Return a random number in ``[low, high]`` from rdzv's own generator (not the global one).
+
+    Args:
+        low: The smallest value.
+        high: The largest value.
+
+    Returns:
+        The number.
+    """
+    return _RANDOM.uniform(low, high)
+
 
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "rdzv_caller_deadline", default=None
@@ -238,7 +260,7 @@ class Retry:
         remaining = self.remaining()
         if remaining <= 0:
             return False
-        delay = self._pause * (0.5 + random.random() / 2)
+        delay = self._pause * jitter(0.5, 1.0)
         self._sleep(min(delay, remaining))
         self._pause = min(self._pause * 2, self._cap)
         return True
@@ -255,7 +277,7 @@ def poll_backoff(attempt: int, cap: float = 1.0) -> float:
         A delay in seconds, between half and all of ``min(cap, 0.01 * 2**attempt)``.
     """
     base = min(cap, 0.01 * float(2 ** min(attempt, 20)))
-    return base * (0.5 + random.random() / 2)
+    return base * jitter(0.5, 1.0)
 
 
 def call_within(seconds: float, what: str, fn: Callable[[], _T]) -> _T:

@@ -70,7 +70,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import secrets
 import socket
 import threading
@@ -156,7 +155,7 @@ from rdzv.errors import (
     RendezvousTimeoutError,
 )
 from rdzv.net import advertised_address, primary_address
-from rdzv.retry import Clock, as_clock, call_within, caller_deadline, deadline_within
+from rdzv.retry import Clock, as_clock, call_within, caller_deadline, deadline_within, jitter
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 
@@ -552,7 +551,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         state,
                         token,
                         progress.round_id,
-                        min(remaining, state_wait_cap(queue_length) * (1 + random.random() / 2)),
+                        min(remaining, state_wait_cap(queue_length) * jitter(1.0, 1.5)),
                         attempt,
                         max(0.0, progress.deadline(self._limits) - now),
                     )

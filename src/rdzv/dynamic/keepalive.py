@@ -43,7 +43,6 @@ thread that ended (stopped, or gave up) is started afresh by the next
 
 from __future__ import annotations
 
-import random
 import threading
 from collections.abc import Callable
 
@@ -51,7 +50,7 @@ from rdzv.backends.base import LivenessBackend
 from rdzv.dynamic.machine import MarkWatch, judge_marks, ring_judge_period
 from rdzv.dynamic.seat import Seat
 from rdzv.errors import RendezvousConnectionError, RendezvousError
-from rdzv.retry import Clock, deadline_within
+from rdzv.retry import Clock, deadline_within, jitter
 from rdzv.threads import start_thread
 
 __all__ = ["CALL_GRACE", "STOP_WAIT", "KeepAlive"]
@@ -194,10 +193,10 @@ class KeepAlive:
                     # confirmed at once do not all read at once.
                     period = ring_judge_period(self._judge_every, self._interval, seat.world_size)
                     left = max(0.0, next_beat - self._clock())
-                    self._clock.wait(stop, min(left, period * random.random()))
+                    self._clock.wait(stop, min(left, period * jitter(0.0, 1.0)))
             else:
                 period = ring_judge_period(self._judge_every, self._interval, member.world_size)
-                pause = period * (0.75 + random.random() / 2)
+                pause = period * jitter(0.75, 1.25)
                 watches = judged[1] if judged[0] == member.round else {}
                 watch = None if member.successor is None else watches.get(member.successor)
                 if watch is not None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import socket
 import ssl
 import struct
@@ -55,6 +54,7 @@ from rdzv.errors import (
     StoreAuthenticationError,
     StoreTimeoutError,
 )
+from rdzv.retry import jitter
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -494,7 +494,7 @@ class TCPStore(Store):
                         f"could not connect to the store at {self._address} within "
                         f"{budget:g} s: {exc}"
                     ) from exc
-                pause = min(remaining, backoff / 2 + random.uniform(0, backoff / 2))
+                pause = min(remaining, jitter(backoff / 2, backoff))
                 time.sleep(pause)
                 backoff = min(backoff * 2, _BACKOFF_MAX)
 
