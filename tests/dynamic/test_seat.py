@@ -21,7 +21,7 @@ from rdzv.dynamic.state import (
     encode_state,
     encode_summary,
 )
-from rdzv.errors import RendezvousStateError
+from rdzv.errors import RendezvousClosedError, RendezvousStateError
 from rdzv.store.base import Timeout, Value
 from rdzv.store.memory import HashStore, PrefixStore
 
@@ -470,7 +470,15 @@ def test_num_nodes_waiting_reads_the_backend_at_most_once_per_gap() -> None:
         asked = len(client.keys_read)
         assert [member.num_nodes_waiting() for _ in range(20)] == [0] * 20
         assert len(client.keys_read) == asked, "a repeated ask within the gap read the store"
-        late = threading.Thread(target=handlers[2].next_rendezvous, daemon=True)
+        ended: list[BaseException] = []
+
+        def late_join() -> None:
+            try:
+                handlers[2].next_rendezvous()
+            except RendezvousClosedError as exc:  # the close below ends its wait
+                ended.append(exc)
+
+        late = threading.Thread(target=late_join, daemon=True)
         late.start()
         for _ in range(2000):  # the third node waits in the next round's queue
             if shared.add("shared/rdzv.backend/gap/q/1/n", 0) == 1:
@@ -482,6 +490,12 @@ def test_num_nodes_waiting_reads_the_backend_at_most_once_per_gap() -> None:
         frozen[0] = clock() + 2 * waiting_poll_gap(2)
         assert member.num_nodes_waiting() == 1
         assert len(client.keys_read) > asked
+        # The late node would wait forever on the held clock (its join
+        # deadline never comes): close the run, and it ends its join.
+        member.set_closed()
+        late.join(30)
+        assert not late.is_alive(), "the late node kept waiting after the close"
+        assert len(ended) == 1
     finally:
         for h in handlers:
             h.pre_shutdown()
