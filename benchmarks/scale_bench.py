@@ -67,6 +67,7 @@ on a shared machine the figures are a shape, not a record.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import logging
@@ -131,19 +132,13 @@ class Counter:
 
 
 def _size(value: Any) -> int:
-    """Payload bytes of a call's arguments or result (exact types first: this runs per call)."""
-    kind = type(value)
-    if kind is str or kind is bytes or kind is bytearray:
-        return len(value)
-    if kind is tuple or kind is list:
-        return sum(map(_size, value))
-    if kind is int:
-        return 8
     if isinstance(value, (bytes, bytearray, str)):
         return len(value)
     if isinstance(value, (list, tuple)):
         return sum(map(_size, value))
-    return 8 if isinstance(value, int) else 0
+    if isinstance(value, int):
+        return 8
+    return 0
 
 
 class CountingStore:
@@ -295,7 +290,6 @@ def make_handler(impl: str, cfg: dict[str, Any], addr: str, counter: Counter) ->
 
 def sample_stacks(stop: threading.Event, every: float = 0.01) -> None:
     """Print where this process's threads spend their time (``--sample``), on stderr."""
-    import collections
     import traceback
 
     seen: collections.Counter[str] = collections.Counter()
@@ -652,11 +646,8 @@ def summarise(reports: Sequence[dict[str, Any]], start: float, server_cpu: float
     errors = [r["error"] for r in results if "error" in r]
     errors += [rep["error"] for rep in reports if "error" in rep]
     if errors or not results:
-        kinds: dict[str, int] = {}
-        for error in errors:
-            kinds[error] = kinds.get(error, 0) + 1
         # The rarest error first: one node's failure often fails the others.
-        ranked = sorted(kinds.items(), key=lambda kv: kv[1])
+        ranked = sorted(collections.Counter(errors).items(), key=lambda kv: kv[1])
         text = "; ".join(f"{count} x {error}" for error, count in ranked) or "no results"
         return {"error": text, "failed": len(errors)}
     n = len(results)
@@ -677,11 +668,10 @@ def summarise(reports: Sequence[dict[str, Any]], start: float, server_cpu: float
         "agent_cpu_ms": 1000 * sum(rep["cpu"] for rep in reports) / n,
         "server_cpu_ms": 1000 * server_cpu / n,
     }
-    by_op: dict[str, float] = {}
+    by_op: collections.Counter[str] = collections.Counter()
     for r in results:
-        for op, count in r.get("by_op", {}).items():
-            by_op[op] = by_op.get(op, 0.0) + count / n
-    out["by_op"] = by_op
+        by_op.update(r.get("by_op", {}))
+    out["by_op"] = {op: count / n for op, count in by_op.items()}
     # The last next_rendezvous call (members that poll call late in a scale-up).
     out["called"] = max(r["begin"] for r in results) - start
     if enq:
