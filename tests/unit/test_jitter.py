@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import random
-from pathlib import Path
 
 from rdzv.retry import Retry, jitter, poll_backoff
-
-SRC = Path(__file__).resolve().parents[2] / "src" / "rdzv"
+from tests.unit.test_layering import _matches, all_imports
 
 
 def test_jitter_stays_within_its_bounds() -> None:
@@ -35,14 +32,5 @@ def test_backoffs_leave_a_seeded_global_random_sequence_as_it_was() -> None:
 def test_only_rdzv_retry_imports_the_random_module() -> None:
     # Every other jitter (keep-alive ticks, the store client's reconnects,
     # a node's waits for a seal) goes through rdzv.retry.jitter.
-    importers = []
-    for path in sorted(SRC.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            if "random" in names:
-                importers.append(str(path.relative_to(SRC)))
-    assert importers == ["retry.py"]
+    importers = sorted(m for m, imported in all_imports() if _matches(imported, "random"))
+    assert importers == ["rdzv.retry"]

@@ -114,8 +114,8 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
-def import_edges() -> set[tuple[str, str]]:
-    """Every ``(importer, imported)`` pair between rdzv modules, lazy ones included."""
+def all_imports() -> set[tuple[str, str]]:
+    """Every ``(importer, imported)`` pair of an rdzv module, lazy ones included."""
     modules = {_module_name(p): p for p in SRC.rglob("*.py")}
     edges: set[tuple[str, str]] = set()
     for module, path in modules.items():
@@ -131,10 +131,15 @@ def import_edges() -> set[tuple[str, str]]:
                     f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
                     for a in node.names
                 ]
-            for target in targets:
-                if _matches(target, "rdzv") and target != module:
-                    edges.add((module, target))
+            edges.update((module, target) for target in targets if target != module)
     return edges
+
+
+def import_edges() -> set[tuple[str, str]]:
+    """Every ``(importer, imported)`` pair between rdzv modules, lazy ones included."""
+    return {
+        (importer, imported) for importer, imported in all_imports() if _matches(imported, "rdzv")
+    }
 
 
 def test_every_module_is_in_a_layer() -> None:
