@@ -25,6 +25,25 @@ if TYPE_CHECKING:
     from tests.engines.servers import EtcdCluster, RedisServer
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _children_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Child processes keep their temporary files under pytest's base temp.
+
+    An agent that a test SIGKILLs cannot remove its scratch directory
+    (``rdzv-run-*``): each suite run left about ten of them in /tmp, which
+    pytest's own retention now removes with the base temp.
+    """
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("children"))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+
+
 @pytest.fixture
 def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
     """Handlers a test made (append them): stopped and their clients closed afterwards."""
