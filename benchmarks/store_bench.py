@@ -20,6 +20,12 @@ whose clients have not all reported within ``CLIENT_TIMEOUT`` (a thrashing
 machine) is killed and left out, with a line on stderr; a cell left without
 any run shows ``n/a``.
 
+A second table shows what one operation costs its client in CPU time
+(``time.process_time()`` of the client process over its loop, divided by
+its operations, the mean over the clients of the cell's best run): the
+client's share of a request, which in a process of many agent threads is
+what they pay per call before contending for the GIL.
+
 ``--before GIT_REF`` adds the server of an earlier commit (checked out into a
 temporary git worktree, removed afterwards) on the standard library's loop,
 driven by torch's client, so that the same run shows the server before and
@@ -39,7 +45,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from _common import stamp
 
@@ -84,6 +90,7 @@ def worker(kind: str, port: int, op: str, duration: float, start_at: float, inde
     }[op]
     time.sleep(max(0.0, start_at - time.time()))
     count = 0
+    cpu = time.process_time()
     started = time.monotonic()
     end = started + duration
     while time.monotonic() < end:
@@ -94,7 +101,7 @@ def worker(kind: str, port: int, op: str, duration: float, start_at: float, inde
         # Sets have no reply: the last ones may still wait in the socket's
         # buffers. The time runs until the server has taken them all.
         store.get(key)
-    print(count, time.monotonic() - started, flush=True)
+    print(count, time.monotonic() - started, time.process_time() - cpu, flush=True)
 
 
 def start_server(kind: str, source: Path | None = None) -> tuple[subprocess.Popen[str], int]:
@@ -140,8 +147,15 @@ CLIENT_TIMEOUT = 120.0
 """Seconds a run's clients have to report; a run that overruns is left out."""
 
 
-def measure(client: str, port: int, op: str, clients: int, duration: float) -> float | None:
-    """Return the ops/s of one run, or None if a client hung (on a thrashing machine)."""
+class Run(NamedTuple):
+    """One run of a cell: its clients' summed ops/s and their mean CPU per op."""
+
+    rate: float
+    cpu_per_op: float
+
+
+def measure(client: str, port: int, op: str, clients: int, duration: float) -> Run | None:
+    """Return one run's figures, or None if a client hung (on a thrashing machine)."""
     start_at = time.time() + 1.0 + 0.3 * clients
     procs = []
     for index in range(clients):
@@ -155,14 +169,16 @@ def measure(client: str, port: int, op: str, clients: int, duration: float) -> f
             )
         )
     total = 0.0
+    cpu_per_op = 0.0
     deadline = time.monotonic() + CLIENT_TIMEOUT
     try:
         for proc in procs:
             out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
             if proc.returncode != 0:
                 raise RuntimeError(f"a {client} client failed on {op}")
-            count, elapsed = out.split()
+            count, elapsed, cpu = out.split()
             total += int(count) / float(elapsed)
+            cpu_per_op += float(cpu) / int(count) / clients
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
@@ -174,7 +190,7 @@ def measure(client: str, port: int, op: str, clients: int, duration: float) -> f
             flush=True,
         )
         return None
-    return total
+    return Run(total, cpu_per_op)
 
 
 def main() -> None:
@@ -217,7 +233,7 @@ def main() -> None:
     for loop in loops:
         setups[f"rdzv {loop}"] = (loop, "rdzv")
         setups[f"torch->rdzv {loop}"] = (loop, "torch")
-    results: dict[tuple[str, str, int], float] = {}
+    results: dict[tuple[str, str, int], Run] = {}
     sources: dict[str, Path | None] = dict.fromkeys(("torch", *loops))
     with contextlib.ExitStack() as stack:
         if args.before:
@@ -251,7 +267,7 @@ def run_cells(
     args: argparse.Namespace,
     setups: dict[str, tuple[str, str]],
     sources: dict[str, Path | None],
-    results: dict[tuple[str, str, int], float],
+    results: dict[tuple[str, str, int], Run],
 ) -> None:
     """Start the servers (kind: source tree), measure every cell, stop the servers."""
     servers: dict[str, tuple[subprocess.Popen[str], int]] = {}
@@ -265,20 +281,26 @@ def run_cells(
                 for _ in range(args.repeat):
                     for name, (server_kind, client_kind) in setups.items():
                         port = servers[server_kind][1]
-                        rate = measure(client_kind, port, op, clients, args.duration)
+                        run = measure(client_kind, port, op, clients, args.duration)
                         cell = (name, op, clients)
-                        if rate is not None:
-                            results[cell] = max(results.get(cell, 0.0), rate)
-                            print(f"{name}, {op}, {clients}: {rate:,.0f}/s", file=sys.stderr)
+                        if run is not None:
+                            best = results.get(cell)
+                            if best is None or run.rate > best.rate:
+                                results[cell] = run
+                            print(
+                                f"{name}, {op}, {clients}: {run.rate:,.0f}/s, "
+                                f"client CPU {run.cpu_per_op * 1e6:.1f} us/op",
+                                file=sys.stderr,
+                            )
     finally:
         for proc, _port in servers.values():
             stop_server(proc)
 
 
 def report(
-    args: argparse.Namespace, loops: list[str], results: dict[tuple[str, str, int], float]
+    args: argparse.Namespace, loops: list[str], results: dict[tuple[str, str, int], Run]
 ) -> None:
-    """Print the table: ops/s per setup, and each rdzv setup's ratio to torch's."""
+    """Print the tables: ops/s per setup with each rdzv setup's ratio to torch's, then client CPU."""
     import torch
 
     print(
@@ -299,15 +321,27 @@ def report(
     print("|---|" + "---:|" * (len(header) - 1))
     for clients in args.clients:
         for op in args.ops:
-            base = results.get(("torch", op, clients))
+            torch_run = results.get(("torch", op, clients))
+            base = None if torch_run is None else torch_run.rate
             row = [op, str(clients), "n/a" if base is None else f"{base:,.0f}"]
             for name in [f"rdzv {loop}" for loop in loops] + columns:
-                rate = results.get((name, op, clients))
-                if rate is None:
+                run = results.get((name, op, clients))
+                if run is None:
                     row += ["n/a", ""]
                 else:
-                    ratio = "" if base is None else f"{rate / base:.2f}x"
-                    row += [f"{rate:,.0f}", ratio]
+                    ratio = "" if base is None else f"{run.rate / base:.2f}x"
+                    row += [f"{run.rate:,.0f}", ratio]
+            print("| " + " | ".join(row) + " |")
+    print("\nclient CPU per op (us), in the best run of each cell\n")
+    clients_of = {"torch": "torch client"}
+    clients_of.update({f"rdzv {loop}": f"rdzv client, rdzv server ({loop})" for loop in loops})
+    print("| op | clients | " + " | ".join(clients_of.values()) + " |")
+    print("|---|" + "---:|" * (len(clients_of) + 1))
+    for clients in args.clients:
+        for op in args.ops:
+            cells = [results.get((name, op, clients)) for name in clients_of]
+            row = [op, str(clients)]
+            row += ["n/a" if run is None else f"{run.cpu_per_op * 1e6:.1f}" for run in cells]
             print("| " + " | ".join(row) + " |")
 
 
