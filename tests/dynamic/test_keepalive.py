@@ -11,13 +11,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from rdzv.backends.base import LivenessBackend
 from rdzv.dynamic.keepalive import KeepAlive
-from rdzv.dynamic.seat import Seat
+from rdzv.dynamic.seat import SealedMark, Seat
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousConnectionError
 from rdzv.testing import FakeClock
@@ -57,13 +58,22 @@ class Run:
     """One keep-alive on a fake clock, watching ``SUCCESSOR`` in a round of two."""
 
     def __init__(
-        self, liveness: Liveness, on_dead: Callable[[list[str]], None], world: int = 2
+        self,
+        liveness: Liveness,
+        on_dead: Callable[[list[str]], None],
+        world: int = 2,
+        sealed: tuple[bytes | None, float] | None = None,
     ) -> None:
+        """``sealed``: the seat's sealed mark and how long before the start this node read it."""
         self.clock = FakeClock()
         self.started = self.clock()
         self.events: list[tuple[str, dict[str, Any]]] = []
         others = tuple(f"10.1.{i // 250}.{i % 250}#1#cc" for i in range(world - 2))
         round_ = Seat.of(RendezvousState(0, (ME, SUCCESSOR, *others)), ME)
+        assert round_ is not None
+        if sealed is not None:
+            mark, ago = sealed
+            round_ = replace(round_, sealed_mark=SealedMark(mark, self.started - ago))
         self.keepalive = KeepAlive(
             ME,
             liveness,
@@ -155,6 +165,45 @@ def test_in_a_large_ring_a_silent_successor_is_judged_at_the_bound_not_a_period_
         took = judged[0] - run.started
         # the first reading is at the start; the one that judges lands on the bound
         assert DEAD_AFTER <= took <= DEAD_AFTER + 0.01, took
+
+
+def test_a_sealed_mark_counts_the_silence_from_when_the_seat_was_read() -> None:
+    # The seat, read 1 s before the ring judging started, says the sealer saw
+    # the successor's mark as it still is: 1 s of silence is already known.
+    judged: list[float] = []
+    with Run(Liveness(), lambda dead: judged.append(run.clock()), sealed=(b"1", 1.0)) as run:
+        run.drive(lambda: bool(judged), 30.0)
+        assert judged, "the successor was never judged dead"
+        took = judged[0] - run.started
+        assert DEAD_AFTER - 1.0 <= took <= DEAD_AFTER - 1.0 + 3 * JUDGE_EVERY, took
+
+
+def test_a_sealed_mark_read_long_ago_is_credited_at_most_one_interval() -> None:
+    judged: list[float] = []
+    with Run(Liveness(), lambda dead: judged.append(run.clock()), sealed=(b"1", 60.0)) as run:
+        run.drive(lambda: bool(judged), 30.0)
+        assert judged, "the successor was never judged dead"
+        took = judged[0] - run.started
+        # Time in which this node did not read is never all charged to the successor.
+        assert DEAD_AFTER - INTERVAL <= took <= DEAD_AFTER - INTERVAL + 3 * JUDGE_EVERY, took
+
+
+def test_a_successor_that_beat_since_the_seal_is_judged_from_the_first_reading() -> None:
+    judged: list[float] = []
+    with Run(Liveness(), lambda dead: judged.append(run.clock()), sealed=(None, 2.0)) as run:
+        run.drive(lambda: bool(judged), 30.0)
+        assert judged, "the successor was never judged dead"
+        took = judged[0] - run.started
+        assert DEAD_AFTER <= took <= DEAD_AFTER + 3 * JUDGE_EVERY, took
+
+
+def test_a_successor_that_beats_after_its_sealed_mark_is_never_judged_dead() -> None:
+    beats = iter(range(1, 1_000_000))
+    judged: list[list[str]] = []
+    mark = lambda: str(next(beats)).encode()  # noqa: E731 - a new mark at every reading
+    with Run(Liveness(mark=mark), judged.append, sealed=(b"0", DEAD_AFTER - 0.01)) as run:
+        run.drive(lambda: False, 4 * DEAD_AFTER)
+        assert judged == []
 
 
 def test_a_successor_that_beats_is_never_judged_dead() -> None:

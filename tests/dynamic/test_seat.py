@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,14 @@ from rdzv.api import RendezvousInfo, RendezvousTimeout
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.machine import waiting_poll_gap
-from rdzv.dynamic.seat import Seat, decode_seat, encode_seat, seats_of, watching_seat
+from rdzv.dynamic.seat import (
+    SealedMark,
+    Seat,
+    decode_seat,
+    encode_seat,
+    seats_of,
+    watching_seat,
+)
 from rdzv.dynamic.shared import SharedState
 from rdzv.dynamic.state import (
     RendezvousState,
@@ -53,6 +61,29 @@ def test_a_round_of_one_has_no_successor_and_evicted_members_no_seat() -> None:
     assert decode_seat(seats[C]) == Seat(2, 2, 3, A, 9, A)
 
 
+@pytest.mark.parametrize("mark", [None, b"", b"17", b"\x00\xff a-b"])
+def test_a_sealed_mark_round_trips_without_the_readers_time(mark: bytes | None) -> None:
+    seat = Seat(3, 1, 4, A, 80, C, SealedMark(mark, read_at=12.5))
+    decoded = decode_seat(encode_seat(seat))
+    assert decoded.sealed_mark == SealedMark(mark)  # read_at is the reader's, never stored
+    assert replace(decoded, sealed_mark=None) == replace(seat, sealed_mark=None)
+
+
+def test_each_seat_carries_its_successors_mark_as_read_before_the_seal() -> None:
+    state = RendezvousState(7, (A, B, C, D), evicted=frozenset({2}), bootstrap_port=29500)
+    seats = {n: decode_seat(raw) for n, raw in seats_of(state, {B: b"5", D: None, A: b"1"}).items()}
+    assert seats[A].sealed_mark == SealedMark(b"5")  # A watches B
+    assert seats[B].sealed_mark == SealedMark(None)  # B watches D (C is evicted), never beat
+    assert seats[D].sealed_mark == SealedMark(b"1")  # D watches A, wrapping
+    for node, seat in seats.items():
+        assert replace(seat, sealed_mark=None) == Seat.of(state, node)
+    # A member whose successor's mark was not read gets none; without marks, nobody.
+    assert decode_seat(seats_of(state, {A: b"1"})[A]).sealed_mark is None
+    assert all(decode_seat(raw).sealed_mark is None for raw in seats_of(state).values())
+    # An older rdzv's seat, without the field, decodes without a sealed mark.
+    assert decode_seat(b"1 7 0 4 29500 " + A.encode() + b" " + B.encode()).sealed_mark is None
+
+
 def test_the_seat_size_does_not_grow_with_the_round() -> None:
     def largest_seat(size: int) -> int:
         nodes = tuple(f"10.0.{i:05d}#1#x" for i in range(size))  # keys of one length
@@ -75,6 +106,11 @@ def test_the_seat_size_does_not_grow_with_the_round() -> None:
         b"1 -1 0 2 80 a b",
         b"1 1 0 2 80 a\xff b",
         b"1 1 0 2 80 a " + b"b" * 300,  # a node key too long
+        b"1 1 0 2 80 a b y31",  # a mark neither "-" nor "x<hex>"
+        b"1 1 0 2 80 a b xzz",
+        b"1 1 0 2 80 a b x313",  # an odd number of hex digits
+        b"1 1 0 2 80 a b ",  # an empty mark field
+        b"1 1 0 2 80 a b - -",  # a field too many
     ],
 )
 def test_a_corrupt_seat_is_a_state_error(data: bytes) -> None:
@@ -210,6 +246,37 @@ def test_members_learn_their_place_from_their_seats_without_reading_the_state() 
     lists = {i.participants for i in infos}
     assert len(lists) == 1
     assert len(next(iter(lists))) == 6
+
+
+def test_members_judge_their_successor_from_the_mark_the_sealer_read() -> None:
+    shared = HashStore(timeout=30)
+    clients = [CountingStore(shared) for _ in range(4)]
+    handlers = _handlers(clients, "marks", (4, 4), "10.3.0", keep_alive=5)
+    beaten = handlers[2].node
+    for _ in range(2):  # it beat twice before the seal: its counter holds 2
+        C10dRendezvousBackend(PrefixStore("shared", shared), "marks").beat(beaten)
+    infos: list[RendezvousInfo | None] = [None] * 4
+
+    def join(i: int) -> None:
+        infos[i] = handlers[i].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    watched = [h._watched_round() for h in handlers]
+    for h in handlers:
+        h.pre_shutdown()
+    assert all(info is not None for info in infos), "a member did not complete"
+    # Members that learned their place from their seats (all but at most the
+    # sealer) judge from the sealer's reading, stamped when they read the seat.
+    stamped = [w for w in watched if w is not None and w.sealed_mark is not None]
+    assert len(stamped) >= 3, watched
+    for seat in stamped:
+        assert seat.sealed_mark is not None
+        assert seat.sealed_mark.read_at is not None
+        assert seat.sealed_mark.mark == (b"2" if seat.successor == beaten else None), seat
 
 
 def test_a_seat_is_stored_only_by_the_write_that_committed_and_proves_it() -> None:

@@ -42,7 +42,7 @@ Redis Cluster is not supported (a run's keys are not hash-tagged together).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rdzv.backends.base import (
@@ -547,6 +547,25 @@ class RedisRendezvousBackend(
             The mark, or None.
         """
         return self._get(self._alive_key(node), "reading a heartbeat")
+
+    def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
+        """Return the heartbeat counters of several nodes in one ``MGET``.
+
+        Args:
+            nodes: The node keys.
+
+        Returns:
+            ``{node: mark}``; None for a node whose key expired.
+        """
+        if not nodes:
+            return {}
+        keys = [self._alive_key(node) for node in nodes]
+        with redis_errors(self._endpoint, "reading heartbeats"):
+            values = self._client.mget(keys)
+        return {
+            node: None if value is None else as_bytes(value)
+            for node, value in zip(nodes, values, strict=True)
+        }
 
     def forget(self, node: str) -> None:
         """Delete the node's heartbeat key and its seat.

@@ -600,7 +600,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return (*self._shared.wait(token, timeout, attempt), None)
         current, seat = self._shared.wait_seat(token, timeout, self._node)
         if seat is not None and seat.round == round_id:
-            return state, token, _Membership(seat, current, None)
+            return state, token, self._seated(seat, current)
         if current == token:
             return state, token, None
         summary = None if current is None else self._shared.read_summary(current)
@@ -621,8 +621,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             # looked in between read the 240 KB state, thousands at once).
             seating, seat = self._shared.wait_seat(token, min(join_left, _SEAT_LAG), self._node)
             if seat is not None and seat.round == round_id:
-                return state, token, _Membership(seat, seating, None)
+                return state, token, self._seated(seat, seating)
         return (*self._shared.read(), None)
+
+    def _seated(self, seat: Seat, token: Token) -> _Membership:
+        """Return the membership of a seat just read, its sealed mark stamped with the time."""
+        sealed = seat.sealed_mark
+        if sealed is not None:
+            seat = replace(seat, sealed_mark=replace(sealed, read_at=self._clock()))
+        return _Membership(seat, token, None)
 
     def _judge_suspects(
         self,
@@ -678,7 +685,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # list, on a backend that stores them; a seal that does not know rank
         # 0's port stores none (every member then reads the state and waits
         # for rank 0's address).
-        seats = seats_of(plan) if plan.bootstrap_port and self._shared.seated else None
+        seats = (
+            seats_of(plan, self._sealed_marks(plan))
+            if plan.bootstrap_port and self._shared.seated
+            else None
+        )
         encoded = encode_state(plan)
         result = self._shared.write(plan, encoded, token, seats)
         if result is None:
@@ -698,6 +709,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._dropping = droppable_queue(round_id)
             return plan, new_token, progress, []
         return decode_state(new_state), new_token, progress, []
+
+    def _sealed_marks(self, plan: RendezvousState) -> dict[str, bytes | None] | None:
+        """Read the marks of ``plan``'s members for their seats (:class:`~rdzv.dynamic.seat.SealedMark`).
+
+        One read; a failed one leaves the seats without marks (the members
+        then judge from their own first readings, as before).
+        """
+        try:
+            return self._liveness.heartbeat_marks(plan.live_participants())
+        except RendezvousConnectionError as exc:
+            self._event("marks-failed", plan.round, error=str(exc))
+            return None
 
     def _fail(self, reason: FailReason, progress: JoinProgress) -> None:
         self._event("fail", progress.round_id, reason=reason.value)

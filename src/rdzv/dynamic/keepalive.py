@@ -23,7 +23,10 @@ tick it does two independent things:
   the successor; a successor judged dead is handed to ``on_dead`` (the
   handler evicts it). A reading is never later than the moment the
   successor's unchanged mark reaches the bound, so the judgement comes at
-  the bound, not up to one period after it.
+  the bound, not up to one period after it. A seat that carries the
+  successor's mark as the sealer read it (:class:`~rdzv.dynamic.seat.SealedMark`)
+  starts the count when this node read the seat, not at its first reading
+  (which comes after the verdict, spread over a period).
 
 Beats and judgements run under a caller's deadline
 (:func:`rdzv.retry.deadline_within`): the beats of one failure streak share
@@ -238,7 +241,7 @@ class KeepAlive:
             return judged
         watched_round, watches = judged
         if member.round != watched_round:
-            watches = {}
+            watches = _sealed_watch(member)
         now = self._clock()
         try:
             marks = {successor: self._liveness.heartbeat_mark(successor)}
@@ -250,3 +253,15 @@ class KeepAlive:
             self._event("dead", member.round, suspects=dead)
             self._on_dead(dead, member)
         return member.round, watches
+
+
+def _sealed_watch(seat: Seat) -> dict[str, MarkWatch]:
+    """Return the watch of ``seat``'s successor that its sealed mark gives, if any.
+
+    The sealer read the mark before it wrote the seat, so before this node
+    read the seat: the mark has been unchanged at least since then.
+    """
+    sealed = seat.sealed_mark
+    if seat.successor is None or sealed is None or sealed.read_at is None:
+        return {}
+    return {seat.successor: MarkWatch(sealed.mark, sealed.read_at, 0.0, sealed.read_at)}

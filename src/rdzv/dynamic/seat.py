@@ -20,14 +20,29 @@ write that seats it not (an eviction, a leave) changes the token. In a
 recovery of thousands, every re-join and every eviction made each waiting
 member read the whole participant list.
 
+A seat also carries the successor's heartbeat mark as the sealer read it
+just before the seal (:class:`SealedMark`, one read of every member's mark
+for the sealer, none for the others). The member's ring judging then counts
+the successor's silence from when it read its seat, not from its own first
+reading of the mark, which comes after the round's verdict and a random
+part of a ring period later (up to 0.5 s at 1,024 members): a node that
+dies as the round completes is judged that much sooner. The mark was the
+sealer's reading before the seat was written, so before the member read
+it; counting from the member's reading never charges the successor for
+time in which its mark could have changed unseen.
+
 Encoding: ``b"1 <round> <rank> <world size> <port> <rank 0 key> <successor
-key or ->"``, ASCII; node keys hold no spaces. :func:`decode_seat` validates
-every field and raises :class:`~rdzv.errors.RendezvousStateError` for
-anything else, as for the state.
+key or -> [<successor's mark>]"``, ASCII; node keys hold no spaces; the
+mark is ``-`` for a successor that had not beaten yet, else ``x`` and its
+bytes in hex, and a seat without it (written by an older rdzv) carries no
+sealed mark. :func:`decode_seat` validates every field and raises
+:class:`~rdzv.errors.RendezvousStateError` for anything else, as for the
+state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from rdzv.backends.base import validate_node_key
@@ -35,16 +50,40 @@ from rdzv.dynamic.machine import successor_of
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousStateError
 
-__all__ = ["SUMMARY_SEAT", "Seat", "decode_seat", "encode_seat", "seats_of", "watching_seat"]
+__all__ = [
+    "SUMMARY_SEAT",
+    "SealedMark",
+    "Seat",
+    "decode_seat",
+    "encode_seat",
+    "seats_of",
+    "watching_seat",
+]
 
 _VERSION = b"1"
 _NO_SUCCESSOR = "-"
+_NO_MARK = b"-"
+_MARK = b"x"
 
 SUMMARY_SEAT = "#summary"
 """The pseudo-node whose seat is the state's summary; no node key starts
 with ``#`` (:func:`~rdzv.dynamic.state.make_node_key` puts an address first),
 and a backend stores it with the state, before the members' seats
 (:func:`~rdzv.backends.base.is_pseudo_node`)."""
+
+
+@dataclass(frozen=True)
+class SealedMark:
+    """The ring successor's heartbeat mark as the sealer read it, just before the seal.
+
+    Attributes:
+        mark: The mark; None when the successor had not beaten yet.
+        read_at: The reading member's monotonic time when it read its seat
+            (set by the member, never stored); None until then.
+    """
+
+    mark: bytes | None
+    read_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +99,8 @@ class Seat:
             the seal does not know it (a stored seat always names it).
         successor: The node key of the next rank (wrapping), which this
             member watches; None in a round of one.
+        sealed_mark: The successor's mark as the sealer read it; None when
+            the seal did not read it (a seat computed from the state).
     """
 
     round: int
@@ -68,6 +109,7 @@ class Seat:
     master: str
     port: int
     successor: str | None
+    sealed_mark: SealedMark | None = None
 
     @classmethod
     def of(cls, state: RendezvousState, node: str) -> Seat | None:
@@ -113,7 +155,12 @@ def encode_seat(seat: Seat) -> bytes:
         seat.master,
         seat.successor or _NO_SUCCESSOR,
     )
-    return _VERSION + b" " + " ".join(str(f) for f in fields).encode("ascii")
+    text = _VERSION + b" " + " ".join(str(f) for f in fields).encode("ascii")
+    sealed = seat.sealed_mark
+    if sealed is None:
+        return text
+    mark = _NO_MARK if sealed.mark is None else _MARK + sealed.mark.hex().encode("ascii")
+    return text + b" " + mark
 
 
 def decode_seat(data: bytes) -> Seat:
@@ -129,8 +176,9 @@ def decode_seat(data: bytes) -> Seat:
         RendezvousStateError: The bytes are no valid seat.
     """
     parts = data.split(b" ")
-    if len(parts) != 7 or parts[0] != _VERSION or not all(p.isdigit() for p in parts[1:5]):
+    if len(parts) not in (7, 8) or parts[0] != _VERSION or not all(p.isdigit() for p in parts[1:5]):
         raise RendezvousStateError(f"a stored seat is corrupt: {data[:80]!r}")
+    sealed = _decode_mark(parts[7]) if len(parts) == 8 else None
     round_id, rank, world_size, port = (int(p) for p in parts[1:5])
     try:
         master = validate_node_key(parts[5].decode("ascii"))
@@ -142,20 +190,36 @@ def decode_seat(data: bytes) -> Seat:
         raise RendezvousStateError(
             f"a stored seat is inconsistent: rank {rank} of {world_size}, port {port}"
         )
-    return Seat(round_id, rank, world_size, master, port, successor)
+    return Seat(round_id, rank, world_size, master, port, successor, sealed)
 
 
-def seats_of(state: RendezvousState) -> dict[str, bytes]:
+def _decode_mark(field: bytes) -> SealedMark:
+    if field == _NO_MARK:
+        return SealedMark(None)
+    try:
+        if field[:1] == _MARK:
+            return SealedMark(bytes.fromhex(field[1:].decode("ascii")))
+    except (UnicodeDecodeError, ValueError):
+        pass
+    raise RendezvousStateError(f"a stored seat holds an invalid heartbeat mark: {field[:80]!r}")
+
+
+def seats_of(
+    state: RendezvousState, marks: Mapping[str, bytes | None] | None = None
+) -> dict[str, bytes]:
     """Return every live member's encoded seat in a freshly sealed ``state``.
 
     Args:
         state: The sealed state.
+        marks: The members' heartbeat marks as read before the seal; each
+            seat carries its successor's (:class:`SealedMark`). None: no
+            seat carries one.
 
     Returns:
         ``{node key: encoded seat}``, in rank order.
 
-    Each seat equals :meth:`Seat.of` for its node (``tests/dynamic/test_seat.py``
-    checks it), built in one pass: :meth:`Seat.of` looks the node up, which
+    Each seat equals :meth:`Seat.of` for its node but for the sealed mark
+    (``tests/dynamic/test_seat.py`` checks it), built in one pass: :meth:`Seat.of` looks the node up, which
     for every member of 8,192 would be quadratic.
     """
     live = [
@@ -165,7 +229,14 @@ def seats_of(state: RendezvousState) -> dict[str, bytes]:
     seats: dict[str, bytes] = {}
     for index, (rank, node) in enumerate(live):
         successor = live[(index + 1) % len(live)][1] if len(live) > 1 else None
-        seat = Seat(state.round, rank, size, state.participants[0], state.bootstrap_port, successor)
+        sealed = (
+            SealedMark(marks[successor])
+            if marks is not None and successor is not None and successor in marks
+            else None
+        )
+        seat = Seat(
+            state.round, rank, size, state.participants[0], state.bootstrap_port, successor, sealed
+        )
         seats[node] = encode_seat(seat)
     return seats
 

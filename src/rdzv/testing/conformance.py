@@ -536,6 +536,11 @@ def _liveness(harness: BackendHarness) -> None:
     second = other.heartbeat_mark("n1")
     _expect(second is not None and second != first, "every beat must change the mark")
     _expect(other.heartbeat_mark("n2") is None, "nodes have separate marks")
+    _expect(
+        other.heartbeat_marks(["n2", "n1"]) == {"n2": None, "n1": second},
+        "heartbeat_marks must return every node's heartbeat_mark",
+    )
+    _expect(other.heartbeat_marks([]) == {}, "heartbeat_marks of no nodes is empty")
     for bad in ("", "has space", "x" * 257):
         try:
             backend.beat(bad)
