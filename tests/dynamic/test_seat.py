@@ -14,6 +14,7 @@ from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.machine import waiting_poll_gap
 from rdzv.dynamic.seat import (
+    MAX_SEALED_MARK,
     SealedMark,
     Seat,
     decode_seat,
@@ -79,6 +80,10 @@ def test_each_seat_carries_its_successors_mark_as_read_before_the_seal() -> None
         assert replace(seat, sealed_mark=None) == Seat.of(state, node)
     # A member whose successor's mark was not read gets none; without marks, nobody.
     assert decode_seat(seats_of(state, {A: b"1"})[A]).sealed_mark is None
+    # Nor one whose successor's mark is junk too long for an O(1) seat.
+    junk = seats_of(state, {B: b"7" * (MAX_SEALED_MARK + 1), D: b"7" * MAX_SEALED_MARK})
+    assert decode_seat(junk[A]).sealed_mark is None
+    assert decode_seat(junk[B]).sealed_mark == SealedMark(b"7" * MAX_SEALED_MARK)
     assert all(decode_seat(raw).sealed_mark is None for raw in seats_of(state).values())
     # An older rdzv's seat, without the field, decodes without a sealed mark.
     assert decode_seat(b"1 7 0 4 29500 " + A.encode() + b" " + B.encode()).sealed_mark is None

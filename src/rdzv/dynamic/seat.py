@@ -51,6 +51,7 @@ from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousStateError
 
 __all__ = [
+    "MAX_SEALED_MARK",
     "SUMMARY_SEAT",
     "SealedMark",
     "Seat",
@@ -64,6 +65,10 @@ _VERSION = b"1"
 _NO_SUCCESSOR = "-"
 _NO_MARK = b"-"
 _MARK = b"x"
+MAX_SEALED_MARK = 64
+"""Longest heartbeat mark a seat carries, in bytes; a longer one (a stray
+write to a heartbeat key) leaves the seat without a sealed mark, so the seat
+stays O(1)."""
 
 SUMMARY_SEAT = "#summary"
 """The pseudo-node whose seat is the state's summary; no node key starts
@@ -212,8 +217,9 @@ def seats_of(
     Args:
         state: The sealed state.
         marks: The members' heartbeat marks as read before the seal; each
-            seat carries its successor's (:class:`SealedMark`). None: no
-            seat carries one.
+            seat carries its successor's (:class:`SealedMark`) unless it is
+            missing or longer than :data:`MAX_SEALED_MARK`. None: no seat
+            carries one.
 
     Returns:
         ``{node key: encoded seat}``, in rank order.
@@ -231,7 +237,7 @@ def seats_of(
         successor = live[(index + 1) % len(live)][1] if len(live) > 1 else None
         sealed = (
             SealedMark(marks[successor])
-            if marks is not None and successor is not None and successor in marks
+            if marks is not None and successor is not None and _sealable(marks, successor)
             else None
         )
         seat = Seat(
@@ -239,6 +245,13 @@ def seats_of(
         )
         seats[node] = encode_seat(seat)
     return seats
+
+
+def _sealable(marks: Mapping[str, bytes | None], node: str) -> bool:
+    if node not in marks:
+        return False
+    mark = marks[node]
+    return mark is None or len(mark) <= MAX_SEALED_MARK
 
 
 def watching_seat(state: RendezvousState, node: str) -> Seat | None:
