@@ -167,34 +167,28 @@ def test_in_a_large_ring_a_silent_successor_is_judged_at_the_bound_not_a_period_
         assert DEAD_AFTER <= took <= DEAD_AFTER + 0.01, took
 
 
-def test_a_sealed_mark_counts_the_silence_from_when_the_seat_was_read() -> None:
-    # The seat, read 1 s before the ring judging started, says the sealer saw
-    # the successor's mark as it still is: 1 s of silence is already known.
+@pytest.mark.parametrize(
+    ("sealed", "known"),
+    [
+        # The seat, read 1 s before the ring judging started, says the sealer
+        # saw the mark the successor still has: 1 s of silence is known.
+        pytest.param((b"1", 1.0), 1.0, id="read-1s-before"),
+        # Time in which this node did not read is never all charged to the
+        # successor: at most one interval of it counts.
+        pytest.param((b"1", 60.0), INTERVAL, id="read-long-ago"),
+        # The successor beat since the seal: its silence starts at this node's reading.
+        pytest.param((None, 2.0), 0.0, id="beat-since"),
+    ],
+)
+def test_a_sealed_mark_counts_the_silence_from_when_the_seat_was_read(
+    sealed: tuple[bytes | None, float], known: float
+) -> None:
     judged: list[float] = []
-    with Run(Liveness(), lambda dead: judged.append(run.clock()), sealed=(b"1", 1.0)) as run:
+    with Run(Liveness(), lambda dead: judged.append(run.clock()), sealed=sealed) as run:
         run.drive(lambda: bool(judged), 30.0)
         assert judged, "the successor was never judged dead"
         took = judged[0] - run.started
-        assert DEAD_AFTER - 1.0 <= took <= DEAD_AFTER - 1.0 + 3 * JUDGE_EVERY, took
-
-
-def test_a_sealed_mark_read_long_ago_is_credited_at_most_one_interval() -> None:
-    judged: list[float] = []
-    with Run(Liveness(), lambda dead: judged.append(run.clock()), sealed=(b"1", 60.0)) as run:
-        run.drive(lambda: bool(judged), 30.0)
-        assert judged, "the successor was never judged dead"
-        took = judged[0] - run.started
-        # Time in which this node did not read is never all charged to the successor.
-        assert DEAD_AFTER - INTERVAL <= took <= DEAD_AFTER - INTERVAL + 3 * JUDGE_EVERY, took
-
-
-def test_a_successor_that_beat_since_the_seal_is_judged_from_the_first_reading() -> None:
-    judged: list[float] = []
-    with Run(Liveness(), lambda dead: judged.append(run.clock()), sealed=(None, 2.0)) as run:
-        run.drive(lambda: bool(judged), 30.0)
-        assert judged, "the successor was never judged dead"
-        took = judged[0] - run.started
-        assert DEAD_AFTER <= took <= DEAD_AFTER + 3 * JUDGE_EVERY, took
+        assert DEAD_AFTER - known <= took <= DEAD_AFTER - known + 3 * JUDGE_EVERY, took
 
 
 def test_a_successor_that_beats_after_its_sealed_mark_is_never_judged_dead() -> None:
