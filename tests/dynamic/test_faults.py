@@ -1,6 +1,7 @@
 """Faults the handler must bound and name: bad settings, forged records, contract breakers,
 and a keep-alive that survives errors in its judging."""
 
+import logging
 import math
 import threading
 import time
@@ -187,6 +188,42 @@ def test_an_error_while_judging_never_stops_the_heartbeat() -> None:
         observer.close()
         other.close()
         ticker.stop()
+
+
+class BrokenMarks(InMemoryBackend):
+    """Reading several marks at once always fails with anything (a third-party bug)."""
+
+    def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
+        raise RuntimeError("a bug in a third-party backend's batch read")
+
+
+def test_a_seal_whose_read_of_the_marks_fails_goes_on_without_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    storage = InMemoryRendezvousStorage()
+    store = HashStore(timeout=5)
+    handlers = [
+        DynamicRendezvousHandler.from_backend(
+            "job", store, BrokenMarks(storage), 2, 2, addr, keep_alive_interval=5.0
+        )
+        for addr in ("a", "b")
+    ]
+    try:
+        with caplog.at_level(logging.INFO, logger="rdzv.dynamic"), ThreadPoolExecutor(2) as pool:
+            infos = [
+                f.result(timeout=30) for f in [pool.submit(h.next_rendezvous) for h in handlers]
+            ]
+        assert sorted(i.rank for i in infos) == [0, 1]
+        events = [getattr(r, "rdzv_event", {}) for r in caplog.records]
+        failed = [e for e in events if e.get("action") == "marks-failed"]
+        assert len(failed) == 1, failed  # the one seal
+        assert "RuntimeError: a bug in a third-party backend's batch read" in failed[0]["error"]
+        # Without sealed marks the members' seats carry none, as before.
+        watched = [h._watched_round() for h in handlers]
+        assert all(w is not None and w.sealed_mark is None for w in watched), watched
+    finally:
+        for h in handlers:
+            h.close()
 
 
 def test_a_failed_join_stops_the_heartbeat() -> None:

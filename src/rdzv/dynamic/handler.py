@@ -714,12 +714,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Read the marks of ``plan``'s members for their seats (:class:`~rdzv.dynamic.seat.SealedMark`).
 
         One read; a failed one leaves the seats without marks (the members
-        then judge from their own first readings, as before).
+        then judge from their own first readings, as before). The marks only
+        make judgements sooner, so no failure of this read, of any kind (a
+        third-party backend's bug too), stops the seal.
         """
         try:
             return self._liveness.heartbeat_marks(plan.live_participants())
-        except RendezvousConnectionError as exc:
-            self._event("marks-failed", plan.round, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - best effort: the seal goes on without marks
+            self._event("marks-failed", plan.round, error=f"{type(exc).__name__}: {exc}")
             return None
 
     def _fail(self, reason: FailReason, progress: JoinProgress) -> None:
