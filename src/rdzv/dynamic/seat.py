@@ -201,11 +201,11 @@ def decode_seat(data: bytes) -> Seat:
 def _decode_mark(field: bytes) -> SealedMark:
     if field == _NO_MARK:
         return SealedMark(None)
-    try:
-        if field[:1] == _MARK:
+    if field[:1] == _MARK:
+        try:
             return SealedMark(bytes.fromhex(field[1:].decode("ascii")))
-    except (UnicodeDecodeError, ValueError):
-        pass
+        except (UnicodeDecodeError, ValueError):
+            pass
     raise RendezvousStateError(f"a stored seat holds an invalid heartbeat mark: {field[:80]!r}")
 
 
@@ -225,8 +225,9 @@ def seats_of(
         ``{node key: encoded seat}``, in rank order.
 
     Each seat equals :meth:`Seat.of` for its node but for the sealed mark
-    (``tests/dynamic/test_seat.py`` checks it), built in one pass: :meth:`Seat.of` looks the node up, which
-    for every member of 8,192 would be quadratic.
+    (``tests/dynamic/test_seat.py`` checks it), built in one pass:
+    :meth:`Seat.of` looks the node up, which for every member of 8,192
+    would be quadratic.
     """
     live = [
         (rank, node) for rank, node in enumerate(state.participants) if rank not in state.evicted
@@ -235,11 +236,7 @@ def seats_of(
     seats: dict[str, bytes] = {}
     for index, (rank, node) in enumerate(live):
         successor = live[(index + 1) % len(live)][1] if len(live) > 1 else None
-        sealed = (
-            SealedMark(marks[successor])
-            if marks is not None and successor is not None and _sealable(marks, successor)
-            else None
-        )
+        sealed = None if marks is None or successor is None else _sealed(marks, successor)
         seat = Seat(
             state.round, rank, size, state.participants[0], state.bootstrap_port, successor, sealed
         )
@@ -247,11 +244,12 @@ def seats_of(
     return seats
 
 
-def _sealable(marks: Mapping[str, bytes | None], node: str) -> bool:
+def _sealed(marks: Mapping[str, bytes | None], node: str) -> SealedMark | None:
+    """``node``'s mark for a seat; None when it was not read or is too long to carry."""
     if node not in marks:
-        return False
+        return None
     mark = marks[node]
-    return mark is None or len(mark) <= MAX_SEALED_MARK
+    return None if mark is not None and len(mark) > MAX_SEALED_MARK else SealedMark(mark)
 
 
 def watching_seat(state: RendezvousState, node: str) -> Seat | None:
