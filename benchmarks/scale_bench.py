@@ -11,13 +11,13 @@ What runs
   from ``/proc/<pid>/stat`` before and after each phase. etcd and
   redis-server are private servers on loopback (``tests/engines/servers.py``),
   stopped by pid at the end.
-* Agents run in several worker processes (``--per-proc`` handlers each,
-  at ``--agent-nice`` 5, and the servers at niceness -20 when the benchmark
-  runs as root, so that thousands of agent threads on the same two cores do
-  not starve the store server, which on a cluster has a host of its own),
-  one
-  thread per handler, each handler with its own store client(s), its real
-  keep-alive and real sockets. A handler that is to be killed runs alone in
+* Agents run in several worker processes (``--per-proc`` handlers each; by
+  default 128, or more so that a core runs at most 8 processes: see
+  :func:`agents_per_process`), at ``--agent-nice`` 5, and the servers at
+  niceness -20 when the benchmark runs as root, so that thousands of agent
+  threads on the same two cores do not starve the store server, which on a
+  cluster has a host of its own; one thread per handler, each handler with
+  its own store client(s), its real keep-alive and real sockets. A handler that is to be killed runs alone in
   its own process, so SIGKILL takes exactly one agent.
 * Every rdzv agent's store is wrapped by a counter: one request per store
   call, bytes written = keys and values sent, bytes read = values returned
@@ -115,6 +115,10 @@ threads runnable (load average 7,000), the store server got a few percent
 of the CPU despite its niceness, and watches went unanswered. The handlers
 block on sockets, which releases the GIL at once, so a longer interval only
 stops the waiters from spinning."""
+MIN_PER_PROCESS = 128
+"""The fewest handlers an agent process runs by default (64 made the last call slower)."""
+PROCESSES_PER_CORE = 8
+"""The most agent processes a core runs by default (see :func:`agents_per_process`)."""
 RECOVERY_INTERVAL = 1.0
 """The keep-alive interval of the recovery scenario when ``--interval`` is not given."""
 
@@ -391,9 +395,11 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
                     "world": info.world_size,
                     "before": before,
                     "ops": [a - b for a, b in zip(after, before, strict=True)],
+                    # A copy: the keep-alive thread counts its calls in the
+                    # same dict, and a first call of a kind adds a key.
                     "by_op": {
                         op: c - ops_before.get(op, 0)
-                        for op, c in counters[index].by_op.items()
+                        for op, c in dict(counters[index].by_op).items()
                         if c > ops_before.get(op, 0)
                     },
                     "cuts": log.cuts.pop(index, {}),
@@ -480,6 +486,21 @@ def server_process(impl: str, max_connections: int) -> None:
     print(server.port, flush=True)
     sys.stdin.read()
     server.stop()
+
+
+def agents_per_process(n: int) -> int:
+    """Return how many of ``n`` handlers one agent process runs by default.
+
+    At least :data:`MIN_PER_PROCESS`, and so many that no core runs more than
+    :data:`PROCESSES_PER_CORE` agent processes. The kernel preempts a thread
+    that holds its process's GIL like any other, and every agent of that
+    process then waits until the thread runs again, behind the other
+    processes of its core: at 8,192 agents in 64 processes of 128 (32 a
+    core) the formation took 10.4 to 20 s, in 16 of 512 4.9 to 9.2 s, the
+    same handler code (2026-12-04). A real agent has a host of its own.
+    """
+    cores = len(os.sched_getaffinity(0))
+    return max(MIN_PER_PROCESS, -(-n // (PROCESSES_PER_CORE * cores)))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -575,7 +596,9 @@ class Run:
     def server_cpu(self) -> float:
         return cpu_seconds(int(self.server_pid)) if self.server_pid else float("nan")
 
-    def spawn(self, n: int, per_proc: int, **cfg: Any) -> list[subprocess.Popen[str]]:
+    def spawn(self, n: int, per_proc: int | None, **cfg: Any) -> list[subprocess.Popen[str]]:
+        if per_proc is None:
+            per_proc = agents_per_process(n)
         sizes = [min(per_proc, n - i) for i in range(0, n, per_proc)]
         group = []
         for size in sizes:
@@ -915,7 +938,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", default="256,1024,2048", help="comma-separated N")
     parser.add_argument("--backends", default="rdzv,torch", help=f"of {','.join(BACKENDS)}")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--per-proc", type=int, default=128, help="handlers per agent process")
+    parser.add_argument(
+        "--per-proc",
+        type=int,
+        default=None,
+        help=f"handlers per agent process (default: at least {MIN_PER_PROCESS}, and at most "
+        f"{PROCESSES_PER_CORE} processes a core)",
+    )
     parser.add_argument(
         "--interval",
         type=float,
