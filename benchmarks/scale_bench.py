@@ -524,16 +524,36 @@ def _spawn(argv: Sequence[str]) -> subprocess.Popen[str]:
     )
 
 
+_UNREAD: dict[int, bytearray] = {}
+"""What :func:`_readline` read from each process (by pid) past the line it returned."""
+
+
 def _readline(proc: subprocess.Popen[str], deadline: float) -> str:
-    """One line from ``proc`` by ``deadline`` (time.monotonic), or ''."""
+    """One line from ``proc`` by ``deadline`` (time.monotonic), or '' (also at its end).
+
+    It reads the pipe itself: a ``select`` on the text stream would not see
+    a line its buffer already holds (a process that writes two lines at
+    once), and ``readline`` on it would block past the deadline for a line
+    written in parts.
+    """
     assert proc.stdout is not None
-    while True:
+    fd = proc.stdout.fileno()
+    unread = _UNREAD.setdefault(proc.pid, bytearray())
+    while (end := unread.find(b"\n")) < 0:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return ""
-        ready, _, _ = select.select([proc.stdout], [], [], min(remaining, 1.0))
+        ready, _, _ = select.select([fd], [], [], min(remaining, 1.0))
         if ready:
-            return proc.stdout.readline()
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                rest = unread.decode()
+                unread.clear()
+                return rest
+            unread += chunk
+    line = unread[: end + 1].decode()
+    del unread[: end + 1]
+    return line
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
