@@ -1,0 +1,125 @@
+"""The scale benchmark's own harness: its process layout, its line reader, one small run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPT = BENCHMARKS / "scale_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(BENCHMARKS))  # its `_common` sits beside it
+    try:
+        spec = importlib.util.spec_from_file_location("scale_bench", SCRIPT)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.mark.parametrize(
+    ("cores", "n", "expected"),
+    [(2, 100, 128), (2, 2048, 128), (2, 2049, 129), (2, 8192, 512), (4, 8192, 256), (1, 2048, 256)],
+)
+def test_a_core_runs_at_most_eight_agent_processes_of_at_least_128(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, cores: int, n: int, expected: int
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    per_process = bench.agents_per_process(n)
+    assert per_process == expected
+    assert -(-n // per_process) <= max(1, 8 * cores) or per_process == 128
+
+
+def test_two_lines_written_at_once_are_both_read(bench: ModuleType) -> None:
+    # The process writes both lines in one write and then waits: a reader
+    # that selects on the text stream finds the second in its buffer only.
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.stdout.write('one\\ntwo\\n'); sys.stdout.flush(); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        assert bench._readline(proc, deadline) == "one\n"
+        assert bench._readline(proc, deadline) == "two\n"
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert bench._readline(proc, deadline) == ""  # its end
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def test_a_line_that_does_not_come_by_the_deadline_is_empty(bench: ModuleType) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.stdout.write('part'); sys.stdout.flush(); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert bench._readline(proc, time.monotonic() + 0.5) == ""
+        assert proc.stdin is not None
+        proc.stdin.close()
+        # What came before the end is the last line.
+        assert bench._readline(proc, time.monotonic() + 30) == "part"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def test_a_small_formation_and_recovery_run_and_count_no_false_death() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--n",
+            "8",
+            "--backends",
+            "rdzv",
+            "--scenarios",
+            "formation,recovery",
+            "--per-proc",
+            "4",
+            "--join",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if " N=8 " in line]
+    assert [row.split()[0] for row in rows] == ["formation", "recovery"], result.stdout
+    for row in rows:
+        assert "FAILED" not in row
+        assert "false 0" in row
+    assert "dead 1 false 0" in rows[1]  # the killed agent, judged
