@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -41,58 +42,48 @@ def test_a_core_runs_at_most_eight_agent_processes_of_at_least_128(
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     per_process = bench.agents_per_process(n)
     assert per_process == expected
-    assert -(-n // per_process) <= max(1, 8 * cores) or per_process == 128
+    processes = -(-n // per_process)
+    assert processes <= 8 * cores or per_process == bench.MIN_PER_PROCESS
+
+
+@contextlib.contextmanager
+def _writer(code: str) -> Iterator[subprocess.Popen[str]]:
+    """A child that runs ``code`` (which writes to stdout and then waits on stdin), killed by pid."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
 
 
 def test_two_lines_written_at_once_are_both_read(bench: ModuleType) -> None:
-    # The process writes both lines in one write and then waits: a reader
-    # that selects on the text stream finds the second in its buffer only.
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; sys.stdout.write('one\\ntwo\\n'); sys.stdout.flush(); sys.stdin.read()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    # Both lines go in one write: a reader that selects on the text stream
+    # finds the second in its own buffer only, and waits out its deadline.
+    code = "import sys; sys.stdout.write('one\\ntwo\\n'); sys.stdout.flush(); sys.stdin.read()"
+    with _writer(code) as proc:
         deadline = time.monotonic() + 30
         assert bench._readline(proc, deadline) == "one\n"
         assert bench._readline(proc, deadline) == "two\n"
         assert proc.stdin is not None
         proc.stdin.close()
         assert bench._readline(proc, deadline) == ""  # its end
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        assert proc.stdout is not None
-        proc.stdout.close()
 
 
 def test_a_line_that_does_not_come_by_the_deadline_is_empty(bench: ModuleType) -> None:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; sys.stdout.write('part'); sys.stdout.flush(); sys.stdin.read()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _writer(
+        "import sys; sys.stdout.write('part'); sys.stdout.flush(); sys.stdin.read()"
+    ) as proc:
         assert bench._readline(proc, time.monotonic() + 0.5) == ""
         assert proc.stdin is not None
         proc.stdin.close()
         # What came before the end is the last line.
         assert bench._readline(proc, time.monotonic() + 30) == "part"
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        assert proc.stdout is not None
-        proc.stdout.close()
 
 
 def test_a_small_formation_and_recovery_run_and_count_no_false_death() -> None:
