@@ -17,8 +17,9 @@ What runs
   niceness -20 when the benchmark runs as root, so that thousands of agent
   threads on the same two cores do not starve the store server, which on a
   cluster has a host of its own; one thread per handler, each handler with
-  its own store client(s), its real keep-alive and real sockets. A handler that is to be killed runs alone in
-  its own process, so SIGKILL takes exactly one agent.
+  its own store client(s), its real keep-alive and real sockets. A handler
+  that is to be killed runs alone in its own process, so SIGKILL takes
+  exactly one agent.
 * Every rdzv agent's store is wrapped by a counter: one request per store
   call, bytes written = keys and values sent, bytes read = values returned
   (payload, not framing). Phases are cut at the handler's own structured
@@ -496,8 +497,9 @@ def agents_per_process(n: int) -> int:
     that holds its process's GIL like any other, and every agent of that
     process then waits until the thread runs again, behind the other
     processes of its core: at 8,192 agents in 64 processes of 128 (32 a
-    core) the formation took 10.4 to 20 s, in 16 of 512 4.9 to 9.2 s, the
-    same handler code (2026-12-04). A real agent has a host of its own.
+    core) the formation took 10.4 to 20 s (6 runs), in 16 of 512 4.9 to
+    9.2 s (11 runs of 13), the same handler code (2026-12-04). A real agent
+    has a host of its own.
     """
     cores = len(os.sched_getaffinity(0))
     return max(MIN_PER_PROCESS, -(-n // (PROCESSES_PER_CORE * cores)))
@@ -562,6 +564,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    _UNREAD.pop(proc.pid, None)  # its pid may come again
     for stream in (proc.stdin, proc.stdout):
         if stream is not None:
             stream.close()
