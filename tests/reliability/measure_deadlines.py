@@ -1,11 +1,13 @@
-"""Measure how long handler calls take when etcd or Redis stops answering.
+"""Measure how long handler calls take when etcd, Redis or the TCP store stops answering.
 
-    PYTHONPATH=src python -m tests.reliability.measure_deadlines etcd redis
+    PYTHONPATH=src python -m tests.reliability.measure_deadlines etcd redis c10d
 
-Prints one line per case: a free loopback port ("unreachable"), then a
-private server paused with SIGSTOP ("paused"); the handlers are the ones
+Prints one line per case: a free loopback port ("unreachable"; not for
+``c10d``, whose client connects when it is built), then a private server
+paused with SIGSTOP ("paused"); the handlers are the ones
 ``test_backend_deadlines.py`` builds (join 3 s, close 2 s, keep-alive
-0.5 s x 3). The figures in docs/reliability.md come from this script.
+0.5 s x 3; the TCP store's timeout 30 s). The figures in
+docs/reliability.md come from this script.
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ def _report(kind: str, what: str, call: Callable[[], Any]) -> None:
 
 
 def measure(kind: str) -> None:
-    """Print the figures of one backend kind (``etcd`` or ``redis``)."""
-    handler = _handler(kind, f"127.0.0.1:{free_port()}")
-    try:
-        _report(kind, "unreachable: next_rendezvous (join 3 s)", handler.next_rendezvous)
-        _report(kind, "unreachable: is_closed", handler.is_closed)
-        _report(kind, "unreachable: shutdown", handler.shutdown)
-    finally:
-        handler.close()
+    """Print the figures of one backend kind (``etcd``, ``redis`` or ``c10d``)."""
+    if kind != "c10d":
+        handler = _handler(kind, f"127.0.0.1:{free_port()}")
+        try:
+            _report(kind, "unreachable: next_rendezvous (join 3 s)", handler.next_rendezvous)
+            _report(kind, "unreachable: is_closed", handler.is_closed)
+            _report(kind, "unreachable: shutdown", handler.shutdown)
+        finally:
+            handler.close()
     with _server(kind) as (endpoint, proc):
         handler = _handler(kind, endpoint)
         try:

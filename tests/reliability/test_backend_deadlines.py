@@ -1,11 +1,14 @@
-"""etcd and Redis calls end by their caller's deadline, whatever the server does.
+"""etcd, Redis and TCP store calls end by their caller's deadline, whatever the server does.
 
 Each test runs a real handler against a real server started for it (or a
 loopback port nobody listens on), then makes the server stop answering:
 nothing listening, or the process paused with SIGSTOP (the kernel still
 accepts connections, nothing replies). The bounds asserted are generous for
-a loaded machine, and far below the 60 s read timeout the calls took before
-they honoured the caller's deadline.
+a loaded machine, and far below the 60 s read timeout the etcd and Redis
+calls took before they honoured the caller's deadline, and the
+:data:`STORE_TIMEOUT` plus grace the TCP store's did (``c10d``: the handler
+over ``rdzv serve``, whose client connects when it is built, so the test of
+a server nobody listens on is not for it).
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ from rdzv.backends.base import RendezvousBackend
 from rdzv.backends.etcd import EtcdRendezvousBackend, create_client
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.backends.options import EtcdOptions, RedisOptions
+from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.keepalive import CALL_GRACE
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousTimeoutError
 from rdzv.store.base import Store
+from rdzv.store.tcp import TCPStore
 from tests.engines.servers import etcd_cluster, free_port, kill_process, redis_server
 from tests.procs import subprocess_env
+from tests.store.helpers import serve_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -43,10 +49,16 @@ CONNECT = 5.0
 """The etcd client's connect timeout (its default)."""
 INTERVAL = 0.5
 ATTEMPTS = 3
+STORE_TIMEOUT = 30.0
+"""The TCP store's timeout: a reply it waited for in full would pass every bound here."""
 
 
 def _backend(kind: str, endpoint: str) -> tuple[RendezvousBackend, Store]:
     """Build a backend without checking that the server answers."""
+    if kind == "c10d":
+        host, port = endpoint.rsplit(":", 1)
+        tcp = TCPStore(host, int(port), timeout=STORE_TIMEOUT)
+        return C10dRendezvousBackend(tcp, "deadlines", liveness_store=tcp.clone()), tcp
     params = RendezvousParameters(kind, endpoint, "deadlines", 1, 1)
     if kind == "etcd":
         etcd = EtcdOptions.from_params(params)
@@ -87,8 +99,11 @@ def _timed(call: Callable[[], Any]) -> tuple[float, BaseException | None]:
 
 
 @contextmanager
-def _server(kind: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    if kind == "etcd":
+def _server(kind: str) -> Iterator[tuple[str, subprocess.Popen[Any]]]:
+    if kind == "c10d":
+        with serve_process() as (serve, port):
+            yield f"127.0.0.1:{port}", serve
+    elif kind == "etcd":
         with etcd_cluster(1) as cluster:
             proc = cluster.members[0].proc
             assert proc is not None
@@ -100,7 +115,7 @@ def _server(kind: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 
 @contextmanager
-def _paused(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+def _paused(proc: subprocess.Popen[Any]) -> Iterator[None]:
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         yield
@@ -127,7 +142,7 @@ def test_a_server_nobody_listens_on_costs_the_join_timeout_then_the_connect_time
         handler.close()
 
 
-@pytest.mark.parametrize("kind", ["etcd", "redis"])
+@pytest.mark.parametrize("kind", ["etcd", "redis", "c10d"])
 def test_a_paused_server_costs_each_call_its_own_deadline(kind: str) -> None:
     with _server(kind) as (endpoint, proc):
         handler = _handler(kind, endpoint)
@@ -146,7 +161,7 @@ def test_a_paused_server_costs_each_call_its_own_deadline(kind: str) -> None:
             handler.close()
 
 
-@pytest.mark.parametrize("kind", ["etcd", "redis"])
+@pytest.mark.parametrize("kind", ["etcd", "redis", "c10d"])
 def test_the_keep_alive_gives_up_on_a_paused_server_within_its_attempts(kind: str) -> None:
     with _server(kind) as (endpoint, proc):
         handler = _handler(kind, endpoint)

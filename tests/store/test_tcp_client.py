@@ -16,6 +16,7 @@ import pytest
 
 import rdzv
 from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError, StoreTimeoutError
+from rdzv.retry import LAST_ATTEMPT, deadline_within
 from rdzv.store import tcp
 from rdzv.store.protocol import (
     FEATURE_AUTH_REQUIRED,
@@ -491,3 +492,52 @@ def test_a_watch_a_paused_server_ends_late_is_answered_not_a_connection_error(
             pauser.join()
         assert store.get("k") == b"v"  # the connection stayed in step
         store.close()
+
+
+def test_a_call_under_a_callers_deadline_ends_by_it_against_a_paused_server() -> None:
+    # The handler and its keep-alive call under a deadline; before the client
+    # honoured it, a paused server cost each call the store timeout plus grace.
+    with serve_process() as (proc, port):
+        store = TCPStore("127.0.0.1", port, timeout=30.0)
+        store.set("k", b"v")
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            for call in (lambda: store.get("k"), lambda: store.add("n", 1)):
+                started = time.monotonic()
+                with deadline_within(1.0), pytest.raises(RendezvousConnectionError):
+                    call()
+                assert time.monotonic() - started < 1.0 + 10.0  # 35 s before
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert store.get("k") == b"v"  # connected again; nothing was lost
+        store.close()
+
+
+def test_a_wait_a_callers_deadline_cuts_short_is_cancelled_in_step() -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=30.0)
+    try:
+        connection = store._sock
+        started = time.monotonic()
+        with deadline_within(0.3), pytest.raises(StoreTimeoutError, match="timed out after"):
+            store.wait(["absent"], timedelta(seconds=30))
+        assert time.monotonic() - started < 0.3 + 10.0
+        assert store._sock is connection  # cancelled, not dropped
+        store.set("absent", b"here")
+        store.wait(["absent"], timedelta(seconds=30))
+    finally:
+        store.close()
+
+
+def test_the_callers_deadline_caps_a_limit_in_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])  # the clock of both
+    assert tcp._capped(65.0) == 65.0  # no deadline
+    with deadline_within(120.0):
+        assert tcp._capped(65.0) == 65.0  # the deadline is farther
+        now[0] += 100.0  # 20 s left
+        assert tcp._capped(65.0) == 20.0
+        now[0] += 0.6  # 19.4 s left: rounded down to a step
+        assert tcp._capped(65.0) == 19.25
+        assert tcp._capped(0.1) == 0.1  # never above the limit asked for
+        now[0] += 30.0  # past it: a last attempt
+        assert tcp._capped(65.0) == LAST_ATTEMPT

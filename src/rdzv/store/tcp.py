@@ -20,6 +20,19 @@ a peer that is not a store: one that answers the handshake with bytes no
 store sends, or, on a first connection, stays silent for
 :data:`HANDSHAKE_TIMEOUT` (a program holding the port that is not a store).
 
+A caller's deadline (:func:`rdzv.retry.deadline_within`, under which the
+dynamic handler and its keep-alive make every call) bounds each read of a
+reply and each connection attempt, as it does the etcd and Redis clients:
+a reply that has not come by then drops the connection (its stream
+position is unknown) and raises
+:class:`~rdzv.errors.RendezvousConnectionError`; a ``wait`` it cuts short
+is cancelled as below and raises :class:`~rdzv.errors.StoreTimeoutError`.
+A call made at or past the deadline still gets
+:data:`~rdzv.retry.LAST_ATTEMPT`. Without a deadline the store timeout
+alone bounds them, as in torch. The cap moves in :data:`_CAP_STEP` steps,
+so that a client whose deadline is nearer than its store timeout does not
+change the socket option on every call.
+
 A connection that breaks while a request is in flight raises
 :class:`~rdzv.errors.RendezvousConnectionError` (the socket is dropped; its
 stream position is unknown) and the next call connects again. A ``wait``
@@ -54,7 +67,7 @@ from rdzv.errors import (
     StoreAuthenticationError,
     StoreTimeoutError,
 )
-from rdzv.retry import jitter
+from rdzv.retry import LAST_ATTEMPT, caller_deadline, jitter
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -121,6 +134,23 @@ class _NotAStoreError(Exception):
 
 _BACKOFF_FIRST = 0.01
 _BACKOFF_MAX = 1.0
+_CAP_STEP = 0.25
+"""Seconds by which a caller's deadline caps a read or a connection attempt (see the module)."""
+
+
+def _capped(limit: float) -> float:
+    """Return ``limit``, or less when the caller's deadline comes sooner (see the module).
+
+    The time left is rounded down to :data:`_CAP_STEP`, and never below
+    :data:`~rdzv.retry.LAST_ATTEMPT` (nor above ``limit``).
+    """
+    deadline = caller_deadline()
+    if deadline is None:
+        return limit
+    left = deadline - time.monotonic()
+    if left >= limit:
+        return limit
+    return min(limit, max(LAST_ATTEMPT, math.floor(left / _CAP_STEP) * _CAP_STEP))
 
 
 def _timeval(seconds: float) -> bytes:
@@ -471,6 +501,7 @@ class TCPStore(Store):
         budget = self.timeout.total_seconds()
         if self._was_connected:
             budget = min(budget, RECONNECT_TIMEOUT)
+        budget = _capped(budget)
         deadline = time.monotonic() + budget
         backoff = _BACKOFF_FIRST
         while True:
@@ -544,7 +575,8 @@ class TCPStore(Store):
         :meth:`_call` of a ``sendall`` and a read, written out for the
         frequent requests: the whole call is a few microseconds of Python,
         so each call saved is a measurable share of it. When nothing is
-        buffered and the reply timeout is the default, one ``recv`` usually
+        buffered and the socket's timeout is the default (as capped by a
+        caller's deadline, :func:`_capped`), one ``recv`` usually
         brings exactly the reply, which ``whole`` decodes; it returns None
         for anything else (part of a reply, an error status), and ``rest``
         reads the reply from the buffer as :meth:`_read` does. Without
@@ -560,7 +592,7 @@ class TCPStore(Store):
                     return None
                 if (
                     whole is not None
-                    and self._recv_timeout == self._reply_timeout
+                    and self._recv_timeout == _capped(self._reply_timeout)
                     and not self._reader.pending
                 ):
                     data = _receive(sock)
@@ -603,7 +635,7 @@ class TCPStore(Store):
             # the server within the store timeout), so that the common path
             # never changes the socket option.
             timeout = self._reply_timeout
-        self._set_recv_timeout(timeout)
+        self._set_recv_timeout(_capped(timeout))
         while True:
             self._reader.feed(_receive(sock))
             value = field()
@@ -671,8 +703,9 @@ class TCPStore(Store):
     def _wait_raw(self, request: Request, seconds: float, what: str) -> None:
         """Send a WAIT or BARRIER and read its answer, cancelling on timeout."""
         self._send(request)
+        seconds = _capped(max(seconds, 0.0001))
         try:
-            answer = self._read_u8(max(seconds, 0.0001))
+            answer = self._read_u8(seconds)
         except TimeoutError:
             self._send(Request(Op.CANCEL_WAIT))
             answer = self._read_u8()
