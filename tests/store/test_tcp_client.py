@@ -534,10 +534,14 @@ def test_the_callers_deadline_caps_a_limit_in_steps(monkeypatch: pytest.MonkeyPa
     assert tcp._capped(65.0) == 65.0  # no deadline
     with deadline_within(120.0):
         assert tcp._capped(65.0) == 65.0  # the deadline is farther
-        now[0] += 100.0  # 20 s left
+        now[0] += 1.0  # 119 s left: rounded down to a step of 8 s
+        assert tcp._capped(125.0) == 112.0
+        now[0] += 99.0  # 20 s left: a step of 2 s
         assert tcp._capped(65.0) == 20.0
-        now[0] += 0.6  # 19.4 s left: rounded down to a step
-        assert tcp._capped(65.0) == 19.25
+        now[0] += 0.6  # 19.4 s left
+        assert tcp._capped(65.0) == 18.0
+        now[0] += 16.0  # 3.4 s left: the finest step, 0.25 s
+        assert tcp._capped(65.0) == 3.25
         assert tcp._capped(0.1) == 0.1  # never above the limit asked for
         now[0] += 30.0  # past it: a last attempt
         assert tcp._capped(65.0) == LAST_ATTEMPT

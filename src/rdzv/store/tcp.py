@@ -29,7 +29,7 @@ position is unknown) and raises
 is cancelled as below and raises :class:`~rdzv.errors.StoreTimeoutError`.
 A call made at or past the deadline still gets
 :data:`~rdzv.retry.LAST_ATTEMPT`. Without a deadline the store timeout
-alone bounds them, as in torch. The cap moves in :data:`_CAP_STEP` steps,
+alone bounds them, as in torch. The cap moves in steps (:func:`_capped`),
 so that a client whose deadline is nearer than its store timeout does not
 change the socket option on every call.
 
@@ -135,14 +135,18 @@ class _NotAStoreError(Exception):
 _BACKOFF_FIRST = 0.01
 _BACKOFF_MAX = 1.0
 _CAP_STEP = 0.25
-"""Seconds by which a caller's deadline caps a read or a connection attempt (see the module)."""
+"""The finest step, in seconds, of a caller's deadline's cap on a read (see :func:`_capped`)."""
 
 
 def _capped(limit: float) -> float:
     """Return ``limit``, or less when the caller's deadline comes sooner (see the module).
 
-    The time left is rounded down to :data:`_CAP_STEP`, and never below
-    :data:`~rdzv.retry.LAST_ATTEMPT` (nor above ``limit``).
+    The time left is rounded down to a step of :data:`_CAP_STEP` doubled
+    until it is at least a sixteenth of the time left (0.25 s in the last
+    4 s, 8 s two minutes ahead), so that a client whose deadline is nearer
+    than its store timeout changes its socket option every few calls, not
+    on each; never below :data:`~rdzv.retry.LAST_ATTEMPT`, nor above
+    ``limit``.
     """
     deadline = caller_deadline()
     if deadline is None:
@@ -150,7 +154,10 @@ def _capped(limit: float) -> float:
     left = deadline - time.monotonic()
     if left >= limit:
         return limit
-    return min(limit, max(LAST_ATTEMPT, math.floor(left / _CAP_STEP) * _CAP_STEP))
+    step = _CAP_STEP
+    while step * 16 < left:
+        step *= 2
+    return min(limit, max(LAST_ATTEMPT, math.floor(left / step) * step))
 
 
 def _timeval(seconds: float) -> bytes:
