@@ -451,6 +451,40 @@ def test_rank0_dying_before_it_publishes_does_not_hold_the_others_without_a_seal
     assert completed == {1}
 
 
+def test_a_member_waiting_for_a_live_rank0_that_never_publishes_gives_up_at_its_join_deadline(
+    cluster_factory: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = cluster_factory(2, 2, join=3)
+    # Records without a port (an older rdzv): the seal names none, and rank 1
+    # waits for rank 0, which stays a live member but hangs before publishing.
+    monkeypatch.setattr(DynamicRendezvousHandler, "_hold_port", lambda self: 0)
+    c.store.set_timeout(60)  # the wait used to last this long
+    hung = threading.Event()
+    build = RendezvousStoreInfo.build
+
+    def hangs_at_rank0(
+        rank: int, store: Store, local_addr: str | None = None, server_port: int | None = None
+    ) -> RendezvousStoreInfo:
+        if local_addr == "r0":
+            hung.wait(30)
+        return build(rank, store, local_addr, server_port)
+
+    monkeypatch.setattr(RendezvousStoreInfo, "build", staticmethod(hangs_at_rank0))
+    rank0, rank1 = c.handler("r0", node_rank=0), c.handler("r1", node_rank=1)
+    started = time.monotonic()
+    futures = c.join([rank0, rank1])
+    try:
+        with pytest.raises(
+            RendezvousTimeoutError,
+            match=r"rank 1 did not see rank 0 publish .* by the join deadline",
+        ):
+            futures[1].result(timeout=40)
+        assert time.monotonic() - started < 3 + 1 + 10  # the join timeout and its grace
+    finally:
+        hung.set()
+    assert futures[0].result(timeout=40).rank == 0
+
+
 def test_a_node_without_a_free_port_joins_and_rank0_publishes_one_after_the_seal(
     cluster_factory: Callable[..., Cluster],
     monkeypatch: pytest.MonkeyPatch,

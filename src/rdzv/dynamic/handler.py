@@ -43,7 +43,8 @@ store, as torch's rank 0 does, for readers that look there.
 A state sealed without a port (by an older rdzv, or with a rank 0 that
 found no free port to hold) falls back to waiting: a member of rank > 0
 waits for rank 0 to publish the keys in short slices, checking between
-them that rank 0 is still a live member of the round. If
+them that rank 0 is still a live member of the round, until the join
+deadline at most. If
 rank 0 died after the seal and before publishing, its ring predecessor
 evicts it and this member joins the next round at once instead of waiting
 out the store timeout.
@@ -883,17 +884,22 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         Raises:
             RendezvousTimeoutError: Rank 0 stayed a member but did not publish
-                within the store timeout.
+                within the store timeout, or by the join deadline when that
+                comes sooner.
         """
-        timeout = store.timeout.total_seconds()
         # The store's own timeout runs on real time, whatever clock the machine uses.
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        timeout = store.timeout.total_seconds()
+        deadline, bound = started + timeout, f"within {timeout:g} s"
+        join_deadline = caller_deadline()
+        if join_deadline is not None and join_deadline < deadline:
+            deadline = join_deadline
+            bound = f"by the join deadline ({max(0.0, deadline - started):.3g} s of waiting)"
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RendezvousTimeoutError(
-                    f"rank {rank} did not see rank 0 publish MASTER_ADDR/MASTER_PORT "
-                    f"within {timeout:g} s"
+                    f"rank {rank} did not see rank 0 publish MASTER_ADDR/MASTER_PORT {bound}"
                 )
             try:
                 store.wait(
