@@ -67,7 +67,7 @@ from rdzv.errors import (
     StoreAuthenticationError,
     StoreTimeoutError,
 )
-from rdzv.retry import LAST_ATTEMPT, caller_deadline, jitter
+from rdzv.retry import LAST_ATTEMPT, jitter, time_left
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -148,16 +148,13 @@ def _capped(limit: float) -> float:
     on each; never below :data:`~rdzv.retry.LAST_ATTEMPT`, nor above
     ``limit``.
     """
-    deadline = caller_deadline()
-    if deadline is None:
-        return limit
-    left = deadline - time.monotonic()
+    left = time_left(limit)
     if left >= limit:
         return limit
     step = _CAP_STEP
     while step * 16 < left:
         step *= 2
-    return min(limit, max(LAST_ATTEMPT, math.floor(left / step) * step))
+    return max(LAST_ATTEMPT, math.floor(left / step) * step)
 
 
 def _timeval(seconds: float) -> bytes:
