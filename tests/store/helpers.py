@@ -55,6 +55,10 @@ def _translate(exc: Exception) -> Exception:
     return exc
 
 
+CONNECT_TIMEOUT = 30.0
+"""Seconds a torch client may take to connect (its calls keep the timeout they are given)."""
+
+
 class TorchClientStore(Store):
     """A stock ``torch.distributed.TCPStore`` client behind rdzv's Store API (tests only)."""
 
@@ -62,9 +66,12 @@ class TorchClientStore(Store):
         import torch.distributed as dist
 
         super().__init__(timeout)
+        # torch's client uses one timeout for connecting and for every call;
+        # a loaded machine can delay the connection past an operation's bound.
         self._store: Any = dist.TCPStore(  # type: ignore[attr-defined]
-            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=to_seconds(timeout))
+            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=CONNECT_TIMEOUT)
         )
+        self._store.set_timeout(timedelta(seconds=to_seconds(timeout)))
 
     def set_timeout(self, timeout: Timeout) -> None:
         super().set_timeout(timeout)
