@@ -3,6 +3,7 @@
 Run:  python benchmarks/scale_bench.py --n 256,1024,2048
       python benchmarks/scale_bench.py --n 64 --backends rdzv,torch,etcd,redis
       python benchmarks/scale_bench.py --n 1024 --scenarios recovery,scaleup
+      python benchmarks/scale_bench.py --n 2048 --backends rdzv,floor --scenarios lastcall
 
 What runs
 ---------
@@ -26,6 +27,13 @@ What runs
   events (``enqueue``, ``complete``). torch's handler is counted on its
   backend's store only (its round store must be torch's C++ type); etcd and
   Redis are not counted.
+* The ``floor`` column (formation and last call only) sends rdzv's messages
+  of one round from the same processes and threads to the same store
+  server, with no handler (:class:`FloorAgent`): what the harness and the
+  messages cost by themselves, so that rdzv's figures can be read against
+  the lowest this machine allows them. ``floor-noconfirm`` leaves out the
+  round's confirmation (an ``append``, an ``add`` and the wait for the
+  verdict a member).
 * Dead-node judgements are the handlers' ``dead`` events; a judgement of a
   node that was never killed is a *false death*.
 * Keep-alive: torch's and rdzv's default interval (5 s) x ``--attempts``,
@@ -101,7 +109,11 @@ sys.path.insert(1, str(ROOT))  # tests.engines.servers: private etcd and redis-s
 
 from rdzv.api import DEFAULT_KEEP_ALIVE_INTERVAL  # noqa: E402 - after the path
 
-BACKENDS = ("rdzv", "torch", "etcd", "redis")
+BACKENDS = ("rdzv", "torch", "etcd", "redis", "floor", "floor-noconfirm")
+FLOORS = ("floor", "floor-noconfirm")
+"""Columns of :class:`FloorAgent`: rdzv's messages, and the same without the confirmation."""
+FLOOR_SCENARIOS = ("formation", "lastcall")
+"""The scenarios the floor columns run: one round of a group that stays whole."""
 SCENARIOS = ("formation", "lastcall", "recovery", "scaleup", "steady")
 TORCH_MAX_N = 128
 """torch's handler is run up to this N (at 256 it livelocks on this machine)."""
@@ -227,8 +239,70 @@ class EventLog(logging.Handler):
             self.cuts.setdefault(index, {})[action] = (now, *counter.snapshot())
 
 
+class FloorAgent:
+    """rdzv's messages of one round on the TCP store, with no handler: the harness's floor.
+
+    What an rdzv member of a TCP-store round sends and waits for, each as
+    the cheapest request that does it: read the head (the round to join),
+    ``append`` a join record and ``add`` the round's counter, wait for the
+    seal (one ``get`` that blocks until the sealer sets it), ``append`` a
+    confirmation and ``add`` its counter, wait for the verdict (the
+    ``floor-noconfirm`` column stops at the seal). The node
+    whose ``add`` reaches ``max`` seals at once, the one reaching ``min``
+    after sleeping the last call (reading the count then); the last to
+    confirm writes the verdict. No keep-alive, bootstrap port, state,
+    seats, deadlines or decisions: whatever time a round takes here, on
+    the same processes, threads, pinning and store server as the rdzv
+    column, is the harness's and the messages', so rdzv's figures minus
+    these are what its handler adds. It emits the handler's ``enqueue``,
+    ``sealed`` and ``complete`` events, so its phases are cut alike.
+    """
+
+    def __init__(self, cfg: dict[str, Any], addr: str, counter: Counter, confirm: bool) -> None:
+        from rdzv.store.tcp import TCPStore
+
+        self.node = addr
+        self._confirm = confirm
+        self._store: Any = CountingStore(TCPStore("127.0.0.1", cfg["port"], timeout=120), counter)
+        self._prefix = f"floor/{cfg['run_id']}/"
+        self._min, self._max, self._last_call = cfg["min"], cfg["max"], cfg["last_call"]
+        self._log = logging.getLogger("rdzv.dynamic")
+
+    def _event(self, action: str) -> None:
+        self._log.info("floor %s", action, extra={"rdzv_event": {"action": action}})
+
+    def next_rendezvous(self) -> Any:
+        store, key = self._store, self._prefix
+        store.compare_set(f"{key}head", b"probe", b"probe")
+        store.append(f"{key}queue", self.node.encode())
+        position = int(store.add(f"{key}joined", 1))
+        self._event("enqueue")
+        if position in (self._min, self._max):
+            if position != self._max:
+                time.sleep(self._last_call)
+            world = int(store.add(f"{key}joined", 0))
+            store.set(f"{key}seal", str(world).encode())
+            self._event("sealed")
+        world = int(store.get(f"{key}seal"))
+        if position > world:
+            raise RuntimeError(f"{self.node} joined at {position}, after a seal of {world}")
+        if self._confirm:
+            self._confirmation(world)
+        self._event("complete")
+        return argparse.Namespace(rank=position - 1, world_size=world)
+
+    def _confirmation(self, world: int) -> None:
+        store, key = self._store, self._prefix
+        store.append(f"{key}confirmed", self.node.encode())
+        if store.add(f"{key}confirmations", 1) == world:
+            store.set(f"{key}verdict", b"1")
+        store.get(f"{key}verdict")
+
+
 def make_handler(impl: str, cfg: dict[str, Any], addr: str, counter: Counter) -> Any:
     run_id, n_min, n_max = cfg["run_id"], cfg["min"], cfg["max"]
+    if impl in FLOORS:
+        return FloorAgent(cfg, addr, counter, confirm=impl == "floor")
     if impl in ("etcd", "redis"):
         import rdzv
 
@@ -606,8 +680,9 @@ class Run:
             "pin": not opts.no_pin,
         }
         self.server_pid = endpoints.get(f"{impl}-pid")
-        if impl in ("rdzv", "torch"):
-            self.server = _spawn(["--server", impl, str(opts.max_connections)])
+        if impl in ("rdzv", "torch", *FLOORS):
+            server = "torch" if impl == "torch" else "rdzv"
+            self.server = _spawn(["--server", server, str(opts.max_connections)])
             line = _readline(self.server, time.monotonic() + 60)
             if not line:
                 raise RuntimeError(f"the {impl} store server did not start")
@@ -1007,6 +1082,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for scenario in scenarios:
                 for impl in backends:
                     if impl == "torch" and n > TORCH_MAX_N:
+                        continue
+                    if impl in FLOORS and scenario not in FLOOR_SCENARIOS:
                         continue
                     result = run_scenario(impl, scenario, n, endpoints, opts)
                     result["load_after"] = load()
