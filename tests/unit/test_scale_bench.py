@@ -86,68 +86,35 @@ def test_a_line_that_does_not_come_by_the_deadline_is_empty(bench: ModuleType) -
         assert bench._readline(proc, time.monotonic() + 30) == "part"
 
 
-def test_a_small_formation_and_recovery_run_and_count_no_false_death() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--n",
-            "8",
-            "--backends",
-            "rdzv",
-            "--scenarios",
-            "formation,recovery",
-            "--per-proc",
-            "4",
-            "--join",
-            "60",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+def _run_small(backends: str, scenarios: str, *extra: str) -> list[str]:
+    """Run the benchmark at N = 8 (4 agents a process); return its result rows."""
+    argv = [sys.executable, str(SCRIPT), "--n", "8", "--backends", backends]
+    argv += ["--scenarios", scenarios, "--per-proc", "4", "--join", "60", *extra]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line for line in result.stdout.splitlines() if " N=8 " in line]
-    assert [row.split()[0] for row in rows] == ["formation", "recovery"], result.stdout
+    assert all("FAILED" not in row for row in rows), result.stdout
+    return rows
+
+
+def test_a_small_formation_and_recovery_run_and_count_no_false_death() -> None:
+    rows = _run_small("rdzv", "formation,recovery")
+    assert [row.split()[0] for row in rows] == ["formation", "recovery"], rows
     for row in rows:
-        assert "FAILED" not in row
         assert "false 0" in row
     assert "dead 1 false 0" in rows[1]  # the killed agent, judged
 
 
 def test_the_floor_columns_form_with_rdzvs_messages_and_without_the_confirmation() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--n",
-            "8",
-            "--backends",
-            "floor,floor-noconfirm",
-            "--scenarios",
-            "formation,lastcall,recovery",
-            "--per-proc",
-            "4",
-            "--last-call",
-            "0.2",
-            "--join",
-            "60",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line.split(" | ") for line in result.stdout.splitlines() if " N=8 " in line]
+    lines = _run_small("floor,floor-noconfirm", "formation,lastcall,recovery", "--last-call", "0.2")
+    rows = [line.split(" | ") for line in lines]
     # Recovery needs a handler: the floors run one round of a whole group only.
     assert [row[0].split()[:2] for row in rows] == [
         ["formation", "floor"],
         ["formation", "floor-noconfirm"],
         ["lastcall", "floor"],
         ["lastcall", "floor-noconfirm"],
-    ], result.stdout
+    ], lines
     fields = [dict(field.split(" ", 1) for field in row[1:]) for row in rows]
     # A member's messages: the head, a join's append and add, the seal's
     # wait, and (with the confirmation) an append, an add and the verdict's
@@ -155,6 +122,6 @@ def test_the_floor_columns_form_with_rdzvs_messages_and_without_the_confirmation
     # confirm writes the verdict. The last call's round has N/2 members.
     expected = [7 + 3 / 8, 4 + 2 / 8, 7 + 3 / 4, 4 + 2 / 4]
     requests = [float(f["req/agent"]) for f in fields]
-    assert requests == pytest.approx(expected, abs=0.01), result.stdout
+    assert requests == pytest.approx(expected, abs=0.01), lines
     for f in fields[2:]:
         assert float(f["overhead"].removesuffix("s")) >= 0, f  # the last call was waited out
