@@ -152,6 +152,45 @@ def test_etcd_reads_the_value_of_an_unchanged_state_once(
     assert len(gets) == 2
 
 
+@pytest.mark.etcd
+def test_an_etcd_waiter_is_woken_by_the_head_and_not_sent_the_state(
+    etcd_client: Any, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from rdzv.backends.etcd import EtcdRendezvousBackend
+
+    writer, reader, first = _written_and_reader(
+        lambda: EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
+    )
+    assert reader.get_state() == first[:2]
+    sent: list[int] = []  # the value bytes of each watch event a waiter got
+    watching = threading.Event()
+    real_watch = etcd_client.watch
+
+    def counted_watch(*args: Any, **kwargs: Any) -> Any:
+        watching.set()
+        events, after = real_watch(*args, **kwargs)
+        sent.extend(len(event.kv.value) for event in events)
+        return events, after
+
+    monkeypatch.setattr(etcd_client, "watch", counted_watch)
+    woken: list[Any] = []
+    waiter = threading.Thread(target=lambda: woken.append(reader.wait_for_state(first[1], 10.0)))
+    waiter.start()
+    try:
+        # The watch starts at the revision after the waiter's read, so the
+        # write is reported to it however soon after the call it lands.
+        assert watching.wait(10)
+        second = writer.set_state(_state(2), first[1])
+    finally:
+        waiter.join(30)
+    assert second is not None
+    assert second[2]
+    assert woken == [second[:2]]
+    assert max(sent, default=0) == 0, sent
+
+
 @pytest.mark.redis
 def test_redis_reads_the_value_of_an_unchanged_state_once(redis_client: Any, unique: str) -> None:
     from rdzv.backends.redis import RedisRendezvousBackend
