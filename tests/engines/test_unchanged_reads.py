@@ -123,15 +123,20 @@ def _written_and_reader(
     return writer, reader, first
 
 
+def _etcd_written_and_reader(etcd_client: Any, unique: str) -> tuple[Any, Any, Any]:
+    """:func:`_written_and_reader` of two etcd backends of one run under ``/test/``."""
+    from rdzv.backends.etcd import EtcdRendezvousBackend
+
+    return _written_and_reader(
+        lambda: EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
+    )
+
+
 @pytest.mark.etcd
 def test_etcd_reads_the_value_of_an_unchanged_state_once(
     etcd_client: Any, unique: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rdzv.backends.etcd import EtcdRendezvousBackend
-
-    writer, reader, first = _written_and_reader(
-        lambda: EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
-    )
+    writer, reader, first = _etcd_written_and_reader(etcd_client, unique)
     gets: list[bytes] = []
     real_get = etcd_client.get
 
@@ -158,11 +163,7 @@ def test_an_etcd_waiter_is_woken_by_the_head_and_not_sent_the_state(
 ) -> None:
     import threading
 
-    from rdzv.backends.etcd import EtcdRendezvousBackend
-
-    writer, reader, first = _written_and_reader(
-        lambda: EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
-    )
+    writer, reader, first = _etcd_written_and_reader(etcd_client, unique)
     assert reader.get_state() == first[:2]
     sent: list[int] = []  # the value bytes of each watch event a waiter got
     watching = threading.Event()
