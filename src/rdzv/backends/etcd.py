@@ -12,8 +12,8 @@ key, ``<key_prefix><run_id>/head``, which is what waiters watch: a watch
 event carries the value of the key it reports, so a watch of the state sent
 every waiter the whole participant list at every write (54 KB at 2,048
 participants), where the head's event carries none. A write that moves the
-state but not the head (an operator deleting the key) wakes the waiters at
-the end of their wait instead. A read asks for the key's revisions alone
+state but not the head (an operator deleting the key, or an rdzv from before
+the head) wakes the waiters at the end of their wait instead. A read asks for the key's revisions alone
 first and reads the value only when the revision differs from the last one
 seen, so polling an unchanged state costs O(1) bytes whatever the number of
 participants. Every write attaches a lease of ``ttl``
@@ -64,7 +64,6 @@ from rdzv.backends.etcd_client import (
 from rdzv.backends.etcd_gateway import (
     LEASE_NOT_FOUND,
     EtcdRequestError,
-    mod_revision_compare,
     put_request,
     range_request,
 )
@@ -264,22 +263,11 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
             current = self.get_state()
             return None if current is None else (current[0], current[1], False)
         value = _MAGIC + state
-
-        def write(lease: int) -> tuple[bool, int, KeyValue | None, int]:
-            result = self._client.txn(
-                [mod_revision_compare(self._key, expected)],
-                [
-                    {"request_put": put_request(self._key, value, lease)},
-                    {"request_put": put_request(self._head, b"", lease)},
-                ],
-                [{"request_range": range_request(self._key)}],
+        written, revision, kv, attempts = self._with_state_lease(
+            lambda lease: self._client.compare_and_put(
+                self._key, value, expected, lease=lease, also={self._head: b""}
             )
-            if result.succeeded:
-                return True, result.revision, None, result.attempts
-            kvs = self._client.txn_kvs(result, 0)
-            return False, result.revision, (kvs[0] if kvs else None), result.attempts
-
-        written, revision, kv, attempts = self._with_state_lease(write)
+        )
         if written:
             self._last = (state, revision)
             return state, revision, True

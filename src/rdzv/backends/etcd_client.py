@@ -42,7 +42,7 @@ import json
 import ssl
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rdzv.backends.etcd_gateway import (
@@ -468,7 +468,12 @@ class EtcdClient:
         return txn_range_kvs(result, index, self.endpoints[self._current])
 
     def compare_and_put(
-        self, key: bytes, value: bytes, mod_revision: int, lease: int = 0
+        self,
+        key: bytes,
+        value: bytes,
+        mod_revision: int,
+        lease: int = 0,
+        also: Mapping[bytes, bytes] | None = None,
     ) -> tuple[bool, int, KeyValue | None, int]:
         """Write ``key`` if its ``mod_revision`` is ``mod_revision``, in one round trip.
 
@@ -478,15 +483,18 @@ class EtcdClient:
             mod_revision: The expected modification revision; 0 means
                 "the key must not exist".
             lease: A lease ID to attach to the new value.
+            also: More ``{key: value}`` to put in the same transaction, under
+                the same lease, when the write wins.
 
         Returns:
             ``(written, revision, current, attempts)``: on success the
             revision of the write and ``current`` None; on failure the
             stored key (None when absent) as read in the same transaction.
         """
+        puts = {key: value, **(also or {})}
         result = self.txn(
             [mod_revision_compare(key, mod_revision)],
-            [{"request_put": put_request(key, value, lease)}],
+            [{"request_put": put_request(k, v, lease)} for k, v in puts.items()],
             [{"request_range": range_request(key)}],
         )
         if result.succeeded:
