@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "contract and leaves",
         (
             "rdzv.backends.base",
+            "rdzv.keys",
             "rdzv._lazy",
             "rdzv.endpoint",
             "rdzv.utils",
