@@ -1,40 +1,22 @@
 """Where a run's keys live in a store: every key root, written once.
 
-One store may hold several runs, each written by several parts of rdzv under
-their own root:
+One store may hold several runs, each under these roots:
 
-* ``rdzv.backend/<run>/``: the c10d backend (:mod:`rdzv.backends.store`),
-  its state, queues, heartbeats and seats;
-* ``rdzv.handler/<run>/``: the dynamic handler, its sealed rounds,
-  confirmations and departures, and queues and heartbeats when the backend
-  lacks them;
-* ``rdzv/<run>/round/<r>``: the store handed to the agents of round ``r``,
-  where ``rdzv run`` writes under ``rdzv.launch/`` (torch's agent writes
-  there too);
+* ``rdzv.backend/<run>/``: the c10d backend's state, queues, heartbeats, seats;
+* ``rdzv.handler/<run>/``: the dynamic handler's sealed rounds, confirmations
+  and departures, and its queues and heartbeats when the backend lacks them;
+* ``rdzv/<run>/round/<r>``: the store of round ``r``'s agents (``rdzv run``
+  writes under ``rdzv.launch/`` there, and torch's agent writes there too);
 * ``rdzv.static/<run>/``: the static rendezvous.
 
-Under a backend or handler root, the capabilities over a store
-(:mod:`rdzv.backends.kv`) keep a queue at ``<kind>/<round>`` with its
-counter at ``<kind>/<round>/n``, and a node's heartbeat at ``hb/<node>``.
+Under the first two, :mod:`rdzv.backends.kv` keeps a queue at
+``<kind>/<round>``, its counter at ``<kind>/<round>/n`` and a node's
+heartbeat at ``hb/<node>``.
 """
 
 from __future__ import annotations
 
 import re
-
-__all__ = [
-    "CONFIRM_QUEUE",
-    "JOIN_QUEUE",
-    "LAUNCH_ROOT",
-    "STATIC_ROOT",
-    "agent_key",
-    "backend_prefix",
-    "handler_prefix",
-    "heartbeat_key",
-    "queue_keys",
-    "round_store_prefix",
-    "run_of_backend_key",
-]
 
 LAUNCH_ROOT = "rdzv.launch"
 STATIC_ROOT = "rdzv.static"
@@ -42,11 +24,9 @@ JOIN_QUEUE = "q"
 CONFIRM_QUEUE = "c"
 _BACKEND_ROOT = "rdzv.backend"
 _HEARTBEAT = "hb"
-
 # The keys that mark a run in the c10d backend: its state, join queues, heartbeats.
-_BACKEND_KEY = re.compile(
-    rf"{re.escape(_BACKEND_ROOT)}/(.+)/"
-    rf"(?:state|{JOIN_QUEUE}/\d+(?:/n)?|{_HEARTBEAT}/[^/]+)"
+_BACKEND_MARK = re.compile(
+    rf"{re.escape(_BACKEND_ROOT)}/(.+)/(?:state|{JOIN_QUEUE}/\d+(?:/n)?|{_HEARTBEAT}/[^/]+)"
 )
 
 
@@ -77,21 +57,15 @@ def heartbeat_key(prefix: str, node: str) -> str:
 
 
 def agent_key(group_rank: int) -> str:
-    """Return the key of the round's store where an agent says how it runs.
+    """Return the round-store key where an agent of ``rdzv run`` says how it runs.
 
-    The value is JSON: ``{"host": ..., "workers": N, "restarts": N}``, written
+    The value is JSON, ``{"host": ..., "workers": N, "restarts": N}``, written
     when the agent starts its workers; ``rdzv status`` shows it.
-
-    Args:
-        group_rank: The agent's node rank in the round.
-
-    Returns:
-        The key, relative to the round's store.
     """
     return f"{LAUNCH_ROOT}/agent/{group_rank}"
 
 
 def run_of_backend_key(key: str) -> str | None:
-    """Return the run a c10d backend key belongs to, or None for any other key."""
-    match = _BACKEND_KEY.fullmatch(key)
+    """Return the run a c10d backend key marks, or None for any other key."""
+    match = _BACKEND_MARK.fullmatch(key)
     return None if match is None else match.group(1)
