@@ -57,11 +57,7 @@ def heartbeat_key(prefix: str, node: str) -> str:
 
 
 def agent_key(group_rank: int) -> str:
-    """Return the round-store key where an agent of ``rdzv run`` says how it runs.
-
-    The value is JSON, ``{"host": ..., "workers": N, "restarts": N}``, written
-    when the agent starts its workers; ``rdzv status`` shows it.
-    """
+    """Return the round-store key of an agent's JSON ``host``, ``workers`` and ``restarts``."""
     return f"{LAUNCH_ROOT}/agent/{group_rank}"
 
 
