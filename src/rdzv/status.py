@@ -438,9 +438,9 @@ def _error(message: str) -> None:
     print(f"rdzv status: {message}", file=sys.stderr)
 
 
-def _runs_text(store: Store | None, backend: RendezvousBackend) -> str:
-    """Say which runs the store holds, for the message about an unknown run."""
-    if store is None or not isinstance(backend, C10dRendezvousBackend):
+def _runs_text(store: Store | None) -> str:
+    """Say which runs the store holds (None: not a store backend), for an unknown run."""
+    if store is None:
         return "it has no state and no node is queued"
     try:
         runs = list_runs(store)
@@ -557,14 +557,14 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
             sample = args.sample if args.watch is None else args.watch
             status = read_status(backend, args.rdzv_id, tracker, sample, store=store)
             if not status.known and args.watch is None:
-                _error(f"run {run} is unknown to the backend: {_runs_text(store, backend)}")
+                _error(f"run {run} is unknown to the backend: {_runs_text(store)}")
                 return EXIT_UNKNOWN_RUN
             if args.json:
                 print(json.dumps(status.to_json(), sort_keys=True), file=out, flush=True)
             else:
                 text = format_status(status)
                 if not status.known:
-                    text += f"run {run} is unknown so far ({_runs_text(store, backend)})\n"
+                    text += f"run {run} is unknown so far ({_runs_text(store)})\n"
                 print((_REDRAW if redraw else "") + text, end="", file=out, flush=True)
             if args.watch is None:
                 return 0
