@@ -29,6 +29,7 @@ from rdzv.backends.base import (
     validate_record,
 )
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
+from rdzv.keys import CONFIRM_QUEUE, JOIN_QUEUE, heartbeat_key, queue_keys
 from rdzv.retry import poll_backoff
 from rdzv.store.base import Store
 
@@ -59,18 +60,17 @@ class StoreJoinQueue(JoinQueueBackend):
             ``c`` for confirmations (:meth:`confirmation_queue`).
     """
 
-    def __init__(self, store: Store, prefix: str, kind: str = "q") -> None:
+    def __init__(self, store: Store, prefix: str, kind: str = JOIN_QUEUE) -> None:
         self._queue_store = store
         self._queue_prefix = prefix
         self._queue_kind = kind
 
     def _queue_keys(self, round_id: int) -> tuple[str, str]:
-        base = f"{self._queue_prefix}{self._queue_kind}/{round_id}"
-        return base, f"{base}/n"
+        return queue_keys(self._queue_prefix, self._queue_kind, round_id)
 
     def confirmation_queue(self) -> StoreJoinQueue:
         """Return the confirmation queues, keyed ``<prefix>c/<round>`` in the same store."""
-        return StoreJoinQueue(self._queue_store, self._queue_prefix, "c")
+        return StoreJoinQueue(self._queue_store, self._queue_prefix, CONFIRM_QUEUE)
 
     def enqueue(self, round_id: int, record: bytes) -> int:  # noqa: D102 - see JoinQueueBackend
         validate_record(round_id, record)
@@ -149,7 +149,7 @@ class StoreLiveness(LivenessBackend):
         self._liveness_prefix = prefix
 
     def _beat_key(self, node: str) -> str:
-        return f"{self._liveness_prefix}hb/{validate_node_key(node)}"
+        return heartbeat_key(self._liveness_prefix, validate_node_key(node))
 
     def beat(self, node: str) -> None:  # noqa: D102 - see LivenessBackend
         key = self._beat_key(node)

@@ -78,6 +78,7 @@ from rdzv.backends.base import (
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
+from rdzv.keys import backend_prefix
 from rdzv.retry import Clock, as_clock, deadline_within, poll_backoff
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class C10dRendezvousBackend(
         clock: Clock | None = None,
     ) -> None:
         validate_run_id(run_id)
-        prefix = f"rdzv.backend/{run_id}/"
+        prefix = backend_prefix(run_id)
         StoreJoinQueue.__init__(self, store, prefix)
         StoreLiveness.__init__(self, liveness_store or store, prefix)
         self._store = store

@@ -155,6 +155,7 @@ from rdzv.errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
+from rdzv.keys import handler_prefix, round_store_prefix
 from rdzv.net import advertised_address, primary_address
 from rdzv.retry import Clock, as_clock, call_within, caller_deadline, deadline_within, jitter
 from rdzv.store.base import Store
@@ -229,7 +230,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._local_addr = local_addr
         self._node_rank = -1 if node_rank is None else node_rank
         self._clock = as_clock(clock)
-        prefix = f"rdzv.handler/{settings.run_id}/"
+        prefix = handler_prefix(settings.run_id)
         self._prefix = prefix
         self._queue: JoinQueueBackend = (
             backend if isinstance(backend, JoinQueueBackend) else StoreJoinQueue(store, prefix)
@@ -753,7 +754,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._check_keepalive()
         with self._lock:
             self._member_of = member
-        store = PrefixStore(f"rdzv/{self._settings.run_id}/round/{seat.round}", self._store)
+        store = PrefixStore(round_store_prefix(self._settings.run_id, seat.round), self._store)
         self._release_port()
         confirmed = seat.world_size == 1 or self._confirm(member, join_deadline)
         # The ring judging starts at the verdict, or at the confirmation's
