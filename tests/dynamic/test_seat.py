@@ -12,7 +12,7 @@ import pytest
 from rdzv.api import RendezvousInfo, RendezvousTimeout
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
-from rdzv.dynamic.machine import waiting_poll_gap
+from rdzv.dynamic.pacing import waiting_poll_gap
 from rdzv.dynamic.seat import (
     MAX_SEALED_MARK,
     SealedMark,

@@ -131,9 +131,8 @@ from rdzv.dynamic.machine import (
     plan_seal,
     round_lost,
     start_join,
-    state_wait_cap,
-    waiting_poll_gap,
 )
+from rdzv.dynamic.pacing import queue_wait, seat_wait, state_wait, waiting_poll_gap
 from rdzv.dynamic.seat import Seat, seats_of, watching_seat
 from rdzv.dynamic.shared import SharedState
 from rdzv.dynamic.state import (
@@ -168,27 +167,6 @@ _SHUTDOWN_WITHIN = 5.0
 """Seconds ``shutdown`` waits for the backend before giving up on leaving cleanly."""
 _JOIN_GRACE = 1.0
 """Seconds a backend call may run past the join deadline (the machine fails the join at it)."""
-_SEAT_LAG = 3.0
-"""Seconds a node that finds its round sealed waits for its seat before reading the state.
-
-A seal stores the members' seats right after its compare-and-set; a node
-that looks in between finds the round sealed and its seat not yet there.
-It reads the whole state only if the seat has not come by then (the
-sealer died in between, or the seal left this node out: a spare then
-learns it a few seconds later, and waits for the next round anyway). The
-wait is not cut at the node's wait cap (``state_wait_cap``), which paces
-its readings of the queue before a seal. At 1 s, in a recovery of 1,024
-nodes run beside a second one, the sealer's seats came more than a second
-after its compare-and-set (its thread one of 128 in a starved process),
-and 200 to 430 members read the 28 KB state."""
-_QUEUE_WAIT_CAP = 0.05
-"""Seconds a deferred seal waits on the queue before it reads the state again.
-
-A seal deferred for a missing member waits for it on the queue, which
-cannot watch the state too; the eviction that unblocks it (by the missing
-member's ring predecessor) is seen at the next read. At 0.25 s a recovery
-took the dead-node bound plus up to a quarter second; only the few nodes
-whose seal is deferred poll this often."""
 _BOOTSTRAP_CHECK = 0.5
 """Seconds between checks that rank 0 is still a member while waiting for its address."""
 
@@ -536,7 +514,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 remaining = max(0.0, action.deadline - now)
                 if action.on_queue:
                     queue_length = self._queue.wait_queue_length(
-                        progress.round_id, queue_length, min(remaining, _QUEUE_WAIT_CAP)
+                        progress.round_id, queue_length, queue_wait(remaining)
                     )
                     if suspects:
                         due, judging = judging.due(
@@ -552,7 +530,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         state,
                         token,
                         progress.round_id,
-                        min(remaining, state_wait_cap(queue_length) * jitter(1.0, 1.5)),
+                        state_wait(remaining, queue_length, jitter(1.0, 1.5)),
                         attempt,
                         max(0.0, progress.deadline(self._limits) - now),
                     )
@@ -590,7 +568,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         read, and the state whole only when that write sealed ``round_id``
         or a later round (a summary cannot tell a member) or stored none.
         Once the summary says ``round_id`` is sealed, this node waits up to
-        :data:`_SEAT_LAG` for its seat, ``timeout`` or not, but never past
+        :func:`~rdzv.dynamic.pacing.seat_wait` for its seat, ``timeout`` or not, but never past
         ``join_left`` (the seconds left before the join deadline).
 
         Returns:
@@ -620,7 +598,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             # Sealed, and members' seats follow the seal's compare-and-set:
             # this node's may be on its way (at 8,192 nodes, those that
             # looked in between read the 240 KB state, thousands at once).
-            seating, seat = self._shared.wait_seat(token, min(join_left, _SEAT_LAG), self._node)
+            seating, seat = self._shared.wait_seat(token, seat_wait(join_left), self._node)
             if seat is not None and seat.round == round_id:
                 return state, token, self._seated(seat, seating)
         return (*self._shared.read(), None)
@@ -959,7 +937,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         A positive number tells a member to re-rendezvous: nodes wait and the
         round has room, a member died or left, or the store lost the round
         (restarted empty). A member reads the backend at most once per
-        :func:`~rdzv.dynamic.machine.waiting_poll_gap` of its round (0.5 s at
+        :func:`~rdzv.dynamic.pacing.waiting_poll_gap` of its round (0.5 s at
         1,024 members, 0.1 s at 200) and answers from its last reading in
         between, so agents asking every 0.1 s keep one store host's load
         bounded whatever the size (torch serves its state for 1 s).

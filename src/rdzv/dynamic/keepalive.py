@@ -14,7 +14,7 @@ tick it does two independent things:
   confirmation slice passes without it; the first reading a random part of
   one period later, so that the members of a round do not all read at once;
   until then the thread wakes only to beat; in a large ring less often, so that the whole ring
-  stays within :data:`~rdzv.dynamic.machine.RING_READS_PER_SECOND`), it
+  stays within :data:`~rdzv.dynamic.pacing.RING_READS_PER_SECOND`), it
   reads the mark of its ring successor in the last round it completed (its
   :class:`~rdzv.dynamic.seat.Seat` names it) and judges
   it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`),
@@ -50,7 +50,8 @@ import threading
 from collections.abc import Callable
 
 from rdzv.backends.base import LivenessBackend
-from rdzv.dynamic.machine import MarkWatch, judge_marks, ring_judge_period
+from rdzv.dynamic.machine import MarkWatch, judge_marks
+from rdzv.dynamic.pacing import ring_judge_period
 from rdzv.dynamic.seat import Seat
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.retry import Clock, deadline_within, jitter
