@@ -176,7 +176,7 @@ def test_an_error_while_judging_never_stops_the_heartbeat() -> None:
             t.join(10)
         beats = InMemoryBackend(storage).heartbeat_mark(observer.node)
         ticker.until(ticker.clock() + 1.0)  # 10 judging ticks that all raise
-        assert observer._keepalive.running
+        assert observer.statistics().keepalive_running
         assert InMemoryBackend(storage).heartbeat_mark(observer.node) != beats
         failing.clear()
         other.pre_shutdown()  # the observer's successor stops beating: judged and evicted
@@ -219,7 +219,7 @@ def test_a_seal_whose_read_of_the_marks_fails_goes_on_without_them(
         assert len(failed) == 1, failed  # the one seal
         assert "RuntimeError: a bug in a third-party backend's batch read" in failed[0]["error"]
         # Without sealed marks the members' seats carry none, as before.
-        watched = [h._watched_round() for h in handlers]
+        watched = [h.statistics().watched for h in handlers]
         assert all(w is not None and w.sealed_mark is None for w in watched), watched
     finally:
         for h in handlers:
@@ -240,7 +240,7 @@ def test_a_failed_join_stops_the_heartbeat() -> None:
     )
     with pytest.raises(RendezvousExhaustedError, match="without reaching min nodes"):
         handler.next_rendezvous()
-    assert not handler._keepalive.running
+    assert not handler.statistics().keepalive_running
     mark = InMemoryBackend(storage).heartbeat_mark(handler.node)
     time.sleep(0.5)
     assert InMemoryBackend(storage).heartbeat_mark(handler.node) == mark
@@ -333,7 +333,7 @@ def test_a_node_whose_heartbeats_gave_up_completes_no_round() -> None:
         try:
             joined = pool.submit(deaf.next_rendezvous)
             deadline = time.monotonic() + 30  # a generous bound: three beats of 0.05 s
-            while deaf._keepalive.error is None:
+            while deaf.statistics().keepalive_error is None:
                 assert time.monotonic() < deadline, "the keep-alive never gave up"
                 time.sleep(0.01)
             pool.submit(other.next_rendezvous)  # the round can seal now

@@ -17,6 +17,7 @@ import pytest
 
 from rdzv.api import RendezvousInfo, RendezvousStoreInfo, RendezvousTimeout
 from rdzv.backends.base import RendezvousBackend, Token
+from rdzv.dynamic.bootstrap import HeldPort
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.state import JoinRecord, decode_state, encode_record
 from rdzv.errors import (
@@ -140,11 +141,17 @@ def _check_round(infos: list[RendezvousInfo]) -> None:
     assert len({i.bootstrap_store_info for i in infos}) == 1
 
 
-def _until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
+def _eventually(predicate: Callable[[], bool], limit: float) -> bool:
     deadline = time.monotonic() + limit
     while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.01)
+    return True
+
+
+def _until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
+    assert _eventually(predicate, limit), "condition not met in time"
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["capable", "plain-backend"])
@@ -240,14 +247,14 @@ def test_keep_alive_gives_up_with_a_clear_error_and_restarts_on_the_next_join(
     h = c.handler("k1")
     c.join([h])[0].result(timeout=40)
     c.storage.fail_next(10_000)
-    _until(lambda: not h._keepalive.running)
+    _until(lambda: not h.statistics().keepalive_running)
     c.storage.fail_next(0)
     for _ in range(2):  # every call says so until the node joins again
         with pytest.raises(RendezvousConnectionError, match="gave up after 3 failed keep-alive"):
             h.num_nodes_waiting()
     info = h.next_rendezvous()
     assert info.world_size == 1
-    assert h._keepalive.running
+    assert h.statistics().keepalive_running
     assert h.num_nodes_waiting() == 0
 
 
@@ -419,7 +426,7 @@ def test_rank0_dying_before_it_publishes_does_not_hold_the_others_without_a_seal
     c = cluster_factory(2, 3)
     # Records without a port (an older rdzv): the seal names no port and the
     # members wait for rank 0 to publish it in the round's store.
-    monkeypatch.setattr(DynamicRendezvousHandler, "_hold_port", lambda self: 0)
+    monkeypatch.setattr(HeldPort, "hold", lambda self: 0)
     c.store.set_timeout(60)  # waiting out the store timeout would fail the result() bounds
     dying = c.handler("r0", node_rank=0)
     others = [c.handler("r1", node_rank=1), c.handler("r2", node_rank=2)]
@@ -457,7 +464,7 @@ def test_a_member_waiting_for_a_live_rank0_that_never_publishes_gives_up_at_its_
     c = cluster_factory(2, 2, join=3)
     # Records without a port (an older rdzv): the seal names none, and rank 1
     # waits for rank 0, which stays a live member but hangs before publishing.
-    monkeypatch.setattr(DynamicRendezvousHandler, "_hold_port", lambda self: 0)
+    monkeypatch.setattr(HeldPort, "hold", lambda self: 0)
     c.store.set_timeout(60)  # the wait used to last this long
     hung = threading.Event()
     build = RendezvousStoreInfo.build
@@ -490,11 +497,11 @@ def test_a_node_without_a_free_port_joins_and_rank0_publishes_one_after_the_seal
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from rdzv.dynamic import handler as handler_module
+    from rdzv.dynamic import bootstrap as bootstrap_module
 
     c = cluster_factory(3, 3)
     c.store.set_timeout(20)
-    bound = handler_module._bound_socket
+    bound = bootstrap_module.bound_socket
     tried: list[str] = []
 
     def no_port_for_r0() -> socket.socket:
@@ -504,7 +511,7 @@ def test_a_node_without_a_free_port_joins_and_rank0_publishes_one_after_the_seal
             raise OSError(errno.EADDRINUSE, "Address already in use")
         return bound()
 
-    monkeypatch.setattr(handler_module, "_bound_socket", no_port_for_r0)
+    monkeypatch.setattr(bootstrap_module, "bound_socket", no_port_for_r0)
     handlers = [c.handler(f"r{i}", node_rank=i) for i in range(3)]
     with caplog.at_level(logging.INFO, logger="rdzv.dynamic"), ThreadPoolExecutor(3) as pool:
         futures = []
@@ -542,7 +549,7 @@ def test_a_store_restarted_empty_strands_nobody(cluster_factory: Callable[..., C
     infos = [f.result(timeout=40) for f in [waiting, *c.join(members)]]
     _check_round(infos)
     assert infos[0].world_size == 3
-    assert {h._member_of.round for h in [joiner, *members]} == {0}  # type: ignore[union-attr]
+    assert {h.statistics().round for h in [joiner, *members]} == {0}
 
 
 def test_a_member_dying_while_the_others_rejoin_is_found_by_its_ring_neighbour(
@@ -579,7 +586,7 @@ def test_members_re_joining_together_write_one_leave(
     _check_round(first)
     attempts: list[bytes] = []
     meet = threading.Barrier(3, timeout=1)
-    backends = [h._backend for h in handlers]
+    backends = [h.backend for h in handlers]
     for backend in backends:
         assert isinstance(backend, InMemoryBackend)
         # A seated backend takes every write with the state's summary.
@@ -685,7 +692,7 @@ def test_a_member_that_rejoins_judges_its_old_ring_until_the_new_round_is_confir
     def hold_b() -> None:  # b confirms round 1 once a is confirming it too
         if armed.is_set():
             assert a_confirming.wait(10), "a never began to confirm"
-            seat = handlers[0]._watched_round()
+            seat = handlers[0].statistics().watched
             watched.append(None if seat is None else seat.round)
 
     backends = [_HeldConfirmer(storage, [], hold=hold_a), _HeldConfirmer(storage, [], hold=hold_b)]
@@ -699,7 +706,7 @@ def test_a_member_that_rejoins_judges_its_old_ring_until_the_new_round_is_confir
                     f.result(timeout=60) for f in [pool.submit(h.next_rendezvous) for h in handlers]
                 ]
                 _check_round(infos)
-        seat = handlers[0]._watched_round()
+        seat = handlers[0].statistics().watched
         assert seat is not None
         assert seat.round == 1  # judged from the verdict on
     finally:
@@ -712,19 +719,17 @@ def test_the_ring_judging_starts_when_a_confirmation_slice_passes_without_the_ve
     # A member that died in the queue never confirms; its ring predecessor
     # must start judging it while the others wait, not at its next beat.
     storage = InMemoryRendezvousStorage()
-    woken = threading.Event()
     before_verdict: list[bool] = []
-    # b confirms once a's ring judging started (or far past the slice).
-    late = _HeldConfirmer(storage, [], hold=lambda: before_verdict.append(woken.wait(30)))
+
+    def judging() -> bool:  # a's keep-alive watches round 0's ring
+        return handlers[0].statistics().watched is not None
+
+    def hold() -> None:  # b confirms once a's ring judging started (or far past the slice)
+        before_verdict.append(_eventually(judging, 30))
+
+    late = _HeldConfirmer(storage, [], hold=hold)
     # Dead after 3 s: the confirmation's slices 0.75 s.
     handlers = _pair(storage, [_HeldConfirmer(storage, []), late], interval=1.0)
-    wake = handlers[0]._keepalive.wake
-
-    def spy() -> None:
-        woken.set()
-        wake()
-
-    handlers[0]._keepalive.wake = spy  # type: ignore[method-assign]
     _form(handlers)
     assert before_verdict == [True], "a's ring judging waited for the verdict"
 

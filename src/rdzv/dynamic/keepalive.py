@@ -158,59 +158,71 @@ class KeepAlive:
         """Why the keep-alive gave up, until it starts again; None if it did not."""
         return self._error
 
+    def check(self) -> None:
+        """Raise :attr:`error`, if the keep-alive gave up."""
+        error = self._error
+        if error is not None:
+            raise error
+
     def _run(self, stop: threading.Event) -> None:
-        failures = 0
-        last_ok = self._clock()
-        # The first beat is due one interval after joining: an observer only
-        # starts judging a node when a round completes, and a round that
-        # forms within one interval needs no heartbeat traffic at all.
-        next_beat = self._clock() + self._interval
-        judged: tuple[int, dict[str, MarkWatch]] = (-1, {})
-        while not stop.is_set():
-            now = self._clock()
-            if now >= next_beat:
-                # The beats of one failure streak share one budget: the
-                # dead-node bound since the last good beat, plus a call's grace.
-                with deadline_within(last_ok + self._dead_after + CALL_GRACE - now):
-                    failures = self._beat(failures, stop)
-                if failures == 0:
-                    last_ok = now
-                if failures >= self._max_attempt:
-                    return
-                next_beat = now + self._interval
-            try:
-                with deadline_within(self._dead_after):
-                    judged = self._judge(judged)
-            except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
-                self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
-            member = self._watched()
-            if member is None:
-                # Nobody to judge (not a member yet): wake only to beat. A
-                # thousand joining handlers in one process would otherwise
-                # wake dozens of times a second each, for nothing.
-                woken = self._clock.wait(self._wake, max(0.0, next_beat - self._clock()))
-                self._wake.clear()
-                seat = self._watched()
-                if woken and seat is not None:
-                    # The first reading of a new ring only sets its baseline:
-                    # spread over one period, so that the members of a round
-                    # confirmed at once do not all read at once.
-                    period = ring_judge_period(self._judge_every, self._interval, seat.world_size)
-                    left = max(0.0, next_beat - self._clock())
-                    self._clock.wait(stop, min(left, period * jitter(0.0, 1.0)))
-            else:
-                period = ring_judge_period(self._judge_every, self._interval, member.world_size)
-                pause = period * jitter(0.75, 1.25)
-                watches = judged[1] if judged[0] == member.round else {}
-                watch = None if member.successor is None else watches.get(member.successor)
-                if watch is not None:
-                    # The reading that judges comes as the bound is reached,
-                    # not up to a period after it (half a second in a ring
-                    # of 1,024): the wait never passes the successor's bound.
-                    # At least a millisecond: a rounding error short of the
-                    # bound would otherwise be waited for again and again.
-                    pause = min(pause, max(0.001, self._dead_after - watch.credited))
-                self._clock.wait(stop, pause)
+        # An autojump clock moves only while this thread waits on it.
+        with self._clock.running():
+            failures = 0
+            last_ok = self._clock()
+            # The first beat is due one interval after joining: an observer only
+            # starts judging a node when a round completes, and a round that
+            # forms within one interval needs no heartbeat traffic at all.
+            next_beat = self._clock() + self._interval
+            judged: tuple[int, dict[str, MarkWatch]] = (-1, {})
+            while not stop.is_set():
+                now = self._clock()
+                if now >= next_beat:
+                    # The beats of one failure streak share one budget: the
+                    # dead-node bound since the last good beat, plus a call's grace.
+                    with deadline_within(
+                        last_ok + self._dead_after + CALL_GRACE - now, self._clock
+                    ):
+                        failures = self._beat(failures, stop)
+                    if failures == 0:
+                        last_ok = now
+                    if failures >= self._max_attempt:
+                        return
+                    next_beat = now + self._interval
+                try:
+                    with deadline_within(self._dead_after, self._clock):
+                        judged = self._judge(judged)
+                except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
+                    self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
+                member = self._watched()
+                if member is None:
+                    # Nobody to judge (not a member yet): wake only to beat. A
+                    # thousand joining handlers in one process would otherwise
+                    # wake dozens of times a second each, for nothing.
+                    woken = self._clock.wait(self._wake, max(0.0, next_beat - self._clock()))
+                    self._wake.clear()
+                    seat = self._watched()
+                    if woken and seat is not None:
+                        # The first reading of a new ring only sets its baseline:
+                        # spread over one period, so that the members of a round
+                        # confirmed at once do not all read at once.
+                        period = ring_judge_period(
+                            self._judge_every, self._interval, seat.world_size
+                        )
+                        left = max(0.0, next_beat - self._clock())
+                        self._clock.wait(stop, min(left, period * jitter(0.0, 1.0)))
+                else:
+                    period = ring_judge_period(self._judge_every, self._interval, member.world_size)
+                    pause = period * jitter(0.75, 1.25)
+                    watches = judged[1] if judged[0] == member.round else {}
+                    watch = None if member.successor is None else watches.get(member.successor)
+                    if watch is not None:
+                        # The reading that judges comes as the bound is reached,
+                        # not up to a period after it (half a second in a ring
+                        # of 1,024): the wait never passes the successor's bound.
+                        # At least a millisecond: a rounding error short of the
+                        # bound would otherwise be waited for again and again.
+                        pause = min(pause, max(0.001, self._dead_after - watch.credited))
+                    self._clock.wait(stop, pause)
 
     def _beat(self, failures: int, stop: threading.Event) -> int:
         """Beat once; return the number of failed beats in a row."""
