@@ -1,7 +1,10 @@
 """The handler in one process: threads as nodes, the in-memory backend, short timeouts.
 
-Tests of keep-alive death detection run on one shared fake clock
-(``Cluster(..., fake=True)``; see tests/dynamic/ticking.py).
+Every ``Cluster`` runs its nodes on one shared :class:`~rdzv.testing.AutojumpClock`
+(each node's view skewed as it asks): time moves only while every join and
+keep-alive waits, so who is judged dead and which join times out is decided by
+fake time alone, however loaded the machine. The ``_pair`` tests below run on
+real time: they measure when the ring is read against real confirmations.
 """
 
 import contextlib
@@ -29,8 +32,7 @@ from rdzv.errors import (
 )
 from rdzv.store.base import Store
 from rdzv.store.memory import HashStore
-from rdzv.testing import FakeClock, InMemoryBackend, InMemoryRendezvousStorage
-from tests.dynamic.ticking import FAKE_JOIN, NodeClock, Ticker
+from rdzv.testing import AutojumpClock, InMemoryBackend, InMemoryRendezvousStorage
 
 # The result() bounds of 40 s only catch hangs: a loaded machine is slow, not hung
 # (a 10 s bound failed a three-node formation beside a second suite).
@@ -57,35 +59,22 @@ class PlainBackend(RendezvousBackend):
 
 
 class Cluster:
-    def __init__(
-        self,
-        min_nodes: int,
-        max_nodes: int,
-        plain: bool = False,
-        fake: bool = False,
-        **timeouts: float,
-    ) -> None:
+    def __init__(self, min_nodes: int, max_nodes: int, plain: bool = False, **timeouts: float):
         self.store = HashStore(timeout=5)
         self.storage = InMemoryRendezvousStorage()
         self.min_nodes, self.max_nodes, self.plain = min_nodes, max_nodes, plain
         self.timeout = RendezvousTimeout(
-            join=timeouts.get("join", FAKE_JOIN if fake else 10),
-            last_call=timeouts.get("last_call", 0.3),
+            join=timeouts.get("join", 10), last_call=timeouts.get("last_call", 0.3)
         )
         self.handlers: list[DynamicRendezvousHandler] = []
         self.pool = ThreadPoolExecutor(max_workers=16)
-        self.nodes: list[tuple[NodeClock, DynamicRendezvousHandler]] = []
-        self.ticker = Ticker(FakeClock(), self.nodes) if fake else None
+        self.clock = AutojumpClock()
 
     def handler(
-        self,
-        addr: str,
-        node_rank: int | None = None,
-        clock: Callable[[], float] | None = None,
-        skew: float = 0.0,
+        self, addr: str, node_rank: int | None = None, skew: float = 0.0
     ) -> DynamicRendezvousHandler:
-        node_clock = NodeClock(self.ticker.clock, skew) if self.ticker is not None else None
-        backend: RendezvousBackend = InMemoryBackend(self.storage, node_clock)
+        clock = self.clock.skewed(skew)
+        backend: RendezvousBackend = InMemoryBackend(self.storage, clock)
         if self.plain:
             backend = PlainBackend(backend)  # type: ignore[arg-type]
         h = DynamicRendezvousHandler.from_backend(
@@ -99,23 +88,24 @@ class Cluster:
             keep_alive_interval=0.2,
             keep_alive_max_attempt=3,
             node_rank=node_rank,
-            clock=node_clock if node_clock is not None else clock,
+            clock=clock,
         )
-        if self.ticker is not None:
-            assert node_clock is not None
-            self.nodes.append((node_clock, h))
         self.handlers.append(h)
         return h
 
     def join(self, handlers: list[DynamicRendezvousHandler]) -> list[Future[RendezvousInfo]]:
         return [self.pool.submit(h.next_rendezvous) for h in handlers]
 
+    def after(self, seconds: float) -> None:
+        """Block (real time, bounded) until the fake clock moved ``seconds`` on."""
+        reading = self.clock() + seconds
+        _until(lambda: self.clock() >= reading)
+
     def close(self) -> None:
         for h in self.handlers:
             h.pre_shutdown()
         self.pool.shutdown(wait=True)
-        if self.ticker is not None:
-            self.ticker.stop()
+        self.clock.close()
 
 
 @pytest.fixture
@@ -170,9 +160,12 @@ def test_max_nodes_form_a_round_at_once(
 
 def test_last_call_admits_stragglers_then_seals(cluster_factory: Callable[..., Cluster]) -> None:
     c = cluster_factory(2, 4, last_call=0.5)
-    first = c.join([c.handler("a1"), c.handler("a2")])
-    time.sleep(0.1)
-    third = c.join([c.handler("a3")])
+    queue = InMemoryBackend(c.storage)
+    with c.clock.running():  # no time passes until the straggler enqueued
+        first = c.join([c.handler("a1"), c.handler("a2")])
+        _until(lambda: queue.queue_length(0) == 2)
+        third = c.join([c.handler("a3")])
+        _until(lambda: queue.queue_length(0) == 3)
     infos = [f.result(timeout=40) for f in first + third]
     _check_round(infos)
     assert infos[0].world_size == 3
@@ -213,11 +206,10 @@ def test_late_joiner_waits_and_is_admitted_next_round(
 
 
 def test_member_dead_after_completion_is_detected(cluster_factory: Callable[..., Cluster]) -> None:
-    c = cluster_factory(2, 3, fake=True)
-    assert c.ticker is not None
+    c = cluster_factory(2, 3)
     nodes = [c.handler(f"d{i}") for i in range(3)]
     [f.result(timeout=40) for f in c.join(nodes)]
-    c.ticker.until(c.ticker.clock() + 1.3)  # > two dead-node timeouts (0.2 s x 3)
+    c.after(1.3)  # > two dead-node timeouts (0.2 s x 3)
     assert all(h.num_nodes_waiting() == 0 for h in nodes)
     nodes[1].pre_shutdown()  # stops heart-beating, as a SIGKILLed node would
     _until(lambda: nodes[0].num_nodes_waiting() > 0 and nodes[2].num_nodes_waiting() > 0)
@@ -229,12 +221,11 @@ def test_member_dead_after_completion_is_detected(cluster_factory: Callable[...,
 def test_clock_skew_neither_kills_the_living_nor_saves_the_dead(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(3, 3, fake=True)
-    assert c.ticker is not None
+    c = cluster_factory(3, 3)
     skewed = c.handler("s0", skew=3600.0)
     normal = [c.handler("s1"), c.handler("s2", skew=-3600.0)]
     [f.result(timeout=40) for f in c.join([skewed, *normal])]
-    c.ticker.until(c.ticker.clock() + 1.3)  # > 2 dead-node timeouts (0.2 s x 3)
+    c.after(1.3)  # > 2 dead-node timeouts (0.2 s x 3)
     assert all(h.num_nodes_waiting() == 0 for h in [skewed, *normal])
     skewed.pre_shutdown()
     _until(lambda: normal[0].num_nodes_waiting() > 0)
@@ -243,7 +234,7 @@ def test_clock_skew_neither_kills_the_living_nor_saves_the_dead(
 def test_keep_alive_gives_up_with_a_clear_error_and_restarts_on_the_next_join(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(1, 1, fake=True)
+    c = cluster_factory(1, 1)
     h = c.handler("k1")
     c.join([h])[0].result(timeout=40)
     c.storage.fail_next(10_000)
@@ -376,7 +367,7 @@ def test_backend_name_and_run_id(cluster_factory: Callable[..., Cluster]) -> Non
 def test_a_round_whose_members_all_died_does_not_block_the_next(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(2, 2, fake=True)
+    c = cluster_factory(2, 2)
     old = [c.handler("o1"), c.handler("o2")]
     [f.result(timeout=40) for f in c.join(old)]
     for h in old:
@@ -473,12 +464,12 @@ def test_a_member_waiting_for_a_live_rank0_that_never_publishes_gives_up_at_its_
         rank: int, store: Store, local_addr: str | None = None, server_port: int | None = None
     ) -> RendezvousStoreInfo:
         if local_addr == "r0":
-            hung.wait(30)
+            c.clock.wait(hung, 30)
         return build(rank, store, local_addr, server_port)
 
     monkeypatch.setattr(RendezvousStoreInfo, "build", staticmethod(hangs_at_rank0))
     rank0, rank1 = c.handler("r0", node_rank=0), c.handler("r1", node_rank=1)
-    started = time.monotonic()
+    started = c.clock()
     futures = c.join([rank0, rank1])
     try:
         with pytest.raises(
@@ -486,7 +477,7 @@ def test_a_member_waiting_for_a_live_rank0_that_never_publishes_gives_up_at_its_
             match=r"rank 1 did not see rank 0 publish .* by the join deadline",
         ):
             futures[1].result(timeout=40)
-        assert time.monotonic() - started < 3 + 1 + 10  # the join timeout and its grace
+        assert c.clock() - started < 3 + 1  # the join timeout, and one slice of the wait
     finally:
         hung.set()
     assert futures[0].result(timeout=40).rank == 0
@@ -555,7 +546,7 @@ def test_a_store_restarted_empty_strands_nobody(cluster_factory: Callable[..., C
 def test_a_member_dying_while_the_others_rejoin_is_found_by_its_ring_neighbour(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(2, 4, fake=True)  # the join timeout is never reached
+    c = cluster_factory(2, 4)
     a, b, d = c.handler("a", node_rank=0), c.handler("b", node_rank=1), c.handler("d", node_rank=2)
     [f.result(timeout=40) for f in c.join([a, b, d])]
     a.pre_shutdown()  # a and d stop heart-beating, as if SIGKILLed
@@ -740,7 +731,7 @@ def test_a_node_that_died_waiting_alone_in_the_queue_completes_no_round(
     # The chaos harness's late leave across hosts: a node enqueued alone
     # (min_nodes 2) and was SIGKILLed; the last-call leader came seconds later
     # and sealed the round with it, and the members started work beside it.
-    c = cluster_factory(2, 3, fake=True)  # the join timeout is never reached
+    c = cluster_factory(2, 3)
     backend = InMemoryBackend(c.storage)
     backend.enqueue(0, encode_record(JoinRecord("ghost#1#dead", -1)))
     backend.beat("ghost#1#dead")  # it beat once before it died
@@ -772,8 +763,9 @@ def test_a_member_alive_but_never_confirming_ends_the_join_at_its_timeout(
     stop = threading.Event()
 
     def beat() -> None:  # alive (never judged dead), but it never reads the seal
-        while not stop.wait(0.05):
-            backend.beat("mute#1#x")
+        with c.clock.running():
+            while not c.clock.wait(stop, 0.05):
+                backend.beat("mute#1#x")
 
     beater = threading.Thread(target=beat)
     beater.start()
@@ -793,7 +785,7 @@ def test_a_member_alive_but_never_confirming_ends_the_join_at_its_timeout(
 def test_a_queue_whose_admitted_nodes_all_died_does_not_block_the_spares(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(2, 2, fake=True)  # the join timeout is never reached
+    c = cluster_factory(2, 2)
     old = [c.handler("o1"), c.handler("o2")]
     [f.result(timeout=40) for f in c.join(old)]
     for h in old:
@@ -814,7 +806,7 @@ def test_a_joiner_that_died_in_the_queue_while_the_seal_waited_is_left_out(
     # SIGKILLed; the seal, deferred because the last round's members had not
     # re-joined, waited until they were judged dead, and its leader then
     # admitted the killed node too, 9 s after its death.
-    c = cluster_factory(2, 4, fake=True)  # the join timeout is never reached
+    c = cluster_factory(2, 4)
     members = [c.handler("a", node_rank=0), c.handler("b", node_rank=1)]
     [f.result(timeout=40) for f in c.join(members)]
     backend = InMemoryBackend(c.storage)
