@@ -32,8 +32,7 @@ reads the queue and writes the verdict) and nothing while all are alive.
 Each slice a member waits beyond the first costs the state check (one
 request) and the next slice's wait: one request on a store that watches
 (the server ends the wait at the slice's end), two on one that does not (a
-``WAIT`` the client cuts short needs its ``CANCEL_WAIT``). At 8,192 members
-the last one confirms seconds after the first.
+``WAIT`` the client cuts short needs its ``CANCEL_WAIT``).
 The queue and the verdict of a round are deleted with its join queue
 (:func:`drop_confirmation`). A round of one needs no confirmation.
 """

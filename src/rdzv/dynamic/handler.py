@@ -14,22 +14,10 @@ handler's store (``StoreJoinQueue``/``StoreLiveness``): the shared state
 still goes through the backend's compare-and-set, but joins and heartbeats
 never rewrite it.
 
-A keep-alive (:class:`~rdzv.dynamic.keepalive.KeepAlive`) starts when this
-node first enqueues. Every ``keep_alive_interval`` it bumps this node's
-heartbeat mark; more often it reads the mark of its ring successor in the
-last round it completed (rank ``r`` watches the next live rank; it keeps
-watching while it re-joins, until it completes another round), and when
-that mark has not changed for ``keep_alive_interval * keep_alive_max_attempt``
-seconds on THIS node's monotonic clock (time in which this node could not
-read counts at most one interval), it evicts the successor with one
-compare-and-set. Wall clocks are never read. Survivors then see
-``num_nodes_waiting() > 0``. If this node's own heartbeats fail
-``keep_alive_max_attempt`` times in a row, the keep-alive stops and calls
-raise ``RendezvousConnectionError`` until the node joins again; a join that
-fails stops the heartbeats too.
-
-The bootstrap address (``MASTER_ADDR``/``MASTER_PORT``) comes with the
-seal (:mod:`rdzv.dynamic.bootstrap`): no member waits for rank 0 after it.
+A keep-alive (:mod:`rdzv.dynamic.keepalive`) beats this node's heartbeat
+from its first enqueue and evicts its ring successor once that one's mark
+stands still for ``keep_alive_interval * keep_alive_max_attempt`` seconds
+on this node's clock; survivors then see ``num_nodes_waiting() > 0``.
 
 One clock (``clock``, real time by default) owns every deadline and every
 wait: the join's, the keep-alive's, and every backend call of
@@ -452,8 +440,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         A positive number tells a member to re-rendezvous: nodes wait and the
         round has room, a member died or left, or the store lost the round
         (restarted empty). A member reads the backend at most once per
-        :func:`~rdzv.dynamic.pacing.waiting_poll_gap` of its round (0.5 s at
-        1,024 members, 0.1 s at 200) and answers from its last reading in
+        :func:`~rdzv.dynamic.pacing.waiting_poll_gap` of its round and answers from its last reading in
         between, so agents asking every 0.1 s keep one store host's load
         bounded whatever the size (torch serves its state for 1 s).
 

@@ -9,24 +9,21 @@ tick it does two independent things:
   beat's own failures count toward ``max_attempt``; after that many in a row
   the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
-* **judge**: more often (once the node is a member, which :meth:`KeepAlive.wake`
-  signals: the handler calls it at the round's verdict, or when a
-  confirmation slice passes without it; the first reading a random part of
-  one period later, so that the members of a round do not all read at once;
-  until then the thread wakes only to beat; in a large ring less often, so that the whole ring
-  stays within :data:`~rdzv.dynamic.pacing.RING_READS_PER_SECOND`), it
-  reads the mark of its ring successor in the last round it completed (its
-  :class:`~rdzv.dynamic.seat.Seat` names it) and judges
-  it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`),
-  crediting at most one ``interval`` between two readings, so a stalled
-  backend or this node's own failed or starved reads never count against
-  the successor; a successor judged dead is handed to ``on_dead`` (the
-  handler evicts it). A reading is never later than the moment the
-  successor's unchanged mark reaches the bound, so the judgement comes at
-  the bound, not up to one period after it. A seat that carries the
-  successor's mark as the sealer read it (:class:`~rdzv.dynamic.seat.SealedMark`)
-  starts the count when this node read the seat, not at its first reading
-  (which comes after the verdict, spread over a period).
+* **judge**: once the node is a member (:meth:`KeepAlive.wake` signals it,
+  at the round's verdict or when a confirmation slice passes without it),
+  it reads the mark of its ring successor (its
+  :class:`~rdzv.dynamic.seat.Seat` names it) every ring period
+  (:func:`~rdzv.dynamic.pacing.ring_judge_period`), the first reading at a
+  random point of the first period so that a round's members do not all
+  read at once. It judges the mark on this node's clock
+  (:func:`~rdzv.dynamic.machine.judge_marks`), crediting at most one
+  ``interval`` between two readings, so a stalled backend or this node's
+  own failed or starved reads never count against the successor; a
+  successor judged dead is handed to ``on_dead`` (the handler evicts it).
+  A reading comes no later than the moment the unchanged mark reaches the
+  bound, and a seat that carries the mark as the sealer read it
+  (:class:`~rdzv.dynamic.seat.SealedMark`) starts the count when this node
+  read the seat.
 
 Beats and judgements run under a caller's deadline
 (:func:`rdzv.retry.deadline_within`): the beats of one failure streak share
@@ -217,8 +214,7 @@ class KeepAlive:
                     watch = None if member.successor is None else watches.get(member.successor)
                     if watch is not None:
                         # The reading that judges comes as the bound is reached,
-                        # not up to a period after it (half a second in a ring
-                        # of 1,024): the wait never passes the successor's bound.
+                        # not up to a period after it.
                         # At least a millisecond: a rounding error short of the
                         # bound would otherwise be waited for again and again.
                         pause = min(pause, max(0.001, self._dead_after - watch.credited))

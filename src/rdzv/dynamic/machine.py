@@ -18,8 +18,7 @@ publishes participants and ranks)?
   (the leader may have died): ``grace`` later for the next position, and one
   more ``grace`` for each doubling of its distance from the leader
   (:func:`backup_delay`), so that when a leader is slow the backups do not
-  all read the queue and race to seal at once (at 2,048 nodes such a herd
-  took the machine for minutes); at most twice as many act in each tier as
+  all read the queue and race to seal at once; at most twice as many act in each tier as
   in the one before;
 * a node beyond ``max_nodes`` (a spare) only when the admitted nodes all
   seem dead: ``last_call + 2 x grace`` after it saw the round full, later
