@@ -117,30 +117,25 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend_name = backend_name
         self._store = store
         self._backend = backend
-        self._local_addr = local_addr
-        self._node_rank = -1 if node_rank is None else node_rank
         self._clock = as_clock(clock)
         prefix = f"rdzv.handler/{settings.run_id}/"
-        self._prefix = prefix
-        self._queue: JoinQueueBackend = (
+        queue: JoinQueueBackend = (
             backend if isinstance(backend, JoinQueueBackend) else StoreJoinQueue(store, prefix)
         )
         # Confirmations of sealed rounds: the engine's own when it offers them.
-        self._confirms = (
-            self._queue.confirmation_queue() or StoreJoinQueue(store, prefix).confirmation_queue()
-        )
+        confirms = queue.confirmation_queue() or StoreJoinQueue(store, prefix).confirmation_queue()
         self._liveness: LivenessBackend = (
             backend if isinstance(backend, LivenessBackend) else StoreLiveness(store, prefix)
         )
         interval = settings.keep_alive_interval.total_seconds()
-        self._dead_after = interval * settings.keep_alive_max_attempt
+        dead_after = interval * settings.keep_alive_max_attempt
         timeout = settings.timeout
         self._limits = Limits(
             min_nodes=settings.min_nodes,
             max_nodes=settings.max_nodes,
             join_timeout=timeout.join.total_seconds(),
             last_call=timeout.last_call.total_seconds(),
-            grace=self._dead_after,
+            grace=dead_after,
         )
         self._shared = SharedState(backend, backend_name, self._clock)
         self._members = Membership(
@@ -151,8 +146,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             # The keep-alive's evictions must not wait behind this node's own
             # blocking watch on a client that serialises requests.
             SharedState(backend.side_channel(), backend_name, self._clock),
-            self._queue,
-            self._confirms,
+            queue,
+            confirms,
             self._limits,
             self._clock,
             self._event,
@@ -164,8 +159,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._liveness,
             interval,
             settings.keep_alive_max_attempt,
-            self._dead_after,
-            judge_interval(interval, self._dead_after),
+            dead_after,
+            judge_interval(interval, dead_after),
             self._clock,
             self._members.watched_round,
             self._members.evict_dead,
@@ -173,7 +168,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
         self._join_context = JoinContext(
             node,
-            self._node_rank,
+            -1 if node_rank is None else node_rank,
             local_addr,
             settings,
             self._limits,
@@ -182,8 +177,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             store,
             prefix,
             self._shared,
-            self._queue,
-            self._confirms,
+            queue,
+            confirms,
             self._liveness,
             self._members,
             self._port,
