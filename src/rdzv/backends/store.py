@@ -60,7 +60,6 @@ import os
 import secrets
 import tempfile
 import threading
-import time
 from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING
@@ -79,7 +78,7 @@ from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
 from rdzv.keys import backend_prefix
-from rdzv.retry import Clock, as_clock, deadline_within, poll_backoff
+from rdzv.retry import Clock, as_clock, current_clock, deadline_within, poll_backoff
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
@@ -336,10 +335,11 @@ class C10dRendezvousBackend(
             return self.wait_for_token(token, timeout)
         # A seat of any head is newer than nothing stored.
         known = b"" if token is None else token[_GENERATION]
-        deadline = time.monotonic() + timeout
+        clock = current_clock()
+        deadline = clock() + timeout
         while True:
             previous = self._seats_seen.get(node)
-            remaining = max(0.0, deadline - time.monotonic())
+            remaining = max(0.0, deadline - clock())
             raw = store_call("wait_for_seat", partial(store.watch, key, previous, remaining))
             if raw == previous:
                 return self.read_token()  # the timeout: the caller looks at the token
@@ -390,14 +390,15 @@ class C10dRendezvousBackend(
         if store.supports_watch:
             raw = store_call("wait_for_state", lambda: store.watch(self._key, previous, timeout))
             return None if raw is None else self._checked(raw)
-        deadline = time.monotonic() + timeout
+        clock = current_clock()
+        deadline = clock() + timeout
         attempt = 0
         while True:
             raw = self._read_raw()
-            remaining = deadline - time.monotonic()
+            remaining = deadline - clock()
             if raw != previous or remaining <= 0:
                 return None if raw is None else self._checked(raw)
-            time.sleep(min(remaining, poll_backoff(attempt)))
+            clock.sleep(min(remaining, poll_backoff(attempt)))
             attempt += 1
 
     def side_channel(self) -> C10dRendezvousBackend:
