@@ -78,6 +78,7 @@ from rdzv.errors import (
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
+from rdzv.keys import round_store_prefix
 from rdzv.retry import Clock, jitter
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
