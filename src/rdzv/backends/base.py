@@ -10,7 +10,10 @@ a fencing token:
   - token stale or invalid: no write; return ``(current, current_token, False)``;
   - token None: write only if nothing is stored yet (else as "stale").
 
-Tokens are opaque; callers only hand back what they received.
+Tokens are opaque; callers only hand back what they received. Every method
+may raise ``RendezvousConnectionError`` (retryable: the backend could not be
+reached) and, where it reads the state, ``RendezvousStateError`` (the stored
+record is corrupt); a method names any other exception it raises.
 
 Optional capabilities (below the contract) let a backend do better than
 compare-and-set on one blob: :class:`WatchableBackend` (block until the state
@@ -21,9 +24,6 @@ member's own small record, so that a member of thousands reads O(1)
 bytes). The handler uses each when present and degrades to polling and
 compare-and-set when not. ``rdzv.testing.conformance`` checks a backend
 against all of it.
-
-Size: over the project's ~600-line guide: one contract, most of whose lines
-are the rules an implementer and the conformance suite follow, documented.
 """
 
 from __future__ import annotations
@@ -66,33 +66,16 @@ class RendezvousBackend(ABC):
 
     @abstractmethod
     def get_state(self) -> tuple[bytes, Token] | None:
-        """Read the state.
-
-        Returns:
-            ``(state, token)``, or None when no state is stored.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored record is corrupt.
-        """
+        """Read the state: ``(state, token)``, or None when no state is stored."""
 
     @abstractmethod
     def set_state(
         self, state: bytes, token: Token | None = None
     ) -> tuple[bytes, Token, bool] | None:
-        """Write the state if ``token`` is current.
+        """Write the state if ``token`` (from the last read, None to create) is current.
 
-        Args:
-            state: The new state.
-            token: The token from the last read, or None to create.
-
-        Returns:
-            ``(state, token, written)``: the state and token now stored and
-            whether this call wrote them; None if nothing is stored.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored record is corrupt.
+        Returns ``(state, token, written)``: the state and token now stored
+        and whether this call wrote them; None if nothing is stored.
         """
 
     def side_channel(self) -> RendezvousBackend:
@@ -104,9 +87,6 @@ class RendezvousBackend(ABC):
         Backends whose clients serve threads concurrently return themselves
         (the default). The view shares this backend's state and tokens; the
         owner closes only this backend.
-
-        Returns:
-            The view.
         """
         return self
 
@@ -122,10 +102,7 @@ class RendezvousBackend(ABC):
 # Optional capabilities.
 #
 # A backend offers a capability by also subclassing its ABC; the handler
-# checks with ``isinstance``. Every method may raise
-# ``RendezvousConnectionError`` (retryable: the backend could not be reached)
-# and nothing else on purpose, except where a method says otherwise. All
-# timeouts are in seconds, measured on the caller's monotonic clock; a
+# checks with ``isinstance``. All timeouts are in seconds, measured on the caller's monotonic clock; a
 # timeout of 0 means "look once, do not block".
 #
 # Round numbers are non-negative integers chosen by the handler; a backend
@@ -154,20 +131,8 @@ class WatchableBackend(ABC):
         Returns as soon as the state was written after the write that
         produced ``token`` (``token`` None: as soon as any state exists), or
         when ``timeout`` elapsed. Spurious early returns are allowed: callers
-        compare the token they get back.
-
-        Args:
-            token: A token from ``get_state``/``set_state``/``wait_for_state``
-                of this backend, or None.
-            timeout: The longest time to block, in seconds (>= 0).
-
-        Returns:
-            ``(state, token)`` as stored when the call returns, or None when
-            nothing is stored.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored record is corrupt.
+        compare the token they get back. Returns ``(state, token)`` as
+        stored when the call returns, or None when nothing is stored.
         """
 
 
@@ -202,49 +167,18 @@ class SeatedBackend(ABC):
         on others (the store backend sends the members' seats last and
         does not wait for them; :meth:`wait_for_seat` waits for them).
 
-        Args:
-            state: The new state.
-            token: The token from the last read, or None to create.
-            seats: ``{node key: seat}``; each seat at most
-                :data:`MAX_RECORD_SIZE` bytes.
-
-        Returns:
-            As :meth:`RendezvousBackend.set_state`.
-
         Raises:
-            ValueError: A node key or a seat is invalid.
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored record is corrupt.
+            ValueError: A node key or a seat (at most :data:`MAX_RECORD_SIZE`
+                bytes) is invalid.
         """
 
     @abstractmethod
     def read_token(self) -> Token | None:
-        """Return the stored state's token without reading the state.
-
-        Returns:
-            The token, or None when nothing is stored.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored record is corrupt.
-        """
+        """Return the stored state's token (None when nothing is stored) without the state."""
 
     @abstractmethod
     def wait_for_token(self, token: Token | None, timeout: float) -> Token | None:
-        """Wait as :meth:`WatchableBackend.wait_for_state`; return the token alone.
-
-        Args:
-            token: A token of this backend, or None.
-            timeout: The longest time to block, in seconds (>= 0).
-
-        Returns:
-            The stored token when the call returns, or None when nothing is
-            stored.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored record is corrupt.
-        """
+        """Wait as :meth:`WatchableBackend.wait_for_state`; return the token alone."""
 
     def wait_for_seat(self, token: Token | None, node: str, timeout: float) -> Token | None:
         """Wait as :meth:`wait_for_token`, sleeping through writes that seat not ``node``.
@@ -259,19 +193,8 @@ class SeatedBackend(ABC):
         caller looks at the token either way. By default it is
         :meth:`wait_for_token`, which is also correct.
 
-        Args:
-            token: A token of this backend, or None.
-            node: The waiting node's key.
-            timeout: The longest time to block, in seconds (>= 0).
-
-        Returns:
-            The stored token when the call returns, or None when nothing is
-            stored.
-
         Raises:
             ValueError: ``node`` is not a valid node key.
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored record is corrupt.
         """
         validate_node_key(node)
         return self.wait_for_token(token, timeout)
@@ -280,17 +203,11 @@ class SeatedBackend(ABC):
     def read_seat(self, token: Token, node: str) -> bytes | None:
         """Return the seat that the write of ``token`` stored for ``node``.
 
-        Args:
-            token: A token of this backend.
-            node: The node key.
-
-        Returns:
-            The seat; None when that write stored none for ``node`` (or,
-            on some backends, once a later seated write replaced it).
+        None when that write stored none for ``node`` (or, on some backends,
+        once a later seated write replaced it).
 
         Raises:
             ValueError: ``node`` is not a valid node key.
-            RendezvousConnectionError: The backend cannot be reached.
         """
 
 
@@ -326,64 +243,26 @@ class JoinQueueBackend(ABC):
 
     @abstractmethod
     def enqueue(self, round_id: int, record: bytes) -> int:
-        """Append ``record`` to the queue of ``round_id``.
-
-        Args:
-            round_id: The round (>= 0).
-            record: The record, 1 to :data:`MAX_RECORD_SIZE` bytes.
-
-        Returns:
-            The record's 1-based position in the queue.
+        """Append ``record`` to the queue of ``round_id``; return its 1-based position.
 
         Raises:
             ValueError: ``round_id`` is negative or the record is empty or
-                too large.
-            RendezvousConnectionError: The backend cannot be reached.
+                larger than :data:`MAX_RECORD_SIZE`.
         """
 
     @abstractmethod
     def queue_records(self, round_id: int) -> list[bytes]:
-        """Return the records of the queue of ``round_id``, in append order.
-
-        Args:
-            round_id: The round.
-
-        Returns:
-            The records (empty when nothing was enqueued).
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored queue is corrupt.
-        """
+        """Return the records of the queue of ``round_id`` (empty when none), in append order."""
 
     @abstractmethod
     def queue_length(self, round_id: int) -> int:
-        """Return how many records the queue of ``round_id`` holds, without blocking.
-
-        Args:
-            round_id: The round.
-
-        Returns:
-            The number of records.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-        """
+        """Return how many records the queue of ``round_id`` holds, without blocking."""
 
     @abstractmethod
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
-        """Wait until the queue length of ``round_id`` differs from ``known``.
+        """Wait until the queue length of ``round_id`` differs from ``known``; return it.
 
-        Args:
-            round_id: The round.
-            known: The length the caller last saw.
-            timeout: The longest time to block, in seconds (>= 0).
-
-        Returns:
-            The length when the call returns (``known`` on timeout).
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
+        On timeout the length returned is ``known``.
         """
 
     def confirmation_queue(self) -> JoinQueueBackend | None:
@@ -393,24 +272,14 @@ class JoinQueueBackend(ABC):
         confirmation queue of that round (:mod:`rdzv.dynamic.confirm`); an
         engine offers its own so that confirming costs what joining costs
         (one write, no compare-and-set, no wake-up of other waiters). The
-        same rules hold as for join queues.
-
-        Returns:
-            The queue, or None (this default) when the engine offers none:
-            the handler then keeps confirmations in its store.
+        same rules hold as for join queues. None (this default) when the
+        engine offers none: the handler then keeps confirmations in its store.
         """
         return None
 
     @abstractmethod
     def drop_queue(self, round_id: int) -> None:
-        """Delete the queue of ``round_id`` (idempotent; a round nobody reads).
-
-        Args:
-            round_id: The round.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-        """
+        """Delete the queue of ``round_id`` (idempotent; a round nobody reads)."""
 
 
 class NamedQueues(JoinQueueBackend):
@@ -425,11 +294,7 @@ class NamedQueues(JoinQueueBackend):
     _owns_client = False
 
     def confirmation_queue(self: _Named) -> _Named:
-        """Return a view of this engine whose queues are the confirmations.
-
-        Returns:
-            The view (it owns no client).
-        """
+        """Return a view of this engine (owning no client) whose queues are the confirmations."""
         view = copy.copy(self)
         view._queue_name = "confirm"
         view._owns_client = False
@@ -457,55 +322,28 @@ class LivenessBackend(ABC):
     def beat(self, node: str) -> None:
         """Record a heartbeat of ``node``: its mark changes.
 
-        Args:
-            node: The node key.
-
         Raises:
             ValueError: The node key is invalid.
-            RendezvousConnectionError: The backend cannot be reached.
         """
 
     @abstractmethod
     def heartbeat_mark(self, node: str) -> bytes | None:
         """Return an opaque value that changes on every beat of ``node``.
 
-        Args:
-            node: The node key.
-
-        Returns:
-            The mark, or None when the node never beat (or its record expired
-            on the server, or was forgotten).
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
+        None when the node never beat (or its record expired on the server,
+        or was forgotten).
         """
 
     def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
         """Return the marks of several nodes; backends that can, read them in one call.
 
-        This default calls :meth:`heartbeat_mark` once per node.
-
-        Args:
-            nodes: The node keys.
-
-        Returns:
-            ``{node: mark}``, as :meth:`heartbeat_mark` would return each.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
+        Returns ``{node: mark}``; this default calls :meth:`heartbeat_mark` once per node.
         """
         return {node: self.heartbeat_mark(node) for node in nodes}
 
     @abstractmethod
     def forget(self, node: str) -> None:
-        """Delete the heartbeat record of ``node`` (idempotent).
-
-        Args:
-            node: The node key.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-        """
+        """Delete the heartbeat record of ``node`` (idempotent)."""
 
 
 MAX_RUN_ID = 200
@@ -515,12 +353,6 @@ the longest prefix and suffix a key must stay within every store's limits."""
 
 def validate_run_id(run_id: str) -> str:
     """Check that ``run_id`` can name a run's keys on every backend, and return it.
-
-    Args:
-        run_id: The run id.
-
-    Returns:
-        ``run_id`` unchanged.
 
     Raises:
         ValueError: It is empty (torch's message: ``The run id must be a
@@ -541,12 +373,6 @@ def validate_run_id(run_id: str) -> str:
 
 def validate_node_key(node: str) -> str:
     """Check that ``node`` is a valid node key and return it.
-
-    Args:
-        node: The node key.
-
-    Returns:
-        ``node`` unchanged.
 
     Raises:
         ValueError: It is empty, longer than 256 characters, or holds
@@ -570,10 +396,6 @@ def validate_node_key(node: str) -> str:
 def validate_record(round_id: int, record: bytes) -> None:
     """Check the arguments of :meth:`JoinQueueBackend.enqueue`.
 
-    Args:
-        round_id: The round.
-        record: The record.
-
     Raises:
         ValueError: The round is negative or the record is empty or too large.
     """
@@ -589,21 +411,12 @@ def is_pseudo_node(key: str) -> bool:
 
     No node key starts with ``#`` (its address comes first), so such a seat
     (the state's summary) can never be taken for a member's.
-
-    Args:
-        key: A key of :meth:`SeatedBackend.set_state_seated`'s seats.
-
-    Returns:
-        True when ``key`` starts with ``#``.
     """
     return key.startswith("#")
 
 
 def validate_seats(seats: Mapping[str, bytes]) -> None:
-    """Check the seats of :meth:`SeatedBackend.set_state_seated`.
-
-    Args:
-        seats: ``{node key: seat}``.
+    """Check the seats (``{node key: seat}``) of :meth:`SeatedBackend.set_state_seated`.
 
     Raises:
         ValueError: A node key is invalid, or a seat is empty or larger

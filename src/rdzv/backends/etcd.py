@@ -206,15 +206,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         return write(self._state_lease_id())
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        """Read the state (see :class:`RendezvousBackend`).
-
-        Returns:
-            ``(state, token)`` or None.
-
-        Raises:
-            RendezvousConnectionError: No etcd member answered.
-            RendezvousStateError: The stored value is not an rdzv state.
-        """
+        """Read the state (see :class:`RendezvousBackend`)."""
         return self._read()[0]
 
     def _read(self) -> tuple[tuple[bytes, Token] | None, int]:
@@ -245,17 +237,6 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
 
         A write whose first reply was lost and that is found stored on the
         retry (same bytes) is reported as written.
-
-        Args:
-            state: The new state.
-            token: The token from the last read, or None to create.
-
-        Returns:
-            ``(state, token, written)``, or None when nothing is stored.
-
-        Raises:
-            RendezvousConnectionError: No etcd member answered.
-            RendezvousStateError: The stored value is not an rdzv state.
         """
         state = bytes(state)
         expected = _valid_token(token)
@@ -279,20 +260,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         return current_state, current_token, False
 
     def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
-        """Wait until the state's token differs from ``token``, by watching.
-
-        Args:
-            token: A token of this backend, or None.
-            timeout: The longest time to block, in seconds.
-
-        Returns:
-            ``(state, token)`` when the call returns, or None when nothing is
-            stored.
-
-        Raises:
-            RendezvousConnectionError: No etcd member answered.
-            RendezvousStateError: The stored value is not an rdzv state.
-        """
+        """Wait until the state's token differs from ``token``, by watching."""
         current, revision = self._read()
         if (current is None and token is not None) or (current is not None and current[1] != token):
             return current
@@ -308,19 +276,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         return self._run_prefix + f"{self._queue_name}/{round_id}/".encode()
 
     def enqueue(self, round_id: int, record: bytes) -> int:
-        """Append a join record to the queue of ``round_id`` in one transaction.
-
-        Args:
-            round_id: The round (>= 0).
-            record: The record (1 to 4096 bytes).
-
-        Returns:
-            The record's 1-based position.
-
-        Raises:
-            ValueError: Bad round or record.
-            RendezvousConnectionError: No etcd member answered.
-        """
+        """Append a join record to the queue of ``round_id`` in one transaction."""
         validate_record(round_id, record)
         prefix = self._queue_prefix(round_id)
         key = prefix + uuid.uuid4().hex.encode()
@@ -343,39 +299,16 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
             ) from None
 
     def queue_records(self, round_id: int) -> list[bytes]:
-        """Return the join records of ``round_id``, oldest first.
-
-        Args:
-            round_id: The round.
-
-        Returns:
-            The records.
-        """
+        """Return the join records of ``round_id``, oldest first."""
         kvs, _ = self._client.range(self._queue_prefix(round_id), prefix=True, sort_by_create=True)
         return [kv.value for kv in kvs]
 
     def queue_length(self, round_id: int) -> int:
-        """Return how many join records ``round_id`` has.
-
-        Args:
-            round_id: The round.
-
-        Returns:
-            The number of records.
-        """
+        """Return how many join records ``round_id`` has."""
         return self._client.count(self._queue_prefix(round_id))
 
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
-        """Wait until the queue length of ``round_id`` differs from ``known``.
-
-        Args:
-            round_id: The round.
-            known: The length the caller last saw.
-            timeout: The longest time to block, in seconds.
-
-        Returns:
-            The length when the call returns.
-        """
+        """Wait until the queue length of ``round_id`` differs from ``known``."""
         prefix = self._queue_prefix(round_id)
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
@@ -391,11 +324,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
                 continue
 
     def drop_queue(self, round_id: int) -> None:
-        """Delete the queue of ``round_id``.
-
-        Args:
-            round_id: The round.
-        """
+        """Delete the queue of ``round_id``."""
         self._client.delete(self._queue_prefix(round_id), prefix=True)
 
     # -- liveness -----------------------------------------------------------
@@ -405,15 +334,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         return self._run_prefix + f"alive/{node}".encode()
 
     def beat(self, node: str) -> None:
-        """Record a heartbeat: put the node's key under its lease and refresh the lease.
-
-        Args:
-            node: The node key.
-
-        Raises:
-            ValueError: The node key is invalid.
-            RendezvousConnectionError: No etcd member answered.
-        """
+        """Record a heartbeat: put the node's key under its lease and refresh the lease."""
         key = self._alive_key(node)
         for _ in range(2):
             with self._lock:
@@ -437,23 +358,12 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         raise RendezvousStateError(f"etcd keeps expiring the heartbeat lease of node {node!r}")
 
     def heartbeat_mark(self, node: str) -> bytes | None:
-        """Return the ``mod_revision`` of the node's heartbeat key, or None if it expired.
-
-        Args:
-            node: The node key.
-
-        Returns:
-            The mark, or None.
-        """
+        """Return the ``mod_revision`` of the node's heartbeat key, or None if it expired."""
         kv, _ = self._client.get(self._alive_key(node))
         return None if kv is None else str(kv.mod_revision).encode()
 
     def forget(self, node: str) -> None:
-        """Delete the node's heartbeat key and revoke its lease if this process holds it.
-
-        Args:
-            node: The node key.
-        """
+        """Delete the node's heartbeat key and revoke its lease if this process holds it."""
         key = self._alive_key(node)
         with self._lock:
             lease = self._node_leases.pop(node, 0)
@@ -462,11 +372,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         self._client.delete(key)
 
     def live_nodes(self) -> list[str]:
-        """Return the nodes whose heartbeat key the server still holds.
-
-        Returns:
-            The node keys, sorted.
-        """
+        """Return the nodes whose heartbeat key the server still holds."""
         prefix = self._run_prefix + b"alive/"
         kvs, _ = self._client.range(prefix, prefix=True, keys_only=True)
         return sorted(kv.key[len(prefix) :].decode("utf-8", "replace") for kv in kvs)
@@ -474,12 +380,6 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
 
 def create_client(options: EtcdOptions) -> EtcdClient:
     """Build an :class:`EtcdClient` from parsed options.
-
-    Args:
-        options: The etcd options.
-
-    Returns:
-        The client.
 
     Raises:
         ValueError: An option is invalid; the message names it.
@@ -496,12 +396,6 @@ def create_client(options: EtcdOptions) -> EtcdClient:
 
 def open_etcd(options: EtcdOptions) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     """Build the etcd backend and the etcd store of a run from parsed options.
-
-    Args:
-        options: The etcd options.
-
-    Returns:
-        ``(backend, store)``; the store keeps its keys under the run's prefix.
 
     Raises:
         RendezvousConnectionError: No member answered one bounded request
@@ -532,12 +426,6 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     """Build the etcd backend and the etcd store of a run.
 
     Options: see :meth:`rdzv.backends.options.EtcdOptions.from_params`.
-
-    Args:
-        params: The rendezvous parameters.
-
-    Returns:
-        ``(backend, store)``; the store keeps its keys under the run's prefix.
 
     Raises:
         ValueError: An option or the endpoint is invalid; the message names

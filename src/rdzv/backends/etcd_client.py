@@ -23,10 +23,6 @@ the read timeout. A call that was sent more than once reports it
 (``attempts``), so a caller can recognise its own write when the reply to
 the first attempt was lost.
 
-Size: just over the project's ~600-line guide; the encoding already lives in
-:mod:`rdzv.backends.etcd_gateway`, and what is left (pool, failover, the
-watch stream, the reachability check) is one concept: talking to a cluster.
-
 A watch runs on its own connection: ``POST /v3/watch`` answers with a stream
 of newline-delimited JSON objects. A watch from a compacted revision raises
 :class:`EtcdCompactedError`, telling the caller to re-read and watch again
@@ -371,10 +367,6 @@ class EtcdClient:
 
         Returns:
             ``(kvs, revision)``: the keys found and the store revision read.
-
-        Raises:
-            RendezvousConnectionError: No member answered.
-            RendezvousStateError: The answer is malformed.
         """
         body = range_request(
             key, prefix, limit, sort_by_create, keys_only, serializable=serializable
@@ -383,54 +375,23 @@ class EtcdClient:
         return parse_range(response, endpoint)
 
     def count(self, prefix: bytes) -> int:
-        """Count the keys under ``prefix``.
-
-        Args:
-            prefix: The prefix.
-
-        Returns:
-            The number of keys.
-        """
+        """Count the keys under ``prefix``."""
         body = range_request(prefix, prefix=True, count_only=True)
         response, _, endpoint = self.call("/v3/kv/range", body)
         return parse_count(response, endpoint)
 
     def get(self, key: bytes) -> tuple[KeyValue | None, int]:
-        """Read one key.
-
-        Args:
-            key: The key.
-
-        Returns:
-            ``(kv or None, revision)``.
-        """
+        """Read one key."""
         kvs, revision = self.range(key)
         return (kvs[0] if kvs else None), revision
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        """Write a key.
-
-        Args:
-            key: The key.
-            value: The value.
-            lease: A lease ID to attach (0: none).
-
-        Returns:
-            The store revision of the write.
-        """
+        """Write a key under ``lease`` (0: none); return the store revision of the write."""
         response, _, endpoint = self.call("/v3/kv/put", put_request(key, value, lease))
         return parse_revision(response, endpoint)
 
     def delete(self, key: bytes, prefix: bool = False) -> int:
-        """Delete a key or every key under a prefix.
-
-        Args:
-            key: The key or prefix.
-            prefix: Delete every key starting with ``key``.
-
-        Returns:
-            The number of keys deleted.
-        """
+        """Delete a key or every key under a prefix."""
         response, _, endpoint = self.call("/v3/kv/deleterange", delete_request(key, prefix))
         return parse_deleted(response, endpoint)
 
@@ -440,31 +401,13 @@ class EtcdClient:
         success: list[dict[str, Any]],
         failure: list[dict[str, Any]],
     ) -> TxnResult:
-        """Run a transaction.
-
-        Args:
-            compare: Compare objects (``key``, ``target``, ``result``, ...).
-            success: Request ops (``{"request_put": ...}``, ...) run when
-                every compare holds.
-            failure: Request ops run otherwise.
-
-        Returns:
-            The result.
-        """
+        """Run a transaction: the ``success`` ops when every ``compare`` holds, else ``failure``."""
         body = {"compare": compare, "success": success, "failure": failure}
         response, attempts, endpoint = self.call("/v3/kv/txn", body)
         return parse_txn(response, attempts, endpoint)
 
     def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:
-        """Return the keys of the ``index``-th range response of a txn.
-
-        Args:
-            result: The txn result.
-            index: The position of the range op in the branch that ran.
-
-        Returns:
-            The keys read by that op.
-        """
+        """Return the keys of the ``index``-th range response of a txn."""
         return txn_range_kvs(result, index, self.endpoints[self._current])
 
     def compare_and_put(
@@ -505,13 +448,7 @@ class EtcdClient:
     # -- leases ---------------------------------------------------------------
 
     def lease_grant(self, ttl: int) -> tuple[int, int]:
-        """Grant a lease.
-
-        Args:
-            ttl: The time to live, in whole seconds (at least 1).
-
-        Returns:
-            ``(lease_id, granted_ttl)``.
+        """Grant a lease of ``ttl`` whole seconds; return ``(lease_id, granted_ttl)``.
 
         Raises:
             ValueError: ``ttl`` is below 1.
@@ -520,24 +457,12 @@ class EtcdClient:
         return parse_lease_grant(response, endpoint)
 
     def lease_keepalive(self, lease_id: int) -> int:
-        """Refresh a lease once.
-
-        Args:
-            lease_id: The lease.
-
-        Returns:
-            The TTL the lease now has, in seconds; 0 or less when the lease
-            has expired or does not exist.
-        """
+        """Refresh a lease once; return its TTL in seconds (0 or less: expired or absent)."""
         response, _, endpoint = self.call("/v3/lease/keepalive", lease_id_request(lease_id))
         return parse_keepalive(response, endpoint)
 
     def lease_revoke(self, lease_id: int) -> None:
-        """Revoke a lease, deleting every key attached to it (a missing lease is ignored).
-
-        Args:
-            lease_id: The lease.
-        """
+        """Revoke a lease, deleting every key attached to it (a missing lease is ignored)."""
         try:
             self.call("/v3/kv/lease/revoke", lease_id_request(lease_id))
         except EtcdRequestError as exc:

@@ -201,15 +201,7 @@ def encode_bytes(data: bytes) -> str:
 
 
 def decode_bytes(text: Any, what: str, endpoint: str) -> bytes:
-    """Decode a base64 bytes field of a reply (absent: empty).
-
-    Args:
-        text: The field's value, or None when absent.
-        what: The field's name, for the error message.
-        endpoint: The member that sent it.
-
-    Returns:
-        The bytes.
+    """Decode a base64 bytes field ``what`` of a reply (absent: empty).
 
     Raises:
         RendezvousStateError: The field is not base64.
@@ -223,16 +215,7 @@ def decode_bytes(text: Any, what: str, endpoint: str) -> bytes:
 
 
 def parse_int(value: Any, what: str, endpoint: str) -> int:
-    """Parse an integer field of a reply (absent: 0).
-
-    Args:
-        value: The field's value (an int64 usually arrives as a string), or
-            None when absent.
-        what: The field's name, for the error message.
-        endpoint: The member that sent it.
-
-    Returns:
-        The integer.
+    """Parse an integer field ``what`` of a reply (an int64 usually a string; absent: 0).
 
     Raises:
         RendezvousStateError: The value is not an integer.
@@ -250,13 +233,8 @@ def parse_int(value: Any, what: str, endpoint: str) -> int:
 def prefix_range_end(prefix: bytes) -> bytes:
     r"""Return the ``range_end`` that selects every key starting with ``prefix``.
 
-    Args:
-        prefix: A key prefix.
-
-    Returns:
-        The prefix with its last byte below 0xff incremented (``b"\\0"`` if
-        every byte is 0xff, or there is none, meaning "to the end of the
-        keyspace").
+    That is the prefix with its last byte below 0xff incremented (``b"\\0"``
+    if every byte is 0xff, or there is none, meaning "to the end of the keyspace").
     """
     stripped = prefix.rstrip(b"\xff")
     if not stripped:
@@ -287,9 +265,6 @@ def range_request(
         count_only: Return only the count.
         serializable: Answer from the member's own copy, without asking
             the leader (may be stale; for diagnostics).
-
-    Returns:
-        The request object.
     """
     request: dict[str, Any] = {"key": encode_bytes(key)}
     if prefix:
@@ -327,13 +302,7 @@ def delete_request(key: bytes, prefix: bool = False) -> dict[str, Any]:
 def mod_revision_compare(key: bytes, mod_revision: int) -> dict[str, Any]:
     """Build a txn compare that holds while ``key``'s ``mod_revision`` is ``mod_revision``.
 
-    Args:
-        key: The key.
-        mod_revision: The expected modification revision; 0 means "the key
-            does not exist".
-
-    Returns:
-        The compare object.
+    A ``mod_revision`` of 0 means "the key does not exist".
     """
     return {
         "key": encode_bytes(key),
@@ -344,13 +313,7 @@ def mod_revision_compare(key: bytes, mod_revision: int) -> dict[str, Any]:
 
 
 def lease_grant_request(ttl: int) -> dict[str, Any]:
-    """Build a lease grant request.
-
-    Args:
-        ttl: The time to live, in whole seconds (at least 1).
-
-    Returns:
-        The request object.
+    """Build a lease grant request for ``ttl`` whole seconds.
 
     Raises:
         ValueError: ``ttl`` is below 1.
@@ -381,17 +344,8 @@ def _request_error(
 ) -> EtcdRequestError:
     """Classify an error body by its gRPC code (and the HTTP status).
 
-    Args:
-        status: The HTTP status.
-        body: The decoded body.
-        data: The raw body (quoted when the body has no message).
-        endpoint: The member that answered.
-        path: The gateway path called.
-
-    Returns:
-        An :class:`EtcdUnavailableError` for a code in
-        :data:`TRANSIENT_CODES` or a 502, 503 or 504 status, an
-        :class:`EtcdRejectedError` otherwise.
+    An :class:`EtcdUnavailableError` for a code in :data:`TRANSIENT_CODES` or
+    a 502, 503 or 504 status, an :class:`EtcdRejectedError` otherwise.
     """
     message = str(body.get("message") or body.get("error") or data[:200])
     code = body.get("code")
@@ -403,16 +357,7 @@ def _request_error(
 
 
 def decode_reply(status: int, data: bytes, endpoint: str, path: str) -> dict[str, Any]:
-    """Decode the answer to a unary call.
-
-    Args:
-        status: The HTTP status.
-        data: The body (empty: an empty reply).
-        endpoint: The member that answered.
-        path: The gateway path called.
-
-    Returns:
-        The reply object.
+    """Decode the answer (``status`` and body ``data``) to a unary call to ``path``.
 
     Raises:
         EtcdRetryableError: The body is not JSON (a proxy's page, a cut
@@ -436,13 +381,6 @@ def decode_reply(status: int, data: bytes, endpoint: str, path: str) -> dict[str
 
 def parse_kv(raw: dict[str, Any], endpoint: str) -> KeyValue:
     """Parse one ``mvccpb.KeyValue`` object.
-
-    Args:
-        raw: The object.
-        endpoint: The member that sent it.
-
-    Returns:
-        The key and value.
 
     Raises:
         RendezvousStateError: A field is malformed.
@@ -492,14 +430,6 @@ def parse_txn(reply: dict[str, Any], attempts: int, endpoint: str) -> TxnResult:
 def txn_range_kvs(result: TxnResult, index: int, endpoint: str) -> list[KeyValue]:
     """Return the keys read by the ``index``-th op (a range) of a txn's branch.
 
-    Args:
-        result: The txn result.
-        index: The position of the range op in the branch that ran.
-        endpoint: The member that answered the txn.
-
-    Returns:
-        The keys read by that op.
-
     Raises:
         RendezvousStateError: The txn reply has no such response.
     """
@@ -513,14 +443,7 @@ def txn_range_kvs(result: TxnResult, index: int, endpoint: str) -> list[KeyValue
 
 
 def parse_lease_grant(reply: dict[str, Any], endpoint: str) -> tuple[int, int]:
-    """Parse a lease grant reply.
-
-    Args:
-        reply: The reply.
-        endpoint: The member that sent it.
-
-    Returns:
-        ``(lease_id, granted_ttl)``.
+    """Parse a lease grant reply into ``(lease_id, granted_ttl)``.
 
     Raises:
         RendezvousStateError: The reply carries an error or a malformed field.
@@ -539,15 +462,7 @@ def parse_keepalive(reply: dict[str, Any], endpoint: str) -> int:
 
 
 def decode_watch_line(line: bytes, endpoint: str) -> dict[str, Any] | None:
-    """Decode one line of a watch stream.
-
-    Args:
-        line: The line, with or without its newline.
-        endpoint: The member that sent it.
-
-    Returns:
-        The message, or None for a blank line or a JSON value that is not an
-        object (both are skipped).
+    """Decode one line of a watch stream; None for a blank line or a JSON non-object (skipped).
 
     Raises:
         EtcdRetryableError: The line is not JSON.
@@ -564,14 +479,7 @@ def decode_watch_line(line: bytes, endpoint: str) -> dict[str, Any] | None:
 
 
 def watch_events(message: dict[str, Any], endpoint: str) -> list[WatchEvent]:
-    """Return the events of one watch-stream message.
-
-    Args:
-        message: The decoded line.
-        endpoint: The member that sent it.
-
-    Returns:
-        The events; empty for the ``created`` message and progress notices.
+    """Return the events of one watch-stream message (none for ``created`` and progress notices).
 
     Raises:
         EtcdCompactedError: The watch was cancelled because its start

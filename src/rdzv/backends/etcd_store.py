@@ -205,14 +205,7 @@ class EtcdStore(Store):
         return not missing
 
     def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Return the values of several keys in one transaction; None for a missing key.
-
-        Args:
-            keys: The keys.
-
-        Returns:
-            The values, in the order of ``keys``.
-        """
+        """Return the values of several keys in one transaction; None for a missing key."""
         _, found, _ = self._missing(list(keys))
         return [None if kv is None else kv.value for kv in found]
 

@@ -175,12 +175,6 @@ class StoreLiveness(LivenessBackend):
         A mark is the counter's stored bytes; a missing counter, or one at 0,
         is None ("never beat"). A counter that holds no integer is returned
         as it is: an opaque mark that does not change counts as no beat.
-
-        Args:
-            nodes: The node keys.
-
-        Returns:
-            ``{node: mark}``.
         """
         keys = [self._beat_key(node) for node in nodes]
         store = self._liveness_store

@@ -12,10 +12,6 @@ The hosting decision of the TCP store (does this node serve the store?) is
 one method, :meth:`StoreBackendOptions.should_host`; the in-process backend
 and the torchrun plugin both ask it and differ only in how they host (a
 thread or a child process).
-
-Size: a little over the project's ~600-line guide: one concept (parsing
-every built-in engine's options) whose classes share their helpers; split
-per engine, each part would repeat them.
 """
 
 from __future__ import annotations
@@ -69,15 +65,7 @@ DEFAULT_REDIS_PORT = 6379
 
 
 def text_option(params: RendezvousParameters, key: str) -> str | None:
-    """Return a backend setting as text, None when absent or empty.
-
-    Args:
-        params: The rendezvous parameters.
-        key: The setting.
-
-    Returns:
-        The value as text, or None.
-    """
+    """Return a backend setting as text, None when absent or empty."""
     value: Any = params.get(key)
     if value is None or value == "":
         return None
@@ -138,8 +126,7 @@ def check_key_settings(
         liveness_ttl: Seconds a heartbeat survives, or None for
             :data:`DEFAULT_LIVENESS_TTL`.
 
-    Returns:
-        ``(prefix, ttl, liveness_ttl)`` with the defaults filled in.
+    Returns ``(prefix, ttl, liveness_ttl)`` with the defaults filled in.
 
     Raises:
         ValueError: A bad run id (see :func:`~rdzv.backends.base.validate_run_id`),
@@ -176,14 +163,6 @@ class KeySettings:
     ) -> KeySettings:
         """Read ``key_prefix`` and ``ttl``, checked as the backend will check them.
 
-        Args:
-            params: The rendezvous parameters.
-            engine: The server's name, for messages.
-            default_prefix: The engine's default prefix.
-
-        Returns:
-            The settings.
-
         Raises:
             ValueError: A bad prefix or ttl; the message names it.
         """
@@ -205,13 +184,9 @@ def _addresses_of(host: str) -> set[str]:
 def endpoint_is_local(host: str) -> bool:
     """Tell whether ``host`` names this machine (IPv4 or IPv6; no reverse DNS).
 
-    Args:
-        host: A host name or numeric address.
-
-    Returns:
-        True when one of its ``getaddrinfo`` addresses is a loopback
-        address, one of :func:`rdzv.net.local_addresses`, or assigned to one
-        of this machine's interfaces (:func:`rdzv.net.is_local_address`).
+    True when one of its ``getaddrinfo`` addresses is a loopback address, one
+    of :func:`rdzv.net.local_addresses`, or assigned to one of this machine's
+    interfaces (:func:`rdzv.net.is_local_address`).
     """
     found = _addresses_of(host)
     if any(ipaddress.ip_address(addr).is_loopback for addr in found):
@@ -236,12 +211,6 @@ class StoreTLS:
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> StoreTLS:
         """Read the TLS keys.
-
-        Args:
-            params: The rendezvous parameters.
-
-        Returns:
-            The settings.
 
         Raises:
             ValueError: A file does not exist, only one of ``ssl_cert`` and
@@ -335,16 +304,7 @@ class StoreBackendOptions:
 
     #: The configuration keys :meth:`from_params` reads.
     KEYS: ClassVar[frozenset[str]] = frozenset(
-        {
-            "store_type",
-            "read_timeout",
-            "auth_token_file",
-            "ca_cert",
-            "cacert",
-            "ssl_cert",
-            "ssl_cert_key",
-            "is_host",
-        }
+        {"store_type", "read_timeout", "is_host", *_TCP_ONLY_KEYS}
     )
 
     host: str
@@ -366,14 +326,8 @@ class StoreBackendOptions:
         endpoint is the file's path, and an empty endpoint a private
         temporary file), ``read_timeout`` (60 s), ``is_host``, and for
         ``tcp`` only: ``auth_token_file`` (else ``$RDZV_AUTH_TOKEN``),
-        ``ca_cert`` (or ``cacert``), ``ssl_cert`` and ``ssl_cert_key``.
-
-        Args:
-            params: The rendezvous parameters; ``endpoint`` is ``host[:port]``
-                (``tcp``) or a path (``file``).
-
-        Returns:
-            The options.
+        ``ca_cert`` (or ``cacert``), ``ssl_cert`` and ``ssl_cert_key``. The
+        ``endpoint`` is ``host[:port]`` (``tcp``) or a path (``file``).
 
         Raises:
             ValueError: A bad value, naming its key (including ``is_host=1``
@@ -434,9 +388,6 @@ class StoreBackendOptions:
         TLS, or it has the server certificate) and the endpoint host resolves
         (``getaddrinfo``, IPv4 and IPv6) to one of this machine's addresses.
         A file store has nothing to host.
-
-        Returns:
-            True when this node should try to serve the store.
         """
         if self.store_type == "file":
             return False
@@ -446,15 +397,10 @@ class StoreBackendOptions:
 
 
 def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
-    """Parse etcd's ``h1:2379,h2:2379,...`` (the default port is 2379).
+    """Parse etcd's ``h1:2379,h2:2379,...`` (the default port is 2379) into ``[(host, port)]``.
 
-    Args:
-        endpoint: One or more comma-separated members; a ``http://`` or
-            ``https://`` scheme on a member is ignored (the protocol comes
-            from the ``protocol`` option).
-
-    Returns:
-        ``[(host, port), ...]``.
+    A ``http://`` or ``https://`` scheme on a member is ignored (the protocol
+    comes from the ``protocol`` option).
 
     Raises:
         ValueError: The list is empty or a member is malformed.
@@ -465,6 +411,10 @@ def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
             f"the etcd endpoint {endpoint!r} names no member; expected host[:port],..."
         )
     return members
+
+
+# The keys etcd and Redis both read.
+_KV_KEYS = ("read_timeout", "protocol", "ssl_cert", "ssl_cert_key", "ca_cert", "key_prefix", "ttl")
 
 
 def _tls_files(
@@ -497,18 +447,7 @@ class EtcdOptions:
     DEFAULT_PREFIX: ClassVar[str] = "/rdzv/"
 
     #: The configuration keys :meth:`from_params` reads.
-    KEYS: ClassVar[frozenset[str]] = frozenset(
-        {
-            "read_timeout",
-            "protocol",
-            "ssl_cert",
-            "ssl_cert_key",
-            "ca_cert",
-            "cacert",
-            "key_prefix",
-            "ttl",
-        }
-    )
+    KEYS: ClassVar[frozenset[str]] = frozenset({"cacert", *_KV_KEYS})
 
     endpoints: tuple[tuple[str, int], ...]
     run_id: str
@@ -526,12 +465,7 @@ class EtcdOptions:
         Keys: ``read_timeout`` (60 s), ``protocol`` (``http`` or ``https``),
         ``ssl_cert``, ``ssl_cert_key``, ``ca_cert`` (or ``cacert``, the name
         torch's etcd handler reads), ``key_prefix`` (``/rdzv/``), ``ttl`` (7200 s).
-
-        Args:
-            params: The parameters; ``endpoint`` lists the members.
-
-        Returns:
-            The options.
+        The ``endpoint`` lists the members.
 
         Raises:
             ValueError: A bad value, naming its key.
@@ -573,19 +507,7 @@ class RedisOptions:
     DEFAULT_PREFIX: ClassVar[str] = "rdzv:"
 
     #: The configuration keys :meth:`from_params` reads.
-    KEYS: ClassVar[frozenset[str]] = frozenset(
-        {
-            "read_timeout",
-            "protocol",
-            "ssl_cert",
-            "ssl_cert_key",
-            "ca_cert",
-            "password",
-            "db",
-            "key_prefix",
-            "ttl",
-        }
-    )
+    KEYS: ClassVar[frozenset[str]] = frozenset({"password", "db", *_KV_KEYS})
 
     host: str
     port: int
@@ -606,13 +528,8 @@ class RedisOptions:
         Keys: ``read_timeout`` (60 s), ``protocol`` (``redis`` or ``rediss``
         for TLS; ``http``/``https`` are accepted as synonyms), ``ssl_cert``,
         ``ssl_cert_key``, ``ca_cert``, ``password``, ``db`` (0),
-        ``key_prefix`` (``rdzv:``), ``ttl`` (7200 s).
-
-        Args:
-            params: The parameters; ``endpoint`` is ``host[:port]`` (port 6379).
-
-        Returns:
-            The options.
+        ``key_prefix`` (``rdzv:``), ``ttl`` (7200 s). The ``endpoint`` is
+        ``host[:port]`` (port 6379).
 
         Raises:
             ValueError: A bad value, naming its key.

@@ -38,9 +38,6 @@ the next beat, so a poisoned key never stops its owner's heartbeats.
 Redis replication is asynchronous. Run one primary: after a failover to a
 replica an acknowledged write can be lost and the token can go backwards.
 Redis Cluster is not supported (a run's keys are not hash-tagged together).
-
-Size: over the project's ~600-line guide: one class over one key layout and
-its Lua scripts; the connection and the store are modules of their own.
 """
 
 from __future__ import annotations
@@ -287,53 +284,19 @@ class RedisRendezvousBackend(
         return code
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        """Read the state (see :class:`RendezvousBackend`).
-
-        Returns:
-            ``(state, token)`` or None.
-
-        Raises:
-            RendezvousConnectionError: Redis could not be reached.
-            RendezvousStateError: The stored record is corrupt.
-        """
+        """Read the state (see :class:`RendezvousBackend`)."""
         return self._read_state()[0]
 
     def set_state(
         self, state: bytes, token: Token | None = None
     ) -> tuple[bytes, Token, bool] | None:
-        """Write the state if ``token`` is current (see :class:`RendezvousBackend`).
-
-        Args:
-            state: The new state.
-            token: The token from the last read, or None to create.
-
-        Returns:
-            ``(state, token, written)``, or None when nothing is stored.
-
-        Raises:
-            RendezvousConnectionError: Redis could not be reached.
-            RendezvousStateError: The stored record is corrupt.
-        """
+        """Write the state if ``token`` is current (see :class:`RendezvousBackend`)."""
         return self.set_state_seated(state, token, {})
 
     def set_state_seated(
         self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
     ) -> tuple[bytes, Token, bool] | None:
-        """Write the state and, when the write wins, the members' seats (see :class:`SeatedBackend`).
-
-        Args:
-            state: The new state.
-            token: The token from the last read, or None to create.
-            seats: ``{node key: seat}``.
-
-        Returns:
-            ``(state, token, written)``, or None when nothing is stored.
-
-        Raises:
-            ValueError: A node key or a seat is invalid.
-            RendezvousConnectionError: Redis could not be reached.
-            RendezvousStateError: The stored record is corrupt.
-        """
+        """Write the state and, when the write wins, the members' seats, in one script."""
         validate_seats(seats)
         seat_keys = [self._seat_key(node) for node in seats]
         state = bytes(state)
@@ -373,23 +336,11 @@ class RedisRendezvousBackend(
         return (None if code == 0 else _token(reply[2])), as_bytes(reply[1])
 
     def read_token(self) -> Token | None:
-        """Return the stored revision without the state (see :class:`SeatedBackend`).
-
-        Returns:
-            The token, or None when nothing is stored.
-        """
+        """Return the stored revision without the state (see :class:`SeatedBackend`)."""
         return self._read_rev()[0]
 
     def wait_for_token(self, token: Token | None, timeout: float) -> Token | None:
-        """Wait as :meth:`wait_for_state`, reading the revision alone.
-
-        Args:
-            token: A token of this backend, or None.
-            timeout: The longest time to block, in seconds.
-
-        Returns:
-            The stored token when the call returns, or None.
-        """
+        """Wait as :meth:`wait_for_state`, reading the revision alone."""
         current, last_id = self._read_rev()
         if current != token or timeout <= 0:
             return current
@@ -397,15 +348,7 @@ class RedisRendezvousBackend(
         return self._read_rev()[0]
 
     def read_seat(self, token: Token, node: str) -> bytes | None:
-        """Return the seat the write of ``token`` stored for ``node`` (see :class:`SeatedBackend`).
-
-        Args:
-            token: A token of this backend.
-            node: The node key.
-
-        Returns:
-            The seat, or None.
-        """
+        """Return the seat the write of ``token`` stored for ``node`` (one ``GET``)."""
         value = self._get(self._seat_key(validate_node_key(node)), "reading a seat")
         if value is None or isinstance(token, bool) or not isinstance(token, int):
             return None
@@ -419,19 +362,7 @@ class RedisRendezvousBackend(
             self._client.xread({stream: last_id}, count=1, block=block_ms)
 
     def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
-        """Wait until the state's token differs from ``token``, blocking on the change stream.
-
-        Args:
-            token: A token of this backend, or None.
-            timeout: The longest time to block, in seconds.
-
-        Returns:
-            ``(state, token)`` when the call returns, or None.
-
-        Raises:
-            RendezvousConnectionError: Redis could not be reached.
-            RendezvousStateError: The stored record is corrupt.
-        """
+        """Wait until the state's token differs from ``token``, blocking on the change stream."""
         current, last_id = self._read_state()
         if (current is None and token is not None) or (current is not None and current[1] != token):
             return current
@@ -446,19 +377,7 @@ class RedisRendezvousBackend(
         return [base, f"{base}:events"]
 
     def enqueue(self, round_id: int, record: bytes) -> int:
-        """Append a join record to the queue of ``round_id`` (``RPUSH``).
-
-        Args:
-            round_id: The round (>= 0).
-            record: The record (1 to 4096 bytes).
-
-        Returns:
-            The record's 1-based position.
-
-        Raises:
-            ValueError: Bad round or record.
-            RendezvousConnectionError: Redis could not be reached.
-        """
+        """Append a join record to the queue of ``round_id`` (``RPUSH``)."""
         validate_record(round_id, record)
         with redis_errors(self._endpoint, "enqueueing a join record"):
             return int(
@@ -468,41 +387,18 @@ class RedisRendezvousBackend(
             )
 
     def queue_records(self, round_id: int) -> list[bytes]:
-        """Return the join records of ``round_id`` in position order.
-
-        Args:
-            round_id: The round.
-
-        Returns:
-            The records.
-        """
+        """Return the join records of ``round_id`` in position order."""
         with redis_errors(self._endpoint, "reading a join queue"):
             items = self._client.lrange(self._queue_keys(round_id)[0], 0, -1)
         return [as_bytes(item) for item in items]
 
     def queue_length(self, round_id: int) -> int:
-        """Return how many join records ``round_id`` has.
-
-        Args:
-            round_id: The round.
-
-        Returns:
-            The number of records.
-        """
+        """Return how many join records ``round_id`` has."""
         with redis_errors(self._endpoint, "reading a join queue length"):
             return int(self._client.llen(self._queue_keys(round_id)[0]))
 
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
-        """Wait until the queue length of ``round_id`` differs from ``known``.
-
-        Args:
-            round_id: The round.
-            known: The length the caller last saw.
-            timeout: The longest time to block, in seconds.
-
-        Returns:
-            The length when the call returns.
-        """
+        """Wait until the queue length of ``round_id`` differs from ``known``."""
         keys = self._queue_keys(round_id)
         with redis_errors(self._endpoint, "reading a join queue length"):
             length, last_id = self._queue_len(keys=keys)
@@ -512,11 +408,7 @@ class RedisRendezvousBackend(
         return self.queue_length(round_id)
 
     def drop_queue(self, round_id: int) -> None:
-        """Delete the queue of ``round_id``.
-
-        Args:
-            round_id: The round.
-        """
+        """Delete the queue of ``round_id``."""
         with redis_errors(self._endpoint, "deleting a join queue"):
             self._client.delete(*self._queue_keys(round_id))
 
@@ -527,39 +419,17 @@ class RedisRendezvousBackend(
         return f"{self._key}:alive:{node}"
 
     def beat(self, node: str) -> None:
-        """Record a heartbeat: ``INCR`` the node's key and reset its ``PX`` TTL.
-
-        Args:
-            node: The node key.
-
-        Raises:
-            ValueError: The node key is invalid.
-            RendezvousConnectionError: Redis could not be reached.
-        """
+        """Record a heartbeat: ``INCR`` the node's key and reset its ``PX`` TTL."""
         key = self._alive_key(node)
         with redis_errors(self._endpoint, "recording a heartbeat"):
             self._beat(keys=[key], args=[self._liveness_ms])
 
     def heartbeat_mark(self, node: str) -> bytes | None:
-        """Return the node's heartbeat counter, or None once it expired.
-
-        Args:
-            node: The node key.
-
-        Returns:
-            The mark, or None.
-        """
+        """Return the node's heartbeat counter, or None once it expired."""
         return self._get(self._alive_key(node), "reading a heartbeat")
 
     def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
-        """Return the heartbeat counters of several nodes in one ``MGET``.
-
-        Args:
-            nodes: The node keys.
-
-        Returns:
-            ``{node: mark}``; None for a node whose key expired.
-        """
+        """Return the heartbeat counters of several nodes in one ``MGET``."""
         if not nodes:
             return {}
         keys = [self._alive_key(node) for node in nodes]
@@ -571,11 +441,7 @@ class RedisRendezvousBackend(
         }
 
     def forget(self, node: str) -> None:
-        """Delete the node's heartbeat key and its seat.
-
-        Args:
-            node: The node key.
-        """
+        """Delete the node's heartbeat key and its seat."""
         keys = [self._alive_key(node), self._seat_key(node)]
         with redis_errors(self._endpoint, "deleting a heartbeat"):
             self._client.delete(*keys)
@@ -583,12 +449,6 @@ class RedisRendezvousBackend(
 
 def open_redis(options: RedisOptions) -> tuple[RedisRendezvousBackend, RedisStore]:
     """Build the Redis backend and the Redis store of a run from parsed options.
-
-    Args:
-        options: The Redis options.
-
-    Returns:
-        ``(backend, store)``.
 
     Raises:
         RendezvousConnectionError: Redis did not answer a ``PING`` (one
@@ -621,12 +481,6 @@ def create_backend(params: RendezvousParameters) -> tuple[RedisRendezvousBackend
     """Build the Redis backend and the Redis store of a run.
 
     Options: see :meth:`rdzv.backends.options.RedisOptions.from_params`.
-
-    Args:
-        params: The rendezvous parameters.
-
-    Returns:
-        ``(backend, store)``.
 
     Raises:
         ValueError: An option or the endpoint is invalid; the message names it.

@@ -49,14 +49,7 @@ MAX_BLOCK_SECONDS = 5.0
 
 @contextlib.contextmanager
 def redis_errors(endpoint: str, what: str) -> Iterator[None]:
-    """Translate redis-py errors into rdzv errors naming the endpoint.
-
-    Args:
-        endpoint: ``host:port`` of the server, for messages.
-        what: What was being done, for messages.
-
-    Yields:
-        Nothing; the body runs inside the translation.
+    """Translate redis-py errors into rdzv errors naming the ``endpoint`` and ``what`` was done.
 
     Raises:
         RendezvousConnectionError: The server could not be reached or timed out.
@@ -131,27 +124,13 @@ def _bounded(client: redis.Redis) -> redis.Redis:
 
 
 def endpoint_of(client: redis.Redis) -> str:
-    """Return ``host:port`` of a client's server, for messages.
-
-    Args:
-        client: The client.
-
-    Returns:
-        The endpoint text.
-    """
+    """Return ``host:port`` of a client's server, for messages."""
     kwargs: dict[str, Any] = client.connection_pool.connection_kwargs
     return format_endpoint(str(kwargs.get("host", "?")), int(kwargs.get("port", 0)))
 
 
 def create_client(options: RedisOptions) -> redis.Redis:
-    """Build a redis-py client from parsed options.
-
-    Args:
-        options: The Redis options.
-
-    Returns:
-        The client (no connection is made yet).
-    """
+    """Build a redis-py client from parsed options (no connection is made yet)."""
     return _bounded(
         redis.Redis(
             host=options.host,
@@ -171,12 +150,6 @@ def create_client(options: RedisOptions) -> redis.Redis:
 
 def as_bytes(value: Any) -> bytes:
     """Return a reply item as bytes (redis-py types replies loosely).
-
-    Args:
-        value: A reply item: bytes, or a str or int that Redis sent.
-
-    Returns:
-        The bytes.
 
     Raises:
         RendezvousStateError: The item is a nested reply or None.

@@ -215,14 +215,7 @@ class RedisStore(Store):
         return all(v is not None for v in values)
 
     def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Return the values of several keys in one script call; None for a missing key.
-
-        Args:
-            keys: The keys.
-
-        Returns:
-            The values, in the order of ``keys``.
-        """
+        """Return the values of several keys in one script call; None for a missing key."""
         if not keys:
             return []
         return self._read_keys(keys)[1]

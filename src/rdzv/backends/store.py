@@ -23,8 +23,7 @@ and ``TpRendezvousBackend``. It offers every capability:
   only if that one round trip took longer than the retention, however fast
   others write, and the same reply names the head to read next. So a read
   costs one round trip, two when the head moved meanwhile, whatever the
-  write rate. (Deleting the replaced body at once let a reader chasing the
-  heads of four busy writers miss eight times running.) A winner that dies
+  write rate. A winner that dies
   leaves the bodies it had not yet deleted behind;
 * watch: ``Store.watch`` on the head key when the store supports it,
   otherwise polling with jittered, capped backoff;
@@ -402,11 +401,7 @@ class C10dRendezvousBackend(
             attempt += 1
 
     def side_channel(self) -> C10dRendezvousBackend:
-        """Return a view on the heartbeat client, which never holds a blocking call.
-
-        Returns:
-            The view (it owns no client).
-        """
+        """Return a view (owning no client) on the heartbeat client, which never blocks."""
         if self._liveness_store is self._store:
             return self
         view = C10dRendezvousBackend(self._liveness_store, self._run_id, clock=self._clock)
@@ -436,12 +431,7 @@ def connection_limit(max_nodes: int | None) -> int | None:
     heartbeats and evictions, which must never queue behind that watch on a
     client that serialises requests); the limit allows twice that, for
     clones and reconnections, and never less than the server's default.
-
-    Args:
-        max_nodes: The most nodes a round admits; None when not known.
-
-    Returns:
-        The limit, or None for the server's default.
+    None (the server's default) when ``max_nodes`` is not known.
     """
     if max_nodes is None:
         return None
@@ -509,15 +499,7 @@ def open_store(
     this process serves the TCP store; if binding fails and ``is_host`` was
     inferred (another local process hosts it), the node connects as a client
     instead. A hosted server allows :func:`connection_limit` connections
-    for a job of ``max_nodes``.
-
-    Args:
-        options: The store backend's options.
-        max_nodes: The most nodes of the job, or None (the server's default
-            connection limit).
-
-    Returns:
-        ``(backend, store)``.
+    for a job of ``max_nodes`` (None: the server's default).
 
     Raises:
         ValueError: A TLS file cannot be loaded; the message names it.
@@ -552,15 +534,8 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     Options: see :meth:`rdzv.backends.options.StoreBackendOptions.from_params`
     (``store_type`` ``tcp`` or ``file``, ``read_timeout``, ``auth_token_file``, ``ca_cert``,
     ``ssl_cert``, ``ssl_cert_key``, ``is_host``) and :func:`open_store` for
-    the hosting decision.
-
-    Args:
-        params: The parameters; ``endpoint`` is ``host[:port]`` (29400 by
-            default), or the file's path with ``store_type=file``, and
-            ``run_id`` names the keys.
-
-    Returns:
-        ``(backend, store)``.
+    the hosting decision. The ``endpoint`` is ``host[:port]`` (29400 by
+    default), or the file's path with ``store_type=file``.
 
     Raises:
         ValueError: An option is invalid (including TLS files that cannot

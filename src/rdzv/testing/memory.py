@@ -72,11 +72,7 @@ class InMemoryRendezvousStorage:
             event.set()
 
     def fail_next(self, calls: int) -> None:
-        """Make the next ``calls`` backend calls raise ``RendezvousConnectionError``.
-
-        Args:
-            calls: How many calls fail.
-        """
+        """Make the next ``calls`` backend calls raise ``RendezvousConnectionError``."""
         with self.changed:
             self._failures = calls
 
