@@ -91,16 +91,8 @@ def await_bootstrap(
 ) -> bool:
     """Wait for rank 0 of ``state`` to publish its address in ``store``.
 
-    Args:
-        store: The round's store.
-        shared: The shared state, read between slices.
-        state: The sealed round, as read whole.
-        rank: This member's rank (> 0).
-        clock: The clock of the deadlines.
-        join_deadline: The join's deadline on ``clock``.
-
-    Returns:
-        True once published; False once rank 0 is no live member.
+    Returns True once published, False once rank 0 is no live member; the
+    shared state is read between slices, and ``join_deadline`` is on ``clock``.
 
     Raises:
         RendezvousTimeoutError: Rank 0 stayed a member but did not publish

@@ -70,13 +70,6 @@ def check_period(world_size: int, dead_after: float) -> float:
     rounds over 500 members less often, so a round stays within
     :data:`CHECKS_PER_SECOND` (but at least once a second, or once a quarter
     timeout if that is longer).
-
-    Args:
-        world_size: The number of participants.
-        dead_after: The dead-node timeout, in seconds.
-
-    Returns:
-        Seconds between checks.
     """
     quarter = dead_after / 4
     return min(max(1.0, quarter), max(0.25, world_size / CHECKS_PER_SECOND, quarter))
@@ -115,9 +108,6 @@ class RoundConfirmation:
         Only members of the round confirm it, so ``world_size`` distinct
         nodes in the queue are every participant (an append retried after a
         lost reply can count one twice).
-
-        Args:
-            node: This member's node key.
         """
         position = self.queue.enqueue(self.round_id, node.encode())
         if position >= self.world_size and len(self._confirmed()) >= self.world_size:
@@ -127,15 +117,7 @@ class RoundConfirmation:
         return {r.decode("utf-8", "replace") for r in self.queue.queue_records(self.round_id)}
 
     def wait(self, seconds: float, clock: Clock = REAL_TIME) -> bool:
-        """Wait up to ``seconds`` for every member to confirm.
-
-        Args:
-            seconds: The longest wait.
-            clock: The clock the wait is counted on (a store's wait).
-
-        Returns:
-            True once every member confirmed, False when the wait ran out.
-        """
+        """Wait up to ``seconds`` on ``clock`` for every member to confirm; False when it ran out."""
         with clock.blocking(seconds):
             if self.store.supports_watch:
                 # The server ends the wait at the timeout: one request a slice,
@@ -154,14 +136,7 @@ class RoundConfirmation:
 
 
 def drop_confirmation(queue: JoinQueueBackend, store: Store, prefix: str, round_id: int) -> None:
-    """Delete the confirmations of ``round_id`` (a round nobody waits on).
-
-    Args:
-        queue: The confirmation queues.
-        store: The store that holds the verdict.
-        prefix: The run's key prefix in the store.
-        round_id: The round.
-    """
+    """Delete the confirmations of ``round_id`` (a round nobody waits on)."""
     queue.drop_queue(round_id)
     store.delete_key(_verdict_key(prefix, round_id))
 
@@ -170,15 +145,8 @@ def member_lost(round_id: int, world_size: int, stored: RendezvousState | None) 
     """Tell whether a round awaiting confirmation lost a member, so it never completes.
 
     A close that came after the seal does not count: every live member still
-    confirms (see :func:`rdzv.dynamic.machine.decide`).
-
-    Args:
-        round_id: The sealed round.
-        world_size: Its number of participants as sealed.
-        stored: The stored state now.
-
-    Returns:
-        True when the round is gone from the store or a member was evicted.
+    confirms (see :func:`rdzv.dynamic.machine.decide`). True when the round
+    is gone from the store or a member was evicted.
     """
     if stored is None or stored.round != round_id:
         return True

@@ -223,9 +223,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 a round asks for a distinct one.
             clock: The clock (see the class); real time when None.
 
-        Returns:
-            The handler.
-
         Raises:
             ValueError: A setting is invalid; the message names it.
         """
@@ -257,20 +254,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         node_rank: int | None = None,
         clock: Clock | Callable[[], float] | None = None,
     ) -> DynamicRendezvousHandler:
-        """Build a handler from validated settings.
-
-        Args:
-            settings: The rendezvous settings.
-            store: The store members get; also hosts joins and heartbeats when
-                the backend lacks those capabilities.
-            backend: The backend holding the shared state.
-            local_addr: This node's address; found with ``getaddrinfo`` (never
-                reverse DNS) when None.
-            node_rank: The rank this node asks for, or None.
-            clock: The clock (see the class); real time when None.
-
-        Returns:
-            The handler.
+        """Build a handler from validated settings; the other arguments are :meth:`from_backend`'s.
 
         Raises:
             ValueError: ``node_rank`` is negative.
@@ -337,9 +321,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def round_participants(self) -> tuple[str, ...]:
         """Return the node keys of the round this node is a member of, in rank order.
 
-        Returns:
-            The keys (read from the backend when this node learned its place
-            from its seat alone); empty when it is no member.
+        Empty when it is no member; read from the backend when this node
+        learned its place from its seat alone.
 
         Raises:
             RendezvousStateError: The store no longer holds that round.
@@ -359,11 +342,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._settings.run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
-        """Join the next round and block until it completes.
-
-        Returns:
-            This node's view of the round: its store, rank, world size,
-            bootstrap store, participants and wait list.
+        """Join the next round and block until it completes; return this node's view of it.
 
         Raises:
             RendezvousClosedError: The run is closed.
@@ -390,14 +369,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise
 
     def is_closed(self) -> bool:
-        """Tell whether the run is closed.
-
-        Returns:
-            True once any node called :meth:`set_closed`.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-        """
+        """Tell whether the run is closed (any node called :meth:`set_closed`)."""
         state, _ = self._shared.read()
         return state is not None and state.closed
 
@@ -440,9 +412,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         between, so agents asking every 0.1 s keep one store host's load
         bounded whatever the size (torch serves its state for 1 s).
 
-        Returns:
-            The number of waiting nodes (dead or departed members count); for
-            a node that is no member, the length of the next round's queue.
+        Dead or departed members count; for a node that is no member, the
+        answer is the length of the next round's queue.
 
         Raises:
             RendezvousConnectionError: The backend cannot be reached, or this
@@ -459,11 +430,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Leave the run: stop heartbeats and remove this node from its round.
 
         The run stays open, so the other nodes can re-form without this one.
-        It returns within a few seconds whatever the backend does.
-
-        Returns:
-            True if the node left cleanly; False if the backend could not be
-            reached (the others then detect it by its missing heartbeats).
+        It returns within a few seconds whatever the backend does: True if
+        the node left cleanly; False if the backend could not be reached (the
+        others then detect it by its missing heartbeats).
         """
         self._keepalive.stop()
         self._port.release()
@@ -549,9 +518,7 @@ def create_handler(
             ``local_addr`` (without it, the address facing the endpoint:
             :func:`rdzv.net.advertised_address`), ``node_rank``, config).
 
-    Returns:
-        The handler; :meth:`DynamicRendezvousHandler.close` closes ``backend``
-        and ``store``.
+    The handler's :meth:`~DynamicRendezvousHandler.close` closes ``backend`` and ``store``.
 
     Raises:
         ValueError: A parameter is invalid; the message names it.

@@ -51,10 +51,6 @@ its join (:class:`JoinProgress`), an observation of the queue, the
 settings and ``now`` from an injected monotonic clock. How long each wait
 lasts is :mod:`rdzv.dynamic.pacing`'s.
 
-Size: over the ~600-line guide because it is one concept, the join's
-decisions, which must be read together: whom a seal waits for, who judges
-whom meanwhile, and when a member re-joins all follow from the exclusivity
-rule above. Two thirds of it is documentation.
 """
 
 from __future__ import annotations
@@ -202,15 +198,7 @@ Action = Enqueue | Requeue | Seal | Wait | Complete | Fail
 
 
 def start_join(state: StateView | None, now: float) -> JoinProgress:
-    """Begin a join against the state as read now.
-
-    Args:
-        state: The stored state, or None when nothing is stored.
-        now: The monotonic time.
-
-    Returns:
-        The progress of a join of the round after the last sealed one.
-    """
+    """Begin a join of the round after the last sealed one, against the state as read now."""
     return JoinProgress(round_id=0 if state is None else state.next_round, started_at=now)
 
 
@@ -225,16 +213,7 @@ def observe(
 
     A node waiting behind a full round is on the redundancy list: it may
     wait indefinitely, so its join clock restarts while the round stays full.
-
-    Args:
-        progress: The join so far.
-        state: The stored state, or None.
-        queue_length: The length of the round's queue, as read.
-        limits: The settings.
-        now: The monotonic time.
-
-    Returns:
-        The updated progress (the same object when nothing changed).
+    Returns the same object when nothing changed.
     """
     if (
         state is not None
@@ -264,18 +243,7 @@ def decide(
     limits: Limits,
     now: float,
 ) -> Action:
-    """Decide what a joining node does next.
-
-    Args:
-        progress: The join so far (after :func:`observe`).
-        state: The stored state or its summary, or None.
-        queue_length: The length of the round's queue, as read.
-        node: This node's key.
-        limits: The settings.
-        now: The monotonic time.
-
-    Returns:
-        The next action.
+    """Decide what a joining node does next, from its progress after :func:`observe`.
 
     Raises:
         ValueError: ``state`` is the summary of the round this node joins
@@ -347,14 +315,6 @@ def backup_delay(position: int, leader: int, grace: float) -> float:
     digits of their distance from the leader, so one node backs up the
     leader after ``grace``, two more after ``2 x grace``, four more after
     ``3 x grace``, and so on.
-
-    Args:
-        position: The node's position in the queue (1-based).
-        leader: The leader's position.
-        grace: The dead-node timeout, in seconds.
-
-    Returns:
-        The delay, in seconds.
     """
     return grace * abs(position - leader).bit_length()
 
@@ -362,18 +322,10 @@ def backup_delay(position: int, leader: int, grace: float) -> float:
 def plan_seal(
     state: RendezvousState | None, round_id: int, records: Sequence[JoinRecord], limits: Limits
 ) -> RendezvousState | None:
-    """Plan the state that seals ``round_id``.
+    """Plan the state that seals ``round_id`` from its join ``records``, in queue order.
 
-    Args:
-        state: The stored state (its round is ``round_id - 1``), or None.
-        round_id: The round to seal.
-        records: The round's join records, in queue order.
-        limits: The settings.
-
-    Returns:
-        The sealed state, or None when the round may not be sealed yet: fewer
-        than ``min_nodes`` distinct nodes, or a live member of the previous
-        round has not re-joined.
+    None when the round may not be sealed yet: fewer than ``min_nodes``
+    distinct nodes, or a live member of the previous round has not re-joined.
     """
     if missing_members(state, records):
         return None
@@ -392,18 +344,11 @@ def plan_seal(
 def nodes_waiting(
     state: RendezvousState | None, next_queue_length: int, node: str, limits: Limits
 ) -> int:
-    """Tell a member how many nodes wait for the next round.
+    """Tell a member how many nodes wait for the next round (its queue is ``next_queue_length``).
 
-    Args:
-        state: The stored state.
-        next_queue_length: The length of the queue of ``state.next_round``.
-        node: This member's key.
-        limits: The settings.
-
-    Returns:
-        A positive number when the member should re-join: nodes wait and
-        the round has room, a member was evicted, or a newer round exists.
-        Spares waiting for a full round do not count.
+    A positive number when the member should re-join: nodes wait and the
+    round has room, a member was evicted, or a newer round exists. Spares
+    waiting for a full round do not count.
     """
     if state is None:
         return next_queue_length
@@ -420,14 +365,6 @@ def nodes_waiting_unchanged(world_size: int, next_queue_length: int, limits: Lim
 
     As :func:`nodes_waiting` for the sealed state itself: nobody was
     evicted, so only queued nodes count, when the round has room.
-
-    Args:
-        world_size: The round's number of participants.
-        next_queue_length: The length of the next round's queue.
-        limits: The settings.
-
-    Returns:
-        The number of waiting nodes that should make the member re-join.
     """
     return next_queue_length if world_size < limits.max_nodes else 0
 
@@ -467,19 +404,11 @@ def judge_marks(
     itself could read marks counts. Between two readings at most ``max_gap``
     seconds are credited, so when the backend stalled (a paused store), or
     the observer's own calls failed or it was starved, the node is not
-    charged for the time in which its beats could not land or be seen.
+    charged for the time in which its beats could not land or be seen (the
+    handler passes one heartbeat interval).
 
-    Args:
-        watches: What the observer saw before, by node.
-        marks: The marks just read, by node (only these nodes are judged).
-        now: The observer's monotonic time.
-        dead_after: The dead-node timeout, in seconds.
-        max_gap: The most seconds credited between two readings (the
-            handler uses one heartbeat interval).
-
-    Returns:
-        ``(watches, dead)``: the updated watches of the nodes still judged
-        alive, and the nodes judged dead.
+    Returns ``(watches, dead)``: the updated watches of the nodes still judged
+    alive, and the nodes judged dead. Only the nodes of ``marks`` are judged.
     """
     updated: dict[str, MarkWatch] = {}
     dead: list[str] = []
@@ -503,13 +432,6 @@ def judge_interval(interval: float, dead_after: float) -> float:
     A small fraction of the dead-node timeout, so a death is found late by
     at most that much; never more often than every 20 ms, never less often
     than once per heartbeat interval.
-
-    Args:
-        interval: The heartbeat interval, in seconds.
-        dead_after: The dead-node timeout, in seconds.
-
-    Returns:
-        Seconds between readings.
     """
     return min(interval, max(0.02, dead_after / 40))
 
@@ -540,18 +462,7 @@ class SealJudging:
     def due(
         self, position: int | None, limits: Limits, now: float, interval: float
     ) -> tuple[bool, SealJudging]:
-        """Tell whether to judge now, and return the schedule after it.
-
-        Args:
-            position: This node's position in the round's queue (None: not
-                queued yet).
-            limits: The settings (``grace`` is the dead-node timeout).
-            now: The monotonic time.
-            interval: The heartbeat interval.
-
-        Returns:
-            ``(judge, schedule)``.
-        """
+        """Tell whether to judge now, and return the schedule after it."""
         since = now if self.blocked_since is None else self.blocked_since
         leader = position in (limits.min_nodes, limits.max_nodes)
         tier = limits.grace
@@ -574,13 +485,6 @@ def round_lost(member_round: int, stored: RendezvousState | None) -> bool:
     round is another one: an older one (the store went back) or a newer one
     this member never joined (forged, or written by a writer that lost
     track); a newer legitimate round always waits for its live members.
-
-    Args:
-        member_round: The round this node is a member of.
-        stored: The stored state.
-
-    Returns:
-        True when the member must re-join.
     """
     return stored is None or stored.round != member_round
 
@@ -588,12 +492,7 @@ def round_lost(member_round: int, stored: RendezvousState | None) -> bool:
 def bootstrap_abandoned(sealed: RendezvousState, stored: RendezvousState | None) -> bool:
     """Tell whether rank 0 of ``sealed`` can no longer publish its bootstrap address.
 
-    Args:
-        sealed: The round this node completed.
-        stored: The stored state now.
-
-    Returns:
-        True when the round is gone or closed, or its rank 0 is no live member.
+    True when the round is gone or closed, or its rank 0 is no live member.
     """
     if stored is None or stored.round != sealed.round or stored.closed:
         return True
@@ -601,16 +500,10 @@ def bootstrap_abandoned(sealed: RendezvousState, stored: RendezvousState | None)
 
 
 def droppable_queue(sealed_round: int) -> int | None:
-    """Return the join queue that may be deleted once ``sealed_round`` sealed.
+    """Return the round whose join queue may be deleted once ``sealed_round`` sealed, or None.
 
     The queue of the round before stays: late readers of it (nodes that
     enqueued as the seal landed) re-read it to find they missed the round.
-
-    Args:
-        sealed_round: The round just sealed.
-
-    Returns:
-        The round whose queue may go, or None.
     """
     return sealed_round - 2 if sealed_round >= 2 else None
 
@@ -620,15 +513,9 @@ def leaving_members(
 ) -> list[str]:
     """Return which of ``nodes`` a compare-and-set must evict from ``round_id``.
 
-    Args:
-        state: The stored state.
-        round_id: The round they leave.
-        nodes: The nodes.
-        unless_any_evicted: Write nothing once any member is already evicted
-            (a member re-joining: the others re-form anyway).
-
-    Returns:
-        The live members among ``nodes``; empty when no write is needed.
+    The live members among ``nodes``; empty when no write is needed, which
+    with ``unless_any_evicted`` is also once any member is already evicted (a
+    member re-joining: the others re-form anyway).
     """
     if state.round != round_id or state.closed:
         return []
@@ -640,13 +527,7 @@ def leaving_members(
 def successor_of(state: RendezvousState, node: str) -> str | None:
     """Return the live participant after ``node`` in rank order, wrapping around.
 
-    Args:
-        state: The round (as this member knows it).
-        node: This member.
-
-    Returns:
-        The member ``node`` watches, or None when it is not a live member or
-        is alone.
+    None when ``node`` is not a live member or is alone.
     """
     live = state.live_participants()
     if node not in live or len(live) < 2:
@@ -655,15 +536,7 @@ def successor_of(state: RendezvousState, node: str) -> str | None:
 
 
 def missing_members(state: RendezvousState | None, records: Sequence[JoinRecord]) -> list[str]:
-    """Return the live members of the last round that have not re-joined.
-
-    Args:
-        state: The stored state, or None.
-        records: The join records of the next round.
-
-    Returns:
-        Their node keys, in rank order.
-    """
+    """Return the live members of the last round that have not re-joined, in rank order."""
     if state is None:
         return []
     joined = {r.node for r in records}

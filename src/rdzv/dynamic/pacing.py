@@ -74,12 +74,6 @@ def waiting_poll_gap(world_size: int) -> float:
     asking every 0.1 s is not held back; torch serves its state for 1 s at
     any size); a waiting node or a lost member is then seen late by at most
     that much.
-
-    Args:
-        world_size: The number of participants of the round.
-
-    Returns:
-        Seconds.
     """
     return world_size / WAITING_POLLS_PER_SECOND
 
@@ -95,12 +89,6 @@ def state_wait_cap(queue_length: int) -> float:
     notices the queue grow late by at most that wait, which only delays a
     backup seal, and a node watching its seat notices a close, or a seal
     that left it out, as late.
-
-    Args:
-        queue_length: The length of the round's queue as last read.
-
-    Returns:
-        Seconds.
     """
     return max(1.0, queue_length / QUEUE_POLLS_PER_SECOND)
 
@@ -111,14 +99,6 @@ def state_wait(remaining: float, queue_length: int, stretch: float) -> float:
     ``stretch`` (1 to 1.5, drawn per wait) keeps nodes that joined together
     from reading together, so their readings do not all fall just before
     the seal.
-
-    Args:
-        remaining: Seconds until the machine's next deadline.
-        queue_length: The length of the round's queue as last read.
-        stretch: The random stretch of this wait.
-
-    Returns:
-        Seconds.
     """
     return min(remaining, state_wait_cap(queue_length) * stretch)
 
@@ -141,13 +121,5 @@ def ring_judge_period(judge_every: float, interval: float, world_size: int) -> f
     ring stays within :data:`RING_READS_PER_SECOND`, never beyond one
     heartbeat interval: a death is then found late by at most that period
     (``judge_every`` for up to a few hundred nodes).
-
-    Args:
-        judge_every: The period for a small ring (:func:`~rdzv.dynamic.machine.judge_interval`).
-        interval: The heartbeat interval, in seconds.
-        world_size: The number of participants of the round.
-
-    Returns:
-        Seconds between readings.
     """
     return max(judge_every, min(interval, world_size / RING_READS_PER_SECOND))

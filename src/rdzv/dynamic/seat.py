@@ -121,13 +121,6 @@ class Seat:
 
         The successor is the next live participant
         (:func:`rdzv.dynamic.machine.successor_of`).
-
-        Args:
-            state: A sealed state.
-            node: The node key.
-
-        Returns:
-            The seat, or None.
         """
         rank = state.rank_of(node)
         if rank is None:
@@ -143,14 +136,7 @@ class Seat:
 
 
 def encode_seat(seat: Seat) -> bytes:
-    """Encode a seat.
-
-    Args:
-        seat: The seat.
-
-    Returns:
-        The bytes to store.
-    """
+    """Encode a seat."""
     fields = (
         seat.round,
         seat.rank,
@@ -169,12 +155,6 @@ def encode_seat(seat: Seat) -> bytes:
 
 def decode_seat(data: bytes) -> Seat:
     """Decode and validate a stored seat.
-
-    Args:
-        data: The stored bytes.
-
-    Returns:
-        The seat.
 
     Raises:
         RendezvousStateError: The bytes are no valid seat.
@@ -211,17 +191,11 @@ def _decode_mark(field: bytes) -> SealedMark:
 def seats_of(
     state: RendezvousState, marks: Mapping[str, bytes | None] | None = None
 ) -> dict[str, bytes]:
-    """Return every live member's encoded seat in a freshly sealed ``state``.
+    """Return every live member's encoded seat in a freshly sealed ``state``, in rank order.
 
-    Args:
-        state: The sealed state.
-        marks: The members' heartbeat marks as read before the seal; each
-            seat carries its successor's (:class:`SealedMark`) unless it is
-            missing or longer than :data:`MAX_SEALED_MARK`. None: no seat
-            carries one.
-
-    Returns:
-        ``{node key: encoded seat}``, in rank order.
+    ``marks`` are the members' heartbeat marks as read before the seal; each
+    seat carries its successor's (:class:`SealedMark`) unless it is missing
+    or longer than :data:`MAX_SEALED_MARK`. None: no seat carries one.
 
     Each seat equals :meth:`Seat.of` for its node but for the sealed mark
     (``tests/dynamic/test_seat.py`` checks it), built in one pass:
@@ -256,14 +230,7 @@ def watching_seat(state: RendezvousState, node: str) -> Seat | None:
 
     A member that left its round to re-join (it evicted itself) keeps
     watching that round's ring until it completes another; its successor is
-    the next participant nobody evicted.
-
-    Args:
-        state: The stored state of the watched round.
-        node: The watching node's key.
-
-    Returns:
-        The seat, or None when ``node`` is no participant of ``state``.
+    the next participant nobody evicted. None when ``node`` is no participant.
     """
     own = {i for i in state.evicted if state.participants[i] == node}
     view = replace(state, evicted=state.evicted - own) if own else state

@@ -23,6 +23,10 @@
   :meth:`SharedState.changed_since` tells from the
   token alone that nothing changed: a member of a large round then never
   reads the participant list.
+
+Every method may raise the backend's errors: ``RendezvousConnectionError``
+(the backend cannot be reached) and ``RendezvousStateError`` (a stored
+record is corrupt).
 """
 
 from __future__ import annotations
@@ -68,15 +72,7 @@ class SharedState:
         self._last: tuple[bytes, RendezvousState] | None = None
 
     def read(self) -> tuple[RendezvousState | None, Token | None]:
-        """Read the state.
-
-        Returns:
-            ``(state, token)``; ``(None, None)`` when nothing is stored.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored state is corrupt.
-        """
+        """Read the state: ``(state, token)``; ``(None, None)`` when nothing is stored."""
         found = self._backend.get_state()
         if found is None:
             return None, None
@@ -116,21 +112,12 @@ class SharedState:
         """Compare-and-set the encoded state.
 
         On a seated backend the state's summary is stored with it, as the
-        seat of :data:`~rdzv.dynamic.seat.SUMMARY_SEAT`.
-
-        Args:
-            state: The state.
-            data: ``encode_state(state)``.
-            token: The token of the last read, or None to create.
-            seats: The members' encoded seats, stored with the state when the
-                backend is seated (ignored otherwise).
-
-        Returns:
-            ``(stored, token, written)``, or None when nothing is stored.
+        seat of :data:`~rdzv.dynamic.seat.SUMMARY_SEAT`, and so are the
+        members' encoded ``seats`` (ignored otherwise). ``data`` is
+        ``encode_state(state)``; returns as ``set_state``.
 
         Raises:
             RendezvousStateError: The backend broke the contract (see the module).
-            RendezvousConnectionError: The backend cannot be reached.
         """
         backend = self._backend
         if isinstance(backend, SeatedBackend):
@@ -156,18 +143,10 @@ class SharedState:
     ) -> tuple[RendezvousState | None, bool]:
         """Apply ``change`` to the stored state with compare-and-set, retrying on conflicts.
 
-        Args:
-            change: Given the stored state, returns the state to write, or
-                None when no write is needed.
-            deadline: Give up after this reading of this state's clock, or None.
-
-        Returns:
-            ``(written, settled)``: the state this call wrote (None if none),
-            and False when it gave up (attempts spent or deadline passed).
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored state is corrupt.
+        ``change`` returns the state to write, or None when no write is
+        needed; the update gives up at ``deadline`` on this state's clock.
+        Returns ``(written, settled)``: the state this call wrote (None if
+        none), and False when it gave up (attempts spent or deadline passed).
         """
         retry = Retry(None, first=0.01, cap=0.1, clock=self._clock)
         for _ in range(CAS_ATTEMPTS):
@@ -187,14 +166,7 @@ class SharedState:
     ) -> tuple[RendezvousState | None, Token | None]:
         """Wait up to ``timeout`` for the state to differ from ``token``, then read it.
 
-        Args:
-            token: The token of the last read.
-            timeout: Seconds to wait at most.
-            attempt: How many polls came before (sets the backoff of
-                backends without watches).
-
-        Returns:
-            ``(state, token)`` as :meth:`read`.
+        ``attempt`` counts the polls before (the backoff of backends without watches).
         """
         if isinstance(self._backend, WatchableBackend):
             found = self._backend.wait_for_state(token, timeout)
@@ -210,21 +182,10 @@ class SharedState:
         The backend may return earlier, at any write (see
         :meth:`~rdzv.backends.base.SeatedBackend.wait_for_seat`).
 
-        Only for a seated backend (:attr:`seated`).
-
-        Args:
-            token: The token of the last read.
-            timeout: Seconds to wait at most.
-            node: This node's key.
-
-        Returns:
-            ``(token, seat)``: the stored token, and this node's seat stored
-            with it (None when the token did not change or the write that
-            produced it stored no seat for ``node``).
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored record or the seat is corrupt.
+        Only for a seated backend (:attr:`seated`). Returns ``(token, seat)``:
+        the stored token, and this node's seat stored with it (None when the
+        token did not change or the write that produced it stored no seat for
+        ``node``).
         """
         backend = self._backend
         assert isinstance(backend, SeatedBackend)
@@ -235,15 +196,10 @@ class SharedState:
         return current, None if raw is None else decode_seat(raw)
 
     def read_view(self) -> tuple[RendezvousState | StateSummary | None, Token | None]:
-        """Read what a join decides on before its round is sealed.
+        """Read what a join decides on before its round is sealed: ``(view, token)``.
 
-        Returns:
-            ``(view, token)``: on a seated backend the summary of the stored
-            state, when stored with it; the state otherwise (as :meth:`read`).
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored record or summary is corrupt.
+        On a seated backend the view is the summary of the stored state, when
+        stored with it; the state otherwise (as :meth:`read`).
         """
         backend = self._backend
         if not isinstance(backend, SeatedBackend):
@@ -262,16 +218,8 @@ class SharedState:
     def read_summary(self, token: Token) -> StateSummary | None:
         """Return the summary the write of ``token`` stored (a seated backend only).
 
-        Args:
-            token: A token of this backend.
-
-        Returns:
-            The summary; None when that write stored none (an older rdzv
-            wrote it) or a later write replaced it.
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored summary is corrupt.
+        None when that write stored none (an older rdzv wrote it) or a later
+        write replaced it.
         """
         backend = self._backend
         assert isinstance(backend, SeatedBackend)
@@ -282,19 +230,9 @@ class SharedState:
         """Tell whether the state changed since the write of ``token``; read it if it did.
 
         A seated backend answers "unchanged" from the token alone, without
-        reading the state.
-
-        Args:
-            token: A token of this backend.
-
-        Returns:
-            ``(changed, state)``: the stored state, or None when it is not
-            stored or was not read (a seated backend whose token is
-            unchanged).
-
-        Raises:
-            RendezvousConnectionError: The backend cannot be reached.
-            RendezvousStateError: The stored record is corrupt.
+        reading the state. Returns ``(changed, state)``: the stored state, or
+        None when it is not stored or was not read (a seated backend whose
+        token is unchanged).
         """
         backend = self._backend
         if isinstance(backend, SeatedBackend) and backend.read_token() == token:

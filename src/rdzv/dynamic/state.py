@@ -72,13 +72,8 @@ _KEY_BYTES = bytes(range(0x21, 0x7F)) + b"\n"
 def make_node_key(addr: str, pid: int, nonce: str) -> str:
     """Build the key naming one handler: ``addr#pid#nonce``.
 
-    Args:
-        addr: The node's numeric address (an IPv6 scope is dropped).
-        pid: The process id.
-        nonce: A random string telling apart handlers in one process.
-
-    Returns:
-        The node key.
+    ``addr`` is numeric (an IPv6 scope is dropped); the nonce tells apart
+    handlers in one process.
 
     Raises:
         ValueError: The result is not a valid node key.
@@ -87,14 +82,7 @@ def make_node_key(addr: str, pid: int, nonce: str) -> str:
 
 
 def node_address(node: str) -> str:
-    """Return the address part of a node key.
-
-    Args:
-        node: A node key built by :func:`make_node_key`.
-
-    Returns:
-        The address (the whole key when it has no ``#``).
-    """
+    """Return the address part of a node key (the whole key when it has no ``#``)."""
     return node.split("#", 1)[0]
 
 
@@ -106,12 +94,6 @@ def natural_key(text: str) -> tuple[str | int, ...]:
     two keys compare element by element with like types: a number sorts
     before any text at the same place. A seal sorts every new node by it,
     so it builds no tagged tuple per run.
-
-    Args:
-        text: The string.
-
-    Returns:
-        A tuple that sorts naturally.
     """
     parts: list[Any] = _DIGITS.split(text)
     parts[1::2] = map(int, parts[1::2])
@@ -168,14 +150,7 @@ class RendezvousState:
         return tuple(n for i, n in enumerate(self.participants) if i not in self.evicted)
 
     def rank_of(self, node: str) -> int | None:
-        """Return the rank of a live participant.
-
-        Args:
-            node: The node key.
-
-        Returns:
-            Its rank, or None when it is not a live participant.
-        """
+        """Return the rank of a live participant; None for any other node."""
         try:
             index = self.participants.index(node)
         except ValueError:
@@ -183,14 +158,7 @@ class RendezvousState:
         return None if index in self.evicted else index
 
     def evict(self, nodes: Iterable[str]) -> RendezvousState:
-        """Return the state with ``nodes`` removed from the live participants.
-
-        Args:
-            nodes: Node keys; those that are not participants are ignored.
-
-        Returns:
-            The new state.
-        """
+        """Return the state with ``nodes`` (non-participants ignored) removed from the live ones."""
         positions = {n: i for i, n in enumerate(self.participants)}
         added = {positions[n] for n in nodes if n in positions}
         return replace(self, evicted=self.evicted | added)
@@ -201,14 +169,7 @@ class RendezvousState:
 
 
 def encode_state(state: RendezvousState) -> bytes:
-    """Encode a state: version 2 when it carries a bootstrap port, else version 1.
-
-    Args:
-        state: The state.
-
-    Returns:
-        The bytes to store.
-    """
+    """Encode a state: version 2 when it carries a bootstrap port, else version 1."""
     body: list[object] = [
         state.round,
         int(state.closed),
@@ -259,12 +220,6 @@ def _is_int(value: object) -> bool:
 
 def decode_state(data: bytes) -> RendezvousState:
     """Decode and validate a stored state.
-
-    Args:
-        data: The stored bytes.
-
-    Returns:
-        The state.
 
     Raises:
         RendezvousStateError: The bytes are not a valid version-1 state.
@@ -327,14 +282,7 @@ class JoinRecord:
 
 
 def encode_record(record: JoinRecord) -> bytes:
-    """Encode a join record as ``b"<node key> <node rank>[ <port>]"``.
-
-    Args:
-        record: The record.
-
-    Returns:
-        The bytes to enqueue.
-    """
+    """Encode a join record as ``b"<node key> <node rank>[ <port>]"``."""
     if record.port:
         return f"{record.node} {record.node_rank} {record.port}".encode()
     return f"{record.node} {record.node_rank}".encode()
@@ -342,12 +290,6 @@ def encode_record(record: JoinRecord) -> bytes:
 
 def decode_record(data: bytes) -> JoinRecord:
     """Decode and validate a join record.
-
-    Args:
-        data: The bytes read from a join queue.
-
-    Returns:
-        The record.
 
     Raises:
         RendezvousStateError: The bytes are not a valid join record.
@@ -379,14 +321,6 @@ def assign_ranks(
     are distinct, they are honoured; otherwise previous members keep their
     relative order and the new nodes follow, sorted naturally by address
     (``node7`` before ``node66``).
-
-    Args:
-        records: The join records, in queue order.
-        previous: The previous round's participants, in rank order.
-        max_nodes: The most nodes a round admits.
-
-    Returns:
-        The participants' node keys, in rank order.
     """
     unique: dict[str, JoinRecord] = {}
     for record in records:
@@ -429,37 +363,17 @@ class StateSummary:
 
     @classmethod
     def of(cls, state: RendezvousState) -> StateSummary:
-        """Return the summary of ``state``.
-
-        Args:
-            state: The state.
-
-        Returns:
-            Its summary.
-        """
+        """Return the summary of ``state``."""
         return cls(state.round, state.closed, state.live_count)
 
 
 def encode_summary(summary: StateSummary) -> bytes:
-    """Encode a state's summary.
-
-    Args:
-        summary: The summary.
-
-    Returns:
-        The bytes to store.
-    """
+    """Encode a state's summary."""
     return b"%s %d %d %d" % (_SUMMARY_VERSION, summary.round, summary.closed, summary.live_count)
 
 
 def decode_summary(data: bytes) -> StateSummary:
     """Decode and validate a stored summary.
-
-    Args:
-        data: The stored bytes.
-
-    Returns:
-        The summary.
 
     Raises:
         RendezvousStateError: The bytes are no valid summary.
