@@ -148,15 +148,13 @@ class RendezvousTimeout:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RendezvousTimeout):
             return NotImplemented
-        return (self.join, self.last_call, self.close, self.heartbeat) == (
-            other.join,
-            other.last_call,
-            other.close,
-            other.heartbeat,
-        )
+        return self._values() == other._values()
 
     def __hash__(self) -> int:
-        return hash((self.join, self.last_call, self.close, self.heartbeat))
+        return hash(self._values())
+
+    def _values(self) -> tuple[timedelta, ...]:
+        return (self.join, self.last_call, self.close, self.heartbeat)
 
 
 def _check_node_counts(min_nodes: int, max_nodes: int, nodes: str) -> None:
@@ -199,15 +197,8 @@ class RendezvousSettings:
 
     #: The configuration keys :meth:`from_params` reads (every dynamic backend's).
     KEYS: ClassVar[frozenset[str]] = frozenset(
-        {
-            "join_timeout",
-            "last_call_timeout",
-            "close_timeout",
-            "heartbeat_timeout",
-            "heartbeat",
-            "keep_alive_interval",
-            "keep_alive_max_attempt",
-        }
+        {"join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "heartbeat"}
+        | {"keep_alive_interval", "keep_alive_max_attempt"}
     )
 
     run_id: str
@@ -257,12 +248,6 @@ class RendezvousSettings:
         (5 s, not read: see :class:`RendezvousTimeout`),
         ``keep_alive_interval`` (5 s) and ``keep_alive_max_attempt`` (3).
 
-        Args:
-            params: The parameters (``run_id``, ``min_nodes``, ``max_nodes``, config).
-
-        Returns:
-            The settings.
-
         Raises:
             ValueError: A value is invalid; the message names its key.
         """
@@ -276,14 +261,7 @@ class RendezvousSettings:
         return cls(params.run_id, params.min_nodes, params.max_nodes, params.timeout, **optional)
 
     def replace(self, **changes: Any) -> RendezvousSettings:
-        """Return a copy with some fields changed.
-
-        Args:
-            **changes: Field names and their new values.
-
-        Returns:
-            The new settings (validated again).
-        """
+        """Return a copy with the fields named in ``changes`` changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
@@ -387,29 +365,14 @@ class RendezvousParameters:
             raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
     def get(self, key: str, default: Any = None) -> Any:
-        """Return the value of a backend-specific setting.
-
-        Args:
-            key: The setting.
-            default: Returned when the setting is absent.
-
-        Returns:
-            The value, or ``default``.
-        """
+        """Return the value of a backend-specific setting, ``default`` when absent."""
         return self.config.get(key, default)
 
     def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
-        """Return a setting read as a boolean.
+        """Return a setting read as a boolean, ``default`` when absent.
 
         ``1/0``, ``true/false``, ``t/f``, ``yes/no`` and ``y/n`` are accepted in
         any case, as are real booleans and the integers 0 and 1.
-
-        Args:
-            key: The setting.
-            default: Returned when the setting is absent.
-
-        Returns:
-            The boolean, or ``default``.
 
         Raises:
             ValueError: The value is not one of the accepted forms; the
@@ -434,14 +397,7 @@ class RendezvousParameters:
         )
 
     def get_as_int(self, key: str, default: int | None = None) -> int | None:
-        """Return a setting read as an integer.
-
-        Args:
-            key: The setting.
-            default: Returned when the setting is absent.
-
-        Returns:
-            The integer, or ``default``.
+        """Return a setting read as an integer, ``default`` when absent.
 
         Raises:
             ValueError: The value is not an integer; the message names the key.
@@ -457,17 +413,11 @@ class RendezvousParameters:
             raise ValueError(_not_an_integer(key, value)) from None
 
     def get_as_seconds(self, key: str) -> float | None:
-        """Return a setting read as a number of seconds.
+        """Return a setting read as a number of seconds, None when absent.
 
         Whole and fractional numbers are accepted (torch reads whole seconds
         only). The value is not checked for sign: whoever uses it checks
         that it is positive, with torch's message where torch has one.
-
-        Args:
-            key: The setting.
-
-        Returns:
-            The seconds, or None when the setting is absent.
 
         Raises:
             ValueError: The value is not a number (torch's message for a
@@ -550,17 +500,9 @@ class RendezvousStoreInfo:
         """Publish (rank 0) or read (other ranks) the bootstrap store address.
 
         Rank 0 writes its address and port into ``store``; the other ranks
-        read them, waiting up to the store's timeout.
-
-        Args:
-            rank: This node's rank in the round.
-            store: The round's store.
-            local_addr: Rank 0's address; found with ``getaddrinfo`` when None.
-            server_port: The port rank 0 serves the bootstrap store on; a free
-                port is picked when None.
-
-        Returns:
-            The address and port.
+        read them, waiting up to the store's timeout. Rank 0's address is
+        found with ``getaddrinfo`` when ``local_addr`` is None, and a free
+        port is picked when ``server_port`` is None.
 
         Raises:
             RendezvousTimeoutError: A non-zero rank did not see rank 0's
@@ -699,10 +641,7 @@ class RendezvousHandler(ABC):
 
     @abstractmethod
     def next_rendezvous(self) -> RendezvousInfo:
-        """Join the next round and block until it completes.
-
-        Returns:
-            This node's view of the completed round.
+        """Join the next round and block until it completes; return this node's view of it.
 
         Raises:
             RendezvousClosedError: The run is closed.
@@ -715,11 +654,7 @@ class RendezvousHandler(ABC):
 
     @abstractmethod
     def is_closed(self) -> bool:
-        """Tell whether the run has been closed.
-
-        Returns:
-            True once :meth:`set_closed` was called by any node.
-        """
+        """Tell whether the run has been closed (:meth:`set_closed` called by any node)."""
 
     @abstractmethod
     def set_closed(self) -> None:
@@ -730,9 +665,6 @@ class RendezvousHandler(ABC):
         """Return how many nodes wait to join.
 
         A positive number tells members to re-rendezvous to admit them.
-
-        Returns:
-            The number of waiting nodes.
         """
 
     @abstractmethod
@@ -741,11 +673,7 @@ class RendezvousHandler(ABC):
 
     @abstractmethod
     def shutdown(self) -> bool:
-        """Leave the rendezvous and release resources.
-
-        Returns:
-            True if the node left cleanly.
-        """
+        """Leave the rendezvous and release resources; True if the node left cleanly."""
 
     def pre_shutdown(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Prepare for :meth:`shutdown`; the default does nothing."""

@@ -83,11 +83,7 @@ BACKEND_ALIASES: dict[str, str] = {
 def canonical_backend_name(name: str) -> str:
     """Return the canonical name of a backend (``p10d`` -> ``c10d``, ``etcd`` -> ``etcd-v3``).
 
-    Args:
-        name: A backend name or alias.
-
-    Returns:
-        The canonical name; a name without alias is returned unchanged.
+    A name without alias is returned unchanged.
     """
     return BACKEND_ALIASES.get(name, name)
 
@@ -124,12 +120,7 @@ def create_dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
     The handler owns both (its ``close()`` closes them); if building the
     handler fails, they are closed here.
 
-    Args:
-        params: The rendezvous parameters; ``params.backend`` is a key of
-            :data:`BACKEND_FACTORIES`.
-
-    Returns:
-        The handler.
+    ``params.backend`` is a key of :data:`BACKEND_FACTORIES`.
 
     Raises:
         ValueError: A parameter is invalid; the message names it.
@@ -152,11 +143,9 @@ class RendezvousHandlerRegistry:
     """Maps backend names to creators of rendezvous handlers."""
 
     def __init__(self, load_entry_points: bool = True) -> None:
-        """Create an empty registry.
+        """Create an empty registry that loads the ``rdzv.handlers`` entry points when told.
 
-        Args:
-            load_entry_points: Load the ``rdzv.handlers`` entry points the
-                first time a name is looked up.
+        They are loaded the first time a name is looked up.
         """
         self._creators: dict[str, RendezvousHandlerCreator] = {}
         self._origins: dict[str, str] = {}
@@ -218,23 +207,13 @@ class RendezvousHandlerRegistry:
                     )
 
     def backends(self) -> dict[str, str]:
-        """Return every registered backend name with where it came from.
-
-        Returns:
-            ``{name: origin}``, sorted by name.
-        """
+        """Return every registered backend name with where it came from, sorted by name."""
         self._load_entry_points()
         with self._lock:
             return dict(sorted(self._origins.items()))
 
     def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
         """Build the handler for ``params.backend``.
-
-        Args:
-            params: The rendezvous parameters.
-
-        Returns:
-            A new handler.
 
         Raises:
             ValueError: The backend is not registered; the message lists the
@@ -291,12 +270,6 @@ for _name, _path in BACKEND_FACTORIES.items():
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build a rendezvous handler from the global registry.
 
-    Args:
-        params: The rendezvous parameters; ``params.backend`` picks the backend.
-
-    Returns:
-        A new handler.
-
     Raises:
         ValueError: The backend is not registered.
         RuntimeError: The handler built reports another backend.
@@ -320,8 +293,7 @@ def open_backend(
         registry: Where plugin backends are looked up (the global registry
             by default).
 
-    Returns:
-        ``(backend, store)``; close both when done.
+    Returns ``(backend, store)``; close both when done.
 
     Raises:
         ValueError: The backend is unknown, or its handler is not a dynamic

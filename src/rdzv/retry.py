@@ -79,15 +79,7 @@ generates a test case, failed tests run beside a waiting handler)."""
 
 
 def jitter(low: float, high: float) -> float:
-    """Return a random number in ``[low, high]`` from rdzv's own generator (not the global one).
-
-    Args:
-        low: The smallest value.
-        high: The largest value.
-
-    Returns:
-        The number.
-    """
+    """Return a random number in ``[low, high]`` from rdzv's own generator (not the global one)."""
     return _RANDOM.uniform(low, high)
 
 
@@ -110,24 +102,12 @@ class Clock:
         return self._read()
 
     def sleep(self, seconds: float) -> None:
-        """Sleep ``seconds`` of this clock's time.
-
-        Args:
-            seconds: How long; nothing happens when it is not positive.
-        """
+        """Sleep ``seconds`` of this clock's time (none when not positive)."""
         if seconds > 0:
             time.sleep(seconds)
 
     def wait(self, event: threading.Event, seconds: float) -> bool:
-        """Wait until ``event`` is set or ``seconds`` of this clock's time passed.
-
-        Args:
-            event: The event.
-            seconds: The longest wait.
-
-        Returns:
-            Whether the event is set.
-        """
+        """Wait until ``event`` is set or ``seconds`` of this clock's time passed; True if set."""
         return event.wait(max(0.0, seconds))
 
     def running(self) -> contextlib.AbstractContextManager[None]:
@@ -143,9 +123,6 @@ class Clock:
 
         A fake clock that moves by itself may move up to the wait's end
         meanwhile. Real time ignores it.
-
-        Args:
-            seconds: The wait's bound, in this clock's seconds.
         """
         return contextlib.nullcontext()
 
@@ -183,12 +160,8 @@ _DEADLINE: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar(
 def as_clock(clock: Clock | Callable[[], float] | None) -> Clock:
     """Return ``clock`` as a :class:`Clock`: a bare reading sleeps in real time.
 
-    Args:
-        clock: A clock, a monotonic reading (a skewed ``time.monotonic``), or
-            None for real time.
-
-    Returns:
-        The clock.
+    ``clock`` is a clock, a monotonic reading (a skewed ``time.monotonic``),
+    or None for real time.
     """
     if isinstance(clock, Clock):
         return clock
@@ -236,12 +209,8 @@ def deadline_within(seconds: float, clock: Clock | None = None) -> Iterator[Dead
 def time_left(limit: float) -> float:
     """Return how long one blocking wait may take: ``limit``, or less near the caller's deadline.
 
-    Args:
-        limit: The wait's own limit, in seconds.
-
-    Returns:
-        ``limit``, capped by the time left until the caller's deadline, and
-        never below :data:`LAST_ATTEMPT` once that deadline is near or past.
+    ``limit`` capped by the time left until the caller's deadline, and never
+    below :data:`LAST_ATTEMPT` once that deadline is near or past.
     """
     deadline = _DEADLINE.get()
     if deadline is None:
@@ -304,20 +273,12 @@ class Retry:
     def attempt_timeout(self, limit: float) -> float:
         """Return how long the next attempt may take: ``limit``, capped by the time left.
 
-        Args:
-            limit: The attempt's own limit, in seconds.
-
-        Returns:
-            At least :data:`LAST_ATTEMPT` (or ``limit`` when smaller).
+        At least :data:`LAST_ATTEMPT` (or ``limit`` when smaller).
         """
         return min(limit, max(LAST_ATTEMPT, self.remaining()))
 
     def pause(self) -> bool:
-        """Sleep before the next attempt, never past the deadline.
-
-        Returns:
-            False when the deadline has passed (make no more attempts).
-        """
+        """Sleep before the next attempt, never past the deadline; False once it has passed."""
         remaining = self.remaining()
         if remaining <= 0:
             return False
@@ -328,14 +289,9 @@ class Retry:
 
 
 def poll_backoff(attempt: int, cap: float = 1.0) -> float:
-    """Return a jittered, capped backoff delay for the ``attempt``-th poll.
+    """Return a jittered, capped backoff delay for the ``attempt``-th poll (0 first).
 
-    Args:
-        attempt: 0 for the first poll.
-        cap: The largest delay, in seconds.
-
-    Returns:
-        A delay in seconds, between half and all of ``min(cap, 0.01 * 2**attempt)``.
+    Between half and all of ``min(cap, 0.01 * 2**attempt)`` seconds.
     """
     base = min(cap, 0.01 * float(2 ** min(attempt, 20)))
     return base * jitter(0.5, 1.0)
@@ -353,9 +309,6 @@ def call_within(seconds: float, what: str, fn: Callable[[], _T], clock: Clock | 
         what: What the call does, for the error message.
         fn: The call.
         clock: The clock of the wait; the caller's when None.
-
-    Returns:
-        What ``fn`` returned.
 
     Raises:
         RendezvousTimeoutError: ``fn`` did not finish in time (it goes on in

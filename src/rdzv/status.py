@@ -151,12 +151,7 @@ class HeartbeatTracker:
         self._changed: set[str] = set()
 
     def observe(self, node: str, mark: bytes | None) -> None:
-        """Record a reading of a node's mark.
-
-        Args:
-            node: The node key.
-            mark: Its current mark (None: it has none).
-        """
+        """Record a reading of a node's mark (None: it has none)."""
         seen = self._watches.get(node)
         if seen is not None and (seen.mark == mark or mark is None):
             return  # unchanged, or gone: the age keeps growing from the last change
@@ -190,8 +185,7 @@ def open_backend(
         run_id: The run.
         config: Backend settings (``read_timeout`` is 10 s unless given).
 
-    Returns:
-        The backend, and a function that closes its connections.
+    Returns the backend, and a function that closes its connections.
 
     Raises:
         ValueError: The backend is unknown or its state cannot be read.
@@ -254,11 +248,7 @@ def _int_or_none(value: object) -> int | None:
 def list_runs(store: Store) -> list[str]:
     """Return the run ids the store backend (``c10d``, ...) holds keys of, sorted.
 
-    Args:
-        store: The rendezvous store (not a prefix of it).
-
-    Returns:
-        The run ids.
+    ``store`` is the rendezvous store, not a prefix of it.
 
     Raises:
         RendezvousError: The store cannot be read.
@@ -290,9 +280,6 @@ def read_status(
         sleep: Sleeps between readings.
         store: The run's store, to read what the agents wrote (host,
             workers, restarts); None to skip it.
-
-    Returns:
-        The status.
 
     Raises:
         RendezvousError: The backend cannot be read or its state is corrupt.
@@ -354,12 +341,6 @@ def format_status(status: RunStatus) -> str:
 
     Names read from the store (run id, node keys, hosts) have their
     terminal control characters escaped.
-
-    Args:
-        status: The status.
-
-    Returns:
-        Lines of text, ending in a newline.
     """
     run = _printable(repr(status.run_id))
     if not status.complete:
@@ -402,11 +383,7 @@ def format_status(status: RunStatus) -> str:
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``rdzv status`` to a parser.
-
-    Args:
-        parser: The ``status`` sub-parser.
-    """
+    """Add the options of ``rdzv status`` to a parser."""
     parser.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d", help="(c10d)")
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="host[:port]")
     parser.add_argument("--rdzv-id", "--rdzv_id", help="the run id (required without --list-runs)")

@@ -232,12 +232,8 @@ class AgentConfig:
     def console(self, local_rank: int) -> Std:
         """Return the streams of a worker that reach the agent's console.
 
-        Args:
-            local_rank: The worker's rank on this node.
-
-        Returns:
-            Every stream, less the redirected ones that are not teed; none
-            for a local rank outside ``local_ranks_filter``.
+        Every stream, less the redirected ones that are not teed; none for a
+        local rank outside ``local_ranks_filter``.
         """
         if self.local_ranks_filter is not None and local_rank not in self.local_ranks_filter:
             return Std.NONE
@@ -309,13 +305,9 @@ _GRACE_POLL = 0.2
 def reform_grace(handler: RendezvousHandler) -> float:
     """Return how long a worker failure waits for a change of the group by default.
 
-    Args:
-        handler: The rendezvous handler.
-
-    Returns:
-        For the dynamic rendezvous, the time it takes to find a dead member
-        and one beat more (``keep_alive_interval * (keep_alive_max_attempt
-        + 1)``); 0 for other handlers.
+    For the dynamic rendezvous, the time it takes to find a dead member and
+    one beat more (``keep_alive_interval * (keep_alive_max_attempt + 1)``);
+    0 for other handlers.
     """
     if not isinstance(handler, DynamicRendezvousHandler):
         return 0.0
@@ -395,11 +387,7 @@ class ElasticAgent:
                 self.stats.evictions += sum(1 for n in evicted if n != self._node)
 
     def run(self) -> AgentResult:
-        """Run the job on this node until it finishes, fails or is interrupted.
-
-        Returns:
-            The exit code and a one-line reason.
-        """
+        """Run the job on this node until it finishes, fails or is interrupted; say how it ended."""
         with self._signal_handlers(), self._events.attached():
             try:
                 return self._loop()

@@ -67,13 +67,9 @@ def _env_name(dest: str) -> str:
 
 
 def given(namespace: argparse.Namespace) -> set[str]:
-    """Return the destinations of the options given on the command line (so far).
+    """Return the live set of the options given on the command line (so far).
 
-    Args:
-        namespace: The namespace being filled by the parser.
-
-    Returns:
-        The live set (options with a ``PET_*`` default record themselves).
+    Options with a ``PET_*`` default record themselves in it.
     """
     found: set[str] | None = getattr(namespace, "_given", None)
     if found is None:
@@ -154,24 +150,13 @@ class EnvFlag(argparse.Action):
 
 
 def comma_separated_list(value: str) -> list[str]:
-    """Split torchrun's duplicate filters at commas; ``,,`` is a literal comma.
-
-    Args:
-        value: The option value.
-
-    Returns:
-        The filters.
-    """
+    """Split torchrun's duplicate filters at commas; ``,,`` is a literal comma."""
     placeholder = "\0"
     return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")]
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``rdzv run`` to a parser.
-
-    Args:
-        parser: The ``run`` sub-parser.
-    """
+    """Add the options of ``rdzv run`` to a parser."""
     nodes = parser.add_argument_group("nodes and workers")
     rendezvous = parser.add_argument_group("rendezvous")
     workers = parser.add_argument_group("worker processes")
@@ -381,12 +366,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_nnodes(text: str) -> tuple[int, int]:
     """Parse ``--nnodes``: ``N`` or ``MIN:MAX``.
 
-    Args:
-        text: The option value.
-
-    Returns:
-        ``(min_nodes, max_nodes)``.
-
     Raises:
         RunOptionsError: The value is not ``N`` or ``MIN:MAX`` with
             ``1 <= MIN <= MAX``.
@@ -426,12 +405,6 @@ def local_world_size(text: str) -> int:
     else the CPUs. Devices are counted by torch, imported only for these
     values; without torch there is no accelerator.
 
-    Args:
-        text: The option value.
-
-    Returns:
-        The number of workers on this node.
-
     Raises:
         RunOptionsError: Not a positive integer or one of the names, or the
             named device is not available.
@@ -464,13 +437,7 @@ def local_world_size(text: str) -> int:
 
 
 def parse_local_ranks_filter(text: str) -> frozenset[int] | None:
-    """Parse ``--local-ranks-filter``: comma-separated local ranks, or empty for all.
-
-    Args:
-        text: The option value.
-
-    Returns:
-        The local ranks, or None when the value is empty.
+    """Parse ``--local-ranks-filter``: comma-separated local ranks, or empty (None) for all.
 
     Raises:
         RunOptionsError: Not a comma-separated list of non-negative integers.
@@ -490,13 +457,7 @@ def parse_local_ranks_filter(text: str) -> frozenset[int] | None:
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """Parse ``--signals-to-handle``: comma-separated signal names.
-
-    Args:
-        text: The option value, e.g. ``SIGTERM,SIGINT,SIGUSR1``.
-
-    Returns:
-        The signals, in order, without repeats.
+    """Parse ``--signals-to-handle``: comma-separated signal names, kept in order without repeats.
 
     Raises:
         RunOptionsError: A name is not a signal, or names one that cannot be

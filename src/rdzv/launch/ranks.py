@@ -72,12 +72,7 @@ def _decode_node(raw: bytes, group_rank: int) -> tuple[str, int]:
 
 
 def wait_for_keys(store: Store, keys: Sequence[str]) -> None:
-    """Wait for keys up to the store's timeout (the default way to wait for peers).
-
-    Args:
-        store: The store.
-        keys: The keys.
-    """
+    """Wait for keys up to the store's timeout (the default way to wait for peers)."""
     store.wait(keys)
 
 
@@ -91,17 +86,8 @@ def assign_ranks(
 ) -> NodeRanks:
     """Exchange local world sizes through the round's store and number the workers.
 
-    Args:
-        store: The round's store (fresh for every round).
-        group_rank: This node's rank in the round.
-        group_world_size: The number of nodes in the round.
-        local_world_size: Workers on this node.
-        role: This node's role.
-        wait: Waits until the other nodes' records exist (it may give up by
-            raising).
-
-    Returns:
-        This node's place in the job.
+    The store is the round's (fresh for every round); ``wait`` waits until
+    the other nodes' records exist (it may give up by raising).
 
     Raises:
         RendezvousStateError: Another node's record does not decode.
@@ -166,9 +152,6 @@ def worker_environment(
             is 0 and ``CUDA_VISIBLE_DEVICES`` names only this worker's device
             (the ``local_rank``-th of ``base``'s list, or ``local_rank``).
 
-    Returns:
-        The complete environment.
-
     Raises:
         ValueError: ``virtual_local_rank`` and ``base``'s
             ``CUDA_VISIBLE_DEVICES`` lists fewer devices than ``local_rank + 1``.
@@ -210,13 +193,8 @@ def worker_environment(
 def visible_device(base: Mapping[str, str], local_rank: int) -> str:
     """Return the one device a worker sees under ``--virtual-local-rank``.
 
-    Args:
-        base: The agent's environment.
-        local_rank: The worker's rank on this node.
-
-    Returns:
-        The ``local_rank``-th entry of ``CUDA_VISIBLE_DEVICES``, or
-        ``local_rank`` when that is unset.
+    The ``local_rank``-th entry of ``CUDA_VISIBLE_DEVICES`` in ``base``, or
+    ``local_rank`` when that is unset.
 
     Raises:
         ValueError: ``CUDA_VISIBLE_DEVICES`` lists too few devices.

@@ -61,13 +61,8 @@ __all__ = [
 def agent_line(message: str, when: float | None = None) -> bytes:
     """Format one of the agent's own lines: local time, ``rdzv run:``, the message.
 
-    Args:
-        message: The text, without a newline.
-        when: Seconds since the epoch (now when None).
-
-    Returns:
-        The line as bytes, ending in a newline:
-        ``2030-01-31 12:00:00.123 rdzv run: message``.
+    ``when`` is seconds since the epoch (now when None); the line ends in a
+    newline: ``2030-01-31 12:00:00.123 rdzv run: message``.
     """
     now = time.time() if when is None else when
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
@@ -101,12 +96,6 @@ class StdChoice:
         """Parse torchrun's format: ``N`` for every local rank, or ``R:N,R:N,...``.
 
         ``N`` is 0 (none), 1 (stdout), 2 (stderr) or 3 (both).
-
-        Args:
-            text: The option value.
-
-        Returns:
-            The choice.
 
         Raises:
             ValueError: The text is neither form.
@@ -159,14 +148,7 @@ class WorkerSpec:
 
 
 def describe_returncode(returncode: int) -> str:
-    """Describe how a process ended.
-
-    Args:
-        returncode: ``Popen.returncode``; negative means killed by a signal.
-
-    Returns:
-        ``"exited with code N"`` or ``"was killed by signal SIGX (N)"``.
-    """
+    """Describe how a process ended: ``exited with code N`` or ``was killed by signal SIGX (N)``."""
     if returncode >= 0:
         return f"exited with code {returncode}"
     signum = -returncode
@@ -188,14 +170,9 @@ def read_root_cause(path: Path) -> str | None:
     The file is torch's JSON (``{"message": {"message": "ValueError: ...",
     "extraInfo": {"py_callstack": ...}}}``, or a plain ``message`` string).
     Anything missing, too large or malformed gives None; this never raises.
-
-    Args:
-        path: The worker's error file.
-
-    Returns:
-        One line, ``"ValueError: bad input (at train.py:12 in main)"``,
-        with control characters escaped and at most a few hundred
-        characters, or None.
+    The answer is one line, ``"ValueError: bad input (at train.py:12 in
+    main)"``, with control characters escaped, of a few hundred characters
+    at most.
     """
     try:
         with path.open("rb") as file:
@@ -293,12 +270,7 @@ class OutputSink:
         self._lock = threading.Lock()
 
     def write_line(self, line: bytes, to_stderr: bool) -> None:
-        """Write one complete line (ending in a newline) atomically.
-
-        Args:
-            line: The line.
-            to_stderr: Write to the stderr stream instead of stdout.
-        """
+        """Write one complete line (ending in a newline) atomically."""
         stream = self._stderr if to_stderr else self._stdout
         with self._lock:
             try:
@@ -455,10 +427,9 @@ class WorkerGroup:
     def poll(self) -> list[WorkerExit] | None:
         """Check the workers without blocking.
 
-        Returns:
-            None while any worker runs and none failed; otherwise the exits
-            of the workers that ended so far, failures first (lowest rank
-            first among them). Empty failures and all zero codes mean success.
+        None while any worker runs and none failed; otherwise the exits of the
+        workers that ended so far, failures first (lowest rank first among
+        them). Empty failures and all zero codes mean success.
         """
         exits: list[WorkerExit] = []
         running = False
@@ -492,11 +463,8 @@ class WorkerGroup:
         """Stop every worker: ``signum`` to each process group, then SIGKILL after ``grace``.
 
         Also joins the output threads and closes the log files. Safe to call
-        more than once.
-
-        Args:
-            grace: Seconds to wait after ``signum`` before SIGKILL.
-            signum: The first signal (torchrun forwards the one the agent got).
+        more than once. ``signum`` is the first signal (torchrun forwards the
+        one the agent got), SIGKILL follows ``grace`` seconds later.
         """
         alive = [w for w in self._workers if w.process.poll() is None]
         for worker in alive:
@@ -513,11 +481,7 @@ class WorkerGroup:
         self.close()
 
     def send_signal(self, signum: signal.Signals) -> None:
-        """Send ``signum`` to the process group of every running worker (nothing else).
-
-        Args:
-            signum: The signal.
-        """
+        """Send ``signum`` to the process group of every running worker (nothing else)."""
         for worker in self._workers:
             if worker.process.poll() is None:
                 _signal_group(worker.process.pid, signum)
