@@ -23,12 +23,6 @@ AUTH_TOKEN_ENV: Final = "RDZV_AUTH_TOKEN"  # noqa: S105 - a variable name, not a
 def read_token_file(path: str | os.PathLike[str]) -> bytes:
     """Read a shared secret from a file, stripping surrounding whitespace.
 
-    Args:
-        path: The file holding the secret.
-
-    Returns:
-        The secret.
-
     Raises:
         OSError: The file cannot be read.
         ValueError: The file holds nothing but whitespace.

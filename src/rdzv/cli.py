@@ -179,11 +179,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser of the ``rdzv`` command.
-
-    Returns:
-        The parser, with one sub-parser per command.
-    """
+    """Build the argument parser of the ``rdzv`` command."""
     parser = argparse.ArgumentParser(
         prog="rdzv", description="Elastic rendezvous for distributed jobs."
     )
@@ -283,14 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``rdzv`` command.
-
-    Args:
-        argv: The arguments, without the program name; ``sys.argv[1:]`` when None.
-
-    Returns:
-        The exit status.
-    """
+    """Run the ``rdzv`` command on ``argv`` (``sys.argv[1:]`` when None); return the exit status."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

@@ -212,12 +212,7 @@ def split_endpoints(endpoint: str) -> list[str]:
 def format_endpoint(host: str, port: int) -> str:
     """Join a host and port into an endpoint that :func:`parse_endpoint` reads back.
 
-    Args:
-        host: A host name or address; IPv6 addresses are bracketed.
-        port: The port.
-
-    Returns:
-        ``host:port`` or ``[v6addr]:port``.
+    ``host:port``, or ``[v6addr]:port`` for an IPv6 address.
     """
     if ":" in host:
         return f"[{host}]:{port}"

@@ -106,14 +106,7 @@ def _number(value: float) -> str:
 
 
 def render(families: Iterable[Family]) -> str:
-    """Render families in the text exposition format.
-
-    Args:
-        families: The metrics; each name once.
-
-    Returns:
-        The text, ending in a newline.
-    """
+    """Render families in the text exposition format."""
     lines: list[str] = []
     for family in families:
         lines.append(f"# HELP {family.name} {_help(family.help)}")

@@ -73,9 +73,8 @@ def local_addresses() -> list[str]:
 def primary_address() -> str:
     """Return the address other machines most likely reach this one at.
 
-    Returns:
-        The first routable address of :func:`local_addresses`, or a loopback
-        address when the machine has no other.
+    The first routable address of :func:`local_addresses`, or a loopback
+    address when the machine has no other.
     """
     return local_addresses()[0]
 
@@ -168,12 +167,7 @@ def advertised_address(endpoint: str) -> str:
 
 
 def listen_backlog() -> int:
-    """Return the listen backlog: the kernel's ``somaxconn``, as torch uses.
-
-    Returns:
-        The value of ``/proc/sys/net/core/somaxconn``, or ``socket.SOMAXCONN``
-        where that file cannot be read.
-    """
+    """Return the listen backlog: the kernel's ``somaxconn``, as torch uses (or ``SOMAXCONN``)."""
     try:
         return max(1, int(Path("/proc/sys/net/core/somaxconn").read_text().strip()))
     except (OSError, ValueError):

@@ -270,11 +270,7 @@ class StaticTCPRendezvous(RendezvousHandler):
         return self._run_id
 
     def shutdown(self) -> bool:
-        """Close the connection (and, on rank 0, the store server).
-
-        Returns:
-            True.
-        """
+        """Close the connection (and, on rank 0, the store server); always True."""
         if self._store is not None:
             self._store.close()
         return True

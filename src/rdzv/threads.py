@@ -46,14 +46,6 @@ def start_thread(
 
     The caller's signal mask is widened while the thread is created (a new
     thread inherits its creator's mask) and restored before this returns.
-
-    Args:
-        target: What the thread runs.
-        name: The thread's name.
-        args: Positional arguments for ``target``.
-
-    Returns:
-        The started thread.
     """
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, MAIN_THREAD_SIGNALS)

@@ -40,9 +40,7 @@ BootstrapFactory = Callable[[], BootstrapServer]
 def tcp_store_server() -> BootstrapServer:
     """Start an rdzv TCP store server on a free port (listening on every address).
 
-    Returns:
-        The running server (an ``rdzv.TCPStore`` hosting it; the agent itself
-        connects over loopback).
+    The agent itself connects to it over loopback.
     """
     return TCPStore("127.0.0.1", 0, is_master=True)
 

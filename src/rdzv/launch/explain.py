@@ -62,14 +62,7 @@ def describe_change(handler: RendezvousHandler, waiting: int) -> str:
 
 
 def describe_timeout(handler: RendezvousHandler) -> str:
-    """Say who came before a join timeout, and which other runs the store holds.
-
-    Args:
-        handler: The handler.
-
-    Returns:
-        A phrase to append to the failure line, or ``""``.
-    """
+    """Say who came before a join timeout, and which other runs the store holds (or ``""``)."""
     if not isinstance(handler, DynamicRendezvousHandler):
         return ""
     backend = handler.backend

@@ -47,16 +47,7 @@ def _heartbeat_ages(handler: RendezvousHandler, tracker: HeartbeatTracker) -> li
 def agent_metrics(
     stats: AgentStats, handler: RendezvousHandler, max_restarts: int
 ) -> Callable[[], list[Family]]:
-    """Return the collect function of one agent's metrics endpoint.
-
-    Args:
-        stats: The agent's counters.
-        handler: Its rendezvous handler (for the run id and heartbeats).
-        max_restarts: Its restart budget.
-
-    Returns:
-        A function returning the current metric families.
-    """
+    """Return the collect function of one agent's metrics endpoint."""
     tracker = HeartbeatTracker()
     run_id = handler.get_run_id()
     backend = handler.get_backend()

@@ -67,11 +67,7 @@ class WaitProgress:
         self._changed = False
 
     def event(self, event: Mapping[str, Any]) -> None:
-        """Take in one of the handler's events (any thread).
-
-        Args:
-            event: The event's fields (``action``, ``round``, ...).
-        """
+        """Take in one of the handler's events (any thread)."""
         action = event.get("action")
         with self._cond:
             if isinstance(event.get("round"), int) and action in ("join", "enqueue", "waiting"):

@@ -68,13 +68,6 @@ def expand_nodelist(text: str, name: str = "SLURM_JOB_NODELIST") -> list[str]:
     a name may hold several bracket groups (``r[1-2]n[1-2]``: r1n1, r1n2,
     r2n1, r2n2); commas outside brackets separate names.
 
-    Args:
-        text: The list.
-        name: The variable it came from, for the error message.
-
-    Returns:
-        The host names.
-
     Raises:
         ValueError: The list is empty or malformed; the message names ``name``.
     """
@@ -100,9 +93,6 @@ def _first(environ: Mapping[str, str], *names: str) -> tuple[str, str] | None:
 
 def slurm_settings(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """Return the ``rdzv run`` settings SLURM's variables give, with their source.
-
-    Args:
-        environ: The environment.
 
     Returns:
         ``{dest: (value, variable)}`` for ``nnodes``, ``node_rank``,

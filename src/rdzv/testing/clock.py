@@ -64,13 +64,7 @@ class FakeClock(Clock):
             return self._now
 
     def advance(self, seconds: float) -> float:
-        """Move the clock forward and wake the waits that are due.
-
-        Args:
-            seconds: How far, >= 0.
-
-        Returns:
-            The new reading.
+        """Move the clock forward by ``seconds``, wake the waits that are due; return the reading.
 
         Raises:
             ValueError: ``seconds`` is negative (a monotonic clock never goes back).
@@ -101,23 +95,12 @@ class FakeClock(Clock):
             return min((end for end, _ in self._parked.values()), default=None)
 
     def sleep(self, seconds: float) -> None:
-        """Move the clock forward by ``seconds`` (when positive) and return at once.
-
-        Args:
-            seconds: How long the caller sleeps.
-        """
+        """Move the clock forward by ``seconds`` (when positive) and return at once."""
         if seconds > 0:
             self.advance(seconds)
 
     def wait(self, event: threading.Event, seconds: float) -> bool:
-        """Block until ``event`` is set or the clock moved ``seconds`` past now.
-
-        Args:
-            event: The event.
-            seconds: The longest wait, in this clock's time.
-
-        Returns:
-            Whether the event is set.
+        """Block until ``event`` is set or the clock moved ``seconds`` past now; True if set.
 
         Raises:
             TimeoutError: Neither happened within ``hang_after`` real seconds.
@@ -147,14 +130,7 @@ class FakeClock(Clock):
                 del self._parked[me]
 
     def skewed(self, offset: float) -> Clock:
-        """Return one node's view of this clock: its reading plus ``offset``, waits on this one.
-
-        Args:
-            offset: Seconds added to every reading.
-
-        Returns:
-            The view.
-        """
+        """Return one node's view of this clock: its reading plus ``offset``, waits on this one."""
         return _Skewed(self, offset)
 
 
@@ -208,11 +184,7 @@ class AutojumpClock(FakeClock):
                 self._parked.pop(me, None)
 
     def sleep(self, seconds: float) -> None:
-        """Wait until the clock moved ``seconds`` on (nothing happens when not positive).
-
-        Args:
-            seconds: How long the caller sleeps.
-        """
+        """Wait until the clock moved ``seconds`` on (nothing happens when not positive)."""
         if seconds > 0:
             self.wait(threading.Event(), seconds)
 

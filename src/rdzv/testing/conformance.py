@@ -65,8 +65,7 @@ class BackendHarness(ABC):
     def connect(self) -> RendezvousBackend:
         """Return a new client of the harness's run (all share the same storage).
 
-        Returns:
-            A backend object; the suite may use several at once from threads.
+        The suite may use several at once from threads.
         """
 
     @abstractmethod
@@ -78,9 +77,6 @@ class BackendHarness(ABC):
 
         The checks that runs are kept apart need it; they are skipped when it
         returns None, which the default does.
-
-        Returns:
-            A backend on another run of the same storage, or None.
         """
         return None
 
@@ -119,21 +115,11 @@ class Check:
     body: Callable[[BackendHarness], None]
 
     def applies_to(self, backend: RendezvousBackend) -> bool:
-        """Tell whether the backend offers what the check needs.
-
-        Args:
-            backend: A backend.
-
-        Returns:
-            True when the check applies.
-        """
+        """Tell whether the backend offers what the check needs."""
         return self.capability is None or isinstance(backend, self.capability)
 
     def run(self, harness: BackendHarness) -> None:
         """Run the check, skipping it when the backend lacks what it needs.
-
-        Args:
-            harness: The harness of the backend under test.
 
         Raises:
             ConformanceError: The backend broke its contract.
@@ -567,13 +553,7 @@ BACKEND_CHECKS: list[Check] = [
 
 
 def run_conformance(factory: Callable[[], BackendHarness]) -> list[str]:
-    """Run every applicable check, each on a fresh harness.
-
-    Args:
-        factory: Builds a harness on a fresh, empty run.
-
-    Returns:
-        The names of the checks that ran.
+    """Run every applicable check, each on a fresh harness; return the names of those that ran.
 
     Raises:
         ConformanceError: A check failed; the message names it.

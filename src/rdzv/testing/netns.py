@@ -196,14 +196,7 @@ class Host:
     ipv6: str
 
     def command(self, args: Sequence[str]) -> list[str]:
-        """Return ``args`` prefixed so that it runs inside this host.
-
-        Args:
-            args: A command and its arguments.
-
-        Returns:
-            ``["ip", "netns", "exec", <namespace>, *args]``.
-        """
+        """Return ``args`` prefixed so that it runs inside this host."""
         return ["ip", "netns", "exec", self.namespace, *args]
 
     def run(
@@ -338,14 +331,7 @@ class NetnsBed:
         return f"{self.tag}b"
 
     def veth(self, index: int) -> str:
-        """Return the name of the bridge-side veth of host ``index``.
-
-        Args:
-            index: A host's index.
-
-        Returns:
-            The link's name in the creating namespace.
-        """
+        """Return the name of the bridge-side veth of host ``index``."""
         return f"{self.tag}v{index}"
 
     def __enter__(self) -> NetnsBed:
@@ -499,11 +485,7 @@ class NetnsBed:
                     self._cut.discard((receiver, sender))
 
     def isolate(self, index: int) -> None:
-        """Cut host ``index`` off from every other host (replaces any partition).
-
-        Args:
-            index: The host to isolate.
-        """
+        """Cut host ``index`` off from every other host (replaces any partition)."""
         self.partition([[index]])
 
     def heal(self) -> None:
@@ -511,9 +493,5 @@ class NetnsBed:
         self.partition([])
 
     def cut_pairs(self) -> set[tuple[int, int]]:
-        """Return the unordered host pairs currently unable to reach each other.
-
-        Returns:
-            Pairs ``(a, b)`` with ``a < b``.
-        """
+        """Return the host pairs ``(a, b)``, ``a < b``, currently unable to reach each other."""
         return {(min(a, b), max(a, b)) for a, b in self._cut}

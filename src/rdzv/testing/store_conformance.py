@@ -99,21 +99,11 @@ class StoreCheck:
     body: Callable[[StoreHarness], None]
 
     def applies_to(self, harness: StoreHarness) -> bool:
-        """Tell whether the store offers what the check needs.
-
-        Args:
-            harness: The harness of the store under test.
-
-        Returns:
-            True when the check applies.
-        """
+        """Tell whether the store offers what the check needs."""
         return self.capability is None or self.capability in harness.capabilities
 
     def run(self, harness: StoreHarness) -> None:
         """Run the check, skipping it when the store lacks what it needs.
-
-        Args:
-            harness: The harness of the store under test.
 
         Raises:
             ConformanceError: The store broke its contract.
@@ -499,13 +489,7 @@ STORE_CHECKS: list[StoreCheck] = [
 
 
 def run_store_conformance(factory: Callable[[], StoreHarness]) -> list[str]:
-    """Run every applicable check, each on a fresh harness.
-
-    Args:
-        factory: Builds a harness on the store under test.
-
-    Returns:
-        The names of the checks that ran.
+    """Run every applicable check, each on a fresh harness; return the names of those that ran.
 
     Raises:
         ConformanceError: A check failed; the message names it.

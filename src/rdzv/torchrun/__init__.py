@@ -79,13 +79,6 @@ def to_rdzv_parameters(
     (torchrun always sets it, 900 s) is dropped, as torch's ``c10d`` backend
     ignores it too: use ``join_timeout``.
 
-    Args:
-        params: torch's parameters.
-        backend: The rdzv backend name (``c10d``, ``etcd``, ``redis``).
-
-    Returns:
-        rdzv's parameters.
-
     Raises:
         ValueError: A value is invalid; the message names it.
     """
@@ -119,7 +112,7 @@ def _spare_exit(params: RendezvousParameters) -> str:
 
 
 def _start_server_if_this_node_hosts(options: StoreBackendOptions) -> _ServerProcess | None:
-    """Start the ``rdzv`` store's server child when this node hosts the store.
+    """Start the ``rdzv`` store's server child when this node hosts the store (else None).
 
     Whether it hosts is :meth:`StoreBackendOptions.should_host
     <rdzv.backends.options.StoreBackendOptions.should_host>`, the decision
@@ -130,9 +123,6 @@ def _start_server_if_this_node_hosts(options: StoreBackendOptions) -> _ServerPro
 
     Args:
         options: The store backend's options.
-
-    Returns:
-        The server child, or None when this node is a client.
 
     Raises:
         ValueError: A server certificate that cannot be loaded.
@@ -174,9 +164,6 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
     Args:
         params: torch's parameters (``--rdzv-endpoint``, ``--nnodes``,
             ``--rdzv-id``, ``--rdzv-conf`` ...).
-
-    Returns:
-        A torch ``RendezvousHandler``.
 
     Raises:
         ValueError: A parameter is invalid (including half-given TLS settings).
@@ -241,12 +228,6 @@ def create_rdzv_etcd_handler(
 ) -> torch_api.RendezvousHandler:
     """Build the ``rdzv-etcd`` torchrun backend: rdzv's dynamic rendezvous on etcd v3.
 
-    Args:
-        params: torch's parameters; the endpoint is the etcd cluster.
-
-    Returns:
-        A torch ``RendezvousHandler``.
-
     Raises:
         ValueError: rdzv's ``etcd`` backend is not available, or a parameter
             is invalid.
@@ -258,12 +239,6 @@ def create_rdzv_redis_handler(
     params: torch_api.RendezvousParameters,
 ) -> torch_api.RendezvousHandler:
     """Build the ``rdzv-redis`` torchrun backend: rdzv's dynamic rendezvous on Redis.
-
-    Args:
-        params: torch's parameters; the endpoint is the Redis server.
-
-    Returns:
-        A torch ``RendezvousHandler``.
 
     Raises:
         ValueError: rdzv's ``redis`` backend is not available, or a parameter
