@@ -44,9 +44,6 @@ def dist_errors() -> Iterator[None]:
 
     Timeouts become ``torch.distributed.DistStoreError``, lost connections
     ``DistNetworkError`` and the other rendezvous errors ``DistError``.
-
-    Yields:
-        Nothing; the body runs inside the translation.
     """
     import torch.distributed as dist  # noqa: PLC0415 - torch is optional
 
@@ -61,15 +58,9 @@ def dist_errors() -> Iterator[None]:
 
 
 def as_torch_store(store: Store) -> TorchStore:
-    """Return ``store`` as a ``torch.distributed.Store``.
+    """Return ``store`` (any rdzv store) as a ``torch.distributed.Store``.
 
-    Args:
-        store: Any rdzv store (``RendezvousInfo.store``, a ``TCPStore``,
-            ``FileStore``, ``PrefixStore``, the store of ``create_backend``).
-
-    Returns:
-        A ``torch.distributed.Store`` whose calls go to ``store``; its
-        ``rdzv_store`` attribute is ``store``.
+    Its calls go to ``store``, and its ``rdzv_store`` attribute is ``store``.
 
     Raises:
         TypeError: ``store`` is not an rdzv store (a torch store needs no

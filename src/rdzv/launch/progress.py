@@ -86,11 +86,7 @@ class WaitProgress:
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
-        """Report progress until the block ends.
-
-        Yields:
-            Nothing; the ticker runs while the block runs.
-        """
+        """Report progress until the block ends."""
         stop = threading.Event()
         with self._cond:
             self._changed = False
@@ -165,11 +161,7 @@ class EventListener(logging.Handler):
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[None]:
-        """Listen while the block runs.
-
-        Yields:
-            Nothing.
-        """
+        """Listen while the block runs."""
         logger = logging.getLogger(self.LOGGER)
         logger.addHandler(self)
         try:

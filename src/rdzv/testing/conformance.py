@@ -23,9 +23,9 @@ from __future__ import annotations
 import threading
 import unittest
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rdzv.backends.base import (
     MAX_RECORD_SIZE,
@@ -558,11 +558,18 @@ def run_conformance(factory: Callable[[], BackendHarness]) -> list[str]:
     Raises:
         ConformanceError: A check failed; the message names it.
     """
+    return _run_checks(BACKEND_CHECKS, factory, lambda check, h: check.applies_to(h.connect()))
+
+
+def _run_checks(
+    checks: Sequence[Any], factory: Callable[[], Any], applies: Callable[[Any, Any], bool]
+) -> list[str]:
+    """Run each check that ``applies`` on a fresh harness (both suites' loop)."""
     ran: list[str] = []
-    for check in BACKEND_CHECKS:
+    for check in checks:
         harness = factory()
         try:
-            if not check.applies_to(harness.connect()):
+            if not applies(check, harness):
                 continue
             try:
                 check.body(harness)

@@ -34,7 +34,7 @@ from datetime import timedelta
 from rdzv.errors import RendezvousConnectionError, StoreTimeoutError
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
-from rdzv.testing.conformance import ConformanceError, _expect, _run_threads
+from rdzv.testing.conformance import ConformanceError, _expect, _run_checks, _run_threads
 
 __all__ = [
     "STORE_CHECKS",
@@ -494,17 +494,4 @@ def run_store_conformance(factory: Callable[[], StoreHarness]) -> list[str]:
     Raises:
         ConformanceError: A check failed; the message names it.
     """
-    ran: list[str] = []
-    for check in STORE_CHECKS:
-        harness = factory()
-        try:
-            if not check.applies_to(harness):
-                continue
-            try:
-                check.body(harness)
-            except ConformanceError as exc:
-                raise ConformanceError(f"{check.name}: {exc}") from exc
-            ran.append(check.name)
-        finally:
-            harness.close()
-    return ran
+    return _run_checks(STORE_CHECKS, factory, lambda check, harness: check.applies_to(harness))
