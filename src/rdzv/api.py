@@ -492,10 +492,7 @@ class RendezvousStoreInfo:
 
     @staticmethod
     def build(
-        rank: int,
-        store: Store,
-        local_addr: str | None = None,
-        server_port: int | None = None,
+        rank: int, store: Store, local_addr: str | None = None, server_port: int | None = None
     ) -> RendezvousStoreInfo:
         """Publish (rank 0) or read (other ranks) the bootstrap store address.
 

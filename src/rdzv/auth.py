@@ -34,8 +34,7 @@ def read_token_file(path: str | os.PathLike[str]) -> bytes:
 
 
 def resolve_auth_token(
-    token_file: str | os.PathLike[str] | None,
-    environ: Mapping[str, str] | None = None,
+    token_file: str | os.PathLike[str] | None, environ: Mapping[str, str] | None = None
 ) -> bytes | None:
     """Return the shared secret from ``token_file``, else from the environment.
 

@@ -199,8 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(run)
     run.set_defaults(func=_cmd_run, command_parser=run)
     status = commands.add_parser(
-        "status",
-        help="show a run's round, members with ranks and heartbeat ages, and wait list",
+        "status", help="show a run's round, members with ranks and heartbeat ages, and wait list"
     )
     add_status_arguments(status)
     status.set_defaults(func=_cmd_status, command_parser=status)

@@ -395,10 +395,7 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
         help="list the runs the store holds, with their rounds (store backends: c10d, ...)",
     )
     parser.add_argument(
-        "--sample",
-        type=float,
-        default=2.0,
-        help="seconds to watch heartbeats before answering (2)",
+        "--sample", type=float, default=2.0, help="seconds to watch heartbeats before answering (2)"
     )
     parser.add_argument(
         "--watch",

@@ -56,17 +56,8 @@ from rdzv.backends.base import (
     validate_node_key,
     validate_record,
 )
-from rdzv.backends.etcd_client import (
-    EtcdClient,
-    EtcdCompactedError,
-    KeyValue,
-)
-from rdzv.backends.etcd_gateway import (
-    LEASE_NOT_FOUND,
-    EtcdRequestError,
-    put_request,
-    range_request,
-)
+from rdzv.backends.etcd_client import EtcdClient, EtcdCompactedError, KeyValue
+from rdzv.backends.etcd_gateway import LEASE_NOT_FOUND, EtcdRequestError, put_request, range_request
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.backends.options import EtcdOptions, check_key_settings, parse_endpoints
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError

@@ -73,13 +73,7 @@ from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError
 from rdzv.retry import Retry
 
-__all__ = [
-    "EtcdClient",
-    "EtcdCompactedError",
-    "KeyValue",
-    "WatchEvent",
-    "prefix_range_end",
-]
+__all__ = ["EtcdClient", "EtcdCompactedError", "KeyValue", "WatchEvent", "prefix_range_end"]
 
 
 # The most bytes one line of a watch stream may take (a guard against garbage).

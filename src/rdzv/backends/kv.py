@@ -21,12 +21,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
-from rdzv.backends.base import (
-    JoinQueueBackend,
-    LivenessBackend,
-    validate_node_key,
-    validate_record,
-)
+from rdzv.backends.base import JoinQueueBackend, LivenessBackend, validate_node_key, validate_record
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
 from rdzv.keys import CONFIRM_QUEUE, JOIN_QUEUE, heartbeat_key, queue_keys
 from rdzv.retry import current_clock, poll_backoff

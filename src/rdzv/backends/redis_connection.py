@@ -34,13 +34,7 @@ from rdzv.retry import caller_deadline, time_left
 if TYPE_CHECKING:
     from rdzv.backends.options import RedisOptions
 
-__all__ = [
-    "MAX_BLOCK_SECONDS",
-    "as_bytes",
-    "create_client",
-    "endpoint_of",
-    "redis_errors",
-]
+__all__ = ["MAX_BLOCK_SECONDS", "as_bytes", "create_client", "endpoint_of", "redis_errors"]
 
 # The longest single blocking command (XREAD BLOCK, BLPOP); longer waits loop,
 # so a block never outlasts the socket timeout.

@@ -263,16 +263,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise ValueError(f"node_rank must be a non-negative integer, got {node_rank!r}")
         addr = local_addr or primary_address()
         node = make_node_key(addr, os.getpid(), secrets.token_hex(4))
-        return cls(
-            node,
-            settings,
-            backend.name,
-            store,
-            backend,
-            addr,
-            node_rank,
-            clock,
-        )
+        return cls(node, settings, backend.name, store, backend, addr, node_rank, clock)
 
     # -- small helpers ------------------------------------------------------
 

@@ -203,11 +203,7 @@ def start_join(state: StateView | None, now: float) -> JoinProgress:
 
 
 def observe(
-    progress: JoinProgress,
-    state: StateView | None,
-    queue_length: int,
-    limits: Limits,
-    now: float,
+    progress: JoinProgress, state: StateView | None, queue_length: int, limits: Limits, now: float
 ) -> JoinProgress:
     """Record what the state and the queue length tell this node.
 

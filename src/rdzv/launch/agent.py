@@ -580,11 +580,7 @@ class ElasticAgent:
                 )
             )
         workers = WorkerGroup(
-            specs,
-            self._sink,
-            log_dir,
-            cfg.duplicate_stdout_filters,
-            cfg.duplicate_stderr_filters,
+            specs, self._sink, log_dir, cfg.duplicate_stdout_filters, cfg.duplicate_stderr_filters
         )
         self._attempt = _Attempt(info, ranks, workers, server)
         self._attempts_started += 1

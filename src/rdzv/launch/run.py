@@ -36,11 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousSettings
-from rdzv.backends.options import (
-    EtcdOptions,
-    RedisOptions,
-    StoreBackendOptions,
-)
+from rdzv.backends.options import EtcdOptions, RedisOptions, StoreBackendOptions
 from rdzv.endpoint import format_endpoint, parse_config, parse_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.launch.agent import EXIT_RENDEZVOUS, AgentConfig, AgentResult, ElasticAgent
@@ -214,8 +210,7 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
     if log_dir is None and (redirects or tee or stdout_filters or stderr_filters):
         log_dir = Path(tempfile.mkdtemp(prefix="rdzv-logs-"))
         notes.notice(
-            "-r/-t/--duplicate-*-filters without --log-dir",
-            f"the worker log files go to {log_dir}",
+            "-r/-t/--duplicate-*-filters without --log-dir", f"the worker log files go to {log_dir}"
         )
     return AgentConfig(
         entrypoint=entrypoint,

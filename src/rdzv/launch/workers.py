@@ -303,10 +303,7 @@ class _LockedFile:
 
 class _Worker:
     def __init__(
-        self,
-        spec: WorkerSpec,
-        process: subprocess.Popen[bytes],
-        log_file: _LockedFile | None,
+        self, spec: WorkerSpec, process: subprocess.Popen[bytes], log_file: _LockedFile | None
     ) -> None:
         self.spec = spec
         self.process = process

@@ -36,13 +36,7 @@ from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 from rdzv.testing.conformance import ConformanceError, _expect, _run_checks, _run_threads
 
-__all__ = [
-    "STORE_CHECKS",
-    "StoreCapability",
-    "StoreCheck",
-    "StoreHarness",
-    "run_store_conformance",
-]
+__all__ = ["STORE_CHECKS", "StoreCapability", "StoreCheck", "StoreHarness", "run_store_conformance"]
 
 #: Long enough for any wait the suite expects to succeed.
 _PATIENT = 10.0

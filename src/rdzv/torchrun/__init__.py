@@ -223,9 +223,7 @@ def _create_from_registry(
     return _wrap(params.backend, inner, resources, spare_exit)
 
 
-def create_rdzv_etcd_handler(
-    params: torch_api.RendezvousParameters,
-) -> torch_api.RendezvousHandler:
+def create_rdzv_etcd_handler(params: torch_api.RendezvousParameters) -> torch_api.RendezvousHandler:
     """Build the ``rdzv-etcd`` torchrun backend: rdzv's dynamic rendezvous on etcd v3.
 
     Raises:
