@@ -102,8 +102,8 @@ class RendezvousBackend(ABC):
 # Optional capabilities.
 #
 # A backend offers a capability by also subclassing its ABC; the handler
-# checks with ``isinstance``. All timeouts are in seconds, measured on the caller's monotonic clock; a
-# timeout of 0 means "look once, do not block".
+# checks with ``isinstance``. All timeouts are in seconds, measured on the
+# caller's monotonic clock; a timeout of 0 means "look once, do not block".
 #
 # Round numbers are non-negative integers chosen by the handler; a backend
 # only uses them to name its records. Node keys are non-empty strings of at

@@ -117,7 +117,7 @@ class RoundConfirmation:
         return {r.decode("utf-8", "replace") for r in self.queue.queue_records(self.round_id)}
 
     def wait(self, seconds: float, clock: Clock = REAL_TIME) -> bool:
-        """Wait up to ``seconds`` on ``clock`` for every member to confirm; False when it ran out."""
+        """Wait up to ``seconds`` on ``clock`` for every member to confirm; False if it ran out."""
         with clock.blocking(seconds):
             if self.store.supports_watch:
                 # The server ends the wait at the timeout: one request a slice,
