@@ -38,6 +38,9 @@ from rdzv.testing import AutojumpClock, InMemoryBackend, InMemoryRendezvousStora
 # (a 10 s bound failed a three-node formation beside a second suite).
 pytestmark = pytest.mark.timeout(120)
 
+# Real seconds a test waits for its own threads before it calls them hung.
+_HANG = 30.0
+
 
 class PlainBackend(RendezvousBackend):
     """Only the base contract: no watch, no queue, no liveness."""
@@ -94,7 +97,24 @@ class Cluster:
         return h
 
     def join(self, handlers: list[DynamicRendezvousHandler]) -> list[Future[RendezvousInfo]]:
-        return [self.pool.submit(h.next_rendezvous) for h in handlers]
+        """Start ``handlers``' joins together: no time passes until every one runs on the clock.
+
+        Without the hold, a join whose thread had not started yet was not
+        waited for: the first node alone waited out the last call, sealed a
+        round of one, and the late nodes' round waited for it until the join
+        timeout.
+        """
+        started = threading.Barrier(len(handlers) + 1)
+
+        def join(handler: DynamicRendezvousHandler) -> RendezvousInfo:
+            with self.clock.running():
+                started.wait(timeout=_HANG)
+                return handler.next_rendezvous()
+
+        with self.clock.running():
+            futures = [self.pool.submit(join, h) for h in handlers]
+            started.wait(timeout=_HANG)
+        return futures
 
     def after(self, seconds: float) -> None:
         """Block (real time, bounded) until the fake clock moved ``seconds`` on."""
