@@ -13,7 +13,8 @@ from rdzv.backends.etcd import EtcdRendezvousBackend, create_backend
 from rdzv.backends.etcd_client import EtcdClient
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.errors import RendezvousConnectionError
-from tests.engines.servers import EtcdCluster, RedisServer, free_port
+from tests.engines.servers import EtcdCluster, RedisServer
+from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,8 @@ from rdzv.backends.etcd_client import (
 )
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.errors import RendezvousConnectionError
-from tests.engines.servers import EtcdCluster, etcd_cluster, free_port, kill_process
+from tests.engines.servers import EtcdCluster, etcd_cluster, kill_process
+from tests.procs import free_port
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 

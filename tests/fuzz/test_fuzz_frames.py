@@ -24,7 +24,8 @@ from rdzv.store.protocol import (
 from rdzv.store.server import TCPStoreServer
 from tests.fuzz.budget import budget
 from tests.fuzz.test_fuzz_state_codec import mutated
-from tests.reliability.sockets import VALIDATE, eventually, served
+from tests.procs import wait_until
+from tests.reliability.sockets import VALIDATE, served
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -150,6 +151,6 @@ def test_live_server_survives_fuzzed_frames_and_serves_others(
 
 def test_live_server_leaks_nothing_after_the_fuzzing(live_server: TCPStoreServer) -> None:
     # Runs after the fuzzer in file order; on its own it checks a fresh server.
-    assert eventually(lambda: live_server.connection_count() == 0)
+    wait_until(lambda: live_server.connection_count() == 0, timeout=15)
     assert live_server.waiter_count() == 0
     assert served(live_server.port)

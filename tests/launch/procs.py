@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,16 +67,6 @@ def agents() -> Iterator[Agents]:
 def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-def wait_for(predicate: object, timeout: float = 60, what: str = "a condition") -> None:
-    assert callable(predicate)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def alive(pid: int) -> bool:
