@@ -38,7 +38,6 @@ the repetitions; the ratio columns are torch's figure over each rdzv one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -47,16 +46,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from _common import stamp
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(1, str(ROOT))  # for tests.engines.servers (private etcd and redis-server)
+from _common import stamp, subprocess_env
 
 BACKENDS = ("torch", "rdzv", "etcd", "redis")
 LABELS = {
@@ -341,20 +335,6 @@ class Host:
         self.store = None
 
 
-@contextlib.contextmanager
-def engine_servers(backends: Sequence[str]) -> Iterator[dict[str, str]]:
-    """Start a private etcd and/or redis-server for the run; stop them by pid afterwards."""
-    from tests.engines.servers import etcd_cluster, redis_server
-
-    with contextlib.ExitStack() as stack:
-        endpoints: dict[str, str] = {}
-        if "etcd" in backends:
-            endpoints["etcd"] = stack.enter_context(etcd_cluster(1)).endpoints
-        if "redis" in backends:
-            endpoints["redis"] = stack.enter_context(redis_server()).endpoint
-        yield endpoints
-
-
 _run_counter = 0
 
 
@@ -381,7 +361,7 @@ def spawn_agents(
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
-                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                    env=subprocess_env(),
                 )
             )
         wait_ready(impl, workers)
@@ -693,6 +673,8 @@ def main() -> None:
     if args.quick:
         args.repeat, args.sizes, args.rdzv_only_sizes = 1, "8,32", ""
     stamp("start")
+    from tests.engines.servers import engine_servers
+
     with engine_servers(args.backends) as engines:
         table = run_all(args, args.backends, engines)
     stamp("end")

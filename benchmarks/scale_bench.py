@@ -96,18 +96,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from _common import load, stamp
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(1, str(ROOT))  # tests.engines.servers: private etcd and redis-server
-
-from rdzv.api import DEFAULT_KEEP_ALIVE_INTERVAL  # noqa: E402 - after the path
+from _common import load, stamp, subprocess_env
+from rdzv.api import DEFAULT_KEEP_ALIVE_INTERVAL
 
 BACKENDS = ("rdzv", "torch", "etcd", "redis", "floor", "floor-noconfirm")
 FLOORS = ("floor", "floor-noconfirm")
@@ -596,7 +591,7 @@ def _spawn(argv: Sequence[str]) -> subprocess.Popen[str]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        env=subprocess_env(),
     )
 
 
@@ -955,25 +950,6 @@ def run_scenario(
     return result
 
 
-@contextlib.contextmanager
-def engine_servers(backends: Sequence[str]) -> Iterator[dict[str, str]]:
-    """Start a private etcd and/or redis-server; stopped by pid on exit."""
-    from tests.engines.servers import etcd_cluster, redis_server
-
-    with contextlib.ExitStack() as stack:
-        endpoints: dict[str, str] = {}
-        if "etcd" in backends:
-            cluster = stack.enter_context(etcd_cluster(1))
-            endpoints["etcd"] = cluster.endpoints
-            proc = cluster.members[0].proc
-            endpoints["etcd-pid"] = str(proc.pid) if proc else ""
-        if "redis" in backends:
-            server = stack.enter_context(redis_server())
-            endpoints["redis"] = server.endpoint
-            endpoints["redis-pid"] = str(server.proc.pid) if server.proc else ""
-        yield endpoints
-
-
 def _fmt(value: Any, unit: str = "") -> str:
     if value is None:
         return "-"
@@ -1077,6 +1053,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"unknown backend or scenario {name!r}")
     stamp("start")
     rows: list[dict[str, Any]] = []
+    from tests.engines.servers import engine_servers
+
     with engine_servers(backends) as endpoints:
         for n in sizes:
             for scenario in scenarios:
