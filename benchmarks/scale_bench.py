@@ -38,8 +38,8 @@ What runs
   node that was never killed is a *false death*.
 * Keep-alive: torch's and rdzv's default interval (5 s) x ``--attempts``,
   except in recovery (1 s, so the dead-node bound is 3 s); ``--interval``
-  sets it for every scenario. At 1 s, 8,192 simulated agents' beats alone
-  took the two cores (8,192 beats a second from one machine).
+  sets it for every scenario (at 1 s the beats of thousands of simulated
+  agents alone load one machine's cores).
 * The agent processes run with a GIL switch interval of
   :data:`SWITCH_INTERVAL`: hundreds of threads in one interpreter are the
   harness's cost, not the handlers'.
@@ -47,10 +47,9 @@ What runs
   (``--no-pin``: on any). A real agent is one process on its own host; here
   ``--per-proc`` agents share one GIL, which they hand to each other at
   every system call, and a thread woken on another core than the GIL's
-  holder costs a cross-core wake-up. At 2,048 agents pinning lowered their
-  CPU from 0.78 to 0.88 ms a node to 0.63 to 0.67 (of it in the kernel:
-  0.28 to 0.36 ms, then 0.22 to 0.25), the same handler code. The store
-  server is not pinned.
+  holder costs a cross-core wake-up, which pinning saves: it lowers the
+  agents' CPU a node (most in the kernel) with the same handler code. The
+  store server is not pinned.
 
 Scenarios
 ---------
@@ -118,9 +117,9 @@ SWITCH_INTERVAL = 0.1
 
 Hundreds of handler threads share one interpreter here, where a real job
 runs one per host. A thread waiting for the GIL wakes every switch interval;
-at 8,192 handlers in 256 processes those wake-ups alone made thousands of
-threads runnable (load average 7,000), the store server got a few percent
-of the CPU despite its niceness, and watches went unanswered. The handlers
+at thousands of handlers those wake-ups alone made thousands of threads
+runnable, the store server got a few percent of the CPU despite its
+niceness, and watches went unanswered. The handlers
 block on sockets, which releases the GIL at once, so a longer interval only
 stops the waiters from spinning."""
 MIN_PER_PROCESS = 128
@@ -565,10 +564,9 @@ def agents_per_process(n: int) -> int:
     :data:`PROCESSES_PER_CORE` agent processes. The kernel preempts a thread
     that holds its process's GIL like any other, and every agent of that
     process then waits until the thread runs again, behind the other
-    processes of its core: at 8,192 agents in 64 processes of 128 (32 a
-    core) the formation took 10.4 to 20 s (6 runs), in 16 of 512 4.9 to
-    9.2 s (11 runs of 13), the same handler code (2026-12-04). A real agent
-    has a host of its own.
+    processes of its core: with many processes a core, a formation at
+    thousands of agents took about twice as long and varied twice as much,
+    with the same handler code. A real agent has a host of its own.
     """
     cores = len(os.sched_getaffinity(0))
     return max(MIN_PER_PROCESS, -(-n // (PROCESSES_PER_CORE * cores)))
