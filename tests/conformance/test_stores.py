@@ -217,6 +217,7 @@ def test_checks_of_a_missing_capability_are_skipped() -> None:
         watch.run(no_watch_store())
 
 
+@pytest.mark.slow
 def test_a_store_must_advertise_what_the_harness_says() -> None:
     with pytest.raises(ConformanceError, match="watch_advertised: supports_watch must be True"):
         run_store_conformance(lambda: no_watch_store(EVERY))

@@ -230,6 +230,7 @@ def test_failover_when_the_member_in_use_dies(unique: str) -> None:
             client.close()
 
 
+@pytest.mark.slow
 def test_failover_skips_a_member_that_hangs(etcd: EtcdCluster, unique: str) -> None:
     """A member that accepts connections but never answers gets only its share of the budget."""
     import socket

@@ -107,6 +107,7 @@ def parse_all(chunks: list[bytes]) -> list[Request]:
     return decoded
 
 
+@pytest.mark.slow
 @budget(500)
 @given(st.data(), st.lists(requests, min_size=1, max_size=8))
 def test_valid_streams_decode_the_same_however_split(
@@ -117,6 +118,7 @@ def test_valid_streams_decode_the_same_however_split(
     assert [encode_request(r) for r in decoded] == [encode_request(r) for r in reqs]
 
 
+@pytest.mark.slow
 @budget(800)
 @given(st.data(), inputs)
 def test_parser_only_raises_protocol_error(data: st.DataObject, stream: bytes) -> None:

@@ -262,6 +262,7 @@ def _tls_conf(files: TLSFiles, host: bool, other_ca: bool = False) -> dict[str, 
     return conf
 
 
+@pytest.mark.slow
 def test_c10d_rendezvous_runs_over_tls_with_a_secret(
     tls_files: TLSFiles, token_file: Path, handlers: list[DynamicRendezvousHandler]
 ) -> None:

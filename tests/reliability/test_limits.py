@@ -157,6 +157,7 @@ def test_a_handshake_not_finished_in_time_is_dropped(
     assert served(server.port, auth_token=token)
 
 
+@pytest.mark.slow
 def test_idle_connections_are_closed_but_long_waits_and_watches_are_not(
     make_server: type[TCPStoreServer], caplog: pytest.LogCaptureFixture
 ) -> None:
