@@ -7,15 +7,13 @@ Tests marked ``slow`` (multi-host jobs in network namespaces, chaos runs,
 torch jobs, multi-process tests, doc commands, and any test that takes
 more than about two seconds) are left out of the fast tier,
 ``python -m pytest -n 2 --dist loadgroup -m "not slow"``; ``bash
-scripts/test`` runs them all. The directories of ``SLOW_DIRECTORIES`` are
-slow as a whole.
+scripts/test`` runs them all.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -27,18 +25,6 @@ settings.register_profile("thorough", max_examples=1000)
 """``HYPOTHESIS_PROFILE=thorough`` explores ten times the default 100 examples
 wherever a test does not fix its own count (tests/dynamic/test_interleavings.py)."""
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
-
-SLOW_DIRECTORIES = ("netns", "chaos")
-"""Directories of ``tests`` whose every test is ``slow``: jobs on a network-namespace bed, chaos runs."""
-
-
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    slow = [Path(__file__).parent / name for name in SLOW_DIRECTORIES]
-    for item in items:
-        if any(item.path.is_relative_to(directory) for directory in slow):
-            item.add_marker(pytest.mark.slow)
-
 
 if TYPE_CHECKING:
     from rdzv.store.server import TCPStoreServer

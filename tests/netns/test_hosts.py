@@ -147,6 +147,7 @@ def check_one_round(bed: NetnsBed, out: Path) -> None:
     assert found[0]["MASTER_ADDR"] in {h.ipv4 for h in bed.hosts}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_three_agents_in_three_namespaces_rendezvous(bed3: NetnsBed, tmp_path: Path) -> None:
     results = finish(start_agents(bed3, tmp_path, 0))
@@ -164,6 +165,7 @@ def backend_on(bed: NetnsBed, backend: str) -> Iterator[str]:
             yield etcd.endpoints
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
 def test_agents_cut_from_each_other_but_not_from_the_store_are_unaffected(
@@ -185,6 +187,7 @@ def test_agents_cut_from_each_other_but_not_from_the_store_are_unaffected(
     assert bed3.cut_pairs() == {(1, 2)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
 def test_a_partition_healed_before_the_keep_alive_bound_changes_nothing(

@@ -28,6 +28,7 @@ from tests.procs import ROOT, LoggedAgents, read_markers, subprocess_env
 pytest.importorskip("torch.distributed.run")
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.torch,
     pytest.mark.etcd,
     pytest.mark.redis,

@@ -30,6 +30,8 @@ from tests.netns.conftest import open_bed
 from tests.netns.engines import NetnsEtcd
 from tests.procs import subprocess_env, wait_until
 
+pytestmark = pytest.mark.slow
+
 NODE = str(Path(node.__file__))
 C10D_PORT = 29456
 #: Longest a ``next_rendezvous`` may take: the join timeout, plus two store
