@@ -100,7 +100,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from _common import load, stamp, subprocess_env
+from _common import CountingStore, load, make_handler, stamp, subprocess_env
 from rdzv.api import DEFAULT_KEEP_ALIVE_INTERVAL
 
 BACKENDS = ("rdzv", "torch", "etcd", "redis", "floor", "floor-noconfirm")
@@ -149,6 +149,13 @@ class Counter:
     def snapshot(self) -> tuple[int, int, int]:
         return self.requests, self.written, self.read
 
+    def count(self, name: str, args: tuple[Any, ...], result: Any) -> None:
+        """Count one store call (a :class:`CountingStore`'s count)."""
+        self.requests += 1
+        self.by_op[name] = self.by_op.get(name, 0) + 1
+        self.written += _size(args)
+        self.read += _size(result)
+
 
 def _size(value: Any) -> int:
     if isinstance(value, (bytes, bytearray, str)):
@@ -158,43 +165,6 @@ def _size(value: Any) -> int:
     if isinstance(value, int):
         return 8
     return 0
-
-
-class CountingStore:
-    """Forwards every call to ``inner``, counting it in ``counter``."""
-
-    def __init__(self, inner: Any, counter: Counter) -> None:
-        self._inner = inner
-        self._counter = counter
-
-    @property
-    def supports_watch(self) -> bool:
-        return bool(self._inner.supports_watch)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._inner.timeout  # type: ignore[no-any-return]
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if not callable(attr) or name in ("close", "clone"):
-            return attr
-        counter = self._counter
-
-        by_op = counter.by_op
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counter.requests += 1
-            by_op[name] = by_op.get(name, 0) + 1
-            counter.written += _size(args) + (_size(tuple(kwargs.values())) if kwargs else 0)
-            result = attr(*args, **kwargs)
-            counter.read += _size(result)
-            return result
-
-        # Found in the instance from now on: the harness's cost per call, not
-        # the handler's, is one wrapper call (see the agent CPU figures).
-        setattr(self, name, call)
-        return call
 
 
 # --------------------------------------------------------------------------
@@ -257,7 +227,9 @@ class FloorAgent:
 
         self.node = addr
         self._confirm = confirm
-        self._store: Any = CountingStore(TCPStore("127.0.0.1", cfg["port"], timeout=120), counter)
+        self._store: Any = CountingStore(
+            TCPStore("127.0.0.1", cfg["port"], timeout=120), counter.count
+        )
         self._prefix = f"floor/{cfg['run_id']}/"
         self._min, self._max, self._last_call = cfg["min"], cfg["max"], cfg["last_call"]
         self._log = logging.getLogger("rdzv.dynamic")
@@ -293,80 +265,10 @@ class FloorAgent:
         store.get(f"{key}verdict")
 
 
-def make_handler(impl: str, cfg: dict[str, Any], addr: str, counter: Counter) -> Any:
-    run_id, n_min, n_max = cfg["run_id"], cfg["min"], cfg["max"]
+def agent_handler(impl: str, cfg: dict[str, Any], addr: str, counter: Counter) -> Any:
     if impl in FLOORS:
         return FloorAgent(cfg, addr, counter, confirm=impl == "floor")
-    if impl in ("etcd", "redis"):
-        import rdzv
-
-        params = rdzv.RendezvousParameters(
-            impl,
-            cfg["endpoint"],
-            run_id,
-            n_min,
-            n_max,
-            local_addr=addr,
-            join_timeout=cfg["join"],
-            last_call_timeout=cfg["last_call"],
-            keep_alive_interval=cfg["interval"],
-            keep_alive_max_attempt=cfg["attempts"],
-            read_timeout=120,
-        )
-        return rdzv.create_handler(params)
-    if impl == "rdzv":
-        from rdzv.api import RendezvousTimeout
-        from rdzv.backends.store import C10dRendezvousBackend
-        from rdzv.dynamic.handler import DynamicRendezvousHandler
-        from rdzv.store.tcp import TCPStore
-
-        inner = TCPStore("127.0.0.1", cfg["port"], timeout=120)
-        store: Any = CountingStore(inner, counter)
-        live: Any = CountingStore(inner.clone(), counter) if cfg["two_clients"] else None
-        backend = C10dRendezvousBackend(store, run_id, liveness_store=live)
-        return DynamicRendezvousHandler.from_backend(
-            run_id,
-            store,
-            backend,
-            n_min,
-            n_max,
-            local_addr=addr,
-            timeout=RendezvousTimeout(join=cfg["join"], last_call=cfg["last_call"]),
-            keep_alive_interval=cfg["interval"],
-            keep_alive_max_attempt=cfg["attempts"],
-        )
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend as TorchBackend,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler as TorchHandler,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        RendezvousTimeout as TorchTimeout,
-    )
-
-    tstore = dist.TCPStore(
-        "127.0.0.1",
-        cfg["port"],
-        is_master=False,
-        timeout=timedelta(seconds=120),
-        wait_for_workers=False,
-    )
-    backend = TorchBackend(CountingStore(tstore, counter), run_id)  # type: ignore[arg-type]
-    return TorchHandler.from_backend(
-        run_id,
-        tstore,
-        backend,
-        n_min,
-        n_max,
-        local_addr=addr,
-        timeout=TorchTimeout(
-            join=timedelta(seconds=cfg["join"]), last_call=timedelta(seconds=cfg["last_call"])
-        ),
-        keep_alive_interval=cfg["interval"],
-        keep_alive_max_attempt=cfg["attempts"],
-    )
+    return make_handler(impl, {**cfg, "read_timeout": 120}, addr, counter.count)
 
 
 def sample_stacks(stop: threading.Event, every: float = 0.01) -> None:
@@ -406,7 +308,7 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
     count = cfg["threads"]
     counters = [Counter() for _ in range(count)]
     handlers = [
-        make_handler(impl, cfg, f"127.{cfg['proc'] // 250}.{cfg['proc'] % 250}.{i + 1}", c)
+        agent_handler(impl, cfg, f"127.{cfg['proc'] // 250}.{cfg['proc'] % 250}.{i + 1}", c)
         for i, c in enumerate(counters)
     ]
     nodes = [getattr(h, "node", "") for h in handlers]

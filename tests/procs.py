@@ -3,8 +3,9 @@
 Child processes (``subprocess_env``: a ``python`` that imports this tree's
 rdzv; ``require_binary``; ``LoggedAgents``, a group of agent processes with
 log files; ``read_markers``, the JSON files their workers write), loopback
-ports (``free_port``) and bounded polling (``wait_until``). The benchmarks
-reach this module through ``benchmarks/_common.py``.
+ports (``free_port``), bounded polling (``wait_until``) and a store that
+counts its calls (``CountingStore``). The benchmarks reach this module
+through ``benchmarks/_common.py``.
 """
 
 from __future__ import annotations
@@ -154,6 +155,42 @@ class LoggedAgents:
                 kill = os.killpg if self.new_session else os.kill
                 kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+class CountingStore:
+    """Forwards every call to the store ``inner`` and tells ``count(name, args, result)`` of each.
+
+    ``close``, ``clone`` and attributes pass through uncounted. A method's
+    wrapper is made on its first call and kept in the instance, so a counted
+    call costs one Python call more (the benchmarks count thousands of
+    handlers' calls). A call that raises is not counted.
+    """
+
+    def __init__(self, inner: Any, count: Callable[[str, tuple[Any, ...], Any], None]) -> None:
+        self.inner = inner
+        self._count = count
+
+    @property
+    def supports_watch(self) -> bool:
+        return bool(self.inner.supports_watch)
+
+    @property
+    def timeout(self) -> Any:
+        return self.inner.timeout
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr) or name in ("close", "clone"):
+            return attr
+        count = self._count
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = attr(*args, **kwargs)
+            count(name, (*args, *kwargs.values()), result)
+            return result
+
+        setattr(self, name, call)
+        return call
 
 
 def _ephemeral_low() -> int:
