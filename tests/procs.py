@@ -1,8 +1,8 @@
 """Helpers shared by the tests and the benchmarks: one home each.
 
 Child processes (``subprocess_env``: a ``python`` that imports this tree's
-rdzv; ``require_binary``; ``LoggedAgents``, a group of agent processes with
-log files; ``read_markers``, the JSON files their workers write), loopback
+rdzv; ``require_binary``; ``Children``, a test's child processes, and
+``LoggedAgents``, agent processes with log files; ``read_markers``, the JSON files their workers write), loopback
 ports (``free_port``), bounded polling (``wait_until``) and a store that
 counts its calls (``CountingStore``). The benchmarks reach this module
 through ``benchmarks/_common.py``.
@@ -89,20 +89,49 @@ def read_markers(directory: Path, pattern: str) -> list[dict[str, Any]]:
     return [json.loads(text) for p in directory.glob(pattern) if (text := p.read_text())]
 
 
-class LoggedAgents:
+class Children:
+    """Child processes of a test; ``stop`` SIGKILLs every one still running and reaps it.
+
+    A child started in a session of its own (``new_session``) is killed with
+    its process group, so its own children (workers) go along.
+    """
+
+    def __init__(self, new_session: bool = False) -> None:
+        self.new_session = new_session
+        self.procs: list[subprocess.Popen[Any]] = []
+
+    def popen(
+        self,
+        args: Sequence[str],
+        popen: Callable[..., subprocess.Popen[Any]] = subprocess.Popen,
+        **kwargs: Any,
+    ) -> subprocess.Popen[Any]:
+        """Start ``args`` with ``popen`` (``subprocess.Popen``, or e.g. a netns host's)."""
+        if self.new_session:
+            kwargs["start_new_session"] = True
+        proc = popen(args, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                kill = os.killpg if self.new_session else os.kill
+                kill(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+
+
+class LoggedAgents(Children):
     """Agent processes of one test, each logging to ``<logs>/agent-<name>.log``.
 
     ``until`` and ``wait`` give up after ``bound`` seconds (a bound that only
-    catches hangs) or as soon as an agent failed, naming the logs' tails. ``stop`` SIGKILLs every one left, with its process group
-    when it was started in a session of its own (``new_session``: its
-    workers go along).
+    catches hangs) or as soon as an agent failed, naming the logs' tails.
     """
 
     def __init__(self, logs: Path, new_session: bool = False, bound: float = 120) -> None:
+        super().__init__(new_session)
         self.logs = logs
-        self.new_session = new_session
         self.bound = bound
-        self.procs: list[subprocess.Popen[Any]] = []
 
     def start(
         self,
@@ -112,13 +141,9 @@ class LoggedAgents:
         popen: Callable[..., subprocess.Popen[Any]] = subprocess.Popen,
     ) -> subprocess.Popen[Any]:
         """Start ``args`` with ``popen`` (e.g. a netns host's), output to its log."""
-        extra = {"start_new_session": True} if self.new_session else {}
-        with (self.logs / f"agent-{len(self.procs) if name is None else name}.log").open(
-            "w"
-        ) as log:
-            proc = popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, **extra)
-        self.procs.append(proc)
-        return proc
+        name = len(self.procs) if name is None else name
+        with (self.logs / f"agent-{name}.log").open("w") as log:
+            return self.popen(args, popen, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def output(self, lines: int = 40) -> str:
         """The last ``lines`` of every agent's log."""
@@ -148,13 +173,6 @@ class LoggedAgents:
             detail=self.output,
         )
         return [p.returncode for p in self.procs]
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                kill = os.killpg if self.new_session else os.kill
-                kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 class CountingStore:
