@@ -16,6 +16,7 @@ from rdzv import TCPStore
 from tests.launch.procs import WORKER, agents, c10d_args, finish, with_world
 from tests.procs import subprocess_env, wait_until
 from tests.promtext import ParsedFamily, parse
+from tests.store.helpers import serve_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -38,33 +39,13 @@ def value(families: dict[str, ParsedFamily], name: str, sample: str | None = Non
 @pytest.fixture
 def served() -> Iterator[tuple[int, str]]:
     """``rdzv serve`` with metrics and at most 2 connections: (store port, metrics URL)."""
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rdzv.cli",
-            "serve",
-            "--host=127.0.0.1",
-            "--port=0",
-            "--max-connections=2",
-            "--metrics-port=0",
-            "--metrics-host=127.0.0.1",
-        ],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    metrics = ("--max-connections=2", "--metrics-port=0", "--metrics-host=127.0.0.1")
+    with serve_process(*metrics) as (server, port):
         assert server.stdout is not None
-        listening = server.stdout.readline()
-        metrics = server.stdout.readline()
-        found = _URL.search(metrics)
-        assert found is not None, (listening, metrics)
-        yield int(listening.split(":")[-1]), found.group(1)
-    finally:
-        server.terminate()
-        server.communicate(timeout=20)
+        line = server.stdout.readline()
+        found = _URL.search(line)
+        assert found is not None, line
+        yield port, found.group(1)
 
 
 def test_serve_counts_connections_requests_and_refusals(served: tuple[int, str]) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from rdzv.testing.netns import NetnsBed
-from tests.netns.conftest import open_bed
 from tests.netns.engines import NetnsEtcd
 from tests.procs import subprocess_env
 
@@ -38,15 +37,6 @@ print(json.dumps({
     "source": source_address(v4),
 }))
 """
-
-
-@pytest.fixture
-def bed3() -> Iterator[NetnsBed]:
-    bed = open_bed(3)
-    try:
-        yield bed
-    finally:
-        bed.close()
 
 
 @pytest.mark.timeout(60)

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from rdzv.testing.netns import NetnsBed
-from tests.netns.conftest import open_bed
 from tests.netns.engines import engine
 from tests.procs import ROOT, LoggedAgents, read_markers, subprocess_env
 
@@ -60,15 +59,6 @@ class Agents(LoggedAgents):
 
     def start_on(self, index: int, args: list[str], env: dict[str, str]) -> subprocess.Popen[Any]:
         return self.start(args, env, name=index, popen=self.bed.hosts[index].popen)
-
-
-@pytest.fixture
-def bed3() -> Iterator[NetnsBed]:
-    bed = open_bed(3)
-    try:
-        yield bed
-    finally:
-        bed.close()
 
 
 @pytest.fixture
