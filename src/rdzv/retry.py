@@ -16,9 +16,10 @@ it:
   healthy backend still answers the read that comes right at the deadline.
 * :func:`time_left` caps one blocking wait (a socket timeout, a watch) by
   the caller's deadline.
-* :class:`Clock` is the one time source of the rendezvous driver: it reads
-  monotonic time and sleeps and waits on the same time, so tests run the
-  driver's polls and keep-alive ticks on a fake clock.
+* :class:`Clock` is the one time source: every deadline is a reading of a
+  clock, and every sleep and wait under it runs on the same clock. The
+  caller's clock travels with its deadline (:func:`current_clock`), so a
+  backend's polls sleep on it and tests run the whole driver on a fake one.
 * :func:`poll_backoff` spaces out polls of a backend without watches: the
   delay doubles from 10 ms up to a cap, with jitter so that many nodes
   polling one server do not move in lock-step.
@@ -30,8 +31,8 @@ it:
   than the call (leaving a run on shutdown, closing it), never for writes
   whose outcome the caller needs.
 
-Deadlines are on :func:`time.monotonic`: they bound real waits on sockets,
-whatever clock the rendezvous decisions run on.
+A real socket's timeout is the time left on the caller's clock
+(:func:`time_left`): one clock, real time unless a test injects another.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 from rdzv.errors import RendezvousTimeoutError
@@ -49,11 +51,14 @@ from rdzv.threads import start_thread
 
 __all__ = [
     "LAST_ATTEMPT",
+    "REAL_TIME",
     "Clock",
+    "Deadline",
     "Retry",
     "as_clock",
     "call_within",
     "caller_deadline",
+    "current_clock",
     "deadline_within",
     "jitter",
     "poll_backoff",
@@ -84,11 +89,6 @@ def jitter(low: float, high: float) -> float:
         The number.
     """
     return _RANDOM.uniform(low, high)
-
-
-_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "rdzv_caller_deadline", default=None
-)
 
 
 class Clock:
@@ -130,6 +130,55 @@ class Clock:
         """
         return event.wait(max(0.0, seconds))
 
+    def running(self) -> contextlib.AbstractContextManager[None]:
+        """Count the calling thread, for the block, as one whose waits are on this clock.
+
+        A fake clock that moves by itself (:class:`rdzv.testing.AutojumpClock`)
+        moves only while every such thread waits on it. Real time ignores it.
+        """
+        return contextlib.nullcontext()
+
+    def blocking(self, seconds: float) -> contextlib.AbstractContextManager[None]:
+        """Mark the block as a wait of at most ``seconds`` on something else (a store's wait).
+
+        A fake clock that moves by itself may move up to the wait's end
+        meanwhile. Real time ignores it.
+
+        Args:
+            seconds: The wait's bound, in this clock's seconds.
+        """
+        return contextlib.nullcontext()
+
+
+REAL_TIME = Clock()
+"""The real clock: the caller's clock when no deadline names another."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A caller's deadline: a reading of its clock.
+
+    Attributes:
+        clock: The clock.
+        at: The reading at which the deadline passes.
+    """
+
+    clock: Clock
+    at: float
+
+    def left(self) -> float:
+        """Return the seconds left on the clock (negative once past)."""
+        return self.at - self.clock()
+
+    def on(self, clock: Clock) -> float:
+        """Return the deadline as a reading of ``clock``."""
+        return self.at if clock is self.clock else clock() + self.left()
+
+
+_DEADLINE: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar(
+    "rdzv_caller_deadline", default=None
+)
+
 
 def as_clock(clock: Clock | Callable[[], float] | None) -> Clock:
     """Return ``clock`` as a :class:`Clock`: a bare reading sleeps in real time.
@@ -143,30 +192,40 @@ def as_clock(clock: Clock | Callable[[], float] | None) -> Clock:
     """
     if isinstance(clock, Clock):
         return clock
-    return Clock() if clock is None else Clock(clock)
+    return REAL_TIME if clock is None else Clock(clock)
 
 
-def caller_deadline() -> float | None:
-    """Return the caller's deadline on :func:`time.monotonic`, or None when there is none."""
+def caller_deadline() -> Deadline | None:
+    """Return the caller's deadline, or None when there is none."""
     return _DEADLINE.get()
 
 
+def current_clock() -> Clock:
+    """Return the caller's clock: its deadline's, or real time."""
+    deadline = _DEADLINE.get()
+    return REAL_TIME if deadline is None else deadline.clock
+
+
 @contextlib.contextmanager
-def deadline_within(seconds: float) -> Iterator[float]:
+def deadline_within(seconds: float, clock: Clock | None = None) -> Iterator[Deadline]:
     """Bound every backend call made inside the block by ``seconds`` from now.
 
     An outer deadline that comes sooner stays in force.
 
     Args:
         seconds: The time the block may take.
+        clock: The clock of the deadline, and of every wait under it; the
+            outer deadline's (or real time) when None.
 
     Yields:
-        The deadline in force, on :func:`time.monotonic`.
+        The deadline in force.
     """
-    deadline = time.monotonic() + max(0.0, seconds)
     outer = _DEADLINE.get()
+    clock = clock or (REAL_TIME if outer is None else outer.clock)
+    at = clock() + max(0.0, seconds)
     if outer is not None:
-        deadline = min(deadline, outer)
+        at = min(at, outer.on(clock))
+    deadline = Deadline(clock, at)
     token = _DEADLINE.set(deadline)
     try:
         yield deadline
@@ -187,7 +246,7 @@ def time_left(limit: float) -> float:
     deadline = _DEADLINE.get()
     if deadline is None:
         return limit
-    return min(limit, max(LAST_ATTEMPT, deadline - time.monotonic()))
+    return min(limit, max(LAST_ATTEMPT, deadline.left()))
 
 
 class Retry:
@@ -201,7 +260,8 @@ class Retry:
             its own.
         first: The first pause, in seconds.
         cap: The longest pause, in seconds.
-        sleep: Sleeps between attempts (an injected clock's, in tests).
+        clock: The clock of the deadline and the pauses; the caller's
+            (:func:`current_clock`) when None.
     """
 
     def __init__(
@@ -209,32 +269,33 @@ class Retry:
         budget: float | None,
         first: float = 0.02,
         cap: float = 0.5,
-        sleep: Callable[[float], None] = time.sleep,
+        clock: Clock | None = None,
     ) -> None:
-        self._sleep = sleep
-        self._started = time.monotonic()
+        self._clock = clock = clock or current_clock()
+        self._started = clock()
         deadline = None if budget is None else self._started + max(0.0, budget)
         outer = _DEADLINE.get()
         if outer is not None:
-            deadline = outer if deadline is None else min(deadline, outer)
+            at = outer.on(clock)
+            deadline = at if deadline is None else min(deadline, at)
         self._deadline = deadline
         self._pause = first
         self._cap = cap
 
     @property
     def deadline(self) -> float | None:
-        """The deadline on :func:`time.monotonic`, or None."""
+        """The deadline, a reading of this retry's clock, or None."""
         return self._deadline
 
     def elapsed(self) -> float:
         """Seconds since the call started."""
-        return time.monotonic() - self._started
+        return self._clock() - self._started
 
     def remaining(self) -> float:
         """Seconds left until the deadline (never below 0); infinite without one."""
         if self._deadline is None:
             return float("inf")
-        return max(0.0, self._deadline - time.monotonic())
+        return max(0.0, self._deadline - self._clock())
 
     def expired(self) -> bool:
         """Whether the deadline has passed."""
@@ -261,7 +322,7 @@ class Retry:
         if remaining <= 0:
             return False
         delay = self._pause * jitter(0.5, 1.0)
-        self._sleep(min(delay, remaining))
+        self._clock.sleep(min(delay, remaining))
         self._pause = min(self._pause * 2, self._cap)
         return True
 
@@ -280,7 +341,7 @@ def poll_backoff(attempt: int, cap: float = 1.0) -> float:
     return base * jitter(0.5, 1.0)
 
 
-def call_within(seconds: float, what: str, fn: Callable[[], _T]) -> _T:
+def call_within(seconds: float, what: str, fn: Callable[[], _T], clock: Clock | None = None) -> _T:
     """Run ``fn`` and return its result, waiting for it at most ``seconds``.
 
     ``fn`` runs under a caller's deadline ``seconds`` from now (or the
@@ -291,6 +352,7 @@ def call_within(seconds: float, what: str, fn: Callable[[], _T]) -> _T:
         seconds: How long to wait.
         what: What the call does, for the error message.
         fn: The call.
+        clock: The clock of the wait; the caller's when None.
 
     Returns:
         What ``fn`` returned.
@@ -300,11 +362,13 @@ def call_within(seconds: float, what: str, fn: Callable[[], _T]) -> _T:
             the background; its result is dropped).
         BaseException: Whatever ``fn`` raised.
     """
+    clock = clock or current_clock()
     outcome: list[tuple[bool, object]] = []
+    done = threading.Event()
     context = contextvars.copy_context()
 
     def bounded() -> None:
-        with deadline_within(seconds):
+        with deadline_within(seconds, clock):
             outcome.append((True, fn()))
 
     def run() -> None:
@@ -312,9 +376,11 @@ def call_within(seconds: float, what: str, fn: Callable[[], _T]) -> _T:
             context.run(bounded)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             outcome.append((False, exc))
+        finally:
+            done.set()
 
-    thread = start_thread(run, name=f"rdzv-bounded {what}")
-    thread.join(seconds)
+    start_thread(run, name=f"rdzv-bounded {what}")
+    clock.wait(done, seconds)
     if not outcome:
         raise RendezvousTimeoutError(
             f"{what} did not finish within {seconds:g} s: the backend is not answering"

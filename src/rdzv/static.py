@@ -29,12 +29,11 @@ from rdzv.errors import (
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
+from rdzv.keys import STATIC_ROOT
 from rdzv.store.memory import PrefixStore
 from rdzv.store.tcp import TCPStore
 
 __all__ = ["StaticTCPRendezvous", "create_rdzv_handler"]
-
-_KEY_ROOT = "rdzv.static"
 
 # torch 2.13's messages (static_tcp_rendezvous.create_rdzv_handler), verbatim.
 _RANK_ABSENT = "rank is absent in RendezvousParameters.Try add --node-rank to the cmd request"
@@ -140,7 +139,7 @@ class StaticTCPRendezvous(RendezvousHandler):
         self._round = 0
         self._store: TCPStore | None = None
         self._closed_here = False
-        self._closed_key = f"{_KEY_ROOT}/{run_id}/closed"
+        self._closed_key = f"{STATIC_ROOT}/{run_id}/closed"
 
     def _open_store(self) -> TCPStore:
         """Host (rank 0) or reach the store; a failure names the address."""
@@ -207,7 +206,7 @@ class StaticTCPRendezvous(RendezvousHandler):
         store = self._open_store()
         if self.is_closed():
             raise RendezvousClosedError(f"the static rendezvous of run {self._run_id!r} is closed")
-        round_store = PrefixStore(f"{_KEY_ROOT}/{self._run_id}/{self._round}", store)
+        round_store = PrefixStore(f"{STATIC_ROOT}/{self._run_id}/{self._round}", store)
         self._round += 1
         claimed = round_store.compare_set(f"node/{self._rank}", "", self._token)
         if claimed != self._token.encode():

@@ -36,7 +36,7 @@ from rdzv.dynamic.machine import MarkWatch
 from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError
-from rdzv.launch.ranks import agent_key
+from rdzv.keys import agent_key, round_store_prefix, run_of_backend_key
 from rdzv.registry import open_backend as open_registered_backend
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
@@ -59,9 +59,6 @@ EXIT_BACKEND = 3
 
 #: The exit status of ``rdzv status`` for a run the backend does not know.
 EXIT_UNKNOWN_RUN = 4
-
-# The keys the store backend writes for a run: its state, join queues, heartbeats.
-_RUN_KEY = re.compile(r"rdzv\.backend/(.+)/(?:state|q/\d+(?:/n)?|hb/[^/]+)")
 
 # Terminal control characters (C0, DEL, C1) in names read from the store.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -238,8 +235,7 @@ def _agents(store: Store | None, run_id: str, state: RendezvousState) -> list[di
     """Read what each member's agent wrote into the round's store (``{}`` when nothing)."""
     if store is None or not state.participants:
         return [{} for _ in state.participants]
-    # The dynamic handler's round store: its prefix of the run's store.
-    round_store = PrefixStore(f"rdzv/{run_id}/round/{state.round}", store)
+    round_store = PrefixStore(round_store_prefix(run_id, state.round), store)
     keys = [agent_key(rank) for rank in range(len(state.participants))]
     found: list[dict[str, Any]] = []
     for raw in round_store.try_multi_get(keys):
@@ -267,12 +263,8 @@ def list_runs(store: Store) -> list[str]:
     Raises:
         RendezvousError: The store cannot be read.
     """
-    runs = set()
-    for key in store.list_keys():
-        match = _RUN_KEY.fullmatch(key)
-        if match is not None:
-            runs.add(match.group(1))
-    return sorted(runs)
+    runs = {run_of_backend_key(key) for key in store.list_keys()}
+    return sorted(run for run in runs if run is not None)
 
 
 def read_status(
@@ -446,9 +438,9 @@ def _error(message: str) -> None:
     print(f"rdzv status: {message}", file=sys.stderr)
 
 
-def _runs_text(store: Store | None, backend: RendezvousBackend) -> str:
-    """Say which runs the store holds, for the message about an unknown run."""
-    if store is None or not isinstance(backend, C10dRendezvousBackend):
+def _runs_text(store: Store | None) -> str:
+    """Say which runs the store holds (None: not a store backend), for an unknown run."""
+    if store is None:
         return "it has no state and no node is queued"
     try:
         runs = list_runs(store)
@@ -565,14 +557,14 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
             sample = args.sample if args.watch is None else args.watch
             status = read_status(backend, args.rdzv_id, tracker, sample, store=store)
             if not status.known and args.watch is None:
-                _error(f"run {run} is unknown to the backend: {_runs_text(store, backend)}")
+                _error(f"run {run} is unknown to the backend: {_runs_text(store)}")
                 return EXIT_UNKNOWN_RUN
             if args.json:
                 print(json.dumps(status.to_json(), sort_keys=True), file=out, flush=True)
             else:
                 text = format_status(status)
                 if not status.known:
-                    text += f"run {run} is unknown so far ({_runs_text(store, backend)})\n"
+                    text += f"run {run} is unknown so far ({_runs_text(store)})\n"
                 print((_REDRAW if redraw else "") + text, end="", file=out, flush=True)
             if args.watch is None:
                 return 0

@@ -110,7 +110,7 @@ def main() -> int:
         return 3
     node = getattr(handler, "node", "?")
     # The handler's own store: the epoch key lives next to the rendezvous.
-    probe: Store = handler._store  # type: ignore[attr-defined]  # test agent
+    probe: Store = handler.store  # type: ignore[attr-defined]  # test agent
     while True:
         before = read_epoch(probe)
         started = time.monotonic()
@@ -125,12 +125,7 @@ def main() -> int:
         emit(event="returned", node=node, took=took)
         after = read_epoch(probe)
         # The node keys of the sealed round, in rank order (info only has addresses).
-        member_of = handler._member_of  # type: ignore[attr-defined]  # test agent reads the state
-        participants = (
-            list(handler._participants_of(member_of))  # type: ignore[attr-defined]
-            if member_of is not None
-            else []
-        )
+        participants = list(handler.round_participants())  # type: ignore[attr-defined]
         emit(
             event="round",
             node=node,

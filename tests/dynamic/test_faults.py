@@ -26,8 +26,7 @@ from rdzv.errors import (
 )
 from rdzv.retry import Clock
 from rdzv.store.memory import HashStore
-from rdzv.testing import FakeClock, InMemoryBackend, InMemoryRendezvousStorage
-from tests.dynamic.ticking import FAKE_JOIN, NodeClock, Ticker
+from rdzv.testing import AutojumpClock, InMemoryBackend, InMemoryRendezvousStorage
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -147,27 +146,17 @@ def test_an_error_while_judging_never_stops_the_heartbeat() -> None:
     failing = threading.Event()
     failing.set()
     settings: dict[str, Any] = {
-        "timeout": RendezvousTimeout(join=FAKE_JOIN, last_call=0.1),
+        "timeout": RendezvousTimeout(last_call=0.1),
         "keep_alive_interval": 0.1,
     }
     store = HashStore(timeout=5)
-    nodes: list[tuple[NodeClock, DynamicRendezvousHandler]] = []
-    ticker = Ticker(FakeClock(), nodes)
-    clocks = NodeClock(ticker.clock), NodeClock(ticker.clock)
+    clock = AutojumpClock()
     observer = DynamicRendezvousHandler.from_backend(
-        "job",
-        store,
-        FlakyMarks(storage, failing.is_set, clocks[0]),
-        2,
-        2,
-        "a",
-        **settings,
-        clock=clocks[0],
+        "job", store, FlakyMarks(storage, failing.is_set, clock), 2, 2, "a", **settings, clock=clock
     )
     other = DynamicRendezvousHandler.from_backend(
-        "job", store, InMemoryBackend(storage, clocks[1]), 2, 2, "b", **settings, clock=clocks[1]
+        "job", store, InMemoryBackend(storage, clock), 2, 2, "b", **settings, clock=clock
     )
-    nodes.extend(zip(clocks, (observer, other), strict=True))
     threads = [threading.Thread(target=h.next_rendezvous) for h in (observer, other)]
     try:
         for t in threads:
@@ -175,19 +164,24 @@ def test_an_error_while_judging_never_stops_the_heartbeat() -> None:
         for t in threads:
             t.join(10)
         beats = InMemoryBackend(storage).heartbeat_mark(observer.node)
-        ticker.until(ticker.clock() + 1.0)  # 10 judging ticks that all raise
-        assert observer._keepalive.running
+        start = clock()
+        _until(lambda: clock() >= start + 1.0)  # 10 judging ticks that all raise
+        assert observer.statistics().keepalive_running
         assert InMemoryBackend(storage).heartbeat_mark(observer.node) != beats
         failing.clear()
         other.pre_shutdown()  # the observer's successor stops beating: judged and evicted
-        deadline = time.monotonic() + 10
-        while observer.num_nodes_waiting() == 0:
-            assert time.monotonic() < deadline, "the dead successor was never evicted"
-            time.sleep(0.01)
+        _until(lambda: observer.num_nodes_waiting() > 0)
     finally:
         observer.close()
         other.close()
-        ticker.stop()
+        clock.close()
+
+
+def _until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit  # a hang bound in real time
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 class BrokenMarks(InMemoryBackend):
@@ -219,7 +213,7 @@ def test_a_seal_whose_read_of_the_marks_fails_goes_on_without_them(
         assert len(failed) == 1, failed  # the one seal
         assert "RuntimeError: a bug in a third-party backend's batch read" in failed[0]["error"]
         # Without sealed marks the members' seats carry none, as before.
-        watched = [h._watched_round() for h in handlers]
+        watched = [h.statistics().watched for h in handlers]
         assert all(w is not None and w.sealed_mark is None for w in watched), watched
     finally:
         for h in handlers:
@@ -240,7 +234,7 @@ def test_a_failed_join_stops_the_heartbeat() -> None:
     )
     with pytest.raises(RendezvousExhaustedError, match="without reaching min nodes"):
         handler.next_rendezvous()
-    assert not handler._keepalive.running
+    assert not handler.statistics().keepalive_running
     mark = InMemoryBackend(storage).heartbeat_mark(handler.node)
     time.sleep(0.5)
     assert InMemoryBackend(storage).heartbeat_mark(handler.node) == mark
@@ -333,7 +327,7 @@ def test_a_node_whose_heartbeats_gave_up_completes_no_round() -> None:
         try:
             joined = pool.submit(deaf.next_rendezvous)
             deadline = time.monotonic() + 30  # a generous bound: three beats of 0.05 s
-            while deaf._keepalive.error is None:
+            while deaf.statistics().keepalive_error is None:
                 assert time.monotonic() < deadline, "the keep-alive never gave up"
                 time.sleep(0.01)
             pool.submit(other.next_rendezvous)  # the round can seal now

@@ -1,7 +1,10 @@
 """The handler in one process: threads as nodes, the in-memory backend, short timeouts.
 
-Tests of keep-alive death detection run on one shared fake clock
-(``Cluster(..., fake=True)``; see tests/dynamic/ticking.py).
+Every ``Cluster`` runs its nodes on one shared :class:`~rdzv.testing.AutojumpClock`
+(each node's view skewed as it asks): time moves only while every join and
+keep-alive waits, so who is judged dead and which join times out is decided by
+fake time alone, however loaded the machine. The ``_pair`` tests below run on
+real time: they measure when the ring is read against real confirmations.
 """
 
 import contextlib
@@ -17,6 +20,7 @@ import pytest
 
 from rdzv.api import RendezvousInfo, RendezvousStoreInfo, RendezvousTimeout
 from rdzv.backends.base import RendezvousBackend, Token
+from rdzv.dynamic.bootstrap import HeldPort
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.state import JoinRecord, decode_state, encode_record
 from rdzv.errors import (
@@ -28,8 +32,7 @@ from rdzv.errors import (
 )
 from rdzv.store.base import Store
 from rdzv.store.memory import HashStore
-from rdzv.testing import FakeClock, InMemoryBackend, InMemoryRendezvousStorage
-from tests.dynamic.ticking import FAKE_JOIN, NodeClock, Ticker
+from rdzv.testing import AutojumpClock, InMemoryBackend, InMemoryRendezvousStorage
 
 # The result() bounds of 40 s only catch hangs: a loaded machine is slow, not hung
 # (a 10 s bound failed a three-node formation beside a second suite).
@@ -56,35 +59,22 @@ class PlainBackend(RendezvousBackend):
 
 
 class Cluster:
-    def __init__(
-        self,
-        min_nodes: int,
-        max_nodes: int,
-        plain: bool = False,
-        fake: bool = False,
-        **timeouts: float,
-    ) -> None:
+    def __init__(self, min_nodes: int, max_nodes: int, plain: bool = False, **timeouts: float):
         self.store = HashStore(timeout=5)
         self.storage = InMemoryRendezvousStorage()
         self.min_nodes, self.max_nodes, self.plain = min_nodes, max_nodes, plain
         self.timeout = RendezvousTimeout(
-            join=timeouts.get("join", FAKE_JOIN if fake else 10),
-            last_call=timeouts.get("last_call", 0.3),
+            join=timeouts.get("join", 10), last_call=timeouts.get("last_call", 0.3)
         )
         self.handlers: list[DynamicRendezvousHandler] = []
         self.pool = ThreadPoolExecutor(max_workers=16)
-        self.nodes: list[tuple[NodeClock, DynamicRendezvousHandler]] = []
-        self.ticker = Ticker(FakeClock(), self.nodes) if fake else None
+        self.clock = AutojumpClock()
 
     def handler(
-        self,
-        addr: str,
-        node_rank: int | None = None,
-        clock: Callable[[], float] | None = None,
-        skew: float = 0.0,
+        self, addr: str, node_rank: int | None = None, skew: float = 0.0
     ) -> DynamicRendezvousHandler:
-        node_clock = NodeClock(self.ticker.clock, skew) if self.ticker is not None else None
-        backend: RendezvousBackend = InMemoryBackend(self.storage, node_clock)
+        clock = self.clock.skewed(skew)
+        backend: RendezvousBackend = InMemoryBackend(self.storage, clock)
         if self.plain:
             backend = PlainBackend(backend)  # type: ignore[arg-type]
         h = DynamicRendezvousHandler.from_backend(
@@ -98,23 +88,24 @@ class Cluster:
             keep_alive_interval=0.2,
             keep_alive_max_attempt=3,
             node_rank=node_rank,
-            clock=node_clock if node_clock is not None else clock,
+            clock=clock,
         )
-        if self.ticker is not None:
-            assert node_clock is not None
-            self.nodes.append((node_clock, h))
         self.handlers.append(h)
         return h
 
     def join(self, handlers: list[DynamicRendezvousHandler]) -> list[Future[RendezvousInfo]]:
         return [self.pool.submit(h.next_rendezvous) for h in handlers]
 
+    def after(self, seconds: float) -> None:
+        """Block (real time, bounded) until the fake clock moved ``seconds`` on."""
+        reading = self.clock() + seconds
+        _until(lambda: self.clock() >= reading)
+
     def close(self) -> None:
         for h in self.handlers:
             h.pre_shutdown()
         self.pool.shutdown(wait=True)
-        if self.ticker is not None:
-            self.ticker.stop()
+        self.clock.close()
 
 
 @pytest.fixture
@@ -140,11 +131,17 @@ def _check_round(infos: list[RendezvousInfo]) -> None:
     assert len({i.bootstrap_store_info for i in infos}) == 1
 
 
-def _until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
+def _eventually(predicate: Callable[[], bool], limit: float) -> bool:
     deadline = time.monotonic() + limit
     while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.01)
+    return True
+
+
+def _until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
+    assert _eventually(predicate, limit), "condition not met in time"
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["capable", "plain-backend"])
@@ -163,9 +160,12 @@ def test_max_nodes_form_a_round_at_once(
 
 def test_last_call_admits_stragglers_then_seals(cluster_factory: Callable[..., Cluster]) -> None:
     c = cluster_factory(2, 4, last_call=0.5)
-    first = c.join([c.handler("a1"), c.handler("a2")])
-    time.sleep(0.1)
-    third = c.join([c.handler("a3")])
+    queue = InMemoryBackend(c.storage)
+    with c.clock.running():  # no time passes until the straggler enqueued
+        first = c.join([c.handler("a1"), c.handler("a2")])
+        _until(lambda: queue.queue_length(0) == 2)
+        third = c.join([c.handler("a3")])
+        _until(lambda: queue.queue_length(0) == 3)
     infos = [f.result(timeout=40) for f in first + third]
     _check_round(infos)
     assert infos[0].world_size == 3
@@ -206,11 +206,10 @@ def test_late_joiner_waits_and_is_admitted_next_round(
 
 
 def test_member_dead_after_completion_is_detected(cluster_factory: Callable[..., Cluster]) -> None:
-    c = cluster_factory(2, 3, fake=True)
-    assert c.ticker is not None
+    c = cluster_factory(2, 3)
     nodes = [c.handler(f"d{i}") for i in range(3)]
     [f.result(timeout=40) for f in c.join(nodes)]
-    c.ticker.until(c.ticker.clock() + 1.3)  # > two dead-node timeouts (0.2 s x 3)
+    c.after(1.3)  # > two dead-node timeouts (0.2 s x 3)
     assert all(h.num_nodes_waiting() == 0 for h in nodes)
     nodes[1].pre_shutdown()  # stops heart-beating, as a SIGKILLed node would
     _until(lambda: nodes[0].num_nodes_waiting() > 0 and nodes[2].num_nodes_waiting() > 0)
@@ -222,12 +221,11 @@ def test_member_dead_after_completion_is_detected(cluster_factory: Callable[...,
 def test_clock_skew_neither_kills_the_living_nor_saves_the_dead(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(3, 3, fake=True)
-    assert c.ticker is not None
+    c = cluster_factory(3, 3)
     skewed = c.handler("s0", skew=3600.0)
     normal = [c.handler("s1"), c.handler("s2", skew=-3600.0)]
     [f.result(timeout=40) for f in c.join([skewed, *normal])]
-    c.ticker.until(c.ticker.clock() + 1.3)  # > 2 dead-node timeouts (0.2 s x 3)
+    c.after(1.3)  # > 2 dead-node timeouts (0.2 s x 3)
     assert all(h.num_nodes_waiting() == 0 for h in [skewed, *normal])
     skewed.pre_shutdown()
     _until(lambda: normal[0].num_nodes_waiting() > 0)
@@ -236,18 +234,18 @@ def test_clock_skew_neither_kills_the_living_nor_saves_the_dead(
 def test_keep_alive_gives_up_with_a_clear_error_and_restarts_on_the_next_join(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(1, 1, fake=True)
+    c = cluster_factory(1, 1)
     h = c.handler("k1")
     c.join([h])[0].result(timeout=40)
     c.storage.fail_next(10_000)
-    _until(lambda: not h._keepalive.running)
+    _until(lambda: not h.statistics().keepalive_running)
     c.storage.fail_next(0)
     for _ in range(2):  # every call says so until the node joins again
         with pytest.raises(RendezvousConnectionError, match="gave up after 3 failed keep-alive"):
             h.num_nodes_waiting()
     info = h.next_rendezvous()
     assert info.world_size == 1
-    assert h._keepalive.running
+    assert h.statistics().keepalive_running
     assert h.num_nodes_waiting() == 0
 
 
@@ -369,7 +367,7 @@ def test_backend_name_and_run_id(cluster_factory: Callable[..., Cluster]) -> Non
 def test_a_round_whose_members_all_died_does_not_block_the_next(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(2, 2, fake=True)
+    c = cluster_factory(2, 2)
     old = [c.handler("o1"), c.handler("o2")]
     [f.result(timeout=40) for f in c.join(old)]
     for h in old:
@@ -419,7 +417,7 @@ def test_rank0_dying_before_it_publishes_does_not_hold_the_others_without_a_seal
     c = cluster_factory(2, 3)
     # Records without a port (an older rdzv): the seal names no port and the
     # members wait for rank 0 to publish it in the round's store.
-    monkeypatch.setattr(DynamicRendezvousHandler, "_hold_port", lambda self: 0)
+    monkeypatch.setattr(HeldPort, "hold", lambda self: 0)
     c.store.set_timeout(60)  # waiting out the store timeout would fail the result() bounds
     dying = c.handler("r0", node_rank=0)
     others = [c.handler("r1", node_rank=1), c.handler("r2", node_rank=2)]
@@ -457,7 +455,7 @@ def test_a_member_waiting_for_a_live_rank0_that_never_publishes_gives_up_at_its_
     c = cluster_factory(2, 2, join=3)
     # Records without a port (an older rdzv): the seal names none, and rank 1
     # waits for rank 0, which stays a live member but hangs before publishing.
-    monkeypatch.setattr(DynamicRendezvousHandler, "_hold_port", lambda self: 0)
+    monkeypatch.setattr(HeldPort, "hold", lambda self: 0)
     c.store.set_timeout(60)  # the wait used to last this long
     hung = threading.Event()
     build = RendezvousStoreInfo.build
@@ -466,12 +464,12 @@ def test_a_member_waiting_for_a_live_rank0_that_never_publishes_gives_up_at_its_
         rank: int, store: Store, local_addr: str | None = None, server_port: int | None = None
     ) -> RendezvousStoreInfo:
         if local_addr == "r0":
-            hung.wait(30)
+            c.clock.wait(hung, 30)
         return build(rank, store, local_addr, server_port)
 
     monkeypatch.setattr(RendezvousStoreInfo, "build", staticmethod(hangs_at_rank0))
     rank0, rank1 = c.handler("r0", node_rank=0), c.handler("r1", node_rank=1)
-    started = time.monotonic()
+    started = c.clock()
     futures = c.join([rank0, rank1])
     try:
         with pytest.raises(
@@ -479,7 +477,7 @@ def test_a_member_waiting_for_a_live_rank0_that_never_publishes_gives_up_at_its_
             match=r"rank 1 did not see rank 0 publish .* by the join deadline",
         ):
             futures[1].result(timeout=40)
-        assert time.monotonic() - started < 3 + 1 + 10  # the join timeout and its grace
+        assert c.clock() - started < 3 + 1  # the join timeout, and one slice of the wait
     finally:
         hung.set()
     assert futures[0].result(timeout=40).rank == 0
@@ -490,11 +488,11 @@ def test_a_node_without_a_free_port_joins_and_rank0_publishes_one_after_the_seal
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from rdzv.dynamic import handler as handler_module
+    from rdzv.dynamic import bootstrap as bootstrap_module
 
     c = cluster_factory(3, 3)
     c.store.set_timeout(20)
-    bound = handler_module._bound_socket
+    bound = bootstrap_module.bound_socket
     tried: list[str] = []
 
     def no_port_for_r0() -> socket.socket:
@@ -504,7 +502,7 @@ def test_a_node_without_a_free_port_joins_and_rank0_publishes_one_after_the_seal
             raise OSError(errno.EADDRINUSE, "Address already in use")
         return bound()
 
-    monkeypatch.setattr(handler_module, "_bound_socket", no_port_for_r0)
+    monkeypatch.setattr(bootstrap_module, "bound_socket", no_port_for_r0)
     handlers = [c.handler(f"r{i}", node_rank=i) for i in range(3)]
     with caplog.at_level(logging.INFO, logger="rdzv.dynamic"), ThreadPoolExecutor(3) as pool:
         futures = []
@@ -542,13 +540,13 @@ def test_a_store_restarted_empty_strands_nobody(cluster_factory: Callable[..., C
     infos = [f.result(timeout=40) for f in [waiting, *c.join(members)]]
     _check_round(infos)
     assert infos[0].world_size == 3
-    assert {h._member_of.round for h in [joiner, *members]} == {0}  # type: ignore[union-attr]
+    assert {h.statistics().round for h in [joiner, *members]} == {0}
 
 
 def test_a_member_dying_while_the_others_rejoin_is_found_by_its_ring_neighbour(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(2, 4, fake=True)  # the join timeout is never reached
+    c = cluster_factory(2, 4)
     a, b, d = c.handler("a", node_rank=0), c.handler("b", node_rank=1), c.handler("d", node_rank=2)
     [f.result(timeout=40) for f in c.join([a, b, d])]
     a.pre_shutdown()  # a and d stop heart-beating, as if SIGKILLed
@@ -579,7 +577,7 @@ def test_members_re_joining_together_write_one_leave(
     _check_round(first)
     attempts: list[bytes] = []
     meet = threading.Barrier(3, timeout=1)
-    backends = [h._backend for h in handlers]
+    backends = [h.backend for h in handlers]
     for backend in backends:
         assert isinstance(backend, InMemoryBackend)
         # A seated backend takes every write with the state's summary.
@@ -685,7 +683,7 @@ def test_a_member_that_rejoins_judges_its_old_ring_until_the_new_round_is_confir
     def hold_b() -> None:  # b confirms round 1 once a is confirming it too
         if armed.is_set():
             assert a_confirming.wait(10), "a never began to confirm"
-            seat = handlers[0]._watched_round()
+            seat = handlers[0].statistics().watched
             watched.append(None if seat is None else seat.round)
 
     backends = [_HeldConfirmer(storage, [], hold=hold_a), _HeldConfirmer(storage, [], hold=hold_b)]
@@ -699,7 +697,7 @@ def test_a_member_that_rejoins_judges_its_old_ring_until_the_new_round_is_confir
                     f.result(timeout=60) for f in [pool.submit(h.next_rendezvous) for h in handlers]
                 ]
                 _check_round(infos)
-        seat = handlers[0]._watched_round()
+        seat = handlers[0].statistics().watched
         assert seat is not None
         assert seat.round == 1  # judged from the verdict on
     finally:
@@ -712,19 +710,17 @@ def test_the_ring_judging_starts_when_a_confirmation_slice_passes_without_the_ve
     # A member that died in the queue never confirms; its ring predecessor
     # must start judging it while the others wait, not at its next beat.
     storage = InMemoryRendezvousStorage()
-    woken = threading.Event()
     before_verdict: list[bool] = []
-    # b confirms once a's ring judging started (or far past the slice).
-    late = _HeldConfirmer(storage, [], hold=lambda: before_verdict.append(woken.wait(30)))
+
+    def judging() -> bool:  # a's keep-alive watches round 0's ring
+        return handlers[0].statistics().watched is not None
+
+    def hold() -> None:  # b confirms once a's ring judging started (or far past the slice)
+        before_verdict.append(_eventually(judging, 30))
+
+    late = _HeldConfirmer(storage, [], hold=hold)
     # Dead after 3 s: the confirmation's slices 0.75 s.
     handlers = _pair(storage, [_HeldConfirmer(storage, []), late], interval=1.0)
-    wake = handlers[0]._keepalive.wake
-
-    def spy() -> None:
-        woken.set()
-        wake()
-
-    handlers[0]._keepalive.wake = spy  # type: ignore[method-assign]
     _form(handlers)
     assert before_verdict == [True], "a's ring judging waited for the verdict"
 
@@ -735,7 +731,7 @@ def test_a_node_that_died_waiting_alone_in_the_queue_completes_no_round(
     # The chaos harness's late leave across hosts: a node enqueued alone
     # (min_nodes 2) and was SIGKILLed; the last-call leader came seconds later
     # and sealed the round with it, and the members started work beside it.
-    c = cluster_factory(2, 3, fake=True)  # the join timeout is never reached
+    c = cluster_factory(2, 3)
     backend = InMemoryBackend(c.storage)
     backend.enqueue(0, encode_record(JoinRecord("ghost#1#dead", -1)))
     backend.beat("ghost#1#dead")  # it beat once before it died
@@ -767,8 +763,9 @@ def test_a_member_alive_but_never_confirming_ends_the_join_at_its_timeout(
     stop = threading.Event()
 
     def beat() -> None:  # alive (never judged dead), but it never reads the seal
-        while not stop.wait(0.05):
-            backend.beat("mute#1#x")
+        with c.clock.running():
+            while not c.clock.wait(stop, 0.05):
+                backend.beat("mute#1#x")
 
     beater = threading.Thread(target=beat)
     beater.start()
@@ -788,7 +785,7 @@ def test_a_member_alive_but_never_confirming_ends_the_join_at_its_timeout(
 def test_a_queue_whose_admitted_nodes_all_died_does_not_block_the_spares(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    c = cluster_factory(2, 2, fake=True)  # the join timeout is never reached
+    c = cluster_factory(2, 2)
     old = [c.handler("o1"), c.handler("o2")]
     [f.result(timeout=40) for f in c.join(old)]
     for h in old:
@@ -809,7 +806,7 @@ def test_a_joiner_that_died_in_the_queue_while_the_seal_waited_is_left_out(
     # SIGKILLed; the seal, deferred because the last round's members had not
     # re-joined, waited until they were judged dead, and its leader then
     # admitted the killed node too, 9 s after its death.
-    c = cluster_factory(2, 4, fake=True)  # the join timeout is never reached
+    c = cluster_factory(2, 4)
     members = [c.handler("a", node_rank=0), c.handler("b", node_rank=1)]
     [f.result(timeout=40) for f in c.join(members)]
     backend = InMemoryBackend(c.storage)

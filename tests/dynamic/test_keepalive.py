@@ -153,7 +153,7 @@ def test_a_silent_successor_is_judged_dead_after_the_bound_and_not_before() -> N
 
 
 def test_in_a_large_ring_a_silent_successor_is_judged_at_the_bound_not_a_period_later() -> None:
-    from rdzv.dynamic.machine import ring_judge_period
+    from rdzv.dynamic.pacing import ring_judge_period
 
     world = 1024
     period = ring_judge_period(JUDGE_EVERY, INTERVAL, world)

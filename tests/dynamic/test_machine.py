@@ -409,7 +409,7 @@ def test_leaving_members() -> None:
 
 
 def test_a_large_ring_reads_marks_less_often_within_one_interval() -> None:
-    from rdzv.dynamic.machine import RING_READS_PER_SECOND, ring_judge_period
+    from rdzv.dynamic.pacing import RING_READS_PER_SECOND, ring_judge_period
 
     assert ring_judge_period(0.075, 1.0, 128) == pytest.approx(0.075)
     at_1024 = ring_judge_period(0.075, 1.0, 1024)
@@ -419,7 +419,7 @@ def test_a_large_ring_reads_marks_less_often_within_one_interval() -> None:
 
 @pytest.mark.parametrize("waiting", [1, 100, 1000, 2048, 8192, 100_000])
 def test_nodes_waiting_for_a_seal_poll_the_queue_within_the_budget(waiting: int) -> None:
-    from rdzv.dynamic.machine import QUEUE_POLLS_PER_SECOND, state_wait_cap
+    from rdzv.dynamic.pacing import QUEUE_POLLS_PER_SECOND, state_wait_cap
 
     cap = state_wait_cap(waiting)
     assert cap >= 1.0  # a small queue is read once a second, for backups and progress

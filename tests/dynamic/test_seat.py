@@ -12,7 +12,8 @@ import pytest
 from rdzv.api import RendezvousInfo, RendezvousTimeout
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
-from rdzv.dynamic.machine import waiting_poll_gap
+from rdzv.dynamic.join import wait_state
+from rdzv.dynamic.pacing import waiting_poll_gap
 from rdzv.dynamic.seat import (
     MAX_SEALED_MARK,
     SealedMark,
@@ -31,6 +32,7 @@ from rdzv.dynamic.state import (
     encode_summary,
 )
 from rdzv.errors import RendezvousClosedError, RendezvousStateError
+from rdzv.retry import REAL_TIME
 from rdzv.store.base import Timeout, Value
 from rdzv.store.memory import HashStore, PrefixStore
 
@@ -270,7 +272,7 @@ def test_members_judge_their_successor_from_the_mark_the_sealer_read() -> None:
         t.start()
     for t in threads:
         t.join(90)
-    watched = [h._watched_round() for h in handlers]
+    watched = [h.statistics().watched for h in handlers]
     for h in handlers:
         h.pre_shutdown()
     assert all(info is not None for info in infos), "a member did not complete"
@@ -609,10 +611,8 @@ def test_a_waiting_node_whose_summary_was_replaced_reads_the_newest_one_not_the_
     seen = backend.other.read()[1]
     backend.write(RendezvousState(3, (A, B, C), bootstrap_port=7))  # the head moved on
     backend.races = 1  # and moves again between the node's look at it and its summary read
-    handler = DynamicRendezvousHandler.from_backend(
-        "raced", store, backend, 1, 3, local_addr="10.9.0.1"
-    )
-    view, token, seated = handler._wait_state(None, seen, 9, 0.05, 0, 5.0)
+    shared = SharedState(backend, "c10d")
+    view, token, seated = wait_state(shared, D, REAL_TIME, None, seen, 9, 0.05, 0, 5.0)
     assert seated is None
     assert isinstance(view, StateSummary)
     assert view == StateSummary.of(backend.written[token])

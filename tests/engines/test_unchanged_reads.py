@@ -13,10 +13,11 @@ from typing import Any, TypeVar
 import pytest
 
 from rdzv.backends.base import RendezvousBackend
-from rdzv.backends.store import C10dRendezvousBackend
+from rdzv.backends.store import RETAIN_REPLACED, C10dRendezvousBackend
 from rdzv.dynamic.state import RendezvousState, encode_state
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
+from rdzv.testing.clock import FakeClock
 from tests.procs import CountingStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,12 +54,13 @@ def tcp_store() -> Iterator[TCPStore]:
 
 
 def test_c10d_reads_an_unchanged_state_as_its_16_byte_head(tcp_store: TCPStore) -> None:
-    writer = C10dRendezvousBackend(tcp_store, "job")
+    clock = FakeClock()
+    writer = C10dRendezvousBackend(tcp_store, "job", clock=clock)
     first = writer.set_state(_state(1))
     assert first is not None
     clone = tcp_store.clone()
     try:
-        _poll_and_change(writer, first, clone, tcp_store)
+        _poll_and_change(writer, first, clone, tcp_store, clock)
     finally:
         clone.close()
 
@@ -68,6 +70,7 @@ def _poll_and_change(
     first: tuple[bytes, Any, bool],
     clone: TCPStore,
     tcp_store: TCPStore,
+    clock: FakeClock,
 ) -> None:
     counting = BytesRead()
     reader = C10dRendezvousBackend(CountingStore(clone, counting), "job")  # type: ignore[arg-type]
@@ -83,8 +86,20 @@ def _poll_and_change(
     counting.read = 0
     assert reader.get_state() == second[:2]
     assert counting.read > len(second[0])
-    # The replaced body is deleted: the store keeps one body per run.
-    assert len([k for k in tcp_store.list_keys() if k.startswith("rdzv.backend/job/state/")]) == 1
+    # The replaced body outlives its replacement (a reader of its head still
+    # finds it) until the writer's first call after RETAIN_REPLACED seconds.
+    assert _bodies(tcp_store) == {_body_key(first[1]), _body_key(second[1])}
+    clock.advance(RETAIN_REPLACED)
+    assert writer.read_token() == second[1]
+    assert _bodies(tcp_store) == {_body_key(second[1])}
+
+
+def _body_key(head: bytes) -> str:
+    return f"rdzv.backend/job/state/{head[4:].hex()}"
+
+
+def _bodies(store: TCPStore) -> set[str]:
+    return {k for k in store.list_keys() if k.startswith("rdzv.backend/job/state/")}
 
 
 def test_c10d_still_reads_and_replaces_a_record_of_the_one_key_layout(tcp_store: TCPStore) -> None:

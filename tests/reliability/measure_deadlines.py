@@ -47,7 +47,8 @@ def measure(kind: str) -> None:
             with _paused(proc):
                 started = time.monotonic()
                 while (
-                    handler._keepalive.error is None and time.monotonic() - started < _KEEPALIVE_CAP
+                    handler.statistics().keepalive_error is None
+                    and time.monotonic() - started < _KEEPALIVE_CAP
                 ):
                     time.sleep(0.05)
                 took = time.monotonic() - started

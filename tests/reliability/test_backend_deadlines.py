@@ -169,10 +169,12 @@ def test_the_keep_alive_gives_up_on_a_paused_server_within_its_attempts(kind: st
             assert handler.next_rendezvous().world_size == 1
             with _paused(proc):
                 started = time.monotonic()
-                while handler._keepalive.error is None and time.monotonic() - started < 60:
+                while (
+                    handler.statistics().keepalive_error is None and time.monotonic() - started < 60
+                ):
                     time.sleep(0.05)
                 took = time.monotonic() - started
-            assert handler._keepalive.error is not None
+            assert handler.statistics().keepalive_error is not None
             # the beats of the failure streak share interval x attempts + CALL_GRACE
             assert took < INTERVAL * ATTEMPTS + CALL_GRACE + SLACK, took
         finally:

@@ -1,13 +1,21 @@
 """The c10d backend's own behaviour beyond the shared suite (tests/conformance)."""
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
-from rdzv.backends.store import C10dRendezvousBackend, P10dRendezvousBackend, TpRendezvousBackend
+from rdzv.backends.store import (
+    RETAIN_REPLACED,
+    C10dRendezvousBackend,
+    P10dRendezvousBackend,
+    TpRendezvousBackend,
+)
 from rdzv.store.memory import HashStore
+from rdzv.testing.clock import FakeClock
 
 
 def test_aliases_are_one_class() -> None:
@@ -98,3 +106,109 @@ def test_the_side_channel_writes_while_a_watch_holds_the_main_client() -> None:
         backend.close()
         client.close()
         master.close()
+
+
+def test_sixteen_writers_on_a_tcp_store_lose_no_update_and_raise_nothing() -> None:
+    """Contention among honest writers never surfaces as an error, nor loses an update.
+
+    Each writer reads, increments and writes back until 20 of its writes
+    won, on a client of its own; a loser's read of the head that beat it
+    and every plain read race the other 15 writers' deletions. Once all
+    have closed, only the last body is left in the store.
+    """
+    from rdzv.store.server import TCPStoreServer
+    from rdzv.store.tcp import TCPStore
+
+    writers, wins = 16, 20
+    server = TCPStoreServer("127.0.0.1", 0).start()
+    clients = [TCPStore("127.0.0.1", server.port, timeout=30) for _ in range(writers)]
+    try:
+        backends = [C10dRendezvousBackend(client, "run") for client in clients]
+        backends[0].set_state(b"0")
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(writers)
+
+        def increment(backend: C10dRendezvousBackend) -> None:
+            try:
+                barrier.wait(timeout=30)
+                won = 0
+                for _ in range(100_000):
+                    read = backend.get_state()
+                    assert read is not None
+                    result = backend.set_state(str(int(read[0]) + 1).encode(), read[1])
+                    won += bool(result is not None and result[2])
+                    if won == wins:
+                        return
+                errors.append(AssertionError("a writer could not complete its increments"))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=increment, args=(b,), daemon=True) for b in backends]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=90)
+        assert not any(t.is_alive() for t in threads), "a writer hung for 90 s"
+        assert errors == []
+        final = backends[0].get_state()
+        assert final is not None
+        assert int(final[0]) == writers * wins
+        for backend in backends:
+            backend.close()
+        bodies = [k for k in clients[0].list_keys() if k.startswith("rdzv.backend/run/state/")]
+        assert bodies == [f"rdzv.backend/run/state/{final[1][4:].hex()}"]
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+
+
+class _RivalBeforeEachRead:
+    """A store view on which ``rival`` runs before every atomic multi-key read."""
+
+    def __init__(self, inner: HashStore, rival: Callable[[], None]) -> None:
+        self._inner = inner
+        self._rival = rival
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        self.reads += 1
+        self._rival()
+        return self._inner.try_multi_get(keys)
+
+
+def test_a_reader_reads_in_one_round_trip_whatever_the_write_rate() -> None:
+    """Five commits land between a reader's head and its body read, each time; it reads at once."""
+    store = HashStore()
+    clock = FakeClock()
+    rival = C10dRendezvousBackend(store, "r", clock=clock)
+    rival.set_state(b"0")
+
+    def five_commits() -> None:
+        for _ in range(5):
+            read = rival.get_state()
+            assert read is not None
+            assert rival.set_state(str(int(read[0]) + 1).encode(), read[1]) is not None
+
+    view = _RivalBeforeEachRead(store, five_commits)
+    reader = C10dRendezvousBackend(view, "r")  # type: ignore[arg-type]
+    for _ in range(3):
+        view.reads = 0
+        state, token = reader.get_state() or (b"", b"")
+        assert view.reads == 1
+        lost = reader.set_state(b"mine", token)
+        assert lost is not None
+        assert not lost[2]
+        # The loser's answer is a committed pair: the body its head names.
+        assert int(lost[0]) > int(state)
+        assert store.get(f"rdzv.backend/r/state/{lost[1][4:].hex()}") == lost[0]
+        assert view.reads == 2
+    # The rival keeps every body it replaced until RETAIN_REPLACED has passed on its clock.
+    replaced = 3 * 2 * 5
+    assert store.num_keys() == 1 + replaced + 1
+    clock.advance(RETAIN_REPLACED)
+    assert rival.read_token() is not None
+    assert store.num_keys() == 2  # the head and its body

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from rdzv.retry import Retry, jitter, poll_backoff
+from rdzv.testing import FakeClock
 from tests.unit.test_layering import _matches, all_imports
 
 
@@ -23,7 +24,7 @@ def test_backoffs_leave_a_seeded_global_random_sequence_as_it_was() -> None:
     random.seed(1234)
     for attempt in range(20):
         poll_backoff(attempt)
-    retry = Retry(1.0, first=0.0001, sleep=lambda _s: None)
+    retry = Retry(1.0, first=0.0001, clock=FakeClock())
     for _ in range(5):
         retry.pause()
     assert [random.random() for _ in range(5)] == expected

@@ -6,7 +6,7 @@ gets the two capabilities that make a formation linear from its store:
 * :class:`StoreJoinQueue`: ``append`` of a length-prefixed record, then
   ``add`` on the round's counter (two non-conflicting operations per joining
   node; waiting is ``watch`` on the counter, or polling with jittered,
-  capped backoff on stores without watch);
+  capped backoff on stores without watch, on the caller's clock);
 * :class:`StoreLiveness`: ``add(key, 1)`` on a per-node counter; reading a
   mark is ``add(key, 0)``, one round trip.
 
@@ -17,7 +17,6 @@ them for backends that lack the capabilities. Store failures become
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
@@ -29,7 +28,8 @@ from rdzv.backends.base import (
     validate_record,
 )
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
-from rdzv.retry import poll_backoff
+from rdzv.keys import CONFIRM_QUEUE, JOIN_QUEUE, heartbeat_key, queue_keys
+from rdzv.retry import current_clock, poll_backoff
 from rdzv.store.base import Store
 
 __all__ = ["StoreJoinQueue", "StoreLiveness", "store_call"]
@@ -59,18 +59,17 @@ class StoreJoinQueue(JoinQueueBackend):
             ``c`` for confirmations (:meth:`confirmation_queue`).
     """
 
-    def __init__(self, store: Store, prefix: str, kind: str = "q") -> None:
+    def __init__(self, store: Store, prefix: str, kind: str = JOIN_QUEUE) -> None:
         self._queue_store = store
         self._queue_prefix = prefix
         self._queue_kind = kind
 
     def _queue_keys(self, round_id: int) -> tuple[str, str]:
-        base = f"{self._queue_prefix}{self._queue_kind}/{round_id}"
-        return base, f"{base}/n"
+        return queue_keys(self._queue_prefix, self._queue_kind, round_id)
 
     def confirmation_queue(self) -> StoreJoinQueue:
         """Return the confirmation queues, keyed ``<prefix>c/<round>`` in the same store."""
-        return StoreJoinQueue(self._queue_store, self._queue_prefix, "c")
+        return StoreJoinQueue(self._queue_store, self._queue_prefix, CONFIRM_QUEUE)
 
     def enqueue(self, round_id: int, record: bytes) -> int:  # noqa: D102 - see JoinQueueBackend
         validate_record(round_id, record)
@@ -111,22 +110,24 @@ class StoreJoinQueue(JoinQueueBackend):
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:  # noqa: D102
         _, count_key = self._queue_keys(round_id)
         store = self._queue_store
-        deadline = time.monotonic() + timeout
+        clock = current_clock()
+        deadline = clock() + timeout
         attempt = 0
         while True:
             # add(key, 0) reads the counter and creates it, so a watch that
             # follows has an exact "previous" value to compare against.
             length = self.queue_length(round_id)
-            remaining = deadline - time.monotonic()
+            remaining = deadline - clock()
             if length != known or remaining <= 0:
                 return length
             if store.supports_watch:
                 previous = str(length).encode()
-                store_call(
-                    "wait_queue_length", partial(store.watch, count_key, previous, remaining)
-                )
+                with clock.blocking(remaining):
+                    store_call(
+                        "wait_queue_length", partial(store.watch, count_key, previous, remaining)
+                    )
             else:
-                time.sleep(min(remaining, poll_backoff(attempt)))
+                clock.sleep(min(remaining, poll_backoff(attempt)))
                 attempt += 1
 
     def drop_queue(self, round_id: int) -> None:  # noqa: D102
@@ -149,7 +150,7 @@ class StoreLiveness(LivenessBackend):
         self._liveness_prefix = prefix
 
     def _beat_key(self, node: str) -> str:
-        return f"{self._liveness_prefix}hb/{validate_node_key(node)}"
+        return heartbeat_key(self._liveness_prefix, validate_node_key(node))
 
     def beat(self, node: str) -> None:  # noqa: D102 - see LivenessBackend
         key = self._beat_key(node)

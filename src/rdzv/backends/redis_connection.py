@@ -13,7 +13,6 @@ redis-py's retries.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +81,7 @@ class _DeadlineRetry(Retry):
         def failed(error: Exception, *more: Any) -> None:
             fail(error, *more)
             deadline = caller_deadline()
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and deadline.left() <= 0:
                 raise error
 
         return super().call_with_retry(do, failed, *args, **kwargs)

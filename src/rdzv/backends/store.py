@@ -7,15 +7,25 @@ and ``TpRendezvousBackend``. It offers every capability:
   bytes)``, which is the fencing token, and a *body* key named after the
   head holding the state. A write stores the new body under its new head's
   name, then moves the head with one ``compare_set`` (the commit point; a
-  loser deletes its body, a winner the body it replaced). The generation only
-  grows, so a stale token never matches again; the random nonce makes "did
-  my write win?" exact even when two writers store identical bytes. A read
-  of an unchanged state costs one 16-byte head and no body: the backend
-  keeps the body of the last head it saw, so a member polling a state of
-  thousands of participants reads O(1) bytes a poll, not the whole list. A
-  record of the older one-key layout (``b"RDZ1" + generation + nonce +
-  state``, the whole value the token) is still read, and the next write
-  replaces it with a head;
+  loser deletes its body). The generation only grows, so a stale token never
+  matches again; the random nonce makes "did my write win?" exact even when
+  two writers store identical bytes. A read of an unchanged state costs one
+  16-byte head and no body: the backend keeps the body of the last head it
+  saw, so a member polling a state of thousands of participants reads O(1)
+  bytes a poll, not the whole list. A record of the older one-key layout
+  (``b"RDZ1" + generation + nonce + state``, the whole value the token) is
+  still read, and the next write replaces it with a head;
+* a replaced body outlives its replacement by :data:`RETAIN_REPLACED`
+  seconds on the clock of the winner that replaced it, which deletes it at
+  its first read or write after that, or when it closes. A reader (a
+  loser's read of the head that beat it, or any read) fetches the head and
+  the body it names in one atomic ``try_multi_get``: the body can be gone
+  only if that one round trip took longer than the retention, however fast
+  others write, and the same reply names the head to read next. So a read
+  costs one round trip, two when the head moved meanwhile, whatever the
+  write rate. (Deleting the replaced body at once let a reader chasing the
+  heads of four busy writers miss eight times running.) A winner that dies
+  leaves the bodies it had not yet deleted behind;
 * watch: ``Store.watch`` on the head key when the store supports it,
   otherwise polling with jittered, capped backoff;
 * seats: a seated write stores each member's seat under
@@ -45,10 +55,11 @@ reached, hosted or opened fails with torch's message first.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import secrets
 import tempfile
-import time
+import threading
 from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING
@@ -66,7 +77,8 @@ from rdzv.backends.base import (
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
-from rdzv.retry import poll_backoff
+from rdzv.keys import backend_prefix
+from rdzv.retry import Clock, as_clock, current_clock, deadline_within, poll_backoff
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
@@ -94,8 +106,14 @@ _MAGICS = (_MAGIC, _HEAD_MAGIC)
 _HEADER = len(_MAGIC) + 8 + 4
 _GENERATION = slice(len(_MAGIC), len(_MAGIC) + 8)
 _PROBE = b"\x00rdzv-probe"
-# Reads of a head whose body a newer write already replaced, before giving up.
+# Atomic reads of a head and its body, each missing a body replaced over
+# RETAIN_REPLACED seconds before, before giving up.
 _BODY_ATTEMPTS = 8
+RETAIN_REPLACED = 2.0
+"""Seconds a replaced state body is kept for readers of the head that named it."""
+# Seconds a closing backend spends deleting the bodies it replaced (a store
+# that does not answer leaves them behind rather than delay the close).
+_CLOSE_BOUND = 2.0
 
 
 class C10dRendezvousBackend(
@@ -109,14 +127,21 @@ class C10dRendezvousBackend(
         liveness_store: A second client of the same store for heartbeats, so
             a heartbeat never queues behind a long watch on a client that
             serialises requests (the TCP store does); ``store`` when None.
+        clock: Times how long replaced bodies are kept; real time when None.
 
     Raises:
         ValueError: ``run_id`` is empty or holds whitespace.
     """
 
-    def __init__(self, store: Store, run_id: str, liveness_store: Store | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        liveness_store: Store | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         validate_run_id(run_id)
-        prefix = f"rdzv.backend/{run_id}/"
+        prefix = backend_prefix(run_id)
         StoreJoinQueue.__init__(self, store, prefix)
         StoreLiveness.__init__(self, liveness_store or store, prefix)
         self._store = store
@@ -126,6 +151,11 @@ class C10dRendezvousBackend(
         # The body of the last head read or written: an unchanged state is
         # read as its head alone.
         self._last: tuple[bytes, bytes] | None = None
+        self._clock = as_clock(clock)
+        # (head, when) of the bodies this backend's wins replaced, not yet
+        # deleted; shared with its side-channel view, whose evictions write too.
+        self._replaced: list[tuple[bytes, float]] = []
+        self._replaced_lock = threading.Lock()
         # Each node's seat as last read (head and seat), by node key.
         self._seats_seen: dict[str, bytes] = {}
 
@@ -154,11 +184,16 @@ class C10dRendezvousBackend(
     def _resolve(self, raw: bytes) -> tuple[bytes, Token]:
         """Return ``(state, token)`` for a stored head (reading its body) or old-layout record.
 
+        Each attempt reads the head and the body ``raw`` names in one atomic
+        request: a body found is returned with ``raw`` (committed, and
+        current when ``raw`` was read); a body missing means two newer
+        writes committed, and the head read beside it is tried next.
+
         Raises:
             RendezvousStateError: The record is corrupt, or a head's body is
                 missing although the head did not move.
-            RendezvousConnectionError: The head moved on faster than its
-                bodies could be read, ``_BODY_ATTEMPTS`` times.
+            RendezvousConnectionError: The head moved on two generations
+                faster than its bodies could be read, ``_BODY_ATTEMPTS`` times.
         """
         for _ in range(_BODY_ATTEMPTS):
             if not self._is_head(self._checked(raw)):
@@ -167,12 +202,13 @@ class C10dRendezvousBackend(
             if cached is not None and cached[1] == raw:
                 return cached
             key = self._body_key(raw)
-            body = self._read_body(key)
+            current, body = store_call(
+                "get_state", partial(self._store.try_multi_get, [self._key, key])
+            )
             if body is not None:
                 self._last = (body, raw)
+                self._collect()
                 return body, raw
-            # A newer write replaced this head and deleted its body: read the new head.
-            current = self._read_raw()
             if current is None:
                 raise RendezvousStateError(f"the rendezvous record {self._key!r} vanished")
             if current == raw:
@@ -184,9 +220,6 @@ class C10dRendezvousBackend(
         raise RendezvousConnectionError(
             f"the rendezvous state {self._key!r} changed {_BODY_ATTEMPTS} times while it was read"
         )
-
-    def _read_body(self, key: str) -> bytes | None:
-        return store_call("get_state", lambda: self._store.try_multi_get([key])[0])
 
     def _read_raw(self) -> bytes | None:
         raw = store_call("get_state", lambda: self._store.compare_set(self._key, _PROBE, _PROBE))
@@ -201,6 +234,17 @@ class C10dRendezvousBackend(
         key = self._body_key(head)
         with contextlib.suppress(RendezvousError):
             store_call("set_state", lambda: self._store.delete_key(key))
+
+    def _collect(self, everything: bool = False) -> None:
+        """Delete the bodies this backend replaced :data:`RETAIN_REPLACED` seconds ago or more."""
+        if not self._replaced:
+            return
+        cutoff = math.inf if everything else self._clock() - RETAIN_REPLACED
+        with self._replaced_lock:
+            due = [head for head, when in self._replaced if when <= cutoff]
+            self._replaced[:] = [(h, when) for h, when in self._replaced if when > cutoff]
+        for head in due:
+            self._discard(head)
 
     def set_state(  # noqa: D102 - see RendezvousBackend
         self, state: bytes, token: Token | None = None
@@ -247,13 +291,13 @@ class C10dRendezvousBackend(
         result = store_call("set_state", lambda: self._store.compare_set(self._key, expected, head))
         if result == head:
             self._last = (state, head)
-            # The replaced body goes first: once the seats land, every member
-            # sends its confirmation at once, and a request of this node's
-            # with a reply would queue behind theirs (at 8,192 members a
-            # reply after the seats came 2.7 s later, and the round's
-            # verdict, which waits for this node's confirmation too, with it).
             if self._is_head(expected):
-                self._discard(expected)
+                with self._replaced_lock:
+                    self._replaced.append((expected, self._clock()))
+            # Bodies due for deletion go before the seats: once the seats
+            # land, every member sends its confirmation at once, and a request
+            # of this node's with a reply would queue behind theirs.
+            self._collect()
             if members:
                 seated = [self._seat_key(node) for node in members]
                 places = [head + seats[node] for node in members]
@@ -291,10 +335,11 @@ class C10dRendezvousBackend(
             return self.wait_for_token(token, timeout)
         # A seat of any head is newer than nothing stored.
         known = b"" if token is None else token[_GENERATION]
-        deadline = time.monotonic() + timeout
+        clock = current_clock()
+        deadline = clock() + timeout
         while True:
             previous = self._seats_seen.get(node)
-            remaining = max(0.0, deadline - time.monotonic())
+            remaining = max(0.0, deadline - clock())
             raw = store_call("wait_for_seat", partial(store.watch, key, previous, remaining))
             if raw == previous:
                 return self.read_token()  # the timeout: the caller looks at the token
@@ -320,7 +365,10 @@ class C10dRendezvousBackend(
 
     def read_token(self) -> Token | None:  # noqa: D102 - see SeatedBackend
         raw = self._read_raw()
-        return None if raw is None else self._checked(raw)
+        if raw is None:
+            return None
+        self._collect()
+        return self._checked(raw)
 
     def _checked(self, raw: bytes) -> bytes:
         """Return a stored head or old-layout record; raise for anything else."""
@@ -342,14 +390,15 @@ class C10dRendezvousBackend(
         if store.supports_watch:
             raw = store_call("wait_for_state", lambda: store.watch(self._key, previous, timeout))
             return None if raw is None else self._checked(raw)
-        deadline = time.monotonic() + timeout
+        clock = current_clock()
+        deadline = clock() + timeout
         attempt = 0
         while True:
             raw = self._read_raw()
-            remaining = deadline - time.monotonic()
+            remaining = deadline - clock()
             if raw != previous or remaining <= 0:
                 return None if raw is None else self._checked(raw)
-            time.sleep(min(remaining, poll_backoff(attempt)))
+            clock.sleep(min(remaining, poll_backoff(attempt)))
             attempt += 1
 
     def side_channel(self) -> C10dRendezvousBackend:
@@ -360,10 +409,14 @@ class C10dRendezvousBackend(
         """
         if self._liveness_store is self._store:
             return self
-        return C10dRendezvousBackend(self._liveness_store, self._run_id)
+        view = C10dRendezvousBackend(self._liveness_store, self._run_id, clock=self._clock)
+        view._replaced, view._replaced_lock = self._replaced, self._replaced_lock
+        return view
 
     def close(self) -> None:
-        """Close the heartbeat client when it is a separate one."""
+        """Delete the bodies this backend replaced; close the heartbeat client when separate."""
+        with deadline_within(_CLOSE_BOUND):
+            self._collect(everything=True)
         if self._liveness_store is not self._store:
             self._liveness_store.close()
 

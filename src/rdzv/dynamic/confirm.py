@@ -32,8 +32,7 @@ reads the queue and writes the verdict) and nothing while all are alive.
 Each slice a member waits beyond the first costs the state check (one
 request) and the next slice's wait: one request on a store that watches
 (the server ends the wait at the slice's end), two on one that does not (a
-``WAIT`` the client cuts short needs its ``CANCEL_WAIT``). At 8,192 members
-the last one confirms seconds after the first.
+``WAIT`` the client cuts short needs its ``CANCEL_WAIT``).
 The queue and the verdict of a round are deleted with its join queue
 (:func:`drop_confirmation`). A round of one needs no confirmation.
 """
@@ -47,6 +46,7 @@ from datetime import timedelta
 from rdzv.backends.base import JoinQueueBackend
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import StoreTimeoutError
+from rdzv.retry import REAL_TIME, Clock
 from rdzv.store.base import Store
 
 __all__ = [
@@ -126,24 +126,26 @@ class RoundConfirmation:
     def _confirmed(self) -> set[str]:
         return {r.decode("utf-8", "replace") for r in self.queue.queue_records(self.round_id)}
 
-    def wait(self, seconds: float) -> bool:
+    def wait(self, seconds: float, clock: Clock = REAL_TIME) -> bool:
         """Wait up to ``seconds`` for every member to confirm.
 
         Args:
             seconds: The longest wait.
+            clock: The clock the wait is counted on (a store's wait).
 
         Returns:
             True once every member confirmed, False when the wait ran out.
         """
-        if self.store.supports_watch:
-            # The server ends the wait at the timeout: one request a slice,
-            # where a WAIT cut short by the client is two (its CANCEL_WAIT).
-            return self.store.watch(self.verdict_key, None, seconds) is not None
-        try:
-            self.store.wait([self.verdict_key], timedelta(seconds=seconds))
-        except StoreTimeoutError:
-            return False
-        return True
+        with clock.blocking(seconds):
+            if self.store.supports_watch:
+                # The server ends the wait at the timeout: one request a slice,
+                # where a WAIT cut short by the client is two (its CANCEL_WAIT).
+                return self.store.watch(self.verdict_key, None, seconds) is not None
+            try:
+                self.store.wait([self.verdict_key], timedelta(seconds=seconds))
+            except StoreTimeoutError:
+                return False
+            return True
 
     def unconfirmed(self) -> list[str]:
         """Return the participants that have not confirmed yet, in rank order."""

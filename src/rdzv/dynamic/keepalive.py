@@ -9,24 +9,21 @@ tick it does two independent things:
   beat's own failures count toward ``max_attempt``; after that many in a row
   the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
-* **judge**: more often (once the node is a member, which :meth:`KeepAlive.wake`
-  signals: the handler calls it at the round's verdict, or when a
-  confirmation slice passes without it; the first reading a random part of
-  one period later, so that the members of a round do not all read at once;
-  until then the thread wakes only to beat; in a large ring less often, so that the whole ring
-  stays within :data:`~rdzv.dynamic.machine.RING_READS_PER_SECOND`), it
-  reads the mark of its ring successor in the last round it completed (its
-  :class:`~rdzv.dynamic.seat.Seat` names it) and judges
-  it on this node's monotonic clock (:func:`~rdzv.dynamic.machine.judge_marks`),
-  crediting at most one ``interval`` between two readings, so a stalled
-  backend or this node's own failed or starved reads never count against
-  the successor; a successor judged dead is handed to ``on_dead`` (the
-  handler evicts it). A reading is never later than the moment the
-  successor's unchanged mark reaches the bound, so the judgement comes at
-  the bound, not up to one period after it. A seat that carries the
-  successor's mark as the sealer read it (:class:`~rdzv.dynamic.seat.SealedMark`)
-  starts the count when this node read the seat, not at its first reading
-  (which comes after the verdict, spread over a period).
+* **judge**: once the node is a member (:meth:`KeepAlive.wake` signals it,
+  at the round's verdict or when a confirmation slice passes without it),
+  it reads the mark of its ring successor (its
+  :class:`~rdzv.dynamic.seat.Seat` names it) every ring period
+  (:func:`~rdzv.dynamic.pacing.ring_judge_period`), the first reading at a
+  random point of the first period so that a round's members do not all
+  read at once. It judges the mark on this node's clock
+  (:func:`~rdzv.dynamic.machine.judge_marks`), crediting at most one
+  ``interval`` between two readings, so a stalled backend or this node's
+  own failed or starved reads never count against the successor; a
+  successor judged dead is handed to ``on_dead`` (the handler evicts it).
+  A reading comes no later than the moment the unchanged mark reaches the
+  bound, and a seat that carries the mark as the sealer read it
+  (:class:`~rdzv.dynamic.seat.SealedMark`) starts the count when this node
+  read the seat.
 
 Beats and judgements run under a caller's deadline
 (:func:`rdzv.retry.deadline_within`): the beats of one failure streak share
@@ -50,7 +47,8 @@ import threading
 from collections.abc import Callable
 
 from rdzv.backends.base import LivenessBackend
-from rdzv.dynamic.machine import MarkWatch, judge_marks, ring_judge_period
+from rdzv.dynamic.machine import MarkWatch, judge_marks
+from rdzv.dynamic.pacing import ring_judge_period
 from rdzv.dynamic.seat import Seat
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.retry import Clock, deadline_within, jitter
@@ -157,59 +155,70 @@ class KeepAlive:
         """Why the keep-alive gave up, until it starts again; None if it did not."""
         return self._error
 
+    def check(self) -> None:
+        """Raise :attr:`error`, if the keep-alive gave up."""
+        error = self._error
+        if error is not None:
+            raise error
+
     def _run(self, stop: threading.Event) -> None:
-        failures = 0
-        last_ok = self._clock()
-        # The first beat is due one interval after joining: an observer only
-        # starts judging a node when a round completes, and a round that
-        # forms within one interval needs no heartbeat traffic at all.
-        next_beat = self._clock() + self._interval
-        judged: tuple[int, dict[str, MarkWatch]] = (-1, {})
-        while not stop.is_set():
-            now = self._clock()
-            if now >= next_beat:
-                # The beats of one failure streak share one budget: the
-                # dead-node bound since the last good beat, plus a call's grace.
-                with deadline_within(last_ok + self._dead_after + CALL_GRACE - now):
-                    failures = self._beat(failures, stop)
-                if failures == 0:
-                    last_ok = now
-                if failures >= self._max_attempt:
-                    return
-                next_beat = now + self._interval
-            try:
-                with deadline_within(self._dead_after):
-                    judged = self._judge(judged)
-            except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
-                self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
-            member = self._watched()
-            if member is None:
-                # Nobody to judge (not a member yet): wake only to beat. A
-                # thousand joining handlers in one process would otherwise
-                # wake dozens of times a second each, for nothing.
-                woken = self._clock.wait(self._wake, max(0.0, next_beat - self._clock()))
-                self._wake.clear()
-                seat = self._watched()
-                if woken and seat is not None:
-                    # The first reading of a new ring only sets its baseline:
-                    # spread over one period, so that the members of a round
-                    # confirmed at once do not all read at once.
-                    period = ring_judge_period(self._judge_every, self._interval, seat.world_size)
-                    left = max(0.0, next_beat - self._clock())
-                    self._clock.wait(stop, min(left, period * jitter(0.0, 1.0)))
-            else:
-                period = ring_judge_period(self._judge_every, self._interval, member.world_size)
-                pause = period * jitter(0.75, 1.25)
-                watches = judged[1] if judged[0] == member.round else {}
-                watch = None if member.successor is None else watches.get(member.successor)
-                if watch is not None:
-                    # The reading that judges comes as the bound is reached,
-                    # not up to a period after it (half a second in a ring
-                    # of 1,024): the wait never passes the successor's bound.
-                    # At least a millisecond: a rounding error short of the
-                    # bound would otherwise be waited for again and again.
-                    pause = min(pause, max(0.001, self._dead_after - watch.credited))
-                self._clock.wait(stop, pause)
+        # An autojump clock moves only while this thread waits on it.
+        with self._clock.running():
+            failures = 0
+            last_ok = self._clock()
+            # The first beat is due one interval after joining: an observer only
+            # starts judging a node when a round completes, and a round that
+            # forms within one interval needs no heartbeat traffic at all.
+            next_beat = self._clock() + self._interval
+            judged: tuple[int, dict[str, MarkWatch]] = (-1, {})
+            while not stop.is_set():
+                now = self._clock()
+                if now >= next_beat:
+                    # The beats of one failure streak share one budget: the
+                    # dead-node bound since the last good beat, plus a call's grace.
+                    with deadline_within(
+                        last_ok + self._dead_after + CALL_GRACE - now, self._clock
+                    ):
+                        failures = self._beat(failures, stop)
+                    if failures == 0:
+                        last_ok = now
+                    if failures >= self._max_attempt:
+                        return
+                    next_beat = now + self._interval
+                try:
+                    with deadline_within(self._dead_after, self._clock):
+                        judged = self._judge(judged)
+                except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
+                    self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
+                member = self._watched()
+                if member is None:
+                    # Nobody to judge (not a member yet): wake only to beat. A
+                    # thousand joining handlers in one process would otherwise
+                    # wake dozens of times a second each, for nothing.
+                    woken = self._clock.wait(self._wake, max(0.0, next_beat - self._clock()))
+                    self._wake.clear()
+                    seat = self._watched()
+                    if woken and seat is not None:
+                        # The first reading of a new ring only sets its baseline:
+                        # spread over one period, so that the members of a round
+                        # confirmed at once do not all read at once.
+                        period = ring_judge_period(
+                            self._judge_every, self._interval, seat.world_size
+                        )
+                        left = max(0.0, next_beat - self._clock())
+                        self._clock.wait(stop, min(left, period * jitter(0.0, 1.0)))
+                else:
+                    period = ring_judge_period(self._judge_every, self._interval, member.world_size)
+                    pause = period * jitter(0.75, 1.25)
+                    watches = judged[1] if judged[0] == member.round else {}
+                    watch = None if member.successor is None else watches.get(member.successor)
+                    if watch is not None:
+                        # The reading that judges comes as the bound is reached,
+                        # not up to a period after it.
+                        # At least a millisecond: a rounding error short of the
+                        # bound would otherwise be waited for again and again.
+                        pause = min(pause, max(0.001, self._dead_after - watch.credited))
+                    self._clock.wait(stop, pause)
 
     def _beat(self, failures: int, stop: threading.Event) -> int:
         """Beat once; return the number of failed beats in a row."""

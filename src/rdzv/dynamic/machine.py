@@ -18,8 +18,7 @@ publishes participants and ranks)?
   (the leader may have died): ``grace`` later for the next position, and one
   more ``grace`` for each doubling of its distance from the leader
   (:func:`backup_delay`), so that when a leader is slow the backups do not
-  all read the queue and race to seal at once (at 2,048 nodes such a herd
-  took the machine for minutes); at most twice as many act in each tier as
+  all read the queue and race to seal at once; at most twice as many act in each tier as
   in the one before;
 * a node beyond ``max_nodes`` (a spare) only when the admitted nodes all
   seem dead: ``last_call + 2 x grace`` after it saw the round full, later
@@ -49,7 +48,13 @@ lifetime.
 
 Every function here is pure: inputs are the state, what this node knows of
 its join (:class:`JoinProgress`), an observation of the queue, the
-settings and ``now`` from an injected monotonic clock.
+settings and ``now`` from an injected monotonic clock. How long each wait
+lasts is :mod:`rdzv.dynamic.pacing`'s.
+
+Size: over the ~600-line guide because it is one concept, the join's
+decisions, which must be read together: whom a seal waits for, who judges
+whom meanwhile, and when a member re-joins all follow from the exclusivity
+rule above. Two thirds of it is documentation.
 """
 
 from __future__ import annotations
@@ -82,9 +87,7 @@ __all__ = [
     "observe",
     "plan_seal",
     "start_join",
-    "state_wait_cap",
     "successor_of",
-    "waiting_poll_gap",
 ]
 
 StateView = RendezvousState | StateSummary
@@ -509,94 +512,6 @@ def judge_interval(interval: float, dead_after: float) -> float:
         Seconds between readings.
     """
     return min(interval, max(0.02, dead_after / 40))
-
-
-RING_READS_PER_SECOND = 2000.0
-"""The most mark readings per second a whole ring makes (one store host serves them all)."""
-
-QUEUE_POLLS_PER_SECOND = 1000.0
-"""The most queue-length readings per second the nodes waiting for a seal make together.
-
-Each reading is two requests or three (the queue's length, the next wait,
-sometimes the head's summary). At 2,000 a second, 8,192 simulated nodes
-on two cores spent a third of their requests polling while the queue
-filled and formed in 20 to 23 s (4 runs); at 1,000, in 14 s."""
-
-
-WAITING_POLLS_PER_SECOND = 2000.0
-"""The most backend reads per second the members of a round make together for ``num_nodes_waiting``."""
-
-
-def waiting_poll_gap(world_size: int) -> float:
-    """Return how long a member serves its last ``num_nodes_waiting`` answer before reading again.
-
-    An agent asks every monitor interval (0.1 s for ``rdzv run`` and
-    torchrun): at 2,048 members that was 20,000 reads a second, two
-    requests each, on one store host, forever. The answer is served for
-    ``world_size / WAITING_POLLS_PER_SECOND`` seconds, so the round stays
-    within :data:`WAITING_POLLS_PER_SECOND` (a round of up to 200 members
-    asking every 0.1 s is not held back; torch serves its state for 1 s at
-    any size); a waiting node or a lost member is then seen late by at most
-    that much.
-
-    Args:
-        world_size: The number of participants of the round.
-
-    Returns:
-        Seconds.
-    """
-    return world_size / WAITING_POLLS_PER_SECOND
-
-
-def state_wait_cap(queue_length: int) -> float:
-    """Return the longest one wait for the state lasts before a node reads the queue again.
-
-    A node waiting for a seal wakes at once for a change of the state and
-    at its own deadlines (last call, backup, join timeout); in between it
-    re-reads the queue's length, whose growth moves its backup deadline.
-    Every waiting node doing so every second made 2N requests a second of
-    polling: at 8,192 nodes, 16,000 a second while the seal was written.
-    So the wait lasts a second, longer in queues over 1,000 nodes, so that
-    they stay within :data:`QUEUE_POLLS_PER_SECOND` together; a backup then
-    notices the queue grow late by at most that wait (8 s at 8,192 nodes,
-    12 s with the stretch below, against backup delays of a dead-node
-    timeout and more), which only delays a backup seal, and a node watching
-    its seat notices a close, or a seal that left it out, as late.
-
-    The handler stretches each wait by a random 0 to 50 %, so that nodes
-    that joined together do not read together: with a 1 s last call, the
-    readings of the nodes that came before ``min_nodes`` fell just before
-    the seal (10 requests a member in a last call of 1,024 joiners, 7.5 to
-    7.7 with the stretch).
-
-    Args:
-        queue_length: The length of the round's queue as last read.
-
-    Returns:
-        Seconds.
-    """
-    return max(1.0, queue_length / QUEUE_POLLS_PER_SECOND)
-
-
-def ring_judge_period(judge_every: float, interval: float, world_size: int) -> float:
-    """Return how often a member reads its ring successor's mark in a round of ``world_size``.
-
-    Every member reads once per period, so a ring of N members makes
-    ``N / period`` reads a second, forever: at 1/40 of a 3 s bound that is
-    13 reads a second a node, 27,000 a second at 2,048 nodes. The period
-    grows with N so the ring stays within :data:`RING_READS_PER_SECOND`,
-    never beyond one heartbeat interval: a death is then found late by at
-    most that period (``judge_every`` for up to a few hundred nodes).
-
-    Args:
-        judge_every: The period for a small ring (:func:`judge_interval`).
-        interval: The heartbeat interval, in seconds.
-        world_size: The number of participants of the round.
-
-    Returns:
-        Seconds between readings.
-    """
-    return max(judge_every, min(interval, world_size / RING_READS_PER_SECOND))
 
 
 @dataclass(frozen=True)

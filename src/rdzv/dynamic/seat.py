@@ -16,16 +16,15 @@ run is closed, the number of live participants) as the seat of the
 pseudo-node :data:`SUMMARY_SEAT`. A node joining a round that is not sealed
 yet decides on those three alone (:mod:`rdzv.dynamic.machine`), so it reads
 the summary where it read the state: when it starts to join, and when a
-write that seats it not (an eviction, a leave) changes the token. In a
-recovery of thousands, every re-join and every eviction made each waiting
-member read the whole participant list.
+write that seats it not (an eviction, a leave) changes the token, never
+the whole participant list.
 
 A seat also carries the successor's heartbeat mark as the sealer read it
 just before the seal (:class:`SealedMark`, one read of every member's mark
 for the sealer, none for the others). The member's ring judging then counts
 the successor's silence from when it read its seat, not from its own first
 reading of the mark, which comes after the round's verdict and a random
-part of a ring period later (up to 0.5 s at 1,024 members): a node that
+part of a ring period later: a node that
 dies as the round completes is judged that much sooner. The mark was the
 sealer's reading before the seat was written, so before the member read
 it; counting from the member's reading never charges the successor for
@@ -226,8 +225,8 @@ def seats_of(
 
     Each seat equals :meth:`Seat.of` for its node but for the sealed mark
     (``tests/dynamic/test_seat.py`` checks it), built in one pass:
-    :meth:`Seat.of` looks the node up, which for every member of 8,192
-    would be quadratic.
+    :meth:`Seat.of` looks the node up, which for every member would be
+    quadratic.
     """
     live = [
         (rank, node) for rank, node in enumerate(state.participants) if rank not in state.evicted

@@ -152,18 +152,14 @@ class SharedState:
         return None
 
     def update(
-        self,
-        change: Change,
-        deadline: float | None = None,
-        clock: Callable[[], float] | None = None,
+        self, change: Change, deadline: float | None = None
     ) -> tuple[RendezvousState | None, bool]:
         """Apply ``change`` to the stored state with compare-and-set, retrying on conflicts.
 
         Args:
             change: Given the stored state, returns the state to write, or
                 None when no write is needed.
-            deadline: Give up after this time of ``clock``, or None.
-            clock: The clock of ``deadline`` (this state's clock by default).
+            deadline: Give up after this reading of this state's clock, or None.
 
         Returns:
             ``(written, settled)``: the state this call wrote (None if none),
@@ -173,7 +169,7 @@ class SharedState:
             RendezvousConnectionError: The backend cannot be reached.
             RendezvousStateError: The stored state is corrupt.
         """
-        retry = Retry(None, first=0.01, cap=0.1, sleep=self._clock.sleep)
+        retry = Retry(None, first=0.01, cap=0.1, clock=self._clock)
         for _ in range(CAS_ATTEMPTS):
             state, token = self.read()
             desired = change(state)
@@ -182,7 +178,7 @@ class SharedState:
             result = self.write(desired, encode_state(desired), token)
             if result is not None and result[2]:
                 return desired, True
-            if (deadline is not None and (clock or self._clock)() >= deadline) or not retry.pause():
+            if (deadline is not None and self._clock() >= deadline) or not retry.pause():
                 break
         return None, False
 

@@ -104,9 +104,8 @@ def natural_key(text: str) -> tuple[str | int, ...]:
     The key alternates the text between digit runs (at even positions,
     possibly empty at the ends) and the digit runs' values (at odd ones), so
     two keys compare element by element with like types: a number sorts
-    before any text at the same place. A seal of thousands sorts every new
-    node by it (with a tuple of tagged parts per run, ``plan_seal`` of 1,024
-    new nodes took 11 ms; with this, 6 ms).
+    before any text at the same place. A seal sorts every new node by it,
+    so it builds no tagged tuple per run.
 
     Args:
         text: The string.

@@ -46,6 +46,9 @@ Each worker gets an error file (``TORCHELASTIC_ERROR_FILE``) next to its log
 (in a private temporary directory, removed at the end, without a log
 directory); a failed worker's ``@record`` root cause is part of the line that
 reports the failure.
+
+Size: over the project's ~600-line guide: one loop whose steps share an
+attempt's state; ranks, bootstrap, workers and progress have their own modules.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ from rdzv.errors import (
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
+from rdzv.keys import LAUNCH_ROOT, agent_key
 from rdzv.launch.bootstrap import (
     BootstrapFactory,
     BootstrapServer,
@@ -87,9 +91,7 @@ from rdzv.launch.explain import describe_change, describe_timeout
 from rdzv.launch.progress import FIRST_LINE_AFTER, LINE_EVERY, EventListener, WaitProgress
 from rdzv.launch.ranks import (
     DEFAULT_SIGNALS_TO_HANDLE,
-    KEY_PREFIX,
     NodeRanks,
-    agent_key,
     assign_ranks,
     visible_device,
     worker_environment,
@@ -739,10 +741,10 @@ class ElasticAgent:
         store = attempt.info.store
         total = attempt.ranks.group_world_size
         try:
-            if store.add(f"{KEY_PREFIX}/exit/count", 1) >= total:
+            if store.add(f"{LAUNCH_ROOT}/exit/count", 1) >= total:
                 self._close_run()
-                store.set(f"{KEY_PREFIX}/exit/done", "1")
-            store.wait([f"{KEY_PREFIX}/exit/done"], timeout=self._config.exit_barrier_timeout)
+                store.set(f"{LAUNCH_ROOT}/exit/done", "1")
+            store.wait([f"{LAUNCH_ROOT}/exit/done"], timeout=self._config.exit_barrier_timeout)
         except RendezvousError as exc:
             self._log(f"not every node reached the exit barrier: {type(exc).__name__}: {exc}")
 
@@ -780,9 +782,9 @@ class ElasticAgent:
         store = attempt.info.store
         total = attempt.ranks.group_world_size
         try:
-            if store.add(f"{KEY_PREFIX}/left/count", 1) >= total:
-                store.set(f"{KEY_PREFIX}/left/done", "1")
-            store.wait([f"{KEY_PREFIX}/left/done"], timeout=_LEAVE_BARRIER_TIMEOUT)
+            if store.add(f"{LAUNCH_ROOT}/left/count", 1) >= total:
+                store.set(f"{LAUNCH_ROOT}/left/done", "1")
+            store.wait([f"{LAUNCH_ROOT}/left/done"], timeout=_LEAVE_BARRIER_TIMEOUT)
         except RendezvousConnectionError:
             # The store went away after this node counted itself out: its
             # host left as the barrier completed. Nothing is lost.

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from rdzv.api import RendezvousStoreInfo
-from rdzv.launch.ranks import KEY_PREFIX, wait_for_keys
+from rdzv.keys import LAUNCH_ROOT
+from rdzv.launch.ranks import wait_for_keys
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 from rdzv.store.tcp import TCPStore
@@ -66,7 +67,7 @@ def exchange_bootstrap(
         The store's address and, on group rank 0, the server to close when
         the attempt ends.
     """
-    store = PrefixStore(f"{KEY_PREFIX}/bootstrap", round_store)
+    store = PrefixStore(f"{LAUNCH_ROOT}/bootstrap", round_store)
     if group_rank != 0:
         wait(store, ["MASTER_ADDR", "MASTER_PORT"])
         return RendezvousStoreInfo.build(group_rank, store), None

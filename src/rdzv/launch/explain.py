@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from rdzv.api import RendezvousHandler
 from rdzv.backends.base import JoinQueueBackend
+from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.state import decode_record, decode_state
+from rdzv.status import list_runs
 
 __all__ = ["describe_change", "describe_timeout"]
 
@@ -70,9 +72,6 @@ def describe_timeout(handler: RendezvousHandler) -> str:
     """
     if not isinstance(handler, DynamicRendezvousHandler):
         return ""
-    from rdzv.backends.store import C10dRendezvousBackend  # noqa: PLC0415 - front-end only
-    from rdzv.status import list_runs  # noqa: PLC0415 - rdzv.status imports rdzv.launch
-
     backend = handler.backend
     run_id = handler.get_run_id()
     parts = []

@@ -17,33 +17,16 @@ from dataclasses import dataclass
 
 from rdzv.api import RendezvousStoreInfo
 from rdzv.errors import RendezvousStateError
+from rdzv.keys import LAUNCH_ROOT
 from rdzv.store.base import Store
 
 __all__ = [
     "DEFAULT_SIGNALS_TO_HANDLE",
     "NodeRanks",
-    "agent_key",
     "assign_ranks",
     "visible_device",
     "worker_environment",
 ]
-
-KEY_PREFIX = "rdzv.launch"
-
-
-def agent_key(group_rank: int) -> str:
-    """Return the key of the round's store where an agent says how it runs.
-
-    The value is JSON: ``{"host": ..., "workers": N, "restarts": N}``, written
-    when the agent starts its workers; ``rdzv status`` shows it.
-
-    Args:
-        group_rank: The agent's node rank in the round.
-
-    Returns:
-        The key, relative to the round's store.
-    """
-    return f"{KEY_PREFIX}/agent/{group_rank}"
 
 
 @dataclass(frozen=True)
@@ -125,8 +108,8 @@ def assign_ranks(
         StoreTimeoutError: Some node did not write its record in time.
     """
     record = json.dumps({"role": role, "nproc": local_world_size})
-    store.set(f"{KEY_PREFIX}/node/{group_rank}", record)
-    keys = [f"{KEY_PREFIX}/node/{r}" for r in range(group_world_size)]
+    store.set(f"{LAUNCH_ROOT}/node/{group_rank}", record)
+    keys = [f"{LAUNCH_ROOT}/node/{r}" for r in range(group_world_size)]
     wait(store, keys)
     raws = store.multi_get(keys)
     nodes = [_decode_node(raw, r) for r, raw in enumerate(raws)]

@@ -1,6 +1,8 @@
 """Test helpers for rdzv and for backends and stores written for it.
 
-* :class:`FakeClock` -- a monotonic clock moved by ``advance()``.
+* :class:`FakeClock` -- a monotonic clock moved by ``advance()``; and
+  :class:`AutojumpClock`, one that moves itself whenever every thread
+  running on it waits, so code that uses rdzv is tested without sleeping.
 * :class:`InMemoryBackend` -- a backend with every capability, in memory.
 * :mod:`rdzv.testing.conformance` -- the backend suite: :data:`BACKEND_CHECKS`
   over a :class:`BackendHarness`.
@@ -11,7 +13,7 @@ Both suites are checks as data, need nothing but the standard library, and
 come with a runner (:func:`run_conformance`, :func:`run_store_conformance`).
 """
 
-from rdzv.testing.clock import FakeClock
+from rdzv.testing.clock import AutojumpClock, FakeClock
 from rdzv.testing.conformance import (
     BACKEND_CHECKS,
     BackendHarness,
@@ -32,6 +34,7 @@ from rdzv.testing.store_conformance import (
 __all__ = [
     "BACKEND_CHECKS",
     "STORE_CHECKS",
+    "AutojumpClock",
     "BackendHarness",
     "CapabilityMissing",
     "Check",

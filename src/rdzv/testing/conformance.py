@@ -25,6 +25,7 @@ import unittest
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rdzv.backends.base import (
     MAX_RECORD_SIZE,
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 _THREADS = 8
+_T = TypeVar("_T")
 
 
 class ConformanceError(AssertionError):
@@ -89,6 +91,12 @@ class BackendHarness(ABC):
 def _expect(condition: bool, message: str) -> None:
     if not condition:
         raise ConformanceError(message)
+
+
+def _some(value: _T | None) -> _T:
+    if value is None:
+        raise ConformanceError("a call returned None where the contract promises a result")
+    return value
 
 
 def _need(backend: RendezvousBackend, capability: type) -> None:
@@ -166,8 +174,7 @@ def _fencing_create(harness: BackendHarness) -> None:
 
 def _fencing_update(harness: BackendHarness) -> None:
     backend = harness.connect()
-    created = backend.set_state(b"a")
-    assert created is not None
+    created = _some(backend.set_state(b"a"))
     _, token_a, _ = created
     updated = backend.set_state(b"b", token_a)
     _expect(
@@ -195,8 +202,7 @@ def _fencing_update(harness: BackendHarness) -> None:
 
 def _fencing_invalid_tokens(harness: BackendHarness) -> None:
     backend = harness.connect()
-    created = backend.set_state(b"kept")
-    assert created is not None
+    created = _some(backend.set_state(b"kept"))
     token = created[1]
     invalid = (object(), "not-a-token", b"\x00garbage", b"x", -1, 0, True, 10**30, 3.5)
     for bad in invalid:
@@ -212,8 +218,7 @@ def _fencing_invalid_tokens(harness: BackendHarness) -> None:
 def _fencing_token_on_empty(harness: BackendHarness) -> None:
     backend = harness.connect()
     empty = _other_run(harness)
-    created = backend.set_state(b"x")
-    assert created is not None
+    created = _some(backend.set_state(b"x"))
     result = empty.set_state(b"y", created[1])
     _expect(result is None, f"a token on an empty run must not write and return None: {result}")
     _expect(empty.get_state() is None, f"the empty run must stay empty: {empty.get_state()}")
@@ -234,9 +239,8 @@ def _runs_isolated(harness: BackendHarness) -> None:
 def _large_binary_state(harness: BackendHarness) -> None:
     backend = harness.connect()
     blob = bytes(range(256)) * 1024
-    created = backend.set_state(blob)
-    _expect(created is not None and created[2], "a 256 KiB state must be written")
-    assert created is not None
+    created = _some(backend.set_state(blob))
+    _expect(created[2], "a 256 KiB state must be written")
     read = harness.connect().get_state()
     _expect(read == (blob, created[1]), "a 256 KiB state of every byte value must round-trip")
 
@@ -264,12 +268,10 @@ def _run_threads(count: int, target: Callable[[int], None]) -> None:
 
 def _concurrent_single_winner(harness: BackendHarness) -> None:
     backends = [harness.connect() for _ in range(_THREADS)]
-    created = backends[0].set_state(b"base")
-    assert created is not None
+    _some(backends[0].set_state(b"base"))
     lock = threading.Lock()
     for round_no in range(5):
-        read = backends[0].get_state()
-        assert read is not None
+        read = _some(backends[0].get_state())
         wins: list[int] = []
 
         def write(
@@ -298,8 +300,7 @@ def _concurrent_no_lost_update(harness: BackendHarness) -> None:
         backend = backends[index]
         done = 0
         for _ in range(10_000):
-            read = backend.get_state()
-            assert read is not None
+            read = _some(backend.get_state())
             result = backend.set_state(str(int(read[0]) + 1).encode(), read[1])
             if result is not None and result[2]:
                 done += 1
@@ -337,8 +338,7 @@ def _watch(harness: BackendHarness) -> None:
     assert isinstance(backend, WatchableBackend)
     _expect(backend.wait_for_state(None, 0.0) is None, "waiting on an empty run gives None")
     writer = harness.connect()
-    created = writer.set_state(b"v1")
-    assert created is not None
+    created = _some(writer.set_state(b"v1"))
     token = created[1]
     same = backend.wait_for_state(token, 0.05)
     _expect(same == (b"v1", token), f"an unchanged state must come back on timeout: {same}")
@@ -349,8 +349,7 @@ def _watch(harness: BackendHarness) -> None:
 
     thread = threading.Thread(target=wait, daemon=True)
     thread.start()
-    updated = writer.set_state(b"v2", token)
-    assert updated is not None
+    updated = _some(writer.set_state(b"v2", token))
     thread.join(timeout=30)
     _expect(not thread.is_alive(), "wait_for_state did not wake up on a write")
     _expect(seen == [(b"v2", updated[1])], f"wait_for_state must return the new state: {seen}")
@@ -365,9 +364,8 @@ def _seats(harness: BackendHarness) -> None:
     _expect(backend.read_token() is None, "an empty run has no token")
     _expect(backend.wait_for_token(None, 0.0) is None, "waiting on an empty run gives None")
     seats = {"a#1#x": b"seat of a", "b#1#y": b"seat of b"}
-    created = backend.set_state_seated(b"v1", None, seats)
-    _expect(created is not None and created[2], f"a seated create must win: {created}")
-    assert created is not None
+    created = _some(backend.set_state_seated(b"v1", None, seats))
+    _expect(created[2], f"a seated create must win: {created}")
     token = created[1]
     reader = harness.connect()
     assert isinstance(reader, SeatedBackend)
@@ -385,16 +383,14 @@ def _seats(harness: BackendHarness) -> None:
     after = reader.read_seat(token, "a#1#x")
     _expect(after in (b"seat of a", None), f"a losing write's seat was read: {after!r}")
     # The seat belongs to its write: a later write's token has none.
-    updated = reader.set_state(b"v2", token)
-    assert updated is not None
+    updated = _some(reader.set_state(b"v2", token))
     _expect(reader.read_seat(updated[1], "a#1#x") is None, "an unseated write has no seats")
     _expect(reader.read_seat(token, "b#1#y") == b"seat of b", "a seat reads for its own token")
     woke = backend.wait_for_token(token, 5.0)
     _expect(woke == updated[1], f"wait_for_token must return the new token: {woke!r}")
     same = backend.wait_for_token(updated[1], 0.05)
     _expect(same == updated[1], f"an unchanged token must come back on timeout: {same!r}")
-    reseated = reader.set_state_seated(b"v3", updated[1], {"a#1#x": b"next seat of a"})
-    assert reseated is not None
+    reseated = _some(reader.set_state_seated(b"v3", updated[1], {"a#1#x": b"next seat of a"}))
     _expect(reader.read_seat(reseated[1], "a#1#x") == b"next seat of a", "a reseat reads back")
     _expect(reader.read_seat(token, "a#1#x") is None, "a replaced seat reads None")
     # wait_for_seat: a write that seats the node ends the wait with its token.
@@ -403,15 +399,13 @@ def _seats(harness: BackendHarness) -> None:
         target=lambda: seen.append(backend.wait_for_seat(reseated[1], "a#1#x", 5.0)), daemon=True
     )
     waiter.start()
-    fourth = reader.set_state_seated(b"v4", reseated[1], {"a#1#x": b"fourth seat of a"})
+    fourth = _some(reader.set_state_seated(b"v4", reseated[1], {"a#1#x": b"fourth seat of a"}))
     waiter.join(10.0)
-    assert fourth is not None
     _expect(seen == [fourth[1]], f"wait_for_seat must return the seating write's token: {seen}")
     same = backend.wait_for_seat(fourth[1], "a#1#x", 0.05)
     _expect(same == fourth[1], f"an unchanged token must come back on timeout: {same!r}")
     # A write that seats it not ends the wait at once or at the timeout, with its token.
-    unseated = reader.set_state(b"v5", fourth[1])
-    assert unseated is not None
+    unseated = _some(reader.set_state(b"v5", fourth[1]))
     later = backend.wait_for_seat(fourth[1], "a#1#x", 0.2)
     _expect(later == unseated[1], f"wait_for_seat must return the stored token: {later!r}")
 

@@ -1,0 +1,67 @@
+"""Where a run's keys live in a store: every key root, written once.
+
+One store may hold several runs, each under these roots:
+
+* ``rdzv.backend/<run>/``: the c10d backend's state, queues, heartbeats, seats;
+* ``rdzv.handler/<run>/``: the dynamic handler's sealed rounds, confirmations
+  and departures, and its queues and heartbeats when the backend lacks them;
+* ``rdzv/<run>/round/<r>``: the store of round ``r``'s agents (``rdzv run``
+  writes under ``rdzv.launch/`` there, and torch's agent writes there too);
+* ``rdzv.static/<run>/``: the static rendezvous.
+
+Under the first two, :mod:`rdzv.backends.kv` keeps a queue at
+``<kind>/<round>``, its counter at ``<kind>/<round>/n`` and a node's
+heartbeat at ``hb/<node>``.
+"""
+
+from __future__ import annotations
+
+import re
+
+LAUNCH_ROOT = "rdzv.launch"
+STATIC_ROOT = "rdzv.static"
+JOIN_QUEUE = "q"
+CONFIRM_QUEUE = "c"
+_BACKEND_ROOT = "rdzv.backend"
+_HEARTBEAT = "hb"
+# The keys that mark a run in the c10d backend: its state, join queues, heartbeats.
+_BACKEND_MARK = re.compile(
+    rf"{re.escape(_BACKEND_ROOT)}/(.+)/(?:state|{JOIN_QUEUE}/\d+(?:/n)?|{_HEARTBEAT}/[^/]+)"
+)
+
+
+def backend_prefix(run_id: str) -> str:
+    """Return the c10d backend's key prefix for a run (ends with ``/``)."""
+    return f"{_BACKEND_ROOT}/{run_id}/"
+
+
+def handler_prefix(run_id: str) -> str:
+    """Return the dynamic handler's key prefix for a run (ends with ``/``)."""
+    return f"rdzv.handler/{run_id}/"
+
+
+def round_store_prefix(run_id: str, round_id: int) -> str:
+    """Return the prefix of the store handed to the agents of a round."""
+    return f"rdzv/{run_id}/round/{round_id}"
+
+
+def queue_keys(prefix: str, kind: str, round_id: int) -> tuple[str, str]:
+    """Return a round's queue key and its counter's key under a prefix."""
+    base = f"{prefix}{kind}/{round_id}"
+    return base, f"{base}/n"
+
+
+def heartbeat_key(prefix: str, node: str) -> str:
+    """Return the key of a node's heartbeat counter under a prefix."""
+    return f"{prefix}{_HEARTBEAT}/{node}"
+
+
+def agent_key(group_rank: int) -> str:
+    """Return the round-store key of an agent's JSON ``host``, ``workers`` and ``restarts``."""
+    return f"{LAUNCH_ROOT}/agent/{group_rank}"
+
+
+def run_of_backend_key(key: str) -> str | None:
+    """Return the run a c10d backend key marks, or None for any other key."""
+    match = _BACKEND_MARK.fullmatch(key)
+    return None if match is None else match.group(1)
