@@ -202,6 +202,7 @@ def test_failover_skips_a_dead_first_member(etcd: EtcdCluster, unique: str) -> N
         client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_failover_when_the_member_in_use_dies(unique: str) -> None:
     with etcd_cluster(3) as cluster:
