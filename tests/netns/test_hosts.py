@@ -18,7 +18,7 @@ import pytest
 
 from rdzv.testing.netns import NetnsBed
 from tests.netns.engines import NetnsEtcd
-from tests.procs import subprocess_env
+from tests.procs import subprocess_env, wait_until
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 PORT = 29455
@@ -121,9 +121,7 @@ def records(out: Path) -> list[dict[str, str]]:
 
 
 def wait_for_records(out: Path, count: int) -> None:
-    deadline = time.monotonic() + 40
-    while len(records(out)) < count and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: len(records(out)) >= count, f"{count} records", 40, every=0.2)
     assert len(records(out)) == count
 
 
