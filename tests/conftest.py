@@ -28,6 +28,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 if TYPE_CHECKING:
     from rdzv.store.server import TCPStoreServer
+    from tests.certs import TLSFiles
     from tests.engines.servers import EtcdCluster, RedisServer
 
 
@@ -80,6 +81,14 @@ def make_server() -> Iterator[type[TCPStoreServer]]:
     finally:
         for server in started:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    """A CA with server and client certificates (and a second CA), made once per test module."""
+    from tests.certs import make_tls_files
+
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="session")

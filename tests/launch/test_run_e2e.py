@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import socket
@@ -12,14 +11,10 @@ from typing import Any
 import pytest
 
 from tests.certs import make_tls_files
-from tests.launch.procs import ALLREDUCE, HELLO, WORKER, agents, alive, finish, kill_pids
+from tests.launch.procs import ALLREDUCE, HELLO, WORKER, agents, alive, envs, finish, kill_pids
 from tests.procs import free_port, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
-
-
-def envs(outdir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(outdir.glob("env-*.json"))]
 
 
 def last_line(err: str) -> str:
