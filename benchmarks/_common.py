@@ -1,4 +1,11 @@
-"""What every benchmark prints about the machine it ran on.
+"""What the benchmarks share: the checkout on ``sys.path``, the test helpers, handlers, :func:`stamp`.
+
+Importing this module puts the checkout's ``src`` and root first on
+``sys.path``, so a benchmark runs this tree's rdzv and can use the helpers
+it shares with the tests (``tests/procs.py``: child environments, free
+ports, bounded polling, a counting store; ``tests/engines/servers.py``:
+private etcd and redis-server), re-exported here. :func:`make_handler`
+builds one agent's handler of a benchmark column.
 
 A figure means little without the load it was measured under: each
 benchmark prints :func:`stamp` before its first measurement and after its
@@ -8,7 +15,37 @@ last, so a table pasted into the docs carries the load average beside it.
 from __future__ import annotations
 
 import os
+import sys
 import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+
+from tests.procs import (  # noqa: E402 - after the path
+    CountingStore,
+    NotReachedError,
+    free_port,
+    read_markers,
+    subprocess_env,
+    wait_until,
+)
+
+__all__ = [
+    "ROOT",
+    "CountingStore",
+    "NotReachedError",
+    "free_port",
+    "load",
+    "make_handler",
+    "read_markers",
+    "stamp",
+    "subprocess_env",
+    "wait_until",
+]
 
 
 def load() -> str:
@@ -21,3 +58,88 @@ def load() -> str:
 def stamp(when: str) -> None:
     """Print ``when``, the time of day and :func:`load` as one line."""
     print(f"{when}: {time.strftime('%H:%M:%S')} {load()}", flush=True)
+
+
+def make_handler(
+    impl: str, cfg: dict[str, Any], addr: str, count: Callable[[str, tuple[Any, ...], Any], None]
+) -> Any:
+    """Return one agent's handler of the column ``impl``, its TCP store calls told to ``count``.
+
+    ``etcd`` and ``redis``: rdzv's handler from ``rdzv.create_handler`` on
+    ``cfg["endpoint"]`` (not counted); ``rdzv``: rdzv's handler over its c10d
+    backend on rdzv's TCP store at ``cfg["port"]``, its liveness on a second
+    connection when ``cfg["two_clients"]``; otherwise torch's handler over
+    torch's c10d backend and TCPStore (its backend's calls counted). ``cfg``
+    also holds ``run_id``, ``min``, ``max``, ``join``, ``last_call``,
+    ``interval``, ``attempts`` and the engines' ``read_timeout``.
+    """
+    run_id, n_min, n_max = cfg["run_id"], cfg["min"], cfg["max"]
+    if impl in ("etcd", "redis"):
+        import rdzv
+
+        params = rdzv.RendezvousParameters(
+            impl,
+            cfg["endpoint"],
+            run_id,
+            n_min,
+            n_max,
+            local_addr=addr,
+            join_timeout=cfg["join"],
+            last_call_timeout=cfg["last_call"],
+            keep_alive_interval=cfg["interval"],
+            keep_alive_max_attempt=cfg["attempts"],
+            read_timeout=cfg["read_timeout"],
+        )
+        return rdzv.create_handler(params)
+    if impl == "rdzv":
+        from rdzv.api import RendezvousTimeout
+        from rdzv.backends.store import C10dRendezvousBackend
+        from rdzv.dynamic.handler import DynamicRendezvousHandler
+        from rdzv.store.tcp import TCPStore
+
+        inner = TCPStore("127.0.0.1", cfg["port"], timeout=120)
+        store: Any = CountingStore(inner, count)
+        live: Any = CountingStore(inner.clone(), count) if cfg["two_clients"] else None
+        backend = C10dRendezvousBackend(store, run_id, liveness_store=live)
+        return DynamicRendezvousHandler.from_backend(
+            run_id,
+            store,
+            backend,
+            n_min,
+            n_max,
+            local_addr=addr,
+            timeout=RendezvousTimeout(join=cfg["join"], last_call=cfg["last_call"]),
+            keep_alive_interval=cfg["interval"],
+            keep_alive_max_attempt=cfg["attempts"],
+        )
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend as TorchBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler as TorchHandler,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        RendezvousTimeout as TorchTimeout,
+    )
+
+    tstore = dist.TCPStore(
+        "127.0.0.1",
+        cfg["port"],
+        is_master=False,
+        timeout=timedelta(seconds=120),
+        wait_for_workers=False,
+    )
+    return TorchHandler.from_backend(
+        run_id,
+        tstore,
+        TorchBackend(CountingStore(tstore, count), run_id),  # type: ignore[arg-type]
+        n_min,
+        n_max,
+        local_addr=addr,
+        timeout=TorchTimeout(
+            join=timedelta(seconds=cfg["join"]), last_call=timedelta(seconds=cfg["last_call"])
+        ),
+        keep_alive_interval=cfg["interval"],
+        keep_alive_max_attempt=cfg["attempts"],
+    )

@@ -40,21 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import stamp
+from _common import stamp, subprocess_env
 
-ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 SECRET = "hostile-bench-secret"
 ATTACKER_SOURCE = "127.0.0.2"
 """The attackers' source address; the measured client connects from 127.0.0.1."""
-
-
-def env() -> dict[str, str]:
-    environ = dict(os.environ)
-    environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "src"), str(ROOT), environ.get("PYTHONPATH", "")]
-    )
-    return environ
 
 
 # -- attacks (run in the child process) ----------------------------------------
@@ -285,7 +276,7 @@ def start_rdzv(setup: Setup, files: Path, memory_mib: int) -> Server:
         stdout=subprocess.PIPE,
         stderr=(files / "rdzv-serve.log").open("a"),
         text=True,
-        env=env(),
+        env=subprocess_env(),
         preexec_fn=_limits(memory_mib, setup.nofile),  # noqa: PLW1509 - rlimits need it
     )
     assert proc.stdout is not None
@@ -311,7 +302,7 @@ def start_torch(setup: Setup, files: Path) -> Server:
         stdout=subprocess.PIPE,
         stderr=(files / "torch-server.log").open("a"),
         text=True,
-        env=env(),
+        env=subprocess_env(),
         preexec_fn=apply,  # noqa: PLW1509 - rlimits need it
     )
     assert proc.stdout is not None
@@ -395,7 +386,7 @@ def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -
         sampler.start()
         child = subprocess.Popen(
             [sys.executable, __file__, "--attack-child", attack, str(server.port), str(duration)],
-            env=env(),
+            env=subprocess_env(),
         )
         try:
             time.sleep(1.0)  # let the attack build up

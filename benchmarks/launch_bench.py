@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import stamp
+from _common import ROOT, NotReachedError, free_port, stamp, subprocess_env, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
 HELLO = ROOT / "examples" / "hello.py"
 
 FAIL_ONCE = """
@@ -52,24 +49,13 @@ while not (out / "release").exists() and time.monotonic() < deadline:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class WaitTimeoutError(Exception):
-    pass
-
-
-def wait_files(directory: Path, pattern: str, count: int, timeout: float = 60) -> list[Path]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = sorted(directory.glob(pattern))
-        if len(found) >= count:
-            return found
-        time.sleep(0.01)
-    raise WaitTimeoutError(f"no {count} x {pattern} within {timeout:g} s")
+def wait_files(directory: Path, pattern: str, count: int) -> list[Path]:
+    return wait_until(
+        lambda: len(found := sorted(directory.glob(pattern))) >= count and found,
+        f"{count} x {pattern}",
+        60,
+        every=0.01,
+    )
 
 
 def grow_latency(base: list[str], tmp: Path, tag: str) -> float:
@@ -97,7 +83,9 @@ def grow_latency(base: list[str], tmp: Path, tag: str) -> float:
 
     def agent() -> None:
         procs.append(
-            subprocess.Popen(args, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.Popen(
+                args, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
         )
 
     try:
@@ -108,7 +96,7 @@ def grow_latency(base: list[str], tmp: Path, tag: str) -> float:
         agent()
         try:
             started = wait_files(out, "started-3-*", 3)
-        except WaitTimeoutError:
+        except NotReachedError:
             return math.nan
         latency = max(float(p.read_text()) for p in started) - start
         (out / "release").write_text("")
@@ -130,15 +118,9 @@ def launchers() -> dict[str, list[str]]:
     return found
 
 
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), e.get("PYTHONPATH", "")])
-    return e
-
-
 def timed(cmd: list[str]) -> float:
     start = time.perf_counter()
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, check=False)
     elapsed = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{cmd} failed ({done.returncode}):\n{done.stderr[-2000:]}")

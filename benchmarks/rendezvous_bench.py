@@ -38,7 +38,6 @@ the repetitions; the ratio columns are torch's figure over each rdzv one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -47,16 +46,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from _common import stamp
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(1, str(ROOT))  # for tests.engines.servers (private etcd and redis-server)
+from _common import make_handler, stamp, subprocess_env
 
 BACKENDS = ("torch", "rdzv", "etcd", "redis")
 LABELS = {
@@ -88,104 +81,27 @@ class Counts:
     def as_dict(self) -> dict[str, int]:
         return {"writes": self.writes, "failed_cas": self.failed_cas, "bytes": self.bytes_written}
 
+    def count(self, name: str, args: tuple[Any, ...], result: Any) -> None:
+        """Count a store call that writes (a :class:`CountingStore`'s count).
 
-def _len(value: Any) -> int:
-    return len(value.encode() if isinstance(value, str) else bytes(value))
-
-
-def counting_rdzv_store(inner: Any, counts: Counts) -> Any:
-    from rdzv.store.base import Store
-
-    class CountingStore(Store):
-        """Delegates to a TCPStore and counts the writes."""
-
-        def __init__(self) -> None:
-            super().__init__(inner.timeout)
-
-        @property
-        def supports_watch(self) -> bool:
-            return bool(inner.supports_watch)
-
-        def set(self, key: str, value: Any) -> None:
-            counts.add(1, 0, _len(value))
-            inner.set(key, value)
-
-        def get(self, key: str) -> bytes:
-            return bytes(inner.get(key))
-
-        def add(self, key: str, amount: int) -> int:
-            if amount:
-                counts.add(1, 0, 8)
-            return int(inner.add(key, amount))
-
-        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-            result = bytes(inner.compare_set(key, expected, desired))
-            if expected != desired:  # equal values are rdzv's read probe
-                counts.add(1, 0 if result == bytes(desired) else 1, _len(desired))
-            return result
-
-        def wait(self, keys: Sequence[str], timeout: Any = None) -> None:
-            inner.wait(keys, timeout)
-
-        def check(self, keys: Sequence[str]) -> bool:
-            return bool(inner.check(keys))
-
-        def delete_key(self, key: str) -> bool:
-            counts.add(1)
-            return bool(inner.delete_key(key))
-
-        def num_keys(self) -> int:
-            return int(inner.num_keys())
-
-        def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-            return list(inner.multi_get(keys))
-
-        def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
-            counts.add(1, 0, sum(_len(v) for v in values))
-            inner.multi_set(keys, values)
-
-        def append(self, key: str, value: Any) -> None:
-            counts.add(1, 0, _len(value))
-            inner.append(key, value)
-
-        def list_keys(self) -> list[str]:
-            return list(inner.list_keys())
-
-        def queue_push(self, key: str, value: Any) -> None:
-            counts.add(1, 0, _len(value))
-            inner.queue_push(key, value)
-
-        def queue_pop(self, key: str, block: bool = True) -> bytes:
-            return bytes(inner.queue_pop(key, block))
-
-        def queue_len(self, key: str) -> int:
-            return int(inner.queue_len(key))
-
-        def watch(self, key: str, previous: bytes | None, timeout: Any) -> bytes | None:
-            found = inner.watch(key, previous, timeout)
-            return None if found is None else bytes(found)
-
-        def close(self) -> None:
-            inner.close()
-
-    return CountingStore()
+        A compare-and-set whose expected and desired values are equal is
+        rdzv's read probe, not a write; an ``add`` of 0 is a read.
+        """
+        if name in ("set", "append", "queue_push"):
+            self.add(1, 0, len(_bytes(args[1])))
+        elif name == "add" and args[1]:
+            self.add(1, 0, 8)
+        elif name == "compare_set" and args[1] != args[2]:
+            desired = _bytes(args[2])
+            self.add(1, 0 if bytes(result) == desired else 1, len(desired))
+        elif name == "delete_key":
+            self.add(1)
+        elif name == "multi_set":
+            self.add(1, 0, sum(len(_bytes(v)) for v in args[1]))
 
 
-class CountingTorchStore:
-    """What torch's C10dRendezvousBackend calls on its store: compare_set and get."""
-
-    def __init__(self, inner: Any, counts: Counts) -> None:
-        self.inner = inner
-        self.counts = counts
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        result: bytes = self.inner.compare_set(key, expected, desired)
-        self.counts.add(1, 0 if result == desired.encode() else 1, len(desired))
-        return result
-
-    def get(self, key: str) -> bytes:
-        value: bytes = self.inner.get(key)
-        return value
+def _bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 # --------------------------------------------------------------------------
@@ -193,79 +109,10 @@ class CountingTorchStore:
 # --------------------------------------------------------------------------
 
 
-def make_handler(impl: str, cfg: dict[str, Any], counts: Counts, addr: str) -> Any:
-    host, port, run_id = "127.0.0.1", cfg["port"], cfg["run_id"]
-    if impl in ENGINES:
-        import rdzv
-
-        params = rdzv.RendezvousParameters(
-            impl,
-            cfg["endpoint"],
-            run_id,
-            cfg["min"],
-            cfg["max"],
-            local_addr=addr,
-            join_timeout=cfg["join"],
-            last_call_timeout=cfg["last_call"],
-            keep_alive_interval=cfg["interval"],
-            keep_alive_max_attempt=cfg["attempts"],
-            read_timeout=60,
-        )
-        return rdzv.create_handler(params)
-    if impl == "rdzv":
-        from rdzv.api import RendezvousTimeout
-        from rdzv.backends.store import C10dRendezvousBackend
-        from rdzv.dynamic.handler import DynamicRendezvousHandler
-        from rdzv.store.tcp import TCPStore
-
-        store = counting_rdzv_store(TCPStore(host, port, timeout=120), counts)
-        live = counting_rdzv_store(TCPStore(host, port, timeout=120), counts)
-        backend = C10dRendezvousBackend(store, run_id, liveness_store=live)
-        return DynamicRendezvousHandler.from_backend(
-            run_id,
-            store,
-            backend,
-            cfg["min"],
-            cfg["max"],
-            local_addr=addr,
-            timeout=RendezvousTimeout(join=cfg["join"], last_call=cfg["last_call"]),
-            keep_alive_interval=cfg["interval"],
-            keep_alive_max_attempt=cfg["attempts"],
-        )
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend as TorchBackend,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler as TorchHandler,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        RendezvousTimeout as TorchTimeout,
-    )
-
-    store = dist.TCPStore(
-        host, port, is_master=False, timeout=timedelta(seconds=120), wait_for_workers=False
-    )
-    backend = TorchBackend(CountingTorchStore(store, counts), run_id)  # type: ignore[arg-type]
-    return TorchHandler.from_backend(
-        run_id,
-        store,
-        backend,
-        cfg["min"],
-        cfg["max"],
-        local_addr=addr,
-        timeout=TorchTimeout(
-            join=timedelta(seconds=cfg["join"]), last_call=timedelta(seconds=cfg["last_call"])
-        ),
-        keep_alive_interval=cfg["interval"],
-        keep_alive_max_attempt=cfg["attempts"],
-    )
-
-
 def worker(impl: str, cfg: dict[str, Any]) -> None:
     counts = Counts()
     handlers = [
-        make_handler(impl, cfg, counts, f"127.0.{cfg['proc']}.{i + 1}")
+        make_handler(impl, cfg, f"127.0.{cfg['proc']}.{i + 1}", counts.count)
         for i in range(cfg["threads"])
     ]
     print(json.dumps({"ready": True}), flush=True)
@@ -332,27 +179,18 @@ class Host:
             self.port = int(self.store.port)
 
     def config(self) -> dict[str, Any]:
-        """What an agent needs to reach this host."""
-        return {"port": self.port, "endpoint": self.endpoint}
+        """What an agent needs to reach this host (two store connections; 60 s engine reads)."""
+        return {
+            "port": self.port,
+            "endpoint": self.endpoint,
+            "two_clients": True,
+            "read_timeout": 60,
+        }
 
     def close(self) -> None:
         if hasattr(self.store, "close"):
             self.store.close()
         self.store = None
-
-
-@contextlib.contextmanager
-def engine_servers(backends: Sequence[str]) -> Iterator[dict[str, str]]:
-    """Start a private etcd and/or redis-server for the run; stop them by pid afterwards."""
-    from tests.engines.servers import etcd_cluster, redis_server
-
-    with contextlib.ExitStack() as stack:
-        endpoints: dict[str, str] = {}
-        if "etcd" in backends:
-            endpoints["etcd"] = stack.enter_context(etcd_cluster(1)).endpoints
-        if "redis" in backends:
-            endpoints["redis"] = stack.enter_context(redis_server()).endpoint
-        yield endpoints
 
 
 _run_counter = 0
@@ -381,7 +219,7 @@ def spawn_agents(
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
-                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                    env=subprocess_env(),
                 )
             )
         wait_ready(impl, workers)
@@ -517,14 +355,14 @@ def late_joiner(impl: str, engines: dict[str, str]) -> dict[str, Any]:
     }
     counts = Counts()
     try:
-        members = [make_handler(impl, cfg, counts, f"127.0.0.{i}") for i in (1, 2)]
+        members = [make_handler(impl, cfg, f"127.0.0.{i}", counts.count) for i in (1, 2)]
         threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in members]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=60)
         time.sleep(1.5)  # let any cached view go stale before the late arrival
-        late = make_handler(impl, cfg, counts, "127.0.0.9")
+        late = make_handler(impl, cfg, "127.0.0.9", counts.count)
         seen = threading.Event()
         started_at: list[float] = []
         seen_at: list[float] = []
@@ -693,6 +531,8 @@ def main() -> None:
     if args.quick:
         args.repeat, args.sizes, args.rdzv_only_sizes = 1, "8,32", ""
     stamp("start")
+    from tests.engines.servers import engine_servers
+
     with engine_servers(args.backends) as engines:
         table = run_all(args, args.backends, engines)
     stamp("end")

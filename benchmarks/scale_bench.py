@@ -38,8 +38,8 @@ What runs
   node that was never killed is a *false death*.
 * Keep-alive: torch's and rdzv's default interval (5 s) x ``--attempts``,
   except in recovery (1 s, so the dead-node bound is 3 s); ``--interval``
-  sets it for every scenario. At 1 s, 8,192 simulated agents' beats alone
-  took the two cores (8,192 beats a second from one machine).
+  sets it for every scenario (at 1 s the beats of thousands of simulated
+  agents alone load one machine's cores).
 * The agent processes run with a GIL switch interval of
   :data:`SWITCH_INTERVAL`: hundreds of threads in one interpreter are the
   harness's cost, not the handlers'.
@@ -47,10 +47,9 @@ What runs
   (``--no-pin``: on any). A real agent is one process on its own host; here
   ``--per-proc`` agents share one GIL, which they hand to each other at
   every system call, and a thread woken on another core than the GIL's
-  holder costs a cross-core wake-up. At 2,048 agents pinning lowered their
-  CPU from 0.78 to 0.88 ms a node to 0.63 to 0.67 (of it in the kernel:
-  0.28 to 0.36 ms, then 0.22 to 0.25), the same handler code. The store
-  server is not pinned.
+  holder costs a cross-core wake-up, which pinning saves: it lowers the
+  agents' CPU a node (most in the kernel) with the same handler code. The
+  store server is not pinned.
 
 Scenarios
 ---------
@@ -96,18 +95,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from _common import load, stamp
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(1, str(ROOT))  # tests.engines.servers: private etcd and redis-server
-
-from rdzv.api import DEFAULT_KEEP_ALIVE_INTERVAL  # noqa: E402 - after the path
+from _common import CountingStore, load, make_handler, stamp, subprocess_env
+from rdzv.api import DEFAULT_KEEP_ALIVE_INTERVAL
 
 BACKENDS = ("rdzv", "torch", "etcd", "redis", "floor", "floor-noconfirm")
 FLOORS = ("floor", "floor-noconfirm")
@@ -123,9 +117,9 @@ SWITCH_INTERVAL = 0.1
 
 Hundreds of handler threads share one interpreter here, where a real job
 runs one per host. A thread waiting for the GIL wakes every switch interval;
-at 8,192 handlers in 256 processes those wake-ups alone made thousands of
-threads runnable (load average 7,000), the store server got a few percent
-of the CPU despite its niceness, and watches went unanswered. The handlers
+at thousands of handlers those wake-ups alone made thousands of threads
+runnable, the store server got a few percent of the CPU despite its
+niceness, and watches went unanswered. The handlers
 block on sockets, which releases the GIL at once, so a longer interval only
 stops the waiters from spinning."""
 MIN_PER_PROCESS = 128
@@ -155,6 +149,13 @@ class Counter:
     def snapshot(self) -> tuple[int, int, int]:
         return self.requests, self.written, self.read
 
+    def count(self, name: str, args: tuple[Any, ...], result: Any) -> None:
+        """Count one store call (a :class:`CountingStore`'s count)."""
+        self.requests += 1
+        self.by_op[name] = self.by_op.get(name, 0) + 1
+        self.written += _size(args)
+        self.read += _size(result)
+
 
 def _size(value: Any) -> int:
     if isinstance(value, (bytes, bytearray, str)):
@@ -164,43 +165,6 @@ def _size(value: Any) -> int:
     if isinstance(value, int):
         return 8
     return 0
-
-
-class CountingStore:
-    """Forwards every call to ``inner``, counting it in ``counter``."""
-
-    def __init__(self, inner: Any, counter: Counter) -> None:
-        self._inner = inner
-        self._counter = counter
-
-    @property
-    def supports_watch(self) -> bool:
-        return bool(self._inner.supports_watch)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._inner.timeout  # type: ignore[no-any-return]
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if not callable(attr) or name in ("close", "clone"):
-            return attr
-        counter = self._counter
-
-        by_op = counter.by_op
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counter.requests += 1
-            by_op[name] = by_op.get(name, 0) + 1
-            counter.written += _size(args) + (_size(tuple(kwargs.values())) if kwargs else 0)
-            result = attr(*args, **kwargs)
-            counter.read += _size(result)
-            return result
-
-        # Found in the instance from now on: the harness's cost per call, not
-        # the handler's, is one wrapper call (see the agent CPU figures).
-        setattr(self, name, call)
-        return call
 
 
 # --------------------------------------------------------------------------
@@ -263,7 +227,9 @@ class FloorAgent:
 
         self.node = addr
         self._confirm = confirm
-        self._store: Any = CountingStore(TCPStore("127.0.0.1", cfg["port"], timeout=120), counter)
+        self._store: Any = CountingStore(
+            TCPStore("127.0.0.1", cfg["port"], timeout=120), counter.count
+        )
         self._prefix = f"floor/{cfg['run_id']}/"
         self._min, self._max, self._last_call = cfg["min"], cfg["max"], cfg["last_call"]
         self._log = logging.getLogger("rdzv.dynamic")
@@ -299,80 +265,10 @@ class FloorAgent:
         store.get(f"{key}verdict")
 
 
-def make_handler(impl: str, cfg: dict[str, Any], addr: str, counter: Counter) -> Any:
-    run_id, n_min, n_max = cfg["run_id"], cfg["min"], cfg["max"]
+def agent_handler(impl: str, cfg: dict[str, Any], addr: str, counter: Counter) -> Any:
     if impl in FLOORS:
         return FloorAgent(cfg, addr, counter, confirm=impl == "floor")
-    if impl in ("etcd", "redis"):
-        import rdzv
-
-        params = rdzv.RendezvousParameters(
-            impl,
-            cfg["endpoint"],
-            run_id,
-            n_min,
-            n_max,
-            local_addr=addr,
-            join_timeout=cfg["join"],
-            last_call_timeout=cfg["last_call"],
-            keep_alive_interval=cfg["interval"],
-            keep_alive_max_attempt=cfg["attempts"],
-            read_timeout=120,
-        )
-        return rdzv.create_handler(params)
-    if impl == "rdzv":
-        from rdzv.api import RendezvousTimeout
-        from rdzv.backends.store import C10dRendezvousBackend
-        from rdzv.dynamic.handler import DynamicRendezvousHandler
-        from rdzv.store.tcp import TCPStore
-
-        inner = TCPStore("127.0.0.1", cfg["port"], timeout=120)
-        store: Any = CountingStore(inner, counter)
-        live: Any = CountingStore(inner.clone(), counter) if cfg["two_clients"] else None
-        backend = C10dRendezvousBackend(store, run_id, liveness_store=live)
-        return DynamicRendezvousHandler.from_backend(
-            run_id,
-            store,
-            backend,
-            n_min,
-            n_max,
-            local_addr=addr,
-            timeout=RendezvousTimeout(join=cfg["join"], last_call=cfg["last_call"]),
-            keep_alive_interval=cfg["interval"],
-            keep_alive_max_attempt=cfg["attempts"],
-        )
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend as TorchBackend,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler as TorchHandler,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        RendezvousTimeout as TorchTimeout,
-    )
-
-    tstore = dist.TCPStore(
-        "127.0.0.1",
-        cfg["port"],
-        is_master=False,
-        timeout=timedelta(seconds=120),
-        wait_for_workers=False,
-    )
-    backend = TorchBackend(CountingStore(tstore, counter), run_id)  # type: ignore[arg-type]
-    return TorchHandler.from_backend(
-        run_id,
-        tstore,
-        backend,
-        n_min,
-        n_max,
-        local_addr=addr,
-        timeout=TorchTimeout(
-            join=timedelta(seconds=cfg["join"]), last_call=timedelta(seconds=cfg["last_call"])
-        ),
-        keep_alive_interval=cfg["interval"],
-        keep_alive_max_attempt=cfg["attempts"],
-    )
+    return make_handler(impl, {**cfg, "read_timeout": 120}, addr, counter.count)
 
 
 def sample_stacks(stop: threading.Event, every: float = 0.01) -> None:
@@ -412,7 +308,7 @@ def agent_process(impl: str, cfg: dict[str, Any]) -> None:
     count = cfg["threads"]
     counters = [Counter() for _ in range(count)]
     handlers = [
-        make_handler(impl, cfg, f"127.{cfg['proc'] // 250}.{cfg['proc'] % 250}.{i + 1}", c)
+        agent_handler(impl, cfg, f"127.{cfg['proc'] // 250}.{cfg['proc'] % 250}.{i + 1}", c)
         for i, c in enumerate(counters)
     ]
     nodes = [getattr(h, "node", "") for h in handlers]
@@ -570,10 +466,9 @@ def agents_per_process(n: int) -> int:
     :data:`PROCESSES_PER_CORE` agent processes. The kernel preempts a thread
     that holds its process's GIL like any other, and every agent of that
     process then waits until the thread runs again, behind the other
-    processes of its core: at 8,192 agents in 64 processes of 128 (32 a
-    core) the formation took 10.4 to 20 s (6 runs), in 16 of 512 4.9 to
-    9.2 s (11 runs of 13), the same handler code (2026-12-04). A real agent
-    has a host of its own.
+    processes of its core: with many processes a core, a formation at
+    thousands of agents took about twice as long and varied twice as much,
+    with the same handler code. A real agent has a host of its own.
     """
     cores = len(os.sched_getaffinity(0))
     return max(MIN_PER_PROCESS, -(-n // (PROCESSES_PER_CORE * cores)))
@@ -596,7 +491,7 @@ def _spawn(argv: Sequence[str]) -> subprocess.Popen[str]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        env=subprocess_env(),
     )
 
 
@@ -955,25 +850,6 @@ def run_scenario(
     return result
 
 
-@contextlib.contextmanager
-def engine_servers(backends: Sequence[str]) -> Iterator[dict[str, str]]:
-    """Start a private etcd and/or redis-server; stopped by pid on exit."""
-    from tests.engines.servers import etcd_cluster, redis_server
-
-    with contextlib.ExitStack() as stack:
-        endpoints: dict[str, str] = {}
-        if "etcd" in backends:
-            cluster = stack.enter_context(etcd_cluster(1))
-            endpoints["etcd"] = cluster.endpoints
-            proc = cluster.members[0].proc
-            endpoints["etcd-pid"] = str(proc.pid) if proc else ""
-        if "redis" in backends:
-            server = stack.enter_context(redis_server())
-            endpoints["redis"] = server.endpoint
-            endpoints["redis-pid"] = str(server.proc.pid) if server.proc else ""
-        yield endpoints
-
-
 def _fmt(value: Any, unit: str = "") -> str:
     if value is None:
         return "-"
@@ -1077,6 +953,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"unknown backend or scenario {name!r}")
     stamp("start")
     rows: list[dict[str, Any]] = []
+    from tests.engines.servers import engine_servers
+
     with engine_servers(backends) as endpoints:
         for n in sizes:
             for scenario in scenarios:

@@ -47,19 +47,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from _common import stamp
+from _common import ROOT, stamp, subprocess_env
 
-ROOT = Path(__file__).resolve().parent.parent
 OPS = ("set", "get", "add", "compare_set")
 VALUE = b"v" * 100
-
-
-def env() -> dict[str, str]:
-    environ = dict(os.environ)
-    environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "src"), str(ROOT), environ.get("PYTHONPATH", "")]
-    )
-    return environ
 
 
 def make_client(kind: str, port: int) -> Any:
@@ -110,7 +101,7 @@ def start_server(kind: str, source: Path | None = None) -> tuple[subprocess.Pope
     ``source``: another tree's ``src`` directory to run ``rdzv serve`` from,
     on its default loop (``kind`` is then only its name).
     """
-    environ = env()
+    environ = subprocess_env()
     if kind == "torch":
         code = (
             "import sys, time, torch.distributed as dist\n"
@@ -165,7 +156,7 @@ def measure(client: str, port: int, op: str, clients: int, duration: float) -> R
                 [sys.executable, __file__, "--worker", *argv],
                 stdout=subprocess.PIPE,
                 text=True,
-                env=env(),
+                env=subprocess_env(),
             )
         )
     total = 0.0

@@ -22,10 +22,8 @@ the benchmark adds a temporary dist-info holding them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,9 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from _common import stamp
-
-ROOT = Path(__file__).resolve().parent.parent
+from _common import free_port, read_markers, stamp, subprocess_env, wait_until
 
 WORKER = """\
 import json, os, sys, time
@@ -60,15 +56,8 @@ ENTRY_POINTS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def environment(tmp: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(ROOT / "src")]
+    env = subprocess_env(OMP_NUM_THREADS="1")
     if "rdzv" not in {ep.name for ep in metadata.entry_points(group="torchrun.handlers")}:
         info = tmp / "eps" / "rdzv_torchrun_bench-0.dist-info"
         info.mkdir(parents=True)
@@ -76,37 +65,23 @@ def environment(tmp: Path) -> dict[str, str]:
             "Metadata-Version: 2.1\nName: rdzv-torchrun-bench\nVersion: 0\n"
         )
         (info / "entry_points.txt").write_text(ENTRY_POINTS)
-        paths.append(str(tmp / "eps"))
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env["OMP_NUM_THREADS"] = "1"
+        env["PYTHONPATH"] += os.pathsep + str(tmp / "eps")
     return env
 
 
-def markers(out: Path) -> list[dict[str, float]]:
-    found = []
-    for path in out.glob("started-*"):
-        text = path.read_text()
-        if text:
-            found.append(json.loads(text))
-    return found
+def markers(out: Path) -> list[dict[str, Any]]:
+    return read_markers(out, "started-*")
 
 
-def wait_for(
-    predicate: Callable[[], Any],
-    agents: list[subprocess.Popen[bytes]],
-    what: str,
-    timeout: float = 120,
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline or any(a.poll() not in (None, 0) for a in agents):
-            raise RuntimeError(f"{what}: not reached")
-        time.sleep(0.01)
+def wait_for(predicate: Callable[[], Any], agents: list[subprocess.Popen[bytes]], what: str) -> Any:
+    """:func:`wait_until` ``predicate`` (120 s), given up as soon as an agent failed."""
+    return wait_until(
+        predicate,
+        what,
+        120,
+        every=0.01,
+        broken=lambda: [a.args for a in agents if a.poll() not in (None, 0)],
+    )
 
 
 def one_run(

@@ -2,6 +2,12 @@
 
 The servers are session-wide and started on first use; tests keep apart by
 using keys of their own.
+
+Tests marked ``slow`` (multi-host jobs in network namespaces, chaos runs,
+torch jobs, multi-process tests, doc commands, and any test that takes
+more than about two seconds) are left out of the fast tier,
+``python -m pytest -n 2 --dist loadgroup -m "not slow"``; ``bash
+scripts/test`` runs them all.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 if TYPE_CHECKING:
     from rdzv.store.server import TCPStoreServer
+    from tests.certs import TLSFiles
     from tests.engines.servers import EtcdCluster, RedisServer
 
 
@@ -74,6 +81,14 @@ def make_server() -> Iterator[type[TCPStoreServer]]:
     finally:
         for server in started:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    """A CA with server and client certificates (and a second CA), made once per test module."""
+    from tests.certs import make_tls_files
+
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from rdzv.registry import open_backend
 from rdzv.store.base import Store
 from tests.chaos.agent import EPOCH_KEY, RUN_ID
 from tests.chaos.proxy import FaultProxy
-from tests.procs import subprocess_env
+from tests.procs import subprocess_env, wait_until
 
 _SERVE = [sys.executable, "-m", "rdzv.cli", "serve", "--host", "127.0.0.1"]
 
@@ -105,13 +105,14 @@ class Cluster(ABC):
         """Write the epoch key, retrying for up to 30 s while the servers come up.
 
         Raises:
-            RuntimeError: The key could not be written in time.
+            NotReachedError: The key could not be written in time.
         """
-        deadline = time.monotonic() + 30
-        while not self._try_set_epoch(epoch):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"could not write the chaos epoch to {self.direct_endpoint}")
-            time.sleep(0.2)
+        wait_until(
+            lambda: self._try_set_epoch(epoch),
+            f"the chaos epoch written to {self.direct_endpoint}",
+            30,
+            every=0.2,
+        )
 
     def read_state(self) -> bytes | None:
         """Return the stored state's bytes (None if absent); raises on I/O errors."""

@@ -118,6 +118,7 @@ def test_proxy_forwards_cuts_and_delays() -> None:
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("chaos-runs")  # under xdist: one run at a time, handed out first
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend", ["tcp", "etcd", "etcd3", "redis"])
@@ -189,6 +190,7 @@ def test_checker_extends_the_detection_bound_by_a_store_pause(checker: Checker) 
     assert checker.figures.violations == []
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("chaos-runs")  # under xdist: one run at a time, handed out first
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend", ["tcp", "redis"])

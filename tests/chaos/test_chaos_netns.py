@@ -13,6 +13,7 @@ from tests.chaos.harness import ChaosRun, Settings
 from tests.chaos.netns import FAULTS, NetnsTopology
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("chaos-runs")  # under xdist: one run at a time, handed out first
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from rdzv.store.memory import HashStore
 from rdzv.store.tcp import TCPStore
 from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
 from rdzv.testing.conformance import BACKEND_CHECKS, BackendHarness, Check, run_conformance
+from tests.conformance.test_stores import NoWatchStore
 from tests.engines.servers import EtcdCluster, RedisServer
 
 pytestmark = pytest.mark.timeout(90)
@@ -109,18 +110,10 @@ class C10dHarness(BackendHarness):
         self.store.close()
 
 
-class _NoWatchStore(HashStore):
-    """A HashStore that hides its watch, to exercise the polling fallback."""
-
-    @property
-    def supports_watch(self) -> bool:
-        return False
-
-
 @pytest.mark.parametrize("watch", [True, False], ids=["watch", "poll"])
 @EACH_CHECK
 def test_c10d_on_hash_store(check: Check, watch: bool) -> None:
-    harness = C10dHarness(HashStore(timeout=10) if watch else _NoWatchStore(timeout=10))
+    harness = C10dHarness(HashStore(timeout=10) if watch else NoWatchStore(timeout=10))
     try:
         run_all(check, harness)
     finally:

@@ -187,12 +187,13 @@ def test_redis_store(check: StoreCheck, redis_srv: RedisServer) -> None:
 # -- the suite itself --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_run_store_conformance_runs_every_check() -> None:
     assert run_store_conformance(hash_store) == [c.name for c in STORE_CHECKS]
 
 
-class _NoWatchStore(HashStore):
-    """A HashStore without watch, as a store without it looks."""
+class NoWatchStore(HashStore):
+    """A HashStore without watch, as a store without it looks (the polling fallbacks)."""
 
     @property
     def supports_watch(self) -> bool:
@@ -203,10 +204,11 @@ class _NoWatchStore(HashStore):
 
 
 def no_watch_store(capabilities: frozenset[StoreCapability] = EVERY - WATCH_ONLY) -> Clients:
-    shared = _NoWatchStore(TIMEOUT)
+    shared = NoWatchStore(TIMEOUT)
     return Clients(lambda: shared, capabilities)
 
 
+@pytest.mark.slow
 def test_checks_of_a_missing_capability_are_skipped() -> None:
     ran = run_store_conformance(no_watch_store)
     assert {c.name for c in STORE_CHECKS} - set(ran) == {"watch"}
@@ -215,6 +217,7 @@ def test_checks_of_a_missing_capability_are_skipped() -> None:
         watch.run(no_watch_store())
 
 
+@pytest.mark.slow
 def test_a_store_must_advertise_what_the_harness_says() -> None:
     with pytest.raises(ConformanceError, match="watch_advertised: supports_watch must be True"):
         run_store_conformance(lambda: no_watch_store(EVERY))

@@ -20,25 +20,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tests.certs import TLSFiles
-from tests.procs import free_port as procs_free_port
-from tests.procs import require_binary
-
-FORBIDDEN_PORTS = frozenset({2379, 2380, 6379})
-
-
-def free_port() -> int:
-    """Return a currently free TCP port on 127.0.0.1 (never a default engine port)."""
-    for _ in range(50):
-        port = procs_free_port()
-        if port not in FORBIDDEN_PORTS:
-            return port
-    raise RuntimeError("could not find a free loopback port")
+from tests.procs import free_port, require_binary
 
 
 def stop_process(proc: subprocess.Popen[Any], grace: float = 5.0) -> None:
@@ -62,8 +50,8 @@ def kill_process(proc: subprocess.Popen[Any]) -> None:
         proc.wait(timeout=10)
 
 
-def _etcd_env() -> dict[str, str]:
-    # etcd reads every ETCD_* variable as a flag.
+def etcd_env() -> dict[str, str]:
+    """This process's environment less the ``ETCD*`` variables (etcd reads each as a flag)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
 
 
@@ -160,7 +148,7 @@ class EtcdCluster:
         member.log = member.data_dir.parent / f"{member.name}.log"
         with member.log.open("ab") as log:
             member.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=_etcd_env()
+                args, stdout=log, stderr=subprocess.STDOUT, env=etcd_env()
             )
 
     def _healthy(self, member: EtcdMember) -> bool:
@@ -377,3 +365,23 @@ def redis_server(tls: TLSFiles | None = None) -> Iterator[RedisServer]:
         finally:
             server.stop()
             shutil.rmtree(base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def engine_servers(names: Sequence[str]) -> Iterator[dict[str, str]]:
+    """Start a private etcd and/or redis-server for those of ``names`` that are engines.
+
+    Yields ``{name: endpoint, f"{name}-pid": pid}``; both are stopped by pid on exit.
+    """
+    with contextlib.ExitStack() as stack:
+        endpoints: dict[str, str] = {}
+        if "etcd" in names:
+            cluster = stack.enter_context(etcd_cluster(1))
+            endpoints["etcd"] = cluster.endpoints
+            proc = cluster.members[0].proc
+            endpoints["etcd-pid"] = str(proc.pid) if proc else ""
+        if "redis" in names:
+            server = stack.enter_context(redis_server())
+            endpoints["redis"] = server.endpoint
+            endpoints["redis-pid"] = str(server.proc.pid) if server.proc else ""
+        yield endpoints

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -13,7 +12,8 @@ from rdzv.backends.etcd import EtcdRendezvousBackend, create_backend
 from rdzv.backends.etcd_client import EtcdClient
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.errors import RendezvousConnectionError
-from tests.engines.servers import EtcdCluster, RedisServer, free_port
+from tests.engines.servers import EtcdCluster, RedisServer
+from tests.procs import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,10 +91,7 @@ def test_etcd_heartbeat_expires_on_the_server(etcd_client: EtcdClient, unique: s
     backend.beat("node-a")
     assert backend.heartbeat_mark("node-a") is not None
     assert backend.live_nodes() == ["node-a"]
-    deadline = time.monotonic() + 15
-    while backend.heartbeat_mark("node-a") is not None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert backend.heartbeat_mark("node-a") is None
+    wait_until(lambda: backend.heartbeat_mark("node-a") is None, "the mark to expire", 15)
     # The node comes back: a new lease is granted and the mark reappears.
     backend.beat("node-a")
     assert backend.heartbeat_mark("node-a") is not None
@@ -109,10 +106,7 @@ def test_redis_heartbeat_expires_on_the_server(redis_client: Any, unique: str) -
     backend = RedisRendezvousBackend(redis_client, unique, key_prefix="live:", liveness_ttl=1)
     backend.beat("node-a")
     assert backend.heartbeat_mark("node-a") is not None
-    deadline = time.monotonic() + 15
-    while backend.heartbeat_mark("node-a") is not None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert backend.heartbeat_mark("node-a") is None
+    wait_until(lambda: backend.heartbeat_mark("node-a") is None, "the mark to expire", 15)
 
 
 @pytest.mark.redis

@@ -15,18 +15,18 @@ from typing import Any
 
 import pytest
 
-from tests.engines.servers import etcd_cluster, kill_process, stop_process
-from tests.procs import subprocess_env
+from tests.engines.servers import etcd_cluster, kill_process
+from tests.procs import Children, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-class Agents:
+class Agents(Children):
     """Agent processes; ``line`` returns the next completed round or how one ended."""
 
     def __init__(self, backend: str, endpoint: str, run_id: str) -> None:
+        super().__init__()
         self.backend, self.endpoint, self.run_id = backend, endpoint, run_id
-        self.procs: list[subprocess.Popen[str]] = []
 
     def start(
         self,
@@ -47,11 +47,9 @@ class Agents:
         ]
         if close:
             args.append("--close")
-        proc = subprocess.Popen(
+        return self.popen(
             args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
         )
-        self.procs.append(proc)
-        return proc
 
     @staticmethod
     def line(proc: subprocess.Popen[str]) -> dict[str, Any]:
@@ -71,13 +69,6 @@ class Agents:
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err[-3000:]
 
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            stop_process(proc)
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
-
 
 @pytest.fixture(
     params=[
@@ -94,7 +85,7 @@ def agents(request: pytest.FixtureRequest, unique: str) -> Iterator[Agents]:
     try:
         yield made
     finally:
-        made.stop_all()
+        made.stop()
 
 
 def check_round(results: list[dict[str, Any]], size: int) -> None:
@@ -164,4 +155,4 @@ def test_rendezvous_survives_the_etcd_leader_dying(unique: str) -> None:
             for p in [*first, late]:
                 run.finish(p)
         finally:
-            run.stop_all()
+            run.stop()

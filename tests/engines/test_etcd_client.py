@@ -16,7 +16,8 @@ from rdzv.backends.etcd_client import (
 )
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.errors import RendezvousConnectionError
-from tests.engines.servers import EtcdCluster, etcd_cluster, free_port, kill_process
+from tests.engines.servers import EtcdCluster, etcd_cluster, kill_process
+from tests.procs import free_port
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -201,6 +202,7 @@ def test_failover_skips_a_dead_first_member(etcd: EtcdCluster, unique: str) -> N
         client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_failover_when_the_member_in_use_dies(unique: str) -> None:
     with etcd_cluster(3) as cluster:
@@ -229,6 +231,7 @@ def test_failover_when_the_member_in_use_dies(unique: str) -> None:
             client.close()
 
 
+@pytest.mark.slow
 def test_failover_skips_a_member_that_hangs(etcd: EtcdCluster, unique: str) -> None:
     """A member that accepts connections but never answers gets only its share of the budget."""
     import socket

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
 from rdzv.backends.etcd_client import EtcdClient
 from tests.engines.servers import etcd_cluster, kill_process
+from tests.procs import wait_until
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
@@ -93,13 +93,14 @@ def test_no_acknowledged_write_is_lost_when_the_leader_dies() -> None:
             survivors = [m for m in cluster.members if m.alive]
             assert len(survivors) == 2
             key = backends[0].key
-            deadline = time.monotonic() + 20
-            while True:
-                seen = {_local_read(m.endpoint, key) for m in survivors}
-                if len(seen) == 1 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            assert seen == {b"rdzv-state/1\n" + final[0]}
+            wait_until(
+                lambda: (
+                    {_local_read(m.endpoint, key) for m in survivors}
+                    == {b"rdzv-state/1\n" + final[0]}
+                ),
+                "the survivors to converge",
+                20,
+            )
         finally:
             for c in clients:
                 c.close()

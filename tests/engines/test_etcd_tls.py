@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,7 @@ from rdzv.api import RendezvousParameters
 from rdzv.backends.etcd import create_backend, parse_endpoints
 from rdzv.backends.etcd_client import EtcdClient
 from rdzv.errors import RendezvousConnectionError
-from tests.certs import TLSFiles, make_tls_files
+from tests.certs import TLSFiles
 from tests.engines.servers import EtcdCluster, etcd_cluster
 
 pytestmark = [
@@ -19,11 +18,6 @@ pytestmark = [
     pytest.mark.timeout(90),
     pytest.mark.xdist_group("etcd-tls"),  # one worker starts the module's TLS etcd, once
 ]
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
-    return make_tls_files(Path(tmp_path_factory.mktemp("tls")))
 
 
 @pytest.fixture(scope="module")

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rdzv.api import RendezvousParameters
 from rdzv.errors import RendezvousConnectionError
-from tests.certs import TLSFiles, make_tls_files
+from tests.certs import TLSFiles
 from tests.engines.servers import RedisServer, redis_server
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
-    return make_tls_files(Path(tmp_path_factory.mktemp("redis-tls")))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ pytest.importorskip("atheris")  # in the dev extra; the hypothesis fuzzers cover
 RUNS = 20_000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("target", ["parser", "state"])
 def test_coverage_guided_fuzzer_finds_no_crash(target: str, tmp_path: Path) -> None:

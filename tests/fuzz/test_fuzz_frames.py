@@ -24,7 +24,8 @@ from rdzv.store.protocol import (
 from rdzv.store.server import TCPStoreServer
 from tests.fuzz.budget import budget
 from tests.fuzz.test_fuzz_state_codec import mutated
-from tests.reliability.sockets import VALIDATE, eventually, served
+from tests.procs import wait_until
+from tests.reliability.sockets import VALIDATE, served
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,6 +107,7 @@ def parse_all(chunks: list[bytes]) -> list[Request]:
     return decoded
 
 
+@pytest.mark.slow
 @budget(500)
 @given(st.data(), st.lists(requests, min_size=1, max_size=8))
 def test_valid_streams_decode_the_same_however_split(
@@ -116,6 +118,7 @@ def test_valid_streams_decode_the_same_however_split(
     assert [encode_request(r) for r in decoded] == [encode_request(r) for r in reqs]
 
 
+@pytest.mark.slow
 @budget(800)
 @given(st.data(), inputs)
 def test_parser_only_raises_protocol_error(data: st.DataObject, stream: bytes) -> None:
@@ -150,6 +153,6 @@ def test_live_server_survives_fuzzed_frames_and_serves_others(
 
 def test_live_server_leaks_nothing_after_the_fuzzing(live_server: TCPStoreServer) -> None:
     # Runs after the fuzzer in file order; on its own it checks a fresh server.
-    assert eventually(lambda: live_server.connection_count() == 0)
+    wait_until(lambda: live_server.connection_count() == 0, timeout=15)
     assert live_server.waiter_count() == 0
     assert served(live_server.port)

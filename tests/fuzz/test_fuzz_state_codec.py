@@ -81,18 +81,21 @@ def test_state_codec_on_random_bytes(data: bytes) -> None:
     check_state_bytes(bytes([STATE_VERSION]) + data)
 
 
+@pytest.mark.slow
 @budget(400)
 @given(json_values)
 def test_state_codec_on_arbitrary_json(body: object) -> None:
     check_state_bytes(bytes([STATE_VERSION]) + json.dumps(body).encode())
 
 
+@pytest.mark.slow
 @budget(400)
 @given(mutated(valid_states().map(encode_state)))
 def test_state_codec_on_mutated_valid_states(data: bytes) -> None:
     check_state_bytes(data)
 
 
+@pytest.mark.slow
 @budget(100)
 @given(valid_states())
 def test_valid_states_round_trip(state: RendezvousState) -> None:
@@ -106,6 +109,7 @@ def test_regression_deeply_nested_json_is_a_state_error(depth: int) -> None:
         decode_state(bytes([STATE_VERSION]) + b"[" * depth + b"]" * depth)
 
 
+@pytest.mark.slow
 @budget(300)
 @given(st.binary(max_size=120) | mutated(node_keys.map(lambda n: f"{n} 3".encode())))
 def test_join_record_codec_only_raises_state_error(data: bytes) -> None:

@@ -8,23 +8,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.procs import ROOT, subprocess_env
+from tests.procs import ROOT, Children, subprocess_env
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 HELLO = str(ROOT / "examples" / "hello.py")
 ALLREDUCE = str(ROOT / "examples" / "allreduce.py")
 
 
-class Agents:
+class Agents(Children):
     """Starts ``rdzv run`` processes and stops every one of them at the end."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
 
     def start(
         self,
@@ -37,7 +33,7 @@ class Agents:
         """Start ``rdzv run`` (or another ``command``); stderr to ``stderr_path`` when given."""
         with contextlib.ExitStack() as stack:
             err = stack.enter_context(stderr_path.open("w")) if stderr_path else subprocess.PIPE
-            proc = subprocess.Popen(
+            return self.popen(
                 [sys.executable, *command, *args],
                 cwd=ROOT,
                 env=subprocess_env() if env is None else env,
@@ -46,14 +42,6 @@ class Agents:
                 stderr=err,
                 text=True,
             )
-        self.procs.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
 
 
 @contextlib.contextmanager
@@ -62,22 +50,12 @@ def agents() -> Iterator[Agents]:
     try:
         yield group
     finally:
-        group.stop_all()
+        group.stop()
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-def wait_for(predicate: object, timeout: float = 60, what: str = "a condition") -> None:
-    assert callable(predicate)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def alive(pid: int) -> bool:

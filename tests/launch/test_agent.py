@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import signal
 import sys
@@ -18,6 +17,7 @@ from rdzv import PrefixStore, RendezvousInfo
 from rdzv.launch import AgentConfig, AgentResult, ElasticAgent, OutputSink
 from rdzv.launch.agent import EXIT_OK, EXIT_RENDEZVOUS, EXIT_WORKER_FAILED
 from tests.launch.fakes import FakeGroup, FakeHandler, ServerFactory
+from tests.launch.procs import envs
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 
@@ -61,10 +61,6 @@ class Node:
 
     def run(self) -> AgentResult:
         return self.agent.run()
-
-
-def envs(outdir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(outdir.glob("env-*.json"))]
 
 
 def run_nodes(nodes: list[Node]) -> list[AgentResult]:

@@ -23,10 +23,9 @@ from tests.launch.procs import (
     envs,
     finish,
     kill_pids,
-    wait_for,
     with_world,
 )
-from tests.procs import free_port
+from tests.procs import free_port, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -35,9 +34,9 @@ def test_a_third_agent_grows_the_group_without_a_restart(endpoint: str, tmp_path
     args = [*c10d_args(endpoint, "2:3", "grow"), WORKER, str(tmp_path), "wait-release"]
     with agents() as group:
         first = [group.start(args), group.start(args)]
-        wait_for(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
+        wait_until(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
         third = group.start(args)
-        wait_for(lambda: len(with_world(tmp_path, 3)) >= 3, what="a round of 3 nodes")
+        wait_until(lambda: len(with_world(tmp_path, 3)) >= 3, what="a round of 3 nodes")
         (tmp_path / "release-3").write_text("")
         results = [finish(p) for p in [*first, third]]
     assert [code for code, _, _ in results] == [0, 0, 0], results
@@ -53,7 +52,7 @@ def test_a_killed_agent_shrinks_the_group(endpoint: str, tmp_path: Path) -> None
     try:
         with agents() as group:
             procs = [group.start(args) for _ in range(3)]
-            wait_for(lambda: len(with_world(tmp_path, 3)) >= 3, what="a round of 3 nodes")
+            wait_until(lambda: len(with_world(tmp_path, 3)) >= 3, what="a round of 3 nodes")
             victim_group = with_world(tmp_path, 3)[0]["GROUP_RANK"]
             pids = [int(e["pid"]) for e in envs(tmp_path)]
             # find the agent whose node has that group rank: its worker's parent
@@ -62,12 +61,12 @@ def test_a_killed_agent_shrinks_the_group(endpoint: str, tmp_path: Path) -> None
             )
             victim = next(p for p in procs if _is_parent(p.pid, victim_pid))
             victim.kill()
-            wait_for(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
+            wait_until(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
             (tmp_path / "release-2").write_text("")
             survivors = [p for p in procs if p is not victim]
             results = [finish(p) for p in survivors]
         assert [code for code, _, _ in results] == [0, 0], results
-        wait_for(lambda: not alive(victim_pid), timeout=10, what="the victim's worker to end")
+        wait_until(lambda: not alive(victim_pid), timeout=10, what="the victim's worker to end")
         # Each round of 2 (an extra one may form first under load, before
         # the third agent arrives) ranks its two workers 0 and 1.
         assert {e["RANK"] for e in with_world(tmp_path, 2)} == {"0", "1"}
@@ -88,11 +87,13 @@ def test_a_spare_agent_exits_zero(endpoint: str, tmp_path: Path) -> None:
     args = [*c10d_args(endpoint, "1:2", "spare"), WORKER, str(tmp_path), "wait-release"]
     with agents() as group:
         members = [group.start(args), group.start(args)]
-        wait_for(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
+        wait_until(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
         started = len(envs(tmp_path))
         spare_log = tmp_path / "spare.err"
         spare = group.start(["--verbose", *args], stderr_path=spare_log)
-        wait_for(lambda: '"action": "enqueue"' in spare_log.read_text(), what="the spare to queue")
+        wait_until(
+            lambda: '"action": "enqueue"' in spare_log.read_text(), what="the spare to queue"
+        )
         # the group is full: the members are not disturbed by the spare
         (tmp_path / "release-2").write_text("")
         member_results = [finish(p) for p in members]
@@ -109,15 +110,17 @@ def test_an_agent_stopped_with_sigterm_leaves_the_run_open(endpoint: str, tmp_pa
     with agents() as group:
         stays = group.start(args)
         leaves = group.start(args)
-        wait_for(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
+        wait_until(lambda: len(with_world(tmp_path, 2)) >= 2, what="a round of 2 nodes")
         before = len(with_world(tmp_path, 2))
         leaves.send_signal(signal.SIGTERM)
         code, _, err = finish(leaves)
         assert code == 128 + signal.SIGTERM, err
         # the other node goes on alone, and a new agent can still join the run
-        wait_for(lambda: len(with_world(tmp_path, 1)) >= 1, what="a round of 1 node")
+        wait_until(lambda: len(with_world(tmp_path, 1)) >= 1, what="a round of 1 node")
         group.start(args)
-        wait_for(lambda: len(with_world(tmp_path, 2)) >= before + 2, what="a new round of 2 nodes")
+        wait_until(
+            lambda: len(with_world(tmp_path, 2)) >= before + 2, what="a new round of 2 nodes"
+        )
         (tmp_path / "release-2").write_text("")
         code, _, err = finish(stays)
         assert code == 0, err
@@ -170,7 +173,7 @@ def test_a_join_timeout_names_who_came_and_the_other_runs(endpoint: str, tmp_pat
         host, port = endpoint.rsplit(":", 1)
         probe = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
         try:
-            wait_for(
+            wait_until(
                 lambda: probe.check(["rdzv.backend/other-run/q/0"]), what="the other run's queue"
             )
         finally:

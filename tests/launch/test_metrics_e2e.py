@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from rdzv import TCPStore
-from tests.launch.procs import WORKER, agents, c10d_args, finish, wait_for, with_world
-from tests.procs import subprocess_env
+from tests.launch.procs import WORKER, agents, c10d_args, finish, with_world
+from tests.procs import subprocess_env, wait_until
 from tests.promtext import ParsedFamily, parse
+from tests.store.helpers import serve_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -38,33 +39,13 @@ def value(families: dict[str, ParsedFamily], name: str, sample: str | None = Non
 @pytest.fixture
 def served() -> Iterator[tuple[int, str]]:
     """``rdzv serve`` with metrics and at most 2 connections: (store port, metrics URL)."""
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rdzv.cli",
-            "serve",
-            "--host=127.0.0.1",
-            "--port=0",
-            "--max-connections=2",
-            "--metrics-port=0",
-            "--metrics-host=127.0.0.1",
-        ],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    metrics = ("--max-connections=2", "--metrics-port=0", "--metrics-host=127.0.0.1")
+    with serve_process(*metrics) as (server, port):
         assert server.stdout is not None
-        listening = server.stdout.readline()
-        metrics = server.stdout.readline()
-        found = _URL.search(metrics)
-        assert found is not None, (listening, metrics)
-        yield int(listening.split(":")[-1]), found.group(1)
-    finally:
-        server.terminate()
-        server.communicate(timeout=20)
+        line = server.stdout.readline()
+        found = _URL.search(line)
+        assert found is not None, line
+        yield port, found.group(1)
 
 
 def test_serve_counts_connections_requests_and_refusals(served: tuple[int, str]) -> None:
@@ -81,7 +62,7 @@ def test_serve_counts_connections_requests_and_refusals(served: tuple[int, str])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as third:
             third.settimeout(10)
             assert third.recv(1) == b""
-        wait_for(
+        wait_until(
             lambda: value(scrape(url), "rdzv_store_connections_refused_total") >= 1,
             what="the refusal to be counted",
         )
@@ -111,11 +92,11 @@ def test_run_exports_rounds_workers_and_heartbeat_ages(endpoint: str, tmp_path: 
             found = [_URL.search(log.read_text()) for log in logs]
             return [m.group(1) for m in found if m is not None]
 
-        wait_for(lambda: len(urls()) == 2, what="both metrics endpoints")
-        wait_for(lambda: len(with_world(tmp_path, 2)) == 2, what="a round of 2 nodes")
+        wait_until(lambda: len(urls()) == 2, what="both metrics endpoints")
+        wait_until(lambda: len(with_world(tmp_path, 2)) == 2, what="a round of 2 nodes")
         url = urls()[0]
         # heartbeats every 0.5 s: an age once a mark was seen to change between scrapes
-        wait_for(
+        wait_until(
             lambda: len(scrape(url)["rdzv_agent_heartbeat_age_seconds"].samples) == 2,
             what="heartbeat ages of both members",
         )

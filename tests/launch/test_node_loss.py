@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.launch.procs import agents, alive, c10d_args, finish, kill_pids, wait_for
+from tests.launch.procs import agents, alive, c10d_args, finish, kill_pids
+from tests.procs import wait_until
 
 # One torch job at a time under xdist: see tests/netns/test_jobs.py.
 pytestmark = [
@@ -72,11 +73,11 @@ def test_a_sigkilled_agent_of_a_ddp_job_costs_no_restart(endpoint: str, tmp_path
     try:
         with agents() as group:
             procs = [group.start(args) for _ in range(3)]
-            wait_for(lambda: _stepped(tmp_path, 3) >= 3, timeout=120, what="3 ranks training")
+            wait_until(lambda: _stepped(tmp_path, 3) >= 3, timeout=120, what="3 ranks training")
             workers = [int(r["pid"]) for r in _records(tmp_path, 3)]
             victim = procs[2]
             os.kill(victim.pid, signal.SIGKILL)
-            wait_for(lambda: _stepped(tmp_path, 2) >= 2, timeout=120, what="2 ranks training")
+            wait_until(lambda: _stepped(tmp_path, 2) >= 2, timeout=120, what="2 ranks training")
             (tmp_path / "release-2").write_text("")
             results = _finish_survivors(procs[:2])
             victim.communicate(timeout=10)
@@ -91,6 +92,6 @@ def test_a_sigkilled_agent_of_a_ddp_job_costs_no_restart(endpoint: str, tmp_path
         victim_worker = next(
             int(r["pid"]) for r in _records(tmp_path, 3) if r["ppid"] == victim.pid
         )
-        wait_for(lambda: not alive(victim_worker), timeout=20, what="the victim's worker to end")
+        wait_until(lambda: not alive(victim_worker), timeout=20, what="the victim's worker to end")
     finally:
         kill_pids(workers)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.procs import WORKER, agents, envs, finish, wait_for
-from tests.procs import free_port, subprocess_env
+from tests.launch.procs import WORKER, agents, envs, finish
+from tests.procs import free_port, subprocess_env, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -64,7 +64,7 @@ def test_sigusr1_reaches_the_workers_and_the_job_goes_on(tmp_path: Path) -> None
     args = ["--standalone", "--nproc-per-node=2", WORKER, str(tmp_path), "signals"]
     with agents() as group:
         agent = group.start(args)
-        wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == 2, what="both workers ready")
+        wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 2, what="both workers ready")
         os.kill(agent.pid, signal.SIGUSR1)
         code, _, err = finish(agent)
     assert code == 0, err
@@ -77,8 +77,8 @@ def test_the_ready_file_exists_while_the_workers_run(tmp_path: Path) -> None:
     args = ["--standalone", f"--ready-file={ready}", WORKER, str(tmp_path), "wait-release"]
     with agents() as group:
         agent = group.start(args)
-        wait_for(lambda: len(envs(tmp_path)) == 1, what="the worker")
-        wait_for(lambda: ready.exists() and ready.read_text().startswith("{"), what="ready")
+        wait_until(lambda: len(envs(tmp_path)) == 1, what="the worker")
+        wait_until(lambda: ready.exists() and ready.read_text().startswith("{"), what="ready")
         record = json.loads(ready.read_text())
         assert record["group_world_size"] == 1
         assert record["group_rank"] == 0

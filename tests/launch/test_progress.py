@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from rdzv.launch.progress import EventListener, WaitProgress
-from tests.launch.procs import HELLO, agents, finish, wait_for
+from tests.launch.procs import HELLO, agents, finish
+from tests.procs import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -54,7 +55,7 @@ def test_lines_name_the_run_the_counts_and_the_time_left() -> None:
     with progress.waiting():
         progress.event({"action": "join", "round": 3})
         progress.event(waiting(1, timeout_in=100.0))
-        wait_for(lambda: len(lines.snapshot()) >= 3, timeout=30, what="three lines")
+        wait_until(lambda: len(lines.snapshot()) >= 3, timeout=30, what="three lines")
     first = lines.snapshot()[0]
     assert first.startswith("waiting for the other nodes of run 'job' (round 3): ")
     assert "; 1 of min 2 / max 4 nodes joined; the join timeout ends in " in first
@@ -69,10 +70,10 @@ def test_a_change_is_printed_at_once_after_the_first_line() -> None:
     progress = WaitProgress("job", lines, first=0.05, every=3600.0)
     with progress.waiting():
         progress.event(waiting(1))
-        wait_for(lambda: len(lines.snapshot()) == 1, timeout=30, what="the first line")
+        wait_until(lambda: len(lines.snapshot()) == 1, timeout=30, what="the first line")
         progress.event(waiting(1))  # no change: no line
         progress.event(waiting(3))
-        wait_for(lambda: len(lines.snapshot()) == 2, timeout=30, what="the change line")
+        wait_until(lambda: len(lines.snapshot()) == 2, timeout=30, what="the change line")
     assert "1 of min 2 / max 4" in lines.snapshot()[0]
     assert "3 of min 2 / max 4" in lines.snapshot()[1]
 
@@ -81,7 +82,7 @@ def test_without_events_the_line_says_how_long() -> None:
     lines = Lines()
     progress = WaitProgress("static-job", lines, first=0.05, every=3600.0)
     with progress.waiting():
-        wait_for(lines.snapshot, timeout=30, what="a line")
+        wait_until(lines.snapshot, timeout=30, what="a line")
     assert re.fullmatch(
         r"waiting for the other nodes of run 'static-job': \d+ s so far", lines.snapshot()[0]
     )
@@ -140,7 +141,7 @@ def test_a_waiting_agent_prints_its_first_progress_line_within_5_s(
         def progress() -> list[tuple[datetime, str]]:
             return [(t, m) for t, m in stamped(first_err) if m.startswith("waiting for")]
 
-        wait_for(progress, timeout=60, what="a progress line")
+        wait_until(progress, timeout=60, what="a progress line")
         second = group.start(args)
         results = [finish(first), finish(second)]
     assert [code for code, _, _ in results] == [0, 0], results

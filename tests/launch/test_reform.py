@@ -20,7 +20,8 @@ from rdzv.launch import AgentConfig
 from rdzv.launch.agent import EXIT_OK, EXIT_WORKER_FAILED, reform_grace
 from rdzv.testing.memory import InMemoryBackend
 from tests.launch.fakes import FakeGroup, FakeHandler
-from tests.launch.test_agent import Node, envs
+from tests.launch.procs import envs
+from tests.launch.test_agent import Node
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import socket
@@ -12,23 +11,10 @@ from typing import Any
 import pytest
 
 from tests.certs import make_tls_files
-from tests.launch.procs import (
-    ALLREDUCE,
-    HELLO,
-    WORKER,
-    agents,
-    alive,
-    finish,
-    kill_pids,
-    wait_for,
-)
-from tests.procs import free_port
+from tests.launch.procs import ALLREDUCE, HELLO, WORKER, agents, alive, envs, finish, kill_pids
+from tests.procs import free_port, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
-
-
-def envs(outdir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(outdir.glob("env-*.json"))]
 
 
 def last_line(err: str) -> str:
@@ -175,14 +161,14 @@ def test_signal_to_agent_stops_workers(tmp_path: Path, signum: signal.Signals) -
                     "sleep",
                 ]
             )
-            wait_for(lambda: len(envs(tmp_path)) == 2, what="two workers to start")
+            wait_until(lambda: len(envs(tmp_path)) == 2, what="two workers to start")
             pids = [int(e["pid"]) for e in envs(tmp_path)]
             assert all(alive(pid) for pid in pids)
             proc.send_signal(signum)
             code, _, err = finish(proc, timeout=30)
         assert code == 128 + signum
         assert f"interrupted by {signum.name}" in last_line(err)
-        wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10, what="workers to end")
+        wait_until(lambda: not any(alive(pid) for pid in pids), timeout=10, what="workers to end")
     finally:
         kill_pids(pids)
 
@@ -194,11 +180,11 @@ def test_sigkilled_agent_takes_its_workers_along(tmp_path: Path) -> None:
             proc = group.start(
                 ["--standalone", "--nproc-per-node=2", WORKER, str(tmp_path), "sleep"]
             )
-            wait_for(lambda: len(envs(tmp_path)) == 2, what="two workers to start")
+            wait_until(lambda: len(envs(tmp_path)) == 2, what="two workers to start")
             pids = [int(e["pid"]) for e in envs(tmp_path)]
             proc.kill()
             finish(proc)
-        wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10, what="workers to end")
+        wait_until(lambda: not any(alive(pid) for pid in pids), timeout=10, what="workers to end")
     finally:
         kill_pids(pids)
 

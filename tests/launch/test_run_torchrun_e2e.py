@@ -14,8 +14,8 @@ import pytest
 
 from rdzv.launch.options import add_run_arguments
 from rdzv.launch.run import DEFAULT_STOP_GRACE, _stop_grace
-from tests.launch.procs import WORKER, agents, envs, finish, wait_for
-from tests.procs import free_port, subprocess_env
+from tests.launch.procs import WORKER, agents, envs, finish
+from tests.procs import free_port, subprocess_env, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -246,7 +246,7 @@ def test_the_handled_signal_is_forwarded_to_the_workers(
     args = ["--standalone", "--nproc-per-node=2", *extra, WORKER, str(tmp_path), "signals"]
     with agents() as group:
         proc = group.start(args)
-        wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == 2, what="workers to be ready")
+        wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 2, what="workers to be ready")
         proc.send_signal(sent)
         code, _, err = finish(proc, timeout=30)
     assert code == 128 + sent, err

@@ -57,6 +57,7 @@ def test_three_processes_meet_at_the_barrier(nodes: list[subprocess.Popen[str]])
         assert s["master"] == ["127.0.0.1", port]
 
 
+@pytest.mark.slow
 def test_timeout_names_the_missing_ranks(nodes: list[subprocess.Popen[str]]) -> None:
     # the host waits longer, so its store is still there when the other one gives up
     port = free_port()

@@ -26,8 +26,8 @@ from rdzv.status import (
     format_status,
     status_command,
 )
-from tests.launch.procs import WORKER, agents, c10d_args, finish, wait_for, with_world
-from tests.procs import free_port, subprocess_env
+from tests.launch.procs import WORKER, agents, c10d_args, finish, with_world
+from tests.procs import free_port, subprocess_env, wait_until
 
 
 def status(endpoint: str, run_id: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -62,7 +62,7 @@ def test_status_of_a_live_run(endpoint: str, tmp_path: Path) -> None:
     args = [*c10d_args(endpoint, "1:2", "live"), WORKER, str(tmp_path), "wait-release"]
     with agents() as group:
         members = [group.start(args), group.start(args)]
-        wait_for(lambda: len(with_world(tmp_path, 2)) == 2, what="a round of 2 nodes")
+        wait_until(lambda: len(with_world(tmp_path, 2)) == 2, what="a round of 2 nodes")
         running = status_json(endpoint, "live")
         assert running["complete"]
         assert not running["closed"]
@@ -78,7 +78,7 @@ def test_status_of_a_live_run(endpoint: str, tmp_path: Path) -> None:
         assert all(m["host"] == socket.gethostname() for m in running["members"])
         # a third node queues for the next round: the wait list names it
         group.start(args)
-        wait_for(
+        wait_until(
             lambda: len(status_json(endpoint, "live")["waiting"]) == 1,
             what="the third node on the wait list",
         )
@@ -194,7 +194,7 @@ def test_status_before_the_first_round_and_of_an_unknown_run(endpoint: str, tmp_
     args = [*c10d_args(endpoint, "2", "early"), WORKER, str(tmp_path), "wait-release"]
     with agents() as group:
         group.start(args)  # one of two nodes: it queues for round 0
-        wait_for(
+        wait_until(
             lambda: status(endpoint, "early", "--sample=0").returncode == 0,
             what="the node queued for round 0",
         )
@@ -235,7 +235,7 @@ def test_watch_redraws_in_place_and_says_when_the_job_finished(
     args = [*c10d_args(endpoint, "1", "watched"), WORKER, str(tmp_path), "wait-release"]
     with agents() as group:
         agent = group.start(args)
-        wait_for(lambda: len(with_world(tmp_path, 1)) == 1, what="the round of 1 node")
+        wait_until(lambda: len(with_world(tmp_path, 1)) == 1, what="the round of 1 node")
         parser = argparse.ArgumentParser()
         add_status_arguments(parser)
         options = parser.parse_args(
@@ -247,7 +247,7 @@ def test_watch_redraws_in_place_and_says_when_the_job_finished(
             target=lambda: outcome.append(status_command(options, screen)), daemon=True
         )
         watcher.start()
-        wait_for(lambda: screen.getvalue().count("\x1b[H\x1b[J") >= 2, what="two redraws")
+        wait_until(lambda: screen.getvalue().count("\x1b[H\x1b[J") >= 2, what="two redraws")
         (tmp_path / "release-1").write_text("")
         assert finish(agent)[0] == 0
         watcher.join(timeout=30)

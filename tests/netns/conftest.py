@@ -40,6 +40,16 @@ def open_bed(count: int) -> NetnsBed:
     return bed
 
 
+@pytest.fixture
+def bed3() -> Iterator[NetnsBed]:
+    """A bed of three hosts, closed after the test."""
+    bed = open_bed(3)
+    try:
+        yield bed
+    finally:
+        bed.close()
+
+
 class ProbedBed:
     """A bed whose every host runs the probe server."""
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -25,16 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from rdzv.testing.netns import Host, NetnsBed
-from tests.engines.servers import kill_process, stop_process
+from tests.engines.servers import etcd_env, kill_process, stop_process
 from tests.procs import require_binary
 
 ETCD_CLIENT_PORT = 2479
 ETCD_PEER_PORT = 2480
 REDIS_PORT = 16379
-
-
-def _etcd_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 1.0) -> dict[str, Any] | None:
@@ -100,7 +95,7 @@ class NetnsEtcd:
         ]
         with (self.base / f"m{host.index}.log").open("ab") as log:
             self.procs[host.index] = subprocess.Popen(
-                host.command(args), stdout=log, stderr=subprocess.STDOUT, env=_etcd_env()
+                host.command(args), stdout=log, stderr=subprocess.STDOUT, env=etcd_env()
             )
 
     def wait_healthy(self, timeout: float = 60.0) -> None:

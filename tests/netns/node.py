@@ -68,8 +68,6 @@ def main() -> int:
     )
     handler = rdzv.create_handler(params)
     node = getattr(handler, "node", "?")
-    member_of = "_member_of"
-    participants_of = "_participants_of"  # the node keys in rank order (info has addresses)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         started = time.monotonic()
@@ -91,13 +89,13 @@ def main() -> int:
             time.sleep(0.5)
             continue
         took = time.monotonic() - started
-        sealed = getattr(handler, member_of)
         emit(
             event="round",
             node=node,
             round=completions.round,
             rank=info.rank,
-            participants=list(getattr(handler, participants_of)(sealed)) if sealed else [],
+            # The node keys of the sealed round, in rank order (info only has addresses).
+            participants=list(handler.round_participants()),  # type: ignore[attr-defined]
             at=time.time(),
             took=took,
         )

@@ -51,6 +51,7 @@ def test_hosts_have_own_addresses_and_reach_each_other(probed4: ProbedBed) -> No
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.xdist_group("netns-probed4")  # one bed for the three (module fixture)
 def test_isolate_cuts_exactly_one_host_and_heal_restores(probed4: ProbedBed) -> None:
@@ -70,6 +71,7 @@ def test_isolate_cuts_exactly_one_host_and_heal_restores(probed4: ProbedBed) -> 
     assert probed4.connected_pairs() == all_pairs(4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.xdist_group("netns-probed4")  # one bed for the three (module fixture)
 def test_splits_cut_exactly_the_pairs_across_groups(probed4: ProbedBed) -> None:

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from rdzv.testing.netns import NetnsBed
-from tests.netns.conftest import open_bed
 from tests.netns.engines import NetnsEtcd
-from tests.procs import subprocess_env
+from tests.procs import subprocess_env, wait_until
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 PORT = 29455
@@ -38,15 +37,6 @@ print(json.dumps({
     "source": source_address(v4),
 }))
 """
-
-
-@pytest.fixture
-def bed3() -> Iterator[NetnsBed]:
-    bed = open_bed(3)
-    try:
-        yield bed
-    finally:
-        bed.close()
 
 
 @pytest.mark.timeout(60)
@@ -131,9 +121,7 @@ def records(out: Path) -> list[dict[str, str]]:
 
 
 def wait_for_records(out: Path, count: int) -> None:
-    deadline = time.monotonic() + 40
-    while len(records(out)) < count and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: len(records(out)) >= count, f"{count} records", 40, every=0.2)
     assert len(records(out)) == count
 
 
@@ -147,6 +135,7 @@ def check_one_round(bed: NetnsBed, out: Path) -> None:
     assert found[0]["MASTER_ADDR"] in {h.ipv4 for h in bed.hosts}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_three_agents_in_three_namespaces_rendezvous(bed3: NetnsBed, tmp_path: Path) -> None:
     results = finish(start_agents(bed3, tmp_path, 0))
@@ -164,6 +153,7 @@ def backend_on(bed: NetnsBed, backend: str) -> Iterator[str]:
             yield etcd.endpoints
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
 def test_agents_cut_from_each_other_but_not_from_the_store_are_unaffected(
@@ -185,6 +175,7 @@ def test_agents_cut_from_each_other_but_not_from_the_store_are_unaffected(
     assert bed3.cut_pairs() == {(1, 2)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
 def test_a_partition_healed_before_the_keep_alive_bound_changes_nothing(

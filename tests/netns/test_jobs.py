@@ -9,27 +9,25 @@ resolves to loopback here, as on many machines).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rdzv.testing.netns import NetnsBed
-from tests.netns.conftest import open_bed
 from tests.netns.engines import engine
-from tests.procs import ROOT, subprocess_env
+from tests.procs import ROOT, LoggedAgents, read_markers, subprocess_env
 
 pytest.importorskip("torch.distributed.run")
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.torch,
     pytest.mark.etcd,
     pytest.mark.redis,
@@ -52,49 +50,15 @@ def job_env(out: Path, **extra: str) -> dict[str, str]:
     )
 
 
-class Agents:
-    """One agent process per host; every one stopped by pid at the end."""
+class Agents(LoggedAgents):
+    """One agent process per host (log ``agent-<host>.log``); every one stopped by pid."""
 
     def __init__(self, bed: NetnsBed, logs: Path) -> None:
+        super().__init__(logs)
         self.bed = bed
-        self.logs = logs
-        self.procs: list[subprocess.Popen[str]] = []
 
-    def start(self, index: int, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-        log = (self.logs / f"agent-{index}.log").open("w")
-        try:
-            proc = self.bed.hosts[index].popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-        finally:
-            log.close()
-        self.procs.append(proc)
-        return proc
-
-    def output(self) -> str:
-        return "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-            for p in sorted(self.logs.glob("agent-*.log"))
-        )
-
-    def wait(self, timeout: float = 120) -> list[int | None]:
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return [p.poll() for p in self.procs]
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-
-@pytest.fixture
-def bed3() -> Iterator[NetnsBed]:
-    bed = open_bed(3)
-    try:
-        yield bed
-    finally:
-        bed.close()
+    def start_on(self, index: int, args: list[str], env: dict[str, str]) -> subprocess.Popen[Any]:
+        return self.start(args, env, name=index, popen=self.bed.hosts[index].popen)
 
 
 @pytest.fixture
@@ -120,28 +84,8 @@ def rdzv_run(backend: str, endpoint: str, nnodes: str, script: str, run_id: str)
     ]
 
 
-def markers(out: Path, kind: str) -> list[dict[str, Any]]:
-    found = []
-    for path in out.glob(f"{kind}-*"):
-        text = path.read_text()
-        if text:
-            found.append(json.loads(text))
-    return found
-
-
-def wait_until(
-    agents: Agents, what: str, predicate: Callable[[], bool], timeout: float = 90
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        failed = [i for i, p in enumerate(agents.procs) if p.poll() not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            pytest.fail(f"{what}: not reached (failed agents {failed})\n{agents.output()}")
-        time.sleep(0.1)
-
-
 def check_results(out: Path, world: int, agents: Agents) -> None:
-    results = sorted(markers(out, "result"), key=lambda r: r["rank"])
+    results = sorted(read_markers(out, "result-*"), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == list(range(world)), agents.output()
     assert {r["world"] for r in results} == {world}
     assert {r["sum"] for r in results} == {float(world * (world + 1) // 2)}
@@ -155,7 +99,7 @@ def test_three_hosts_two_workers_each_all_reduce(
     with engine(bed3, backend) as endpoint:
         args = rdzv_run(backend, endpoint, "3", ALLREDUCE, uuid.uuid4().hex)
         for index in range(3):
-            agents.start(index, args, job_env(tmp_path))
+            agents.start_on(index, args, job_env(tmp_path))
         assert agents.wait() == [0, 0, 0], agents.output()
     output = agents.output()
     assert output.count("all_reduce -> [21.0, 21.0, 21.0, 21.0], expected 21.0: ok") == 6, output
@@ -185,7 +129,7 @@ def test_torchrun_three_hosts_all_reduce_on_the_rdzv_backend(
     for host in bed3.hosts:
         # No --local-addr: each host's name resolves to loopback here, so the
         # address published must be the one facing the endpoint.
-        agents.start(host.index, [*args, GATED], env)
+        agents.start_on(host.index, [*args, GATED], env)
     assert agents.wait() == [0, 0, 0], agents.output()
     check_results(out, 6, agents)
 
@@ -200,16 +144,16 @@ def test_a_worker_killed_on_one_host_restarts_the_job_which_finishes(
     with engine(bed3, "etcd") as endpoint:
         args = rdzv_run("etcd", endpoint, "3", GATED, uuid.uuid4().hex)
         for index in range(3):
-            agents.start(index, args, job_env(out, RDZV_TEST_GATE=str(gate)))
-        wait_until(agents, "six workers running", lambda: len(markers(out, "started")) == 6)
-        first = {m["pid"] for m in markers(out, "started")}
-        victim = next(m for m in markers(out, "started") if m["rank"] == 3)
+            agents.start_on(index, args, job_env(out, RDZV_TEST_GATE=str(gate)))
+        agents.until("six workers running", lambda: len(read_markers(out, "started-*")) == 6)
+        first = {m["pid"] for m in read_markers(out, "started-*")}
+        victim = next(m for m in read_markers(out, "started-*") if m["rank"] == 3)
         gate.touch()  # workers started after the kill go straight to the all-reduce
         os.kill(victim["pid"], signal.SIGKILL)
         assert agents.wait() == [0, 0, 0], agents.output()
     check_results(out, 6, agents)
     # Every host started a new group; the victim's host counts it as a restart.
-    again = [m for m in markers(out, "started") if m["pid"] not in first]
+    again = [m for m in read_markers(out, "started-*") if m["pid"] not in first]
     assert sorted(m["rank"] for m in again) == list(range(6)), agents.output()
     assert {m["restart"] for m in again if m["rank"] in (2, 3)} == {1}
 
@@ -226,19 +170,17 @@ def test_an_isolated_host_is_left_out_then_rejoins_after_healing(
         args = rdzv_run(backend, endpoint, "2:3", GATED, uuid.uuid4().hex)
         env = job_env(out, RDZV_TEST_WORLD="6", RDZV_TEST_GATE=str(gate))
         for index in range(3):
-            agents.start(index, args, env)
-        wait_until(agents, "a round of three hosts", lambda: len(started(out, 6)) == 6)
+            agents.start_on(index, args, env)
+        agents.until("a round of three hosts", lambda: len(started(out, 6)) == 6)
         first = {m["pid"] for m in started(out, 6)}
         isolated = 2 if backend == "etcd" else 1  # Redis lives on host 0
         bed3.isolate(isolated)
-        wait_until(
-            agents,
+        agents.until(
             "the other two hosts re-forming without the isolated one",
             lambda: len(started(out, 4)) >= 4,
         )
         bed3.heal()
-        wait_until(
-            agents,
+        agents.until(
             "a new round of three hosts after healing",
             lambda: len([m for m in started(out, 6) if m["pid"] not in first]) == 6,
         )
@@ -249,4 +191,4 @@ def test_an_isolated_host_is_left_out_then_rejoins_after_healing(
 
 
 def started(out: Path, world: int) -> list[dict[str, Any]]:
-    return [m for m in markers(out, "started") if m["world"] == world]
+    return [m for m in read_markers(out, "started-*") if m["world"] == world]

@@ -28,7 +28,9 @@ from rdzv.testing.netns import Host, NetnsBed
 from tests.netns import node
 from tests.netns.conftest import open_bed
 from tests.netns.engines import NetnsEtcd
-from tests.procs import subprocess_env
+from tests.procs import subprocess_env, wait_until
+
+pytestmark = pytest.mark.slow
 
 NODE = str(Path(node.__file__))
 C10D_PORT = 29456
@@ -80,11 +82,7 @@ class Nodes:
         return [(i, ln) for i, ln in self.drain() if ln["event"] == "round" and ln["at"] >= since]
 
     def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                pytest.fail(f"{what}: not within {timeout} s; lines: {self.drain()[-30:]}")
-            time.sleep(0.1)
+        wait_until(predicate, what, timeout, every=0.1, detail=lambda: self.drain()[-30:])
 
     def stop(self) -> None:
         for proc in self.procs.values():

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tests.engines.servers import free_port
+from tests.procs import free_port
 from tests.reliability.test_backend_deadlines import _handler, _paused, _server, _timed
 
 _KEEPALIVE_CAP = 200.0

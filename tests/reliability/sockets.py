@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import socket
-import time
 import uuid
 from collections.abc import Callable
 
 from rdzv.store.protocol import VALIDATE_MAGIC, Op, Request, encode_request
 from rdzv.store.tcp import TCPStore
+from tests.procs import NotReachedError, wait_until
 
 VALIDATE = encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
 PING = encode_request(Request(Op.PING, number=7))
 
 
 def eventually(predicate: Callable[[], bool], seconds: float = 15.0) -> bool:
-    """Poll ``predicate`` until it is true or ``seconds`` passed."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+    """Whether ``predicate`` became true within ``seconds``: :func:`wait_until`, answered."""
+    try:
+        return bool(wait_until(predicate, timeout=seconds, every=0.02))
+    except NotReachedError:
+        return False
 
 
 def connect(port: int, validate: bool = True) -> socket.socket:

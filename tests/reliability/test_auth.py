@@ -40,7 +40,7 @@ from rdzv.store.protocol import (
 )
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
-from tests.certs import TLSFiles, make_tls_files
+from tests.certs import TLSFiles
 from tests.procs import free_port, subprocess_env
 from tests.reliability.sockets import served
 from tests.store.helpers import serve_process
@@ -249,11 +249,6 @@ def test_rdzv_status_authenticates_from_a_conf_key_or_the_environment(token_file
 # -- TLS on the c10d rendezvous and rdzv status ----------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
-    return make_tls_files(tmp_path_factory.mktemp("tls"))
-
-
 def _tls_conf(files: TLSFiles, host: bool, other_ca: bool = False) -> dict[str, Any]:
     ca = files.other_ca_cert if other_ca else files.ca_cert
     conf: dict[str, Any] = {"is_host": host, "ca_cert": ca}
@@ -262,6 +257,7 @@ def _tls_conf(files: TLSFiles, host: bool, other_ca: bool = False) -> dict[str, 
     return conf
 
 
+@pytest.mark.slow
 def test_c10d_rendezvous_runs_over_tls_with_a_secret(
     tls_files: TLSFiles, token_file: Path, handlers: list[DynamicRendezvousHandler]
 ) -> None:

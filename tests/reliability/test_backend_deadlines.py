@@ -35,8 +35,8 @@ from rdzv.dynamic.keepalive import CALL_GRACE
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousTimeoutError
 from rdzv.store.base import Store
 from rdzv.store.tcp import TCPStore
-from tests.engines.servers import etcd_cluster, free_port, kill_process, redis_server
-from tests.procs import subprocess_env
+from tests.engines.servers import etcd_cluster, kill_process, redis_server
+from tests.procs import free_port, subprocess_env
 from tests.store.helpers import serve_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

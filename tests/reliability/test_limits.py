@@ -22,11 +22,11 @@ from rdzv.store.server import (
     TCPStoreServer,
 )
 from rdzv.store.tcp import TCPStore
+from tests.procs import wait_until
 from tests.reliability.sockets import (
     VALIDATE,
     closed_by_server,
     connect,
-    eventually,
     pinged,
     served,
 )
@@ -69,7 +69,7 @@ def test_connections_past_the_maximum_are_closed_at_once_with_a_log_line(
         assert pinged(first)
         assert pinged(second)
         second.close()
-        assert eventually(lambda: server.connection_count() == 1)
+        wait_until(lambda: server.connection_count() == 1, timeout=15)
         assert served(server.port)
         assert pinged(first)
 
@@ -98,7 +98,7 @@ def test_a_slow_writer_is_dropped_after_the_frame_timeout_however_steady(
         writer.start()
         try:
             assert served(server.port)  # others are served while it dribbles
-            assert eventually(lambda: server.expired_connections == 1)
+            wait_until(lambda: server.expired_connections == 1, timeout=15)
             assert closed_by_server(slow)
         finally:
             stop.set()
@@ -139,7 +139,7 @@ def test_a_reader_that_leaves_its_replies_unread_is_dropped(
         lazy.settimeout(15)
         lazy.connect(("127.0.0.1", server.port))
         lazy.sendall(VALIDATE + set_big + get_big * 16)  # 16 MiB of replies it never reads
-        assert eventually(lambda: server.expired_connections == 1)
+        wait_until(lambda: server.expired_connections == 1, timeout=15)
         assert served(server.port)
     assert "did not read its replies" in caplog.text
 
@@ -157,6 +157,7 @@ def test_a_handshake_not_finished_in_time_is_dropped(
     assert served(server.port, auth_token=token)
 
 
+@pytest.mark.slow
 def test_idle_connections_are_closed_but_long_waits_and_watches_are_not(
     make_server: type[TCPStoreServer], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -179,7 +180,7 @@ def test_idle_connections_are_closed_but_long_waits_and_watches_are_not(
         assert pinged(lazy)
         for thread in threads:
             thread.start()
-        assert eventually(lambda: server.waiter_count() == 2)
+        wait_until(lambda: server.waiter_count() == 2, timeout=15)
         assert closed_by_server(lazy)  # idle: closed
         time.sleep(idle * 4)  # the blocked requests outlive the idle timeout ...
         assert server.waiter_count() == 2

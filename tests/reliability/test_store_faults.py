@@ -88,6 +88,7 @@ class HangingBackend(InMemoryBackend):
         return super().get_state()
 
 
+@pytest.mark.slow
 def test_shutdown_and_set_closed_on_a_backend_that_stopped_answering_return_in_time() -> None:
     backend = HangingBackend(InMemoryRendezvousStorage())
     handler = DynamicRendezvousHandler.from_backend(

@@ -52,6 +52,7 @@ def test_invalid_options(endpoint: str, config: dict[str, str]) -> None:
     same_error(torch_call, rdzv_call, ValueError)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_an_unreachable_store() -> None:
     torch_call, rdzv_call = both(f"127.0.0.1:{free_port()}", is_host="false", read_timeout="1")
     same_error(

@@ -85,6 +85,7 @@ def test_construction_opens_nothing_and_a_port_in_use_fails_in_next_rendezvous(
     rdzv_handler.shutdown()
 
 
+@pytest.mark.slow
 def test_an_unreachable_rank_zero_fails_in_next_rendezvous_naming_it() -> None:
     port = free_port()
     torch_call, rdzv_call = both(f"127.0.0.1:{port}", 2, rank="1", timeout="1")

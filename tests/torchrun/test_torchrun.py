@@ -44,7 +44,7 @@ def expected_sum(world: int) -> float:
 
 def check_results(job: Job, world: int) -> None:
     results = sorted(job.markers("result"), key=lambda r: r["rank"])
-    assert [r["rank"] for r in results] == list(range(world)), job.log_tail()
+    assert [r["rank"] for r in results] == list(range(world)), job.output()
     assert {r["world"] for r in results} == {world}
     assert {r["sum"] for r in results} == {expected_sum(world)}
 
@@ -54,7 +54,7 @@ def test_two_agents_two_workers_all_reduce(job: Job) -> None:
     args = torchrun_args(f"127.0.0.1:{free_port()}", "2", uuid.uuid4().hex)
     job.start_agent(args)
     job.start_agent(args)
-    assert job.wait_agents() == [0, 0], job.log_tail()
+    assert job.wait() == [0, 0], job.output()
     check_results(job, 4)
 
 
@@ -64,11 +64,11 @@ def test_killed_worker_is_restarted_and_the_job_finishes(job: Job) -> None:
     args = torchrun_args(f"127.0.0.1:{free_port()}", "2", uuid.uuid4().hex)
     job.start_agent(args, RDZV_TEST_GATE=str(gate))
     job.start_agent(args, RDZV_TEST_GATE=str(gate))
-    job.wait_until("four workers running", lambda: len(job.markers("started")) == 4)
+    job.until("four workers running", lambda: len(job.markers("started")) == 4)
     victim = next(m for m in job.markers("started") if m["rank"] == 3)
     gate.touch()  # workers started after the kill go straight to the all-reduce
     os.kill(victim["pid"], signal.SIGKILL)
-    assert job.wait_agents() == [0, 0], job.log_tail()
+    assert job.wait() == [0, 0], job.output()
     check_results(job, 4)
     restarted = [m for m in job.markers("started") if m["restart"] >= 1]
     assert restarted, "torch's agent did not restart the failed worker group"
@@ -80,12 +80,12 @@ def test_third_agent_joins_at_the_next_round(job: Job) -> None:
     args = torchrun_args(f"127.0.0.1:{free_port()}", "2:3", uuid.uuid4().hex)
     job.start_agent(args, RDZV_TEST_WORLD="6")
     job.start_agent(args, RDZV_TEST_WORLD="6")
-    job.wait_until(
+    job.until(
         "the first round's four workers running",
         lambda: len([m for m in job.markers("started") if m["world"] == 4]) == 4,
     )
     job.start_agent(args, RDZV_TEST_WORLD="6")
-    assert job.wait_agents() == [0, 0, 0], job.log_tail()
+    assert job.wait() == [0, 0, 0], job.output()
     check_results(job, 6)
 
 
@@ -97,7 +97,7 @@ def test_two_agents_over_tls_with_a_secret(job: Job) -> None:
     secret = {AUTH_TOKEN_ENV: "torchrun over tls"}
     job.start_agent(args, **secret)
     job.start_agent(args, **secret)
-    assert job.wait_agents() == [0, 0], job.log_tail()
+    assert job.wait() == [0, 0], job.output()
     check_results(job, 4)
     # The store is really guarded: an agent with another secret is refused.
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
@@ -106,7 +106,7 @@ def test_two_agents_over_tls_with_a_secret(job: Job) -> None:
     job.start_agent(host, **secret)
     intruder = job.start_agent(guest, **{AUTH_TOKEN_ENV: "not the secret"})
     assert intruder.wait(60) != 0
-    assert "refused auth_token" in job.log_tail(200)
+    assert "refused auth_token" in job.output(200)
 
 
 def spare_enqueued(endpoint: str, run_id: str) -> bool:
@@ -130,13 +130,13 @@ def test_a_spare_agent_exits_when_the_job_finishes(job: Job) -> None:
     args = torchrun_args(endpoint, "2", run_id)
     for _ in range(3):
         job.start_agent(args, RDZV_TEST_GATE=str(gate))
-    job.wait_until("four workers running", lambda: len(job.markers("started")) == 4)
-    job.wait_until("the spare waiting", lambda: spare_enqueued(endpoint, run_id))
+    job.until("four workers running", lambda: len(job.markers("started")) == 4)
+    job.until("the spare waiting", lambda: spare_enqueued(endpoint, run_id))
     gate.touch()
-    codes = job.wait_agents()
+    codes = job.wait()
     check_results(job, 4)
-    assert codes == [0, 0, 0], job.log_tail()
-    assert "is a spare of the closed run" in job.log_tail(200)
+    assert codes == [0, 0, 0], job.output()
+    assert "is a spare of the closed run" in job.output(200)
 
 
 @pytest.fixture(params=["etcd", "redis"])
@@ -159,5 +159,5 @@ def test_two_agents_two_workers_all_reduce_on_an_engine(job: Job, engine: tuple[
     args = torchrun_args(endpoint, "2", uuid.uuid4().hex, backend=backend)
     job.start_agent(args)
     job.start_agent(args)
-    assert job.wait_agents() == [0, 0], job.log_tail()
+    assert job.wait() == [0, 0], job.output()
     check_results(job, 4)

@@ -1,4 +1,4 @@
-"""rdzv.metrics renders Prometheus' text format, and MetricsServer serves it over HTTP."""
+"""Prometheus' text format (rdzv.metrics), its HTTP server, and an agent's metrics (rdzv.launch)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import urllib.request
 
 import pytest
 
+from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.dynamic.state import decode_state
+from rdzv.launch.agent import AgentStats
+from rdzv.launch.metrics import agent_metrics
 from rdzv.metrics import CONTENT_TYPE, Family, MetricsServer, Sample, counter, gauge, render
+from rdzv.store.memory import HashStore
+from rdzv.testing import InMemoryBackend
 from tests.promtext import FormatError, parse
 
 pytestmark = pytest.mark.timeout(30)
@@ -103,3 +109,35 @@ def test_a_failing_collector_gives_500_and_the_server_keeps_serving() -> None:
         fail[0] = False
         with urllib.request.urlopen(url, timeout=10) as reply:
             assert "x_up 1" in reply.read().decode()
+
+
+def test_agent_metrics_show_the_stats_and_the_age_of_each_members_changed_heartbeat(
+    handlers: list[DynamicRendezvousHandler],
+) -> None:
+    backend = InMemoryBackend()
+    handler = DynamicRendezvousHandler.from_backend(
+        "job", HashStore(), backend, 1, 1, local_addr="127.0.0.1"
+    )
+    handlers.append(handler)
+    stats = AgentStats(rounds=2, restarts=1, workers=4, world_size=1, first_round=True)
+    collect = agent_metrics(stats, handler, max_restarts=3)
+
+    def samples(name: str) -> list[Sample]:
+        return next(family.samples for family in collect() if family.name == name)
+
+    info = samples("rdzv_agent_info")[0].labels
+    assert info == {"run_id": "job", "backend": handler.get_backend()}
+    assert samples("rdzv_agent_rounds_total")[0].value == 2
+    assert samples("rdzv_agent_max_restarts")[0].value == 3
+    assert samples("rdzv_agent_workers")[0].value == 4
+    assert samples("rdzv_agent_ready")[0].value == 1
+    assert samples("rdzv_agent_heartbeat_age_seconds") == []  # no round yet
+    handler.next_rendezvous()
+    found = backend.get_state()
+    assert found is not None
+    (node,) = decode_state(found[0]).participants
+    assert samples("rdzv_agent_heartbeat_age_seconds") == []  # a mark, not yet seen to change
+    backend.beat(node)
+    (age,) = samples("rdzv_agent_heartbeat_age_seconds")
+    assert age.labels == {"node": node}
+    assert age.value >= 0

@@ -97,6 +97,7 @@ def _run_small(backends: str, scenarios: str, *extra: str) -> list[str]:
     return rows
 
 
+@pytest.mark.slow
 def test_a_small_formation_and_recovery_run_and_count_no_false_death() -> None:
     rows = _run_small("rdzv", "formation,recovery")
     assert [row.split()[0] for row in rows] == ["formation", "recovery"], rows
@@ -105,6 +106,7 @@ def test_a_small_formation_and_recovery_run_and_count_no_false_death() -> None:
     assert "dead 1 false 0" in rows[1]  # the killed agent, judged
 
 
+@pytest.mark.slow
 def test_the_floor_columns_form_with_rdzvs_messages_and_without_the_confirmation() -> None:
     lines = _run_small("floor,floor-noconfirm", "formation,lastcall,recovery", "--last-call", "0.2")
     rows = [line.split(" | ") for line in lines]
