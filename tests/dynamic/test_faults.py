@@ -27,6 +27,7 @@ from rdzv.errors import (
 from rdzv.retry import Clock
 from rdzv.store.memory import HashStore
 from rdzv.testing import AutojumpClock, InMemoryBackend, InMemoryRendezvousStorage
+from tests.procs import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -165,23 +166,16 @@ def test_an_error_while_judging_never_stops_the_heartbeat() -> None:
             t.join(10)
         beats = InMemoryBackend(storage).heartbeat_mark(observer.node)
         start = clock()
-        _until(lambda: clock() >= start + 1.0)  # 10 judging ticks that all raise
+        wait_until(lambda: clock() >= start + 1.0)  # 10 judging ticks that all raise
         assert observer.statistics().keepalive_running
         assert InMemoryBackend(storage).heartbeat_mark(observer.node) != beats
         failing.clear()
         other.pre_shutdown()  # the observer's successor stops beating: judged and evicted
-        _until(lambda: observer.num_nodes_waiting() > 0)
+        wait_until(lambda: observer.num_nodes_waiting() > 0)
     finally:
         observer.close()
         other.close()
         clock.close()
-
-
-def _until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
-    deadline = time.monotonic() + limit  # a hang bound in real time
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 class BrokenMarks(InMemoryBackend):
@@ -307,6 +301,7 @@ class DeafBeats(InMemoryBackend):
         raise RendezvousConnectionError("injected: the heartbeat was refused")
 
 
+@pytest.mark.slow
 def test_a_node_whose_heartbeats_gave_up_completes_no_round() -> None:
     # Traced in a chaos run: a member cut off from Redis sealed a round, its
     # keep-alive gave up, and when the cut healed it still completed the

@@ -33,6 +33,7 @@ from rdzv.errors import (
 from rdzv.store.base import Store
 from rdzv.store.memory import HashStore
 from rdzv.testing import AutojumpClock, InMemoryBackend, InMemoryRendezvousStorage
+from tests.procs import NotReachedError, wait_until
 
 # The result() bounds of 40 s only catch hangs: a loaded machine is slow, not hung
 # (a 10 s bound failed a three-node formation beside a second suite).
@@ -119,7 +120,7 @@ class Cluster:
     def after(self, seconds: float) -> None:
         """Block (real time, bounded) until the fake clock moved ``seconds`` on."""
         reading = self.clock() + seconds
-        _until(lambda: self.clock() >= reading)
+        wait_until(lambda: self.clock() >= reading)
 
     def close(self) -> None:
         for h in self.handlers:
@@ -151,19 +152,6 @@ def _check_round(infos: list[RendezvousInfo]) -> None:
     assert len({i.bootstrap_store_info for i in infos}) == 1
 
 
-def _eventually(predicate: Callable[[], bool], limit: float) -> bool:
-    deadline = time.monotonic() + limit
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def _until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
-    assert _eventually(predicate, limit), "condition not met in time"
-
-
 @pytest.mark.parametrize("plain", [False, True], ids=["capable", "plain-backend"])
 def test_max_nodes_form_a_round_at_once(
     cluster_factory: Callable[..., Cluster], plain: bool
@@ -183,9 +171,9 @@ def test_last_call_admits_stragglers_then_seals(cluster_factory: Callable[..., C
     queue = InMemoryBackend(c.storage)
     with c.clock.running():  # no time passes until the straggler enqueued
         first = c.join([c.handler("a1"), c.handler("a2")])
-        _until(lambda: queue.queue_length(0) == 2)
+        wait_until(lambda: queue.queue_length(0) == 2)
         third = c.join([c.handler("a3")])
-        _until(lambda: queue.queue_length(0) == 3)
+        wait_until(lambda: queue.queue_length(0) == 3)
     infos = [f.result(timeout=40) for f in first + third]
     _check_round(infos)
     assert infos[0].world_size == 3
@@ -217,7 +205,7 @@ def test_late_joiner_waits_and_is_admitted_next_round(
     assert infos[0].world_size == 2
     assert members[0].num_nodes_waiting() == 0
     late = c.join([c.handler("m3")])
-    _until(lambda: members[0].num_nodes_waiting() > 0)
+    wait_until(lambda: members[0].num_nodes_waiting() > 0)
     assert not late[0].done()  # waits: no second group
     again = [f.result(timeout=40) for f in c.join(members) + late]
     _check_round(again)
@@ -232,7 +220,7 @@ def test_member_dead_after_completion_is_detected(cluster_factory: Callable[...,
     c.after(1.3)  # > two dead-node timeouts (0.2 s x 3)
     assert all(h.num_nodes_waiting() == 0 for h in nodes)
     nodes[1].pre_shutdown()  # stops heart-beating, as a SIGKILLed node would
-    _until(lambda: nodes[0].num_nodes_waiting() > 0 and nodes[2].num_nodes_waiting() > 0)
+    wait_until(lambda: nodes[0].num_nodes_waiting() > 0 and nodes[2].num_nodes_waiting() > 0)
     again = [f.result(timeout=40) for f in c.join([nodes[0], nodes[2]])]
     _check_round(again)
     assert again[0].world_size == 2
@@ -248,7 +236,7 @@ def test_clock_skew_neither_kills_the_living_nor_saves_the_dead(
     c.after(1.3)  # > 2 dead-node timeouts (0.2 s x 3)
     assert all(h.num_nodes_waiting() == 0 for h in [skewed, *normal])
     skewed.pre_shutdown()
-    _until(lambda: normal[0].num_nodes_waiting() > 0)
+    wait_until(lambda: normal[0].num_nodes_waiting() > 0)
 
 
 def test_keep_alive_gives_up_with_a_clear_error_and_restarts_on_the_next_join(
@@ -258,7 +246,7 @@ def test_keep_alive_gives_up_with_a_clear_error_and_restarts_on_the_next_join(
     h = c.handler("k1")
     c.join([h])[0].result(timeout=40)
     c.storage.fail_next(10_000)
-    _until(lambda: not h.statistics().keepalive_running)
+    wait_until(lambda: not h.statistics().keepalive_running)
     c.storage.fail_next(0)
     for _ in range(2):  # every call says so until the node joins again
         with pytest.raises(RendezvousConnectionError, match="gave up after 3 failed keep-alive"):
@@ -307,7 +295,7 @@ def test_member_rejoining_a_full_round_makes_the_others_reform(
     assert first[0].world_size == 3
     assert [n.num_nodes_waiting() for n in nodes] == [0, 0, 0]
     rejoin = c.join([nodes[1]])
-    _until(lambda: nodes[0].num_nodes_waiting() > 0 and nodes[2].num_nodes_waiting() > 0)
+    wait_until(lambda: nodes[0].num_nodes_waiting() > 0 and nodes[2].num_nodes_waiting() > 0)
     assert not rejoin[0].done()
     again = [f.result(timeout=40) for f in c.join([nodes[0], nodes[2]]) + rejoin]
     _check_round(again)
@@ -469,6 +457,7 @@ def test_rank0_dying_before_it_publishes_does_not_hold_the_others_without_a_seal
     assert completed == {1}
 
 
+@pytest.mark.slow
 def test_a_member_waiting_for_a_live_rank0_that_never_publishes_gives_up_at_its_join_deadline(
     cluster_factory: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -552,11 +541,11 @@ def test_a_store_restarted_empty_strands_nobody(cluster_factory: Callable[..., C
     [f.result(timeout=40) for f in c.join(members)]
     joiner = c.handler("w3")
     waiting = c.join([joiner])[0]  # queued for round 1, which waits for the members
-    _until(lambda: members[0].num_nodes_waiting() > 0)
+    wait_until(lambda: members[0].num_nodes_waiting() > 0)
     c.storage.wipe()  # the backend and the store restart empty together
     for key in c.store.list_keys():
         c.store.delete_key(key)
-    _until(lambda: all(h.num_nodes_waiting() > 0 for h in members))  # members are told
+    wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in members))  # members are told
     infos = [f.result(timeout=40) for f in [waiting, *c.join(members)]]
     _check_round(infos)
     assert infos[0].world_size == 3
@@ -573,7 +562,7 @@ def test_a_member_dying_while_the_others_rejoin_is_found_by_its_ring_neighbour(
     d.pre_shutdown()
     again = c.join([b])[0]  # b re-joins at once: before it could judge d as a member
     backend = InMemoryBackend(c.storage)
-    _until(lambda: backend.queue_length(1) == 1)
+    wait_until(lambda: backend.queue_length(1) == 1)
     # The last-call leader (position 2 = min_nodes) dies right after enqueueing, so
     # no leader judges the missing a and d; only b, a's and d's ring neighbour, can.
     backend.enqueue(1, encode_record(JoinRecord("ghost#1#dead", -1)))
@@ -736,7 +725,10 @@ def test_the_ring_judging_starts_when_a_confirmation_slice_passes_without_the_ve
         return handlers[0].statistics().watched is not None
 
     def hold() -> None:  # b confirms once a's ring judging started (or far past the slice)
-        before_verdict.append(_eventually(judging, 30))
+        try:
+            before_verdict.append(wait_until(judging, "a's ring judging", 30))
+        except NotReachedError:
+            before_verdict.append(False)
 
     late = _HeldConfirmer(storage, [], hold=hold)
     # Dead after 3 s: the confirmation's slices 0.75 s.
@@ -774,6 +766,7 @@ def test_a_node_that_died_waiting_alone_in_the_queue_completes_no_round(
     ), events
 
 
+@pytest.mark.slow
 def test_a_member_alive_but_never_confirming_ends_the_join_at_its_timeout(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
@@ -844,7 +837,7 @@ def test_a_joiner_that_died_in_the_queue_while_the_seal_waited_is_left_out(
             events = [r.rdzv_event for r in caplog.records if hasattr(r, "rdzv_event")]
             return {n for e in events if e["action"] == "dead" for n in e["suspects"]}
 
-        _until(lambda: {n.split("#")[0] for n in judged()} >= {"a", "b", "zghost"})
+        wait_until(lambda: {n.split("#")[0] for n in judged()} >= {"a", "b", "zghost"})
         infos = [f.result(timeout=40) for f in [waiting, *c.join([c.handler("k")])]]
     _check_round(infos)
     assert set(infos[0].participants) == {"j", "k"}

@@ -334,7 +334,7 @@ class _LateSeats(CountingStore):
         super().multi_set(keys, values)
 
 
-@pytest.mark.parametrize("lag", [1.3, 2.5])
+@pytest.mark.parametrize("lag", [1.3, pytest.param(2.5, marks=pytest.mark.slow)])
 def test_a_node_that_finds_its_round_sealed_before_its_seat_waits_for_the_seat(
     lag: float,
 ) -> None:
