@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import struct
 import tracemalloc
-from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -17,11 +16,19 @@ from rdzv.store.protocol import (
     MAX_MULTI_KEYS,
     MAX_VALUE_BYTES,
     VALIDATE_MAGIC,
+    Decoder,
+    GetWaitStatus,
     Op,
     ProtocolError,
     ReplyReader,
     Request,
     RequestParser,
+    decode_bytes,
+    decode_get_wait,
+    decode_i64,
+    decode_raw,
+    decode_u8,
+    decode_u32,
     encode_bytes,
     encode_i64,
     encode_request,
@@ -352,23 +359,42 @@ def test_mutated_valid_requests_only_raise_protocol_error(
 
 
 def test_reply_reader_fields_byte_by_byte() -> None:
-    stream = encode_u8(7) + encode_u32(0xDEADBEEF) + encode_i64(-3) + encode_bytes(b"val") + b"xy"
+    stream = (
+        encode_u8(7)
+        + encode_u32(0xDEADBEEF)
+        + encode_i64(-3)
+        + encode_bytes(b"val")
+        + b"xy"
+        + encode_u8(GetWaitStatus.FOUND)
+        + encode_bytes(b"found")
+        + encode_u8(GetWaitStatus.TIMED_OUT)
+    )
     reader = ReplyReader()
-    readers: list[Callable[[], object]] = [
-        reader.read_u8,
-        reader.read_u32,
-        reader.read_i64,
-        reader.read_bytes,
-        lambda: reader.read_raw(2),
+    decoders: list[Decoder[object]] = [
+        decode_u8,
+        decode_u32,
+        decode_i64,
+        decode_bytes,
+        decode_raw(2),
+        decode_get_wait,
+        decode_get_wait,
     ]
     results = []
     position = 0
-    for read in readers:
-        while (value := read()) is None:
+    for decode in decoders:
+        while (value := reader.read(decode)) is None:
             reader.feed(stream[position : position + 1])
             position += 1
         results.append(value)
-    assert results == [7, 0xDEADBEEF, -3, b"val", b"xy"]
+    assert results == [
+        7,
+        0xDEADBEEF,
+        -3,
+        b"val",
+        b"xy",
+        (GetWaitStatus.FOUND, b"found"),
+        (GetWaitStatus.TIMED_OUT, b""),
+    ]
     assert reader.pending == 0
 
 
@@ -376,4 +402,4 @@ def test_reply_reader_refuses_an_over_limit_length() -> None:
     reader = ReplyReader()
     reader.feed(struct.pack("<Q", 100))
     with pytest.raises(ProtocolError, match="100 bytes"):
-        reader.read_bytes(limit=10)
+        reader.read(lambda buf, pos: decode_bytes(buf, pos, limit=10))

@@ -25,6 +25,7 @@ from rdzv.store.protocol import (
     VALIDATE_MAGIC,
     Op,
     Request,
+    RequestParser,
     encode_request,
 )
 from rdzv.store.server import TCPStoreServer
@@ -360,8 +361,8 @@ class _RecordingSocket:
         return getattr(self.sock, name)
 
 
-def test_the_directly_built_frames_are_encode_requests(rdzv_server: TCPStoreServer) -> None:
-    # set, get, add and compare_set build their frames without encode_request:
+def test_the_fast_frames_are_encode_requests(rdzv_server: TCPStoreServer) -> None:
+    # set, get, add and compare_set encode their fields without a Request:
     # byte for byte the same requests, one sendall each.
     with TCPStore("127.0.0.1", rdzv_server.port, timeout=7) as store:
         store.set("frames/warm", b"")
@@ -381,6 +382,53 @@ def test_the_directly_built_frames_are_encode_requests(rdzv_server: TCPStoreServ
             encode_request(Request(Op.COMPARE_SET, (b"/frames/k",), (b"v" * 100, b"w"))),
             encode_request(Request(Op.APPEND, (b"/frames/s",), (b"!",))),
         ]
+
+
+def test_every_opcode_the_client_sends_is_what_encode_request_makes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[bytes] = []
+    connect = socket.create_connection
+
+    def recording(*args: object, **kwargs: object) -> _RecordingSocket:
+        recorder = _RecordingSocket(connect(*args, **kwargs))  # type: ignore[arg-type]
+        recorder.sent = sent
+        return recorder
+
+    monkeypatch.setattr(socket, "create_connection", recording)
+    with (
+        TCPStoreServer("127.0.0.1", 0, auth_token="tok") as server,
+        TCPStore("127.0.0.1", server.port, timeout=5, auth_token="tok") as store,
+    ):
+        store.set("a", "1")
+        store.append("a", "2")
+        assert store.get("a") == b"12"
+        assert store.add("n", 2) == 2
+        assert store.compare_set("a", "12", "3") == b"3"
+        assert store.check(["a"])
+        store.wait(["a"])
+        with pytest.raises(StoreTimeoutError):
+            store.wait(["missing"], timeout=0.05)
+        store.multi_set(["b", "c"], ["4", "5"])
+        assert store.multi_get(["b", "c"]) == [b"4", b"5"]
+        assert store.try_multi_get(["b", "missing"]) == [b"4", None]
+        assert store.delete_key("c")
+        assert store.num_keys() == 3
+        assert sorted(store.list_keys()) == ["a", "b", "n"]
+        store.queue_push("q", "x")
+        assert store.queue_len("q") == 1
+        assert store.queue_pop("q") == b"x"
+        store.barrier("bar", 1)
+        assert store.watch("a", None, 0.01) == b"3"
+        assert store.watch("a", b"3", 0.01) == b"3"
+        store._rdzv_server = False  # get as on torch's server: WAIT, then GET
+        assert store.get("a") == b"3"
+    stream = b"".join(sent)
+    parser = RequestParser()
+    parser.feed(stream)
+    requests = list(iter(parser.next_request, None))
+    assert b"".join(map(encode_request, requests)) == stream
+    assert {request.op for request in requests} == set(Op)
 
 
 def test_an_add_out_of_range_is_a_value_error_that_sends_nothing(

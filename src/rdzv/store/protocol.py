@@ -27,12 +27,20 @@ handshake) before reading any of it. Every kind of bad input raises
 
 Sets, the one request torch's clients send without waiting for a reply,
 arrive back to back; :meth:`RequestParser.next_sets` decodes such a run in
-one tight loop (about a third of the per-request path's time), stopping at
+one tight loop, without the per-request path's field dispatch, stopping at
 the first byte that is not a complete, allowed set within the limits.
 
-:class:`ReplyReader` (the client side) is the mirror image: the client feeds
-it received bytes and asks for the next field of the shape it expects; a read
-that lacks bytes returns None and consumes nothing.
+The encoders come from the same table: each layout has one encoder, which
+takes the fields in layout order (:func:`request_encoder`, a client's fast
+path), and :func:`encode_request` checks a :class:`Request` against the
+limits and hands its fields to that encoder. A layout is written once, so
+the parser and the encoders cannot disagree.
+
+Replies carry no layout of their own: the client knows which fields come.
+Each field has a :data:`Decoder`, a function of the received bytes and a
+position; :class:`ReplyReader` (the client side) applies them to the bytes
+it buffered, and a client may apply one to a reply it received whole. A
+read that lacks bytes returns None and consumes nothing.
 
 rdzv's extensions use opcodes from :data:`EXTENSION_BASE` up, which torch
 never sends; torch's server closes the connection on any of them, so an rdzv
@@ -60,8 +68,9 @@ import hmac
 import struct
 from collections.abc import Callable, Container, Mapping
 from enum import IntEnum
+from itertools import chain
 from types import MappingProxyType
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, TypeVar
 
 __all__ = [
     "AUTH_MAC_BYTES",
@@ -91,13 +100,21 @@ __all__ = [
     "RequestParser",
     "WaitResult",
     "WatchStatus",
+    "Decoder",
     "auth_tag",
+    "decode_bytes",
+    "decode_get_wait",
+    "decode_i64",
+    "decode_raw",
+    "decode_u8",
+    "decode_u32",
     "encode_bytes",
     "encode_i64",
     "encode_key_list",
     "encode_request",
     "encode_u8",
     "encode_u32",
+    "request_encoder",
 ]
 
 MAX_KEY_BYTES = 8 * 1024
@@ -255,6 +272,7 @@ class Request(NamedTuple):
     number: int = 0
 
 
+_T = TypeVar("_T")
 _SET: Final = int(Op.SET)
 _FIRST_SET_WINDOW: Final = 4096
 """Bytes :meth:`RequestParser.next_sets` copies first, doubled as the run goes on."""
@@ -262,6 +280,7 @@ _U8 = struct.Struct("<B")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
+_unpack_u64 = _U64.unpack_from
 
 
 def _blob(buf: bytearray, pos: int, limit: int, what: str) -> tuple[bytes, int]:
@@ -539,8 +558,8 @@ class RequestParser:
 
         The fast path of the most frequent request: torch's clients send
         sets without waiting for a reply, so they arrive back to back, and
-        this loop decodes one in about a third of :meth:`next_request`'s
-        time. It stops at anything else (another opcode, an incomplete set,
+        this loop decodes them without :meth:`next_request`'s field
+        dispatch. It stops at anything else (another opcode, an incomplete set,
         a length over its limit, a request partly decoded already, sets not
         :attr:`allowed`) and leaves it to :meth:`next_request`, which
         decodes it or raises as always.
@@ -708,12 +727,95 @@ def _read_previous(buf: bytearray, pos: int) -> tuple[tuple[bytes, ...], int]:
     return (value,), pos
 
 
+_TIMED_OUT: Final = int(GetWaitStatus.TIMED_OUT)
+_Buffer = bytes | bytearray
+Decoder = Callable[[_Buffer, int], "tuple[_T, int] | None"]
+"""A reply field's decoder: from a buffer and a position, the field and
+where it ends, or None while the buffer ends inside it."""
+
+
+def _fixed_decoder(fmt: struct.Struct) -> Decoder[int]:
+    size = fmt.size
+    unpack = fmt.unpack_from
+
+    def decode(buf: _Buffer, pos: int) -> tuple[int, int] | None:
+        end = pos + size
+        if end > len(buf):
+            return None
+        return unpack(buf, pos)[0], end
+
+    return decode
+
+
+decode_u8: Final = _fixed_decoder(_U8)
+"""Decode an unsigned byte (a :data:`Decoder`)."""
+decode_u32: Final = _fixed_decoder(_U32)
+"""Decode a little-endian ``u32`` (a :data:`Decoder`)."""
+decode_i64: Final = _fixed_decoder(_I64)
+"""Decode a little-endian ``i64`` (a :data:`Decoder`)."""
+
+
+def decode_bytes(buf: _Buffer, pos: int, limit: int = MAX_VALUE_BYTES) -> tuple[bytes, int] | None:
+    """Decode a length-prefixed byte string (a :data:`Decoder`).
+
+    Args:
+        buf: The received bytes.
+        pos: Where the string's length starts.
+        limit: The largest acceptable length.
+
+    Returns:
+        The bytes and where they end, or None if incomplete.
+
+    Raises:
+        ProtocolError: The announced length exceeds ``limit``.
+    """
+    start = pos + 8
+    if start > len(buf):
+        return None
+    size = _unpack_u64(buf, pos)[0]
+    if size > limit:
+        raise ProtocolError(f"reply of {size} bytes exceeds the limit of {limit} bytes")
+    end = start + size
+    if end > len(buf):
+        return None
+    value = buf[start:end]
+    return (value if type(value) is bytes else bytes(value)), end
+
+
+def decode_get_wait(buf: _Buffer, pos: int) -> tuple[tuple[int, bytes], int] | None:
+    """Decode a ``GET_WAIT`` reply (a :data:`Decoder`): its status and value (empty if none).
+
+    Raises:
+        ProtocolError: The value's announced length exceeds :data:`MAX_VALUE_BYTES`.
+    """
+    if pos >= len(buf):
+        return None
+    status = buf[pos]
+    if status == _TIMED_OUT:
+        return (status, b""), pos + 1
+    found = decode_bytes(buf, pos + 1)
+    if found is None:
+        return None
+    value, end = found
+    return (status, value), end
+
+
+def decode_raw(size: int) -> Decoder[bytes]:
+    """Return the :data:`Decoder` of a field of exactly ``size`` bytes."""
+
+    def decode(buf: _Buffer, pos: int) -> tuple[bytes, int] | None:
+        end = pos + size
+        return None if end > len(buf) else (bytes(buf[pos:end]), end)
+
+    return decode
+
+
 class ReplyReader:
     """Incremental decoder of replies (the client side).
 
     The client feeds received bytes with :meth:`feed` and reads the fields it
-    expects; every ``read_*`` method returns None, consuming nothing, when
-    the field is not complete yet.
+    expects with their :data:`Decoder`; a read returns None, consuming
+    nothing, when the field is not complete yet.
     """
 
     __slots__ = ("_buf", "_pos")
@@ -743,77 +845,23 @@ class ReplyReader:
         """The number of buffered bytes not read yet."""
         return len(self._buf) - self._pos
 
-    def _fixed(self, fmt: struct.Struct) -> int | None:
-        end = self._pos + fmt.size
-        if end > len(self._buf):
-            return None
-        value: int = fmt.unpack_from(self._buf, self._pos)[0]
-        self._pos = end
-        return value
-
-    def read_u8(self) -> int | None:
-        """Read an unsigned byte.
-
-        Returns:
-            The value, or None if incomplete.
-        """
-        return self._fixed(_U8)
-
-    def read_u32(self) -> int | None:
-        """Read a little-endian ``u32``.
-
-        Returns:
-            The value, or None if incomplete.
-        """
-        return self._fixed(_U32)
-
-    def read_i64(self) -> int | None:
-        """Read a little-endian ``i64``.
-
-        Returns:
-            The value, or None if incomplete.
-        """
-        return self._fixed(_I64)
-
-    def read_raw(self, size: int) -> bytes | None:
-        """Read exactly ``size`` bytes.
+    def read(self, decode: Decoder[_T]) -> _T | None:
+        """Read the next field.
 
         Args:
-            size: The number of bytes.
+            decode: The field's decoder.
 
         Returns:
-            The bytes, or None if incomplete.
-        """
-        end = self._pos + size
-        if end > len(self._buf):
-            return None
-        data = bytes(self._buf[self._pos : end])
-        self._pos = end
-        return data
-
-    def read_bytes(self, limit: int = MAX_VALUE_BYTES) -> bytes | None:
-        """Read a length-prefixed byte string.
-
-        Args:
-            limit: The largest acceptable length.
-
-        Returns:
-            The bytes, or None if incomplete.
+            The field, or None if incomplete.
 
         Raises:
-            ProtocolError: The announced length exceeds ``limit``.
+            ProtocolError: From ``decode``.
         """
-        start = self._pos + 8
-        if start > len(self._buf):
+        found = decode(self._buf, self._pos)
+        if found is None:
             return None
-        size = _U64.unpack_from(self._buf, self._pos)[0]
-        if size > limit:
-            raise ProtocolError(f"reply of {size} bytes exceeds the limit of {limit} bytes")
-        end = start + size
-        if end > len(self._buf):
-            return None
-        self._pos = end
-        return bytes(self._buf[start:end])
+        value, self._pos = found
+        return value
 
 
 def encode_u8(value: int) -> bytes:
@@ -876,6 +924,75 @@ def encode_key_list(keys: list[bytes] | tuple[bytes, ...]) -> bytes:
     return _U64.pack(len(keys)) + b"".join(_U64.pack(len(k)) + k for k in keys)
 
 
+def _encoder(head: bytes, kinds: tuple[int, ...]) -> Callable[..., bytes]:
+    """Return the encoder of a layout: from its fields, in order, to the frame.
+
+    The fields are what :class:`RequestParser` reads: a key or value is
+    bytes, a number an int, a list of keys a tuple, ``_PAIRS`` the keys and
+    the values, ``_PREVIOUS`` and ``_AUTH`` a tuple of values.
+    """
+    size = _U64.pack
+    number = _I64.pack
+    if kinds == ():
+        return lambda: head
+    if kinds == (_U32_FIELD,):
+        return lambda value: head + _U32.pack(value)
+    if kinds == (_KEY,):
+        return lambda key: b"".join((head, size(len(key)), key))
+    if kinds == (_KEY, _VALUE):
+        return lambda key, value: b"".join((head, size(len(key)), key, size(len(value)), value))
+    if kinds == (_KEY, _VALUE, _VALUE):
+        return lambda key, old, new: b"".join(
+            (head, size(len(key)), key, size(len(old)), old, size(len(new)), new)
+        )
+    if kinds == (_KEY, _I64_FIELD):
+        return lambda key, value: b"".join((head, size(len(key)), key, number(value)))
+    if kinds == (_KEYS,):
+        return lambda keys: head + encode_key_list(keys)
+    if kinds == (_PAIRS,):
+        return lambda pairs: b"".join(
+            [
+                head,
+                size(len(pairs[0])),
+                *map(encode_bytes, chain.from_iterable(zip(*pairs, strict=True))),
+            ]
+        )
+    if kinds == (_AUTH,):
+        return lambda pair: b"".join((head, *pair))
+    if kinds == (_KEY, _PREVIOUS, _I64_FIELD):
+        return lambda key, previous, value: b"".join(
+            (
+                head,
+                size(len(key)),
+                key,
+                b"\x01" + encode_bytes(previous[0]) if previous else b"\x00",
+                number(value),
+            )
+        )
+    raise ValueError(f"no encoder for the layout {kinds}")
+
+
+_ENCODERS: Final[Mapping[int, Callable[..., bytes]]] = MappingProxyType(
+    {code: _encoder(bytes((code,)), kinds) for code, (_op, kinds, _build) in _LAYOUTS.items()}
+)
+
+
+def request_encoder(op: Op) -> Callable[..., bytes]:
+    """Return the encoder of ``op``'s requests, made from its layout; it checks nothing.
+
+    The fast path of a client: the encoder takes the layout's fields in
+    order (``SET``: key, value; ``ADD``: key, amount) and returns the frame
+    that :func:`encode_request` would, skipping its checks of the limits.
+
+    Args:
+        op: The opcode.
+
+    Returns:
+        The encoder.
+    """
+    return _ENCODERS[op]
+
+
 def encode_request(request: Request) -> bytes:
     """Encode a request, the inverse of :class:`RequestParser`.
 
@@ -890,6 +1007,9 @@ def encode_request(request: Request) -> bytes:
             fields do not fit the opcode.
     """
     op, keys, values, number = request
+    layout = _LAYOUTS.get(op)
+    if layout is None:
+        raise ProtocolError(f"unknown opcode {op}")
     for key in keys:
         if len(key) > MAX_KEY_BYTES:
             raise ProtocolError(f"key of {len(key)} bytes exceeds the limit of {MAX_KEY_BYTES}")
@@ -898,45 +1018,31 @@ def encode_request(request: Request) -> bytes:
             raise ProtocolError(
                 f"value of {len(value)} bytes exceeds the limit of {MAX_VALUE_BYTES}"
             )
-    head = _U8.pack(op)
+    kinds = layout[1]
+    if (_KEYS in kinds or _PAIRS in kinds) and len(keys) > MAX_MULTI_KEYS:
+        raise ProtocolError(f"{len(keys)} keys exceeds the limit of {MAX_MULTI_KEYS}")
+    if _PAIRS in kinds and len(keys) != len(values):
+        raise ProtocolError(
+            f"MULTI_SET needs as many keys as values, got {len(keys)} keys and {len(values)} values"
+        )
+    if _AUTH in kinds and list(map(len, values)) != [AUTH_NONCE_BYTES, AUTH_MAC_BYTES]:
+        raise ProtocolError("AUTH_RESPONSE needs a 32-byte nonce and a 32-byte tag")
+    fields: list[Any] = []
+    taken = 0
     try:
-        if op in (Op.VALIDATE, Op.PING):
-            return head + _U32.pack(number)
-        if op in (Op.SET, Op.APPEND, Op.QUEUE_PUSH):
-            return head + encode_bytes(keys[0]) + encode_bytes(values[0])
-        if op in (Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN):
-            return head + encode_bytes(keys[0])
-        if op in (Op.ADD, Op.BARRIER, Op.GET_WAIT):
-            return head + encode_bytes(keys[0]) + _I64.pack(number)
-        if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.MULTI_TRY_GET):
-            if len(keys) > MAX_MULTI_KEYS:
-                raise ProtocolError(f"{len(keys)} keys exceeds the limit of {MAX_MULTI_KEYS}")
-            return head + encode_key_list(keys)
-        if op in (Op.GETNUMKEYS, Op.CANCEL_WAIT, Op.LIST_KEYS, Op.AUTH_CHALLENGE):
-            return head
-        if op == Op.COMPARE_SET:
-            return head + encode_bytes(keys[0]) + encode_bytes(values[0]) + encode_bytes(values[1])
-        if op == Op.MULTI_SET:
-            if len(keys) != len(values) or len(keys) > MAX_MULTI_KEYS:
-                raise ProtocolError(
-                    f"MULTI_SET needs as many keys as values (at most {MAX_MULTI_KEYS}), "
-                    f"got {len(keys)} keys and {len(values)} values"
-                )
-            parts = [head, _I64.pack(len(keys))]
-            for key, value in zip(keys, values, strict=True):
-                parts += (encode_bytes(key), encode_bytes(value))
-            return b"".join(parts)
-        if op == Op.AUTH_RESPONSE:
-            nonce, mac = values
-            if len(nonce) != AUTH_NONCE_BYTES or len(mac) != AUTH_MAC_BYTES:
-                raise ProtocolError("AUTH_RESPONSE needs a 32-byte nonce and a 32-byte tag")
-            return head + nonce + mac
-        if op == Op.WATCH:
-            flag = _U8.pack(1) + encode_bytes(values[0]) if values else _U8.pack(0)
-            return head + encode_bytes(keys[0]) + flag + _I64.pack(number)
+        for kind in kinds:
+            if kind == _KEY:
+                fields.append(keys[0])
+            elif kind == _VALUE:
+                fields.append(values[taken])
+                taken += 1
+            elif kind in (_I64_FIELD, _U32_FIELD):
+                fields.append(number)
+            else:
+                fields.append({_KEYS: keys, _PAIRS: (keys, values)}.get(kind, values))
+        return _ENCODERS[op](*fields)
     except (IndexError, ValueError, struct.error) as exc:
         raise ProtocolError(f"request fields do not fit opcode {op}: {exc}") from exc
-    raise ProtocolError(f"unknown opcode {op}")
 
 
 def auth_tag(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:

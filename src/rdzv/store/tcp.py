@@ -4,9 +4,12 @@ Theory of operation
 -------------------
 One blocking socket per store, guarded by a lock so that threads take turns
 (the protocol allows one request in flight per connection). Each call
-encodes a request with :mod:`rdzv.store.protocol`, sends it, and reads the
-fields of the reply it expects through a
-:class:`~rdzv.store.protocol.ReplyReader`.
+encodes its request with the encoder :mod:`rdzv.store.protocol` makes from
+the opcode's layout (through :func:`~rdzv.store.protocol.encode_request`,
+or, for the frequent requests, straight from their fields), sends it, and
+decodes each field of the reply with the protocol's decoder of that field:
+from a :class:`~rdzv.store.protocol.ReplyReader`, or from the received
+bytes themselves when one ``recv`` brought exactly the reply.
 
 Connecting sends torch's handshake (``VALIDATE`` with the magic, then
 ``PING``); the ping nonce is :data:`~rdzv.store.protocol.PROBE_NONCE`, which
@@ -93,6 +96,7 @@ from rdzv.store.protocol import (
     VALIDATE_MAGIC,
     AuthStatus,
     CheckResult,
+    Decoder,
     GetWaitStatus,
     Op,
     ProtocolError,
@@ -101,7 +105,14 @@ from rdzv.store.protocol import (
     WaitResult,
     WatchStatus,
     auth_tag,
+    decode_bytes,
+    decode_get_wait,
+    decode_i64,
+    decode_raw,
+    decode_u8,
+    decode_u32,
     encode_request,
+    request_encoder,
 )
 
 if TYPE_CHECKING:
@@ -181,22 +192,22 @@ def _value(value: Value) -> bytes:
     return data
 
 
-# The frames of the frequent requests, built here without a Request (the same
-# bytes as encode_request's, which the tests check): opcode, then each key and
-# value as a u64 length and its bytes, then the number.
-_SIZE = struct.Struct("<Q").pack
-_NUMBER = struct.Struct("<q").pack
-_I64_UNPACK = struct.Struct("<q").unpack
-_SIZE_FROM = struct.Struct("<Q").unpack_from
-_FOUND = int(GetWaitStatus.FOUND)
+# The encoders of the frequent requests, which take their fields without a Request.
+_SET = request_encoder(Op.SET)
+_ADD = request_encoder(Op.ADD)
+_GET_WAIT = request_encoder(Op.GET_WAIT)
+_COMPARE_SET = request_encoder(Op.COMPARE_SET)
+_TIMED_OUT = int(GetWaitStatus.TIMED_OUT)
 
 
-def _number(value: int, what: str) -> bytes:
-    """Encode a request's number; ``what`` names it in the error (nothing was sent)."""
-    try:
-        return _NUMBER(value)
-    except struct.error:
-        raise ValueError(f"{what} {value} does not fit a signed 64-bit integer") from None
+def _decode_key(buf: bytes | bytearray, pos: int) -> tuple[bytes, int] | None:
+    """Decode a key of a ``LIST_KEYS`` reply (a :data:`~rdzv.store.protocol.Decoder`)."""
+    return decode_bytes(buf, pos, MAX_KEY_BYTES)
+
+
+def _too_large(value: int, what: str) -> ValueError:
+    """Return the error of a request's number that fits no ``i64`` (nothing was sent)."""
+    return ValueError(f"{what} {value} does not fit a signed 64-bit integer")
 
 
 def _receive(sock: socket.socket) -> bytes:
@@ -209,31 +220,6 @@ def _receive(sock: socket.socket) -> bytes:
     if not data:
         raise EOFError("the server closed the connection")
     return data
-
-
-def _whole_i64(data: bytes) -> int | None:
-    """Decode ``data`` if it is exactly one ``i64`` reply."""
-    return _I64_UNPACK(data)[0] if len(data) == 8 else None
-
-
-def _whole_bytes(data: bytes) -> bytes | None:
-    """Decode ``data`` if it is exactly one length-prefixed value."""
-    if len(data) < 8 or _SIZE_FROM(data)[0] != len(data) - 8:
-        return None
-    return data[8:]
-
-
-def _whole_found(data: bytes) -> bytes | None:
-    """Decode ``data`` if it is exactly a ``GET_WAIT`` reply that found its value."""
-    if len(data) < 9 or data[0] != _FOUND or _SIZE_FROM(data, 1)[0] != len(data) - 9:
-        return None
-    return data[9:]
-
-
-_SET = bytes((Op.SET,))
-_ADD = bytes((Op.ADD,))
-_GET_WAIT = bytes((Op.GET_WAIT,))
-_COMPARE_SET = bytes((Op.COMPARE_SET,))
 
 
 _shared_lock = threading.Lock()
@@ -435,7 +421,7 @@ class TCPStore(Store):
         self._send(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
         self._send(Request(Op.PING, number=PROBE_NONCE))
         try:
-            hello = self._read(self._reader.read_u32, timeout)
+            hello = self._read(decode_u32, timeout)
         except TimeoutError:
             if self._was_connected:
                 raise  # a store that answered before: stalled, maybe back soon
@@ -473,19 +459,19 @@ class TCPStore(Store):
                 "secret; pass auth_token"
             )
         self._send(Request(Op.AUTH_CHALLENGE))
-        server_nonce = self._read(lambda: self._reader.read_raw(AUTH_NONCE_BYTES))
+        server_nonce = self._read(decode_raw(AUTH_NONCE_BYTES))
         client_nonce = os.urandom(AUTH_NONCE_BYTES)
         tag = auth_tag(self._secret, CLIENT_AUTH_LABEL, server_nonce, client_nonce)
         self._send(Request(Op.AUTH_RESPONSE, values=(client_nonce, tag)))
         # A refusal is a REFUSED byte before a clean close; a connection cut
         # here (a handshake the server reclaimed) is connection trouble, and
         # retried, not a refused secret.
-        status = self._read(self._reader.read_u8)
+        status = self._read(decode_u8)
         if status != AuthStatus.OK:
             raise StoreAuthenticationError(
                 f"authentication failed: the store at {self._address} refused auth_token"
             )
-        proof = self._read(lambda: self._reader.read_raw(AUTH_MAC_BYTES))
+        proof = self._read(decode_raw(AUTH_MAC_BYTES))
         expected = auth_tag(self._secret, SERVER_AUTH_LABEL, server_nonce, client_nonce)
         if proof != expected:
             raise StoreAuthenticationError(
@@ -564,27 +550,20 @@ class TCPStore(Store):
     def _exchange(self, frame: bytes) -> None: ...
 
     @overload
-    def _exchange(
-        self, frame: bytes, whole: Callable[[bytes], _T | None], rest: Callable[[], _T]
-    ) -> _T: ...
+    def _exchange(self, frame: bytes, decode: Decoder[_T]) -> _T: ...
 
-    def _exchange(
-        self,
-        frame: bytes,
-        whole: Callable[[bytes], _T | None] | None = None,
-        rest: Callable[[], _T] | None = None,
-    ) -> _T | None:
+    def _exchange(self, frame: bytes, decode: Decoder[_T] | None = None) -> _T | None:
         """Send one encoded request and return its reply (None: a request without one).
 
         :meth:`_call` of a ``sendall`` and a read, written out for the
         frequent requests: the whole call is a few microseconds of Python,
         so each call saved is a measurable share of it. When nothing is
         buffered and the socket's timeout is the default (as capped by a
-        caller's deadline, :func:`_capped`), one ``recv`` usually
-        brings exactly the reply, which ``whole`` decodes; it returns None
-        for anything else (part of a reply, an error status), and ``rest``
-        reads the reply from the buffer as :meth:`_read` does. Without
-        ``rest`` (``set``, ``append``...), nothing is read.
+        caller's deadline, :func:`_capped`), one ``recv`` usually brings
+        exactly the reply, which ``decode`` decodes in place; anything else
+        (part of a reply, more than one) is read from the buffer as
+        :meth:`_read_value` does. Without ``decode`` (``set``, ``append``...),
+        nothing is read.
         """
         with self._lock:
             sock = self._sock
@@ -592,23 +571,20 @@ class TCPStore(Store):
                 sock = self._ensure_connected()
             try:
                 sock.sendall(frame)
-                if rest is None:
+                if decode is None:
                     return None
-                if (
-                    whole is not None
-                    and self._recv_timeout == _capped(self._reply_timeout)
-                    and not self._reader.pending
-                ):
+                if self._recv_timeout == _capped(self._reply_timeout) and not self._reader.pending:
                     data = _receive(sock)
-                    value = whole(data)
-                    if value is not None:
-                        return value
+                    try:
+                        found = decode(data, 0)
+                    except ProtocolError as exc:
+                        raise self._wrong_value(exc) from exc
+                    if found is not None and found[1] == len(data):
+                        return found[0]
                     self._reader.feed(data)
-                return rest()
+                return self._read_value(decode)
             except (OSError, EOFError, ProtocolError) as exc:
                 raise self._broken(exc) from exc
-            except StoreTimeoutError:
-                raise  # answered cleanly: the connection is still in step
             except BaseException:
                 self._drop_connection()
                 raise
@@ -628,8 +604,8 @@ class TCPStore(Store):
             sock.settimeout(seconds)
         self._recv_timeout = seconds
 
-    def _read(self, field: Callable[[], _T | None], timeout: float | None = None) -> _T:
-        value = field()
+    def _read(self, decode: Decoder[_T], timeout: float | None = None) -> _T:
+        value = self._reader.read(decode)
         if value is not None:
             return value
         sock = self._sock
@@ -642,24 +618,24 @@ class TCPStore(Store):
         self._set_recv_timeout(_capped(timeout))
         while True:
             self._reader.feed(_receive(sock))
-            value = field()
+            value = self._reader.read(decode)
             if value is not None:
                 return value
 
-    def _read_bytes(self, timeout: float | None = None) -> bytes:
+    def _read_value(self, decode: Decoder[_T], timeout: float | None = None) -> _T:
+        """:meth:`_read` a reply holding a value, whose length over the limit is no broken connection."""
         try:
-            return self._read(self._reader.read_bytes, timeout)
+            return self._read(decode, timeout)
         except ProtocolError as exc:
-            # The server announced a value longer than any store may hold: what
-            # it serves is wrong, not the connection (retrying reads it again).
-            self._drop_connection()
-            raise RendezvousStateError(f"the store at {self._address} sent {exc}") from exc
+            raise self._wrong_value(exc) from exc
 
-    def _read_i64(self, timeout: float | None = None) -> int:
-        return self._read(self._reader.read_i64, timeout)
+    def _wrong_value(self, exc: ProtocolError) -> RendezvousStateError:
+        """Drop the connection that announced a value over the limit; return the error to raise.
 
-    def _read_u8(self, timeout: float | None = None) -> int:
-        return self._read(self._reader.read_u8, timeout)
+        What the server serves is wrong, not the connection: retrying reads it again.
+        """
+        self._drop_connection()
+        return RendezvousStateError(f"the store at {self._address} sent {exc}")
 
     def close(self) -> None:
         """Close the connection and stop the hosted server, if any (idempotent)."""
@@ -709,13 +685,13 @@ class TCPStore(Store):
         self._send(request)
         seconds = _capped(max(seconds, 0.0001))
         try:
-            answer = self._read_u8(seconds)
+            answer = self._read(decode_u8, seconds)
         except TimeoutError:
             self._send(Request(Op.CANCEL_WAIT))
-            answer = self._read_u8()
+            answer = self._read(decode_u8)
             if answer == WaitResult.STOP_WAITING:
                 # The server answered before it saw the cancel: done after all.
-                if self._read_u8() != WaitResult.WAIT_CANCELED:
+                if self._read(decode_u8) != WaitResult.WAIT_CANCELED:
                     raise ProtocolError("expected WAIT_CANCELED after STOP_WAITING") from None
                 return
             if answer != WaitResult.WAIT_CANCELED:
@@ -729,26 +705,26 @@ class TCPStore(Store):
     def set(self, key: str, value: Value) -> None:  # noqa: D102 - documented on Store
         wire = _wire_key(key)
         data = _value(value)
-        self._exchange(b"".join((_SET, _SIZE(len(wire)), wire, _SIZE(len(data)), data)))
+        self._exchange(_SET(wire, data))
 
     def get(self, key: str) -> bytes:  # noqa: D102
         wire = _wire_key(key)
         seconds = self.timeout.total_seconds()
 
-        def found() -> bytes:
-            if self._read_u8() == GetWaitStatus.TIMED_OUT:
-                raise StoreTimeoutError(f"timed out after {seconds:g} s waiting for key {key!r}")
-            return self._read_bytes()
-
         if self._rdzv_server:
-            number = _number(self._ms(seconds), "the timeout in ms")
-            frame = b"".join((_GET_WAIT, _SIZE(len(wire)), wire, number))
-            return self._exchange(frame, _whole_found, found)
+            try:
+                frame = _GET_WAIT(wire, self._ms(seconds))
+            except struct.error:
+                raise _too_large(self._ms(seconds), "the timeout in ms") from None
+            status, value = self._exchange(frame, decode_get_wait)
+            if status == _TIMED_OUT:
+                raise StoreTimeoutError(f"timed out after {seconds:g} s waiting for key {key!r}")
+            return value
 
         def get() -> bytes:
             self._wait_raw(Request(Op.WAIT, (wire,)), seconds, f"key {key!r}")
             self._send(Request(Op.GET, (wire,)))
-            return self._read_bytes()
+            return self._read_value(decode_bytes)
 
         return self._call(get)
 
@@ -757,18 +733,15 @@ class TCPStore(Store):
 
     def _add_wire(self, wire: bytes, amount: int) -> int:
         """``add`` of a key already in its wire form (``init/`` has no ``/`` prefix)."""
-        frame = b"".join((_ADD, _SIZE(len(wire)), wire, _number(amount, "the amount to add")))
-        return self._exchange(frame, _whole_i64, self._read_i64)
+        try:
+            frame = _ADD(wire, amount)
+        except struct.error:
+            raise _too_large(amount, "the amount to add") from None
+        return self._exchange(frame, decode_i64)
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:  # noqa: D102
-        wire = _wire_key(key)
-        old = _value(expected)
-        new = _value(desired)
-        frame = b"".join(
-            (_COMPARE_SET, _SIZE(len(wire)), wire, _SIZE(len(old)), old, _SIZE(len(new)), new)
-        )
-
-        return self._exchange(frame, _whole_bytes, self._read_bytes)
+        frame = _COMPARE_SET(_wire_key(key), _value(expected), _value(desired))
+        return self._exchange(frame, decode_bytes)
 
     def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:  # noqa: D102
         wire = self._wire_keys(keys)
@@ -800,7 +773,7 @@ class TCPStore(Store):
 
         def check() -> bool:
             self._send(request)
-            return self._read_u8() == CheckResult.READY
+            return self._read(decode_u8) == CheckResult.READY
 
         return self._call(check)
 
@@ -809,7 +782,7 @@ class TCPStore(Store):
 
         def delete() -> bool:
             self._send(request)
-            return self._read_i64() > 0
+            return self._read(decode_i64) > 0
 
         return self._call(delete)
 
@@ -818,7 +791,7 @@ class TCPStore(Store):
 
         def num_keys() -> int:
             self._send(Request(Op.GETNUMKEYS))
-            return self._read_i64()
+            return self._read(decode_i64)
 
         return self._call(num_keys)
 
@@ -829,7 +802,7 @@ class TCPStore(Store):
         def multi_get() -> list[bytes]:
             self._wait_raw(Request(Op.WAIT, wire), seconds, f"keys {list(keys)!r}")
             self._send(Request(Op.MULTI_GET, wire))
-            return [self._read_bytes() for _ in wire]
+            return [self._read_value(decode_bytes) for _ in wire]
 
         return self._call(multi_get)
 
@@ -846,10 +819,10 @@ class TCPStore(Store):
 
         def list_keys() -> list[str]:
             self._send(Request(Op.LIST_KEYS))
-            count = self._read_i64()
+            count = self._read(decode_i64)
             if not 0 <= count <= MAX_REPLY_ITEMS:
                 raise ProtocolError(f"LIST_KEYS announced {count} keys")
-            raw = [self._read(lambda: self._reader.read_bytes(MAX_KEY_BYTES)) for _ in range(count)]
+            raw = [self._read(_decode_key) for _ in range(count)]
             return [
                 k[len(_KEY_PREFIX) :].decode("utf-8", "replace")
                 for k in raw
@@ -872,8 +845,8 @@ class TCPStore(Store):
                     remaining = max(deadline - time.monotonic(), 0.0)
                     self._wait_raw(Request(Op.WAIT, (wire,)), remaining, f"queue {key!r}")
                 self._send(Request(Op.QUEUE_POP, (wire,)))
-                if self._read_i64() > 0:
-                    return self._read_bytes()
+                if self._read(decode_i64) > 0:
+                    return self._read_value(decode_bytes)
                 if not block or time.monotonic() >= deadline:
                     raise StoreTimeoutError(f"queue {key!r} is empty")
 
@@ -884,7 +857,7 @@ class TCPStore(Store):
 
         def queue_len() -> int:
             self._send(request)
-            return self._read_i64()
+            return self._read(decode_i64)
 
         return self._call(queue_len)
 
@@ -914,12 +887,11 @@ class TCPStore(Store):
                     f"the store at {self._address} is not an rdzv server and cannot watch"
                 )
             self._send(request)
-            # The server ends the wait at its timeout; its reply then takes
-            # as long as any reply may (at 8,192 simulated nodes on two busy
-            # cores, replies came more than 5 s after the wait's end).
-            status = self._read_u8(seconds + self._reply_timeout)
+            # The server ends the wait at its timeout; its reply may then
+            # take as long as any reply may, on top of it.
+            status = self._read(decode_u8, seconds + self._reply_timeout)
             if status == WatchStatus.PRESENT:
-                return self._read_bytes()
+                return self._read_value(decode_bytes)
             if status == WatchStatus.ABSENT:
                 return None
             if status == WatchStatus.UNCHANGED:
@@ -946,7 +918,7 @@ class TCPStore(Store):
             if not self._rdzv_server:
                 return None
             self._send(Request(Op.MULTI_TRY_GET, wire))
-            return [self._read_bytes() if self._read_u8() else None for _ in wire]
+            return [self._read_value(decode_bytes) if self._read(decode_u8) else None for _ in wire]
 
         with self._lock:
             found = self._call(try_multi_get)
