@@ -758,14 +758,6 @@ decode_i64: Final = _fixed_decoder(_I64)
 def decode_bytes(buf: _Buffer, pos: int, limit: int = MAX_VALUE_BYTES) -> tuple[bytes, int] | None:
     """Decode a length-prefixed byte string (a :data:`Decoder`).
 
-    Args:
-        buf: The received bytes.
-        pos: Where the string's length starts.
-        limit: The largest acceptable length.
-
-    Returns:
-        The bytes and where they end, or None if incomplete.
-
     Raises:
         ProtocolError: The announced length exceeds ``limit``.
     """
@@ -825,11 +817,7 @@ class ReplyReader:
         self._pos = 0
 
     def feed(self, data: bytes) -> None:
-        """Append received bytes.
-
-        Args:
-            data: The bytes.
-        """
+        """Append received bytes."""
         if self._pos and self._pos == len(self._buf):
             self._buf.clear()
             self._pos = 0
@@ -846,17 +834,7 @@ class ReplyReader:
         return len(self._buf) - self._pos
 
     def read(self, decode: Decoder[_T]) -> _T | None:
-        """Read the next field.
-
-        Args:
-            decode: The field's decoder.
-
-        Returns:
-            The field, or None if incomplete.
-
-        Raises:
-            ProtocolError: From ``decode``.
-        """
+        """Read the next field with its decoder; None, consuming nothing, if it is incomplete."""
         found = decode(self._buf, self._pos)
         if found is None:
             return None
@@ -865,62 +843,27 @@ class ReplyReader:
 
 
 def encode_u8(value: int) -> bytes:
-    """Encode an unsigned byte.
-
-    Args:
-        value: 0-255.
-
-    Returns:
-        One byte.
-    """
+    """Encode an unsigned byte (0-255)."""
     return _U8.pack(value)
 
 
 def encode_u32(value: int) -> bytes:
-    """Encode a little-endian ``u32``.
-
-    Args:
-        value: The value.
-
-    Returns:
-        Four bytes.
-    """
+    """Encode a little-endian ``u32``."""
     return _U32.pack(value)
 
 
 def encode_i64(value: int) -> bytes:
-    """Encode a little-endian ``i64``.
-
-    Args:
-        value: The value.
-
-    Returns:
-        Eight bytes.
-    """
+    """Encode a little-endian ``i64``."""
     return _I64.pack(value)
 
 
 def encode_bytes(value: bytes | bytearray) -> bytes:
-    """Encode a length-prefixed byte string.
-
-    Args:
-        value: The bytes.
-
-    Returns:
-        The ``u64`` length followed by the bytes.
-    """
+    """Encode a length-prefixed byte string: its ``u64`` length, then the bytes."""
     return _U64.pack(len(value)) + value
 
 
 def encode_key_list(keys: list[bytes] | tuple[bytes, ...]) -> bytes:
-    """Encode a counted list of keys.
-
-    Args:
-        keys: The keys.
-
-    Returns:
-        The ``u64`` count followed by each key.
-    """
+    """Encode a counted list of keys: the ``u64`` count, then each key."""
     return _U64.pack(len(keys)) + b"".join(_U64.pack(len(k)) + k for k in keys)
 
 

@@ -6,7 +6,9 @@ with :func:`secured_server`. What secures it is a :class:`ServerSecurity`:
 made from already-resolved values (the library API), or from files with
 :meth:`ServerSecurity.from_files`, where the secret comes from a file or else
 ``$RDZV_AUTH_TOKEN`` (never the command line, see :mod:`rdzv.auth`) and the
-TLS context from a certificate and its key.
+TLS context from a certificate and its key. The masters of one process may
+share one server per port (``TCPStore(multi_tenant=True)``):
+:func:`hosted_server` and :func:`release_server` count its users.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import ssl
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +24,7 @@ from rdzv.auth import resolve_auth_token
 from rdzv.net import server_tls_context
 from rdzv.store.server import TCPStoreServer
 
-__all__ = ["ServerSecurity", "secured_server"]
+__all__ = ["ServerSecurity", "hosted_server", "release_server", "secured_server"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +96,47 @@ def secured_server(
     return TCPStoreServer(
         host, port, auth_token=security.auth_token, ssl_context=security.ssl_context, **limits
     )
+
+
+_shared_lock = threading.Lock()
+_shared_servers: dict[int, tuple[TCPStoreServer, int]] = {}
+"""The servers the masters of this process share, by port, with their user counts."""
+
+
+def hosted_server(
+    port: int, multi_tenant: bool, security: ServerSecurity, max_connections: int | None = None
+) -> TCPStoreServer:
+    """Start the server of a ``TCPStore(is_master=True)``, or share the one on ``port``.
+
+    Args:
+        port: The port (0 picks a free one).
+        multi_tenant: Share one server per port among this process's masters.
+        security: The secret and TLS context.
+        max_connections: The server's limit, or None for its default.
+
+    Returns:
+        The running server; give it back with :func:`release_server`.
+    """
+    with _shared_lock:
+        if multi_tenant and port in _shared_servers:
+            server, users = _shared_servers[port]
+            _shared_servers[port] = (server, users + 1)
+            return server
+        limits = {} if max_connections is None else {"max_connections": max_connections}
+        server = secured_server(None, port, security, **limits).start()
+        if multi_tenant:
+            _shared_servers[server.port] = (server, 1)
+        return server
+
+
+def release_server(server: TCPStoreServer, multi_tenant: bool) -> None:
+    """Stop a server of :func:`hosted_server`, unless other masters still share it."""
+    with _shared_lock:
+        if multi_tenant:
+            for port, (shared, users) in list(_shared_servers.items()):
+                if shared is server:
+                    if users > 1:
+                        _shared_servers[port] = (shared, users - 1)
+                        return
+                    del _shared_servers[port]
+        server.stop()

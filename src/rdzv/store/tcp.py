@@ -222,44 +222,6 @@ def _receive(sock: socket.socket) -> bytes:
     return data
 
 
-_shared_lock = threading.Lock()
-_shared_servers: dict[int, tuple[TCPStoreServer, int]] = {}
-
-
-def _acquire_server(
-    port: int,
-    multi_tenant: bool,
-    auth_token: str | bytes | None,
-    ssl_context: ssl.SSLContext | None,
-    max_connections: int | None = None,
-) -> TCPStoreServer:
-    with _shared_lock:
-        if multi_tenant and port in _shared_servers:
-            server, users = _shared_servers[port]
-            _shared_servers[port] = (server, users + 1)
-            return server
-        from rdzv.store.serve import ServerSecurity, secured_server  # noqa: PLC0415 - hosts only
-
-        secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
-        limits = {} if max_connections is None else {"max_connections": max_connections}
-        server = secured_server(None, port, ServerSecurity(secret, ssl_context), **limits).start()
-        if multi_tenant:
-            _shared_servers[server.port] = (server, 1)
-        return server
-
-
-def _release_server(server: TCPStoreServer, multi_tenant: bool) -> None:
-    with _shared_lock:
-        if multi_tenant:
-            for port, (shared, users) in list(_shared_servers.items()):
-                if shared is server:
-                    if users > 1:
-                        _shared_servers[port] = (shared, users - 1)
-                        return
-                    del _shared_servers[port]
-        server.stop()
-
-
 class TCPStore(Store):
     """A client of a TCP store server (rdzv's or torch's), optionally hosting one.
 
@@ -330,9 +292,10 @@ class TCPStore(Store):
         self._multi_tenant = multi_tenant
         self._server: TCPStoreServer | None = None
         if is_master:
-            self._server = _acquire_server(
-                port, multi_tenant, auth_token, server_ssl_context, max_connections
-            )
+            from rdzv.store.serve import ServerSecurity, hosted_server  # noqa: PLC0415 - hosts only
+
+            secure = ServerSecurity(self._secret, server_ssl_context)
+            self._server = hosted_server(port, multi_tenant, secure, max_connections)
             port = self._server.port
         self._port = port
         try:
@@ -644,7 +607,9 @@ class TCPStore(Store):
             self._drop_connection()
             server, self._server = self._server, None
         if server is not None:
-            _release_server(server, self._multi_tenant)
+            from rdzv.store.serve import release_server  # noqa: PLC0415 - loaded by hosting
+
+            release_server(server, self._multi_tenant)
 
     def _join_workers(self, world_size: int, is_master: bool) -> None:
         self._add_wire(_INIT_KEY, 1)
@@ -769,31 +734,16 @@ class TCPStore(Store):
         self._call(lambda: self._wait_raw(request, seconds, f"barrier {key!r}"))
 
     def check(self, keys: Sequence[str]) -> bool:  # noqa: D102
-        request = Request(Op.CHECK, self._wire_keys(keys))
-
-        def check() -> bool:
-            self._send(request)
-            return self._read(decode_u8) == CheckResult.READY
-
-        return self._call(check)
+        request = encode_request(Request(Op.CHECK, self._wire_keys(keys)))
+        return self._exchange(request, decode_u8) == CheckResult.READY
 
     def delete_key(self, key: str) -> bool:  # noqa: D102
-        request = Request(Op.DELETE_KEY, (_wire_key(key),))
-
-        def delete() -> bool:
-            self._send(request)
-            return self._read(decode_i64) > 0
-
-        return self._call(delete)
+        request = encode_request(Request(Op.DELETE_KEY, (_wire_key(key),)))
+        return self._exchange(request, decode_i64) > 0
 
     def num_keys(self) -> int:
         """Return the number of keys on the server (torch's ``init/`` key included)."""
-
-        def num_keys() -> int:
-            self._send(Request(Op.GETNUMKEYS))
-            return self._read(decode_i64)
-
-        return self._call(num_keys)
+        return self._exchange(encode_request(Request(Op.GETNUMKEYS)), decode_i64)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # noqa: D102
         wire = self._wire_keys(keys)
@@ -853,13 +803,7 @@ class TCPStore(Store):
         return self._call(queue_pop)
 
     def queue_len(self, key: str) -> int:  # noqa: D102
-        request = Request(Op.QUEUE_LEN, (_wire_key(key),))
-
-        def queue_len() -> int:
-            self._send(request)
-            return self._read(decode_i64)
-
-        return self._call(queue_len)
+        return self._exchange(encode_request(Request(Op.QUEUE_LEN, (_wire_key(key),))), decode_i64)
 
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:
         """Block until the value of ``key`` differs from ``previous`` (rdzv servers only).
