@@ -17,7 +17,7 @@ import pytest
 import rdzv
 from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError, StoreTimeoutError
 from rdzv.retry import LAST_ATTEMPT, deadline_within
-from rdzv.store import tcp
+from rdzv.store import link
 from rdzv.store.protocol import (
     FEATURE_AUTH_REQUIRED,
     PROBE_NONCE,
@@ -366,8 +366,8 @@ def test_the_fast_frames_are_encode_requests(rdzv_server: TCPStoreServer) -> Non
     # byte for byte the same requests, one sendall each.
     with TCPStore("127.0.0.1", rdzv_server.port, timeout=7) as store:
         store.set("frames/warm", b"")
-        recorder = _RecordingSocket(store._sock)  # type: ignore[arg-type]
-        store._sock = recorder  # type: ignore[assignment]
+        recorder = _RecordingSocket(store._link.sock)  # type: ignore[arg-type]
+        store._link.sock = recorder  # type: ignore[assignment]
         store.set("frames/k", b"v" * 100)
         store.set("frames/s", "text é")
         assert store.get("frames/k") == b"v" * 100
@@ -421,7 +421,7 @@ def test_every_opcode_the_client_sends_is_what_encode_request_makes(
         store.barrier("bar", 1)
         assert store.watch("a", None, 0.01) == b"3"
         assert store.watch("a", b"3", 0.01) == b"3"
-        store._rdzv_server = False  # get as on torch's server: WAIT, then GET
+        store._link.rdzv_server = False  # get as on torch's server: WAIT, then GET
         assert store.get("a") == b"3"
     stream = b"".join(sent)
     parser = RequestParser()
@@ -435,10 +435,10 @@ def test_an_add_out_of_range_is_a_value_error_that_sends_nothing(
     rdzv_server: TCPStoreServer,
 ) -> None:
     with TCPStore("127.0.0.1", rdzv_server.port, timeout=5) as store:
-        before = store._sock
+        before = store._link.sock
         with pytest.raises(ValueError, match="amount to add 9223372036854775808 does not fit"):
             store.add("frames/big", 1 << 63)
-        assert store._sock is before  # the connection was kept
+        assert store._link.sock is before  # the connection was kept
         assert store.add("frames/big", 1) == 1
 
 
@@ -457,11 +457,11 @@ def test_replies_whole_or_cut_anywhere_read_the_same(
     # straight from it; cut anywhere, they read it from the buffer instead.
     with TCPStore("127.0.0.1", rdzv_server.port, timeout=0.3) as store:
         store.set("cut/warm", b"")
-        sock = store._sock
+        sock = store._link.sock
         assert sock is not None
         if trickle:
-            store._sock = _TricklingSocket(sock)  # type: ignore[assignment]
-        current = store._sock
+            store._link.sock = _TricklingSocket(sock)  # type: ignore[assignment]
+        current = store._link.sock
         assert store.add("cut/n", 5) == 5
         assert store.add("cut/n", -7) == -2
         store.set("cut/k", b"x" * 300)
@@ -471,9 +471,9 @@ def test_replies_whole_or_cut_anywhere_read_the_same(
         assert store.compare_set("cut/k", b"nope", b"z") == b"y"
         with pytest.raises(StoreTimeoutError, match="cut/absent"):
             store.get("cut/absent")
-        assert store._reader.pending == 0
+        assert store._link.reader.pending == 0
         assert store.add("cut/n", 2) == 0  # still in step on the same connection
-        assert store._sock is current
+        assert store._link.sock is current
 
 
 @pytest.mark.parametrize("timeout", [timedelta.max, 1e10, 366 * 24 * 3600 + 1])
@@ -487,7 +487,7 @@ def test_a_timeout_over_a_year_is_a_value_error_naming_it(
         TCPStore("127.0.0.1", rdzv_server.port, timeout=timeout)
     with TCPStore("127.0.0.1", rdzv_server.port, timeout=5) as store:
         store.set("year/k", b"v")
-        connection = store._sock
+        connection = store._link.sock
         for call in (
             lambda: store.wait(["year/k"], timeout),
             lambda: store.watch("year/k", None, timeout),
@@ -495,7 +495,7 @@ def test_a_timeout_over_a_year_is_a_value_error_naming_it(
         ):
             with pytest.raises(ValueError, match="a year"):
                 call()
-        assert store._sock is connection
+        assert store._link.sock is connection
         assert store.get("year/k") == b"v"
 
 
@@ -504,12 +504,12 @@ def test_a_barrier_of_an_impossible_size_is_a_value_error_that_sends_nothing(
     rdzv_server: TCPStoreServer, world_size: int
 ) -> None:
     with TCPStore("127.0.0.1", rdzv_server.port, timeout=5) as store:
-        connection = store._sock
+        connection = store._link.sock
         with pytest.raises(
             ValueError, match=f"world_size must be in 1..2\\*\\*63-1, got {world_size}"
         ):
             store.barrier("bar/k", world_size, 0.1)
-        assert store._sock is connection
+        assert store._link.sock is connection
         assert store.add(f"bar/n{world_size}", 1) == 1
 
 
@@ -519,7 +519,7 @@ def test_a_watch_a_paused_server_ends_late_is_answered_not_a_connection_error(
     # At 8,192 simulated nodes on two busy cores the server ended watches
     # more than 5 s after their timeout, and the client gave up on them as
     # on a dead connection: the reply to a watch may take as long as any.
-    monkeypatch.setattr(tcp, "_REPLY_GRACE", 0.2)
+    monkeypatch.setattr(link, "_REPLY_GRACE", 0.2)
     with serve_process() as (proc, port):
         store = TCPStore("127.0.0.1", port, timeout=2.0)  # any reply within 2.2 s
         store.set("k", b"v")
@@ -564,12 +564,12 @@ def test_a_call_under_a_callers_deadline_ends_by_it_against_a_paused_server() ->
 def test_a_wait_a_callers_deadline_cuts_short_is_cancelled_in_step() -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=30.0)
     try:
-        connection = store._sock
+        connection = store._link.sock
         started = time.monotonic()
         with deadline_within(0.3), pytest.raises(StoreTimeoutError, match="timed out after"):
             store.wait(["absent"], timedelta(seconds=30))
         assert time.monotonic() - started < 0.3 + 10.0
-        assert store._sock is connection  # cancelled, not dropped
+        assert store._link.sock is connection  # cancelled, not dropped
         store.set("absent", b"here")
         store.wait(["absent"], timedelta(seconds=30))
     finally:
@@ -579,17 +579,17 @@ def test_a_wait_a_callers_deadline_cuts_short_is_cancelled_in_step() -> None:
 def test_the_callers_deadline_caps_a_limit_in_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])  # the clock of both
-    assert tcp._capped(65.0) == 65.0  # no deadline
+    assert link.capped(65.0) == 65.0  # no deadline
     with deadline_within(120.0):
-        assert tcp._capped(65.0) == 65.0  # the deadline is farther
+        assert link.capped(65.0) == 65.0  # the deadline is farther
         now[0] += 1.0  # 119 s left: rounded down to a step of 8 s
-        assert tcp._capped(125.0) == 112.0
+        assert link.capped(125.0) == 112.0
         now[0] += 99.0  # 20 s left: a step of 2 s
-        assert tcp._capped(65.0) == 20.0
+        assert link.capped(65.0) == 20.0
         now[0] += 0.6  # 19.4 s left
-        assert tcp._capped(65.0) == 18.0
+        assert link.capped(65.0) == 18.0
         now[0] += 16.0  # 3.4 s left: the finest step, 0.25 s
-        assert tcp._capped(65.0) == 3.25
-        assert tcp._capped(0.1) == 0.1  # never above the limit asked for
+        assert link.capped(65.0) == 3.25
+        assert link.capped(0.1) == 0.1  # never above the limit asked for
         now[0] += 30.0  # past it: a last attempt
-        assert tcp._capped(65.0) == LAST_ATTEMPT
+        assert link.capped(65.0) == LAST_ATTEMPT

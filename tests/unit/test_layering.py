@@ -61,6 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.store._connection",
             "rdzv.store.server",
             "rdzv.store.serve",
+            "rdzv.store.link",
             "rdzv.store.tcp",
         ),
     ),

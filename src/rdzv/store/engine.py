@@ -63,6 +63,10 @@ than :data:`MAX_REPLY_BYTES`, a blocked request past ``max_waiting_bytes``,
 a request from a client that is blocked, an opcode that is no store operation) raises
 :class:`~rdzv.store.protocol.ProtocolError` and changes nothing: the server
 then closes the connection, as torch's server does.
+
+Size: over the project's ~600-line guide: one concept, the keyspace with
+its queues and their waiters, whose handlers all share the one index and
+waiting budget.
 """
 
 from __future__ import annotations

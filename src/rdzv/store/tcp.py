@@ -2,75 +2,38 @@
 
 Theory of operation
 -------------------
-One blocking socket per store, guarded by a lock so that threads take turns
-(the protocol allows one request in flight per connection). Each call
-encodes its request with the encoder :mod:`rdzv.store.protocol` makes from
-the opcode's layout (through :func:`~rdzv.store.protocol.encode_request`,
-or, for the frequent requests, straight from their fields), sends it, and
-decodes each field of the reply with the protocol's decoder of that field:
-from a :class:`~rdzv.store.protocol.ReplyReader`, or from the received
-bytes themselves when one ``recv`` brought exactly the reply.
-
-Connecting sends torch's handshake (``VALIDATE`` with the magic, then
-``PING``); the ping nonce is :data:`~rdzv.store.protocol.PROBE_NONCE`, which
-torch's server echoes and rdzv's server answers with its hello and feature
-bits. That is how the client learns, on the same connection and without
-upsetting a torch server, whether it may use rdzv's extensions (one-round-trip
-``get``, ``watch``, ``try_multi_get``) and whether it must authenticate.
-Connecting is retried with capped exponential backoff and jitter until the
-store timeout; an authentication or certificate failure is final, and so is
-a peer that is not a store: one that answers the handshake with bytes no
-store sends, or, on a first connection, stays silent for
-:data:`HANDSHAKE_TIMEOUT` (a program holding the port that is not a store).
-
-A caller's deadline (:func:`rdzv.retry.deadline_within`, under which the
-dynamic handler and its keep-alive make every call) bounds each read of a
-reply and each connection attempt, as it does the etcd and Redis clients:
-a reply that has not come by then drops the connection (its stream
-position is unknown) and raises
-:class:`~rdzv.errors.RendezvousConnectionError`; a ``wait`` it cuts short
-is cancelled as below and raises :class:`~rdzv.errors.StoreTimeoutError`.
-A call made at or past the deadline still gets
-:data:`~rdzv.retry.LAST_ATTEMPT`. Without a deadline the store timeout
-alone bounds them, as in torch. The cap moves in steps (:func:`_capped`),
-so that a client whose deadline is nearer than its store timeout does not
-change the socket option on every call.
-
-A connection that breaks while a request is in flight raises
-:class:`~rdzv.errors.RendezvousConnectionError` (the socket is dropped; its
-stream position is unknown) and the next call connects again. A ``wait``
-that times out follows torch's cancel exchange: send ``CANCEL_WAIT`` and read
-up to two bytes, since the server's ``STOP_WAITING`` may have crossed the
-cancel on the wire.
+Each call encodes its request with the encoder :mod:`rdzv.store.protocol`
+makes from the opcode's layout (through
+:func:`~rdzv.store.protocol.encode_request`, or, for the frequent requests,
+straight from their fields), sends it on the client's
+:class:`~rdzv.store.link.StoreLink`, and decodes each field of the reply
+with the protocol's decoder of that field: from the link's
+:class:`~rdzv.store.protocol.ReplyReader`, or from the received bytes
+themselves when one ``recv`` brought exactly the reply. The link connects,
+shakes hands, authenticates, and bounds every read by the caller's
+deadline (see :mod:`rdzv.store.link`); a ``wait`` that a deadline or its
+own timeout cuts short follows torch's cancel exchange: send
+``CANCEL_WAIT`` and read up to two bytes, since the server's
+``STOP_WAITING`` may have crossed the cancel on the wire, then raise
+:class:`~rdzv.errors.StoreTimeoutError`.
 
 Keys follow torch's client: user key ``k`` is ``/k`` on the wire, so rdzv and
 torch clients on one server see each other's keys.
 
-Size: longer than the project's ~600-line guide because it carries torch's
-whole ``TCPStore`` client API (each call with its documented error
-contract) beside rdzv's extensions; the encoding lives in
-:mod:`rdzv.store.protocol` and the server in :mod:`rdzv.store.server`.
+The encoding lives in :mod:`rdzv.store.protocol`, the connection in
+:mod:`rdzv.store.link` and the server in :mod:`rdzv.store.server`.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import socket
 import ssl
 import struct
-import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar, overload
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
 
-from rdzv.errors import (
-    RendezvousConnectionError,
-    RendezvousStateError,
-    StoreAuthenticationError,
-    StoreTimeoutError,
-)
-from rdzv.retry import LAST_ATTEMPT, jitter, time_left
+from rdzv.errors import StoreTimeoutError
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -80,37 +43,23 @@ from rdzv.store.base import (
     to_bytes,
     to_seconds,
 )
+from rdzv.store.link import StoreLink, capped
 from rdzv.store.protocol import (
-    AUTH_MAC_BYTES,
-    AUTH_NONCE_BYTES,
-    CLIENT_AUTH_LABEL,
-    FEATURE_AUTH_REQUIRED,
     MAX_KEY_BYTES,
     MAX_MULTI_KEYS,
     MAX_REPLY_ITEMS,
     MAX_VALUE_BYTES,
-    PROBE_NONCE,
-    SERVER_AUTH_LABEL,
-    SERVER_HELLO,
-    SERVER_HELLO_MASK,
-    VALIDATE_MAGIC,
-    AuthStatus,
     CheckResult,
-    Decoder,
     GetWaitStatus,
     Op,
     ProtocolError,
-    ReplyReader,
     Request,
     WaitResult,
     WatchStatus,
-    auth_tag,
     decode_bytes,
     decode_get_wait,
     decode_i64,
-    decode_raw,
     decode_u8,
-    decode_u32,
     encode_request,
     request_encoder,
 )
@@ -124,54 +73,6 @@ _T = TypeVar("_T")
 
 _KEY_PREFIX = b"/"
 _INIT_KEY = b"init/"
-_REPLY_GRACE = 5.0
-"""Seconds a reply may take beyond the store timeout."""
-# Once connected, a dropped connection is retried for at most this long per
-# call (the store timeout still bounds it): the host most likely died, and a
-# caller with a deadline must hear so in seconds, not after the read timeout.
-RECONNECT_TIMEOUT = 3.0
-HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a server that accepted a first connection has to answer the
-handshake. Both rdzv's and torch's servers answer at once (rdzv's drops a
-connection whose handshake lasts longer than this); a peer that stays silent
-is not serving a store, so the client says so instead of retrying until its
-timeout. A reconnection that meets silence retries as before: that store
-answered once and may be stalled."""
-
-
-class _NotAStoreError(Exception):
-    """The peer accepted the connection but does not speak the store protocol."""
-
-
-_BACKOFF_FIRST = 0.01
-_BACKOFF_MAX = 1.0
-_CAP_STEP = 0.25
-"""The finest step, in seconds, of a caller's deadline's cap on a read (see :func:`_capped`)."""
-
-
-def _capped(limit: float) -> float:
-    """Return ``limit``, or less when the caller's deadline comes sooner (see the module).
-
-    The time left is rounded down to a step of :data:`_CAP_STEP` doubled
-    until it is at least a sixteenth of the time left (0.25 s in the last
-    4 s, 8 s two minutes ahead), so that a client whose deadline is nearer
-    than its store timeout changes its socket option every few calls, not
-    on each; never below :data:`~rdzv.retry.LAST_ATTEMPT`, nor above
-    ``limit``.
-    """
-    left = time_left(limit)
-    if left >= limit:
-        return limit
-    step = _CAP_STEP
-    while step * 16 < left:
-        step *= 2
-    return max(LAST_ATTEMPT, math.floor(left / step) * step)
-
-
-def _timeval(seconds: float) -> bytes:
-    """Encode a positive timeout as a ``struct timeval`` (0 would mean "never")."""
-    micros = max(1000, math.ceil(seconds * 1_000_000))
-    return struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
 
 
 def _wire_key(key: str) -> bytes:
@@ -210,18 +111,6 @@ def _too_large(value: int, what: str) -> ValueError:
     return ValueError(f"{what} {value} does not fit a signed 64-bit integer")
 
 
-def _receive(sock: socket.socket) -> bytes:
-    """Return the next bytes from the server (on a socket with ``SO_RCVTIMEO``)."""
-    try:
-        data = sock.recv(65536)
-    except BlockingIOError as exc:
-        # SO_RCVTIMEO elapsed on the blocking socket.
-        raise TimeoutError("timed out waiting for the server's reply") from exc
-    if not data:
-        raise EOFError("the server closed the connection")
-    return data
-
-
 class TCPStore(Store):
     """A client of a TCP store server (rdzv's or torch's), optionally hosting one.
 
@@ -234,7 +123,7 @@ class TCPStore(Store):
         timeout: The timeout of blocking operations and of the first
             connection (the server may start after the client). Once it was
             connected, a dropped connection is retried for at most
-            :data:`RECONNECT_TIMEOUT` seconds per call.
+            :data:`~rdzv.store.link.RECONNECT_TIMEOUT` seconds per call.
         wait_for_workers: With ``world_size``, block in the constructor until
             every client connected (each adds 1 to torch's ``init/`` key).
         multi_tenant: Share one server per port among the masters of this
@@ -278,29 +167,22 @@ class TCPStore(Store):
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         if auth_token is not None and not auth_token:
             raise ValueError("auth_token must not be empty")
-        self._host = host_name
-        self._secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
-        self._ssl_context = ssl_context
-        self._lock = threading.RLock()
-        self._sock: socket.socket | None = None
-        self._was_connected = False
-        self._recv_timeout: float | None = None
-        self._reply_timeout = self.timeout.total_seconds() + _REPLY_GRACE
-        self._reader = ReplyReader()
-        self._rdzv_server: bool | None = None
-        self._closed = False
+        secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
         self._multi_tenant = multi_tenant
         self._server: TCPStoreServer | None = None
         if is_master:
             from rdzv.store.serve import ServerSecurity, hosted_server  # noqa: PLC0415 - hosts only
 
-            secure = ServerSecurity(self._secret, server_ssl_context)
+            secure = ServerSecurity(secret, server_ssl_context)
             self._server = hosted_server(port, multi_tenant, secure, max_connections)
             port = self._server.port
-        self._port = port
+        link = StoreLink(host_name, port, self.timeout.total_seconds(), secret, ssl_context)
+        self._link = link
+        self._call, self._exchange, self._send = link.call, link.exchange, link.send
+        self._read, self._read_value = link.read, link.read_value
         try:
-            with self._lock:
-                self._ensure_connected()
+            with link.lock:
+                link.connect()
             if world_size is not None and wait_for_workers:
                 self._join_workers(world_size, is_master)
         except BaseException:
@@ -312,12 +194,12 @@ class TCPStore(Store):
     @property
     def host(self) -> str:
         """The server's host name, as given."""
-        return self._host
+        return self._link.host
 
     @property
     def port(self) -> int:
         """The server's port (the one picked when constructed with port 0)."""
-        return self._port
+        return self._link.port
 
     @property
     def server(self) -> TCPStoreServer | None:
@@ -326,15 +208,15 @@ class TCPStore(Store):
 
     def set_timeout(self, timeout: Timeout) -> None:  # noqa: D102 - documented on Store
         super().set_timeout(timeout)
-        self._reply_timeout = self.timeout.total_seconds() + _REPLY_GRACE
+        self._link.set_timeout(self.timeout.total_seconds())
 
     @property
     def supports_watch(self) -> bool:
         """True when the server is an rdzv server, which implements ``watch``."""
-        with self._lock:
-            if self._rdzv_server is None:
+        with self._link.lock:
+            if self._link.rdzv_server is None:
                 self._call(lambda: None)
-            return bool(self._rdzv_server)
+            return bool(self._link.rdzv_server)
 
     def clone(self) -> TCPStore:
         """Return a new client of the same server, with its own connection.
@@ -348,263 +230,17 @@ class TCPStore(Store):
             (it never hosts a server).
         """
         return TCPStore(
-            self._host,
-            self._port,
+            self._link.host,
+            self._link.port,
             timeout=self.timeout,
-            auth_token=self._secret,
-            ssl_context=self._ssl_context,
+            auth_token=self._link.secret,
+            ssl_context=self._link.ssl_context,
         )
-
-    # -- connection management -----------------------------------------------
-
-    def _connect_once(self, remaining: float) -> socket.socket:
-        sock = socket.create_connection((self._host, self._port), timeout=remaining)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl_context is not None:
-                sock = self._ssl_context.wrap_socket(sock, server_hostname=self._host)
-            self._sock = sock
-            self._reader.clear()
-            self._recv_timeout = None
-            if self._ssl_context is None:
-                # Blocking mode with kernel timeouts: Python's own socket
-                # timeout polls before every send and recv, doubling the
-                # system calls of a round trip.
-                sock.settimeout(None)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(remaining))
-            self._set_recv_timeout(remaining)
-            self._handshake(min(remaining, HANDSHAKE_TIMEOUT))
-        except BaseException:
-            self._sock = None
-            sock.close()
-            raise
-        return sock
-
-    def _handshake(self, timeout: float) -> None:
-        self._send(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
-        self._send(Request(Op.PING, number=PROBE_NONCE))
-        try:
-            hello = self._read(decode_u32, timeout)
-        except TimeoutError:
-            if self._was_connected:
-                raise  # a store that answered before: stalled, maybe back soon
-            raise _NotAStoreError(
-                f"{self._address} accepted the connection but sent no reply to the store "
-                f"handshake within {timeout:g} s"
-            ) from None
-        if hello == PROBE_NONCE:
-            self._rdzv_server = False
-            if self._secret is not None:
-                raise StoreAuthenticationError(
-                    f"authentication impossible: the store at {self._address} is not an rdzv "
-                    "server (torch's server cannot authenticate); drop auth_token"
-                )
-        elif hello & SERVER_HELLO_MASK == SERVER_HELLO:
-            self._rdzv_server = True
-            self._authenticate(bool(hello & FEATURE_AUTH_REQUIRED))
-        else:
-            raise _NotAStoreError(
-                f"{self._address} answered the store handshake with {hello:#010x}, "
-                "which no TCP store sends"
-            )
-
-    def _authenticate(self, required: bool) -> None:
-        if not required:
-            if self._secret is not None:
-                raise StoreAuthenticationError(
-                    f"authentication failed: the store at {self._address} does not require "
-                    "authentication, so it cannot prove it knows auth_token"
-                )
-            return
-        if self._secret is None:
-            raise StoreAuthenticationError(
-                f"authentication required: the store at {self._address} needs a shared "
-                "secret; pass auth_token"
-            )
-        self._send(Request(Op.AUTH_CHALLENGE))
-        server_nonce = self._read(decode_raw(AUTH_NONCE_BYTES))
-        client_nonce = os.urandom(AUTH_NONCE_BYTES)
-        tag = auth_tag(self._secret, CLIENT_AUTH_LABEL, server_nonce, client_nonce)
-        self._send(Request(Op.AUTH_RESPONSE, values=(client_nonce, tag)))
-        # A refusal is a REFUSED byte before a clean close; a connection cut
-        # here (a handshake the server reclaimed) is connection trouble, and
-        # retried, not a refused secret.
-        status = self._read(decode_u8)
-        if status != AuthStatus.OK:
-            raise StoreAuthenticationError(
-                f"authentication failed: the store at {self._address} refused auth_token"
-            )
-        proof = self._read(decode_raw(AUTH_MAC_BYTES))
-        expected = auth_tag(self._secret, SERVER_AUTH_LABEL, server_nonce, client_nonce)
-        if proof != expected:
-            raise StoreAuthenticationError(
-                f"authentication failed: the store at {self._address} does not know auth_token"
-            )
-
-    @property
-    def _address(self) -> str:
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{host}:{self._port}"
-
-    def _ensure_connected(self) -> socket.socket:
-        if self._closed:
-            raise RendezvousConnectionError(f"the store client of {self._address} is closed")
-        if self._sock is not None:
-            return self._sock
-        budget = self.timeout.total_seconds()
-        if self._was_connected:
-            budget = min(budget, RECONNECT_TIMEOUT)
-        budget = _capped(budget)
-        deadline = time.monotonic() + budget
-        backoff = _BACKOFF_FIRST
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                sock = self._connect_once(max(remaining, 0.001))
-                self._was_connected = True
-                return sock
-            except _NotAStoreError as exc:
-                raise RendezvousConnectionError(str(exc)) from None
-            except (StoreAuthenticationError, ssl.SSLCertVerificationError) as exc:
-                if isinstance(exc, ssl.SSLCertVerificationError):
-                    raise RendezvousConnectionError(
-                        f"TLS certificate of the store at {self._address} did not verify: {exc}"
-                    ) from exc
-                raise
-            except (OSError, ProtocolError, EOFError) as exc:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RendezvousConnectionError(
-                        f"could not connect to the store at {self._address} within "
-                        f"{budget:g} s: {exc}"
-                    ) from exc
-                pause = min(remaining, jitter(backoff / 2, backoff))
-                time.sleep(pause)
-                backoff = min(backoff * 2, _BACKOFF_MAX)
-
-    def _drop_connection(self) -> None:
-        sock, self._sock = self._sock, None
-        self._reader.clear()
-        if sock is not None:
-            sock.close()
-
-    def _broken(self, exc: BaseException) -> RendezvousConnectionError:
-        """Drop the connection that failed with ``exc``; return the error to raise."""
-        self._drop_connection()
-        return RendezvousConnectionError(
-            f"the connection to the store at {self._address} failed: {exc}"
-        )
-
-    def _call(self, operation: Callable[[], _T]) -> _T:
-        """Run ``operation`` on a connected socket, translating transport errors."""
-        with self._lock:
-            self._ensure_connected()
-            try:
-                return operation()
-            except (OSError, EOFError, ProtocolError) as exc:
-                raise self._broken(exc) from exc
-            except (StoreTimeoutError, NotImplementedError):
-                raise  # answered cleanly: the connection is still in step
-            except BaseException:
-                self._drop_connection()
-                raise
-
-    @overload
-    def _exchange(self, frame: bytes) -> None: ...
-
-    @overload
-    def _exchange(self, frame: bytes, decode: Decoder[_T]) -> _T: ...
-
-    def _exchange(self, frame: bytes, decode: Decoder[_T] | None = None) -> _T | None:
-        """Send one encoded request and return its reply (None: a request without one).
-
-        :meth:`_call` of a ``sendall`` and a read, written out for the
-        frequent requests: the whole call is a few microseconds of Python,
-        so each call saved is a measurable share of it. When nothing is
-        buffered and the socket's timeout is the default (as capped by a
-        caller's deadline, :func:`_capped`), one ``recv`` usually brings
-        exactly the reply, which ``decode`` decodes in place; anything else
-        (part of a reply, more than one) is read from the buffer as
-        :meth:`_read_value` does. Without ``decode`` (``set``, ``append``...),
-        nothing is read.
-        """
-        with self._lock:
-            sock = self._sock
-            if sock is None:
-                sock = self._ensure_connected()
-            try:
-                sock.sendall(frame)
-                if decode is None:
-                    return None
-                if self._recv_timeout == _capped(self._reply_timeout) and not self._reader.pending:
-                    data = _receive(sock)
-                    try:
-                        found = decode(data, 0)
-                    except ProtocolError as exc:
-                        raise self._wrong_value(exc) from exc
-                    if found is not None and found[1] == len(data):
-                        return found[0]
-                    self._reader.feed(data)
-                return self._read_value(decode)
-            except (OSError, EOFError, ProtocolError) as exc:
-                raise self._broken(exc) from exc
-            except BaseException:
-                self._drop_connection()
-                raise
-
-    def _send(self, request: Request) -> None:
-        assert self._sock is not None
-        self._sock.sendall(encode_request(request))
-
-    def _set_recv_timeout(self, seconds: float) -> None:
-        if seconds == self._recv_timeout:
-            return
-        sock = self._sock
-        assert sock is not None
-        if self._ssl_context is None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
-        else:
-            sock.settimeout(seconds)
-        self._recv_timeout = seconds
-
-    def _read(self, decode: Decoder[_T], timeout: float | None = None) -> _T:
-        value = self._reader.read(decode)
-        if value is not None:
-            return value
-        sock = self._sock
-        assert sock is not None
-        if timeout is None:
-            # One default for every reply, including GET_WAIT's (answered by
-            # the server within the store timeout), so that the common path
-            # never changes the socket option.
-            timeout = self._reply_timeout
-        self._set_recv_timeout(_capped(timeout))
-        while True:
-            self._reader.feed(_receive(sock))
-            value = self._reader.read(decode)
-            if value is not None:
-                return value
-
-    def _read_value(self, decode: Decoder[_T], timeout: float | None = None) -> _T:
-        """:meth:`_read` a reply holding a value, whose length over the limit is no broken connection."""
-        try:
-            return self._read(decode, timeout)
-        except ProtocolError as exc:
-            raise self._wrong_value(exc) from exc
-
-    def _wrong_value(self, exc: ProtocolError) -> RendezvousStateError:
-        """Drop the connection that announced a value over the limit; return the error to raise.
-
-        What the server serves is wrong, not the connection: retrying reads it again.
-        """
-        self._drop_connection()
-        return RendezvousStateError(f"the store at {self._address} sent {exc}")
 
     def close(self) -> None:
         """Close the connection and stop the hosted server, if any (idempotent)."""
-        with self._lock:
-            self._closed = True
-            self._drop_connection()
+        with self._link.lock:
+            self._link.close()
             server, self._server = self._server, None
         if server is not None:
             from rdzv.store.serve import release_server  # noqa: PLC0415 - loaded by hosting
@@ -617,12 +253,12 @@ class TCPStore(Store):
             return
         budget = self.timeout.total_seconds()
         deadline = time.monotonic() + budget
-        pause = _BACKOFF_FIRST
+        pause = 0.01
         while (joined := self._add_wire(_INIT_KEY, 0)) < world_size:
             if time.monotonic() >= deadline:
                 raise StoreTimeoutError(
                     f"only {joined} of {world_size} workers connected to the store at "
-                    f"{self._address} within {budget:g} s"
+                    f"{self._link.address} within {budget:g} s"
                 )
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
@@ -648,7 +284,7 @@ class TCPStore(Store):
     def _wait_raw(self, request: Request, seconds: float, what: str) -> None:
         """Send a WAIT or BARRIER and read its answer, cancelling on timeout."""
         self._send(request)
-        seconds = _capped(max(seconds, 0.0001))
+        seconds = capped(max(seconds, 0.0001))
         try:
             answer = self._read(decode_u8, seconds)
         except TimeoutError:
@@ -676,7 +312,7 @@ class TCPStore(Store):
         wire = _wire_key(key)
         seconds = self.timeout.total_seconds()
 
-        if self._rdzv_server:
+        if self._link.rdzv_server:
             try:
                 frame = _GET_WAIT(wire, self._ms(seconds))
             except struct.error:
@@ -826,14 +462,14 @@ class TCPStore(Store):
         request = Request(Op.WATCH, (wire,), values, self._ms(seconds))
 
         def watch() -> bytes | None:
-            if not self._rdzv_server:
+            if not self._link.rdzv_server:
                 raise NotImplementedError(
-                    f"the store at {self._address} is not an rdzv server and cannot watch"
+                    f"the store at {self._link.address} is not an rdzv server and cannot watch"
                 )
             self._send(request)
             # The server ends the wait at its timeout; its reply may then
             # take as long as any reply may, on top of it.
-            status = self._read(decode_u8, seconds + self._reply_timeout)
+            status = self._read(decode_u8, seconds + self._link.reply_timeout)
             if status == WatchStatus.PRESENT:
                 return self._read_value(decode_bytes)
             if status == WatchStatus.ABSENT:
@@ -859,17 +495,17 @@ class TCPStore(Store):
         wire = self._wire_keys(keys)
 
         def try_multi_get() -> list[bytes | None] | None:
-            if not self._rdzv_server:
+            if not self._link.rdzv_server:
                 return None
             self._send(Request(Op.MULTI_TRY_GET, wire))
             return [self._read_value(decode_bytes) if self._read(decode_u8) else None for _ in wire]
 
-        with self._lock:
+        with self._link.lock:
             found = self._call(try_multi_get)
             if found is not None:
                 return found
             return super().try_multi_get(keys)
 
     def __repr__(self) -> str:
-        kind = {None: "unknown", True: "rdzv", False: "torch"}[self._rdzv_server]
-        return f"TCPStore({self._address}, server={kind})"
+        kind = {None: "unknown", True: "rdzv", False: "torch"}[self._link.rdzv_server]
+        return f"TCPStore({self._link.address}, server={kind})"
