@@ -43,7 +43,7 @@ from rdzv.store.base import (
     to_bytes,
     to_seconds,
 )
-from rdzv.store.link import StoreLink, capped
+from rdzv.store.link import HANDSHAKE_TIMEOUT, RECONNECT_TIMEOUT, StoreLink, capped
 from rdzv.store.protocol import (
     MAX_KEY_BYTES,
     MAX_MULTI_KEYS,
@@ -67,7 +67,7 @@ from rdzv.store.protocol import (
 if TYPE_CHECKING:
     from rdzv.store.server import TCPStoreServer
 
-__all__ = ["TCPStore"]
+__all__ = ["HANDSHAKE_TIMEOUT", "RECONNECT_TIMEOUT", "TCPStore"]
 
 _T = TypeVar("_T")
 
@@ -123,7 +123,7 @@ class TCPStore(Store):
         timeout: The timeout of blocking operations and of the first
             connection (the server may start after the client). Once it was
             connected, a dropped connection is retried for at most
-            :data:`~rdzv.store.link.RECONNECT_TIMEOUT` seconds per call.
+            :data:`RECONNECT_TIMEOUT` seconds per call.
         wait_for_workers: With ``world_size``, block in the constructor until
             every client connected (each adds 1 to torch's ``init/`` key).
         multi_tenant: Share one server per port among the masters of this
