@@ -741,13 +741,14 @@ def decode_bytes(buf: _Buffer, pos: int, limit: int = MAX_VALUE_BYTES) -> tuple[
         ProtocolError: The announced length exceeds ``limit``.
     """
     start = pos + 8
-    if start > len(buf):
+    length = len(buf)
+    if start > length:
         return None
-    size = _unpack_u64(buf, pos)[0]
+    (size,) = _unpack_u64(buf, pos)
     if size > limit:
         raise ProtocolError(f"reply of {size} bytes exceeds the limit of {limit} bytes")
     end = start + size
-    if end > len(buf):
+    if end > length:
         return None
     value = buf[start:end]
     return (value if type(value) is bytes else bytes(value)), end
