@@ -127,6 +127,9 @@ _ACCEPT_OUT_OF_RESOURCES: Final = frozenset(
 class TCPStoreServer(Admission):
     """A TCP store server speaking torch's TCPStore protocol.
 
+    Its connection slots, caps and counters are those of its base,
+    :class:`~rdzv.store.admission.Admission`.
+
     Args:
         host: The address to listen on; None (the default) listens on every
             address, IPv6 and IPv4 (dual stack), falling back to IPv4 only.
