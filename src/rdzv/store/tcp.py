@@ -31,7 +31,7 @@ import ssl
 import struct
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from rdzv.errors import StoreTimeoutError
 from rdzv.store.base import (
@@ -68,8 +68,6 @@ if TYPE_CHECKING:
     from rdzv.store.server import TCPStoreServer
 
 __all__ = ["HANDSHAKE_TIMEOUT", "RECONNECT_TIMEOUT", "TCPStore"]
-
-_T = TypeVar("_T")
 
 _KEY_PREFIX = b"/"
 _INIT_KEY = b"init/"
