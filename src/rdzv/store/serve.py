@@ -106,16 +106,10 @@ _shared_servers: dict[int, tuple[TCPStoreServer, int]] = {}
 def hosted_server(
     port: int, multi_tenant: bool, security: ServerSecurity, max_connections: int | None = None
 ) -> TCPStoreServer:
-    """Start the server of a ``TCPStore(is_master=True)``, or share the one on ``port``.
+    """Start a ``TCPStore(is_master=True)``'s server, or share the one on ``port``.
 
-    Args:
-        port: The port (0 picks a free one).
-        multi_tenant: Share one server per port among this process's masters.
-        security: The secret and TLS context.
-        max_connections: The server's limit, or None for its default.
-
-    Returns:
-        The running server; give it back with :func:`release_server`.
+    With ``multi_tenant``, this process's masters on one port share one
+    server; each gives it back with :func:`release_server`.
     """
     with _shared_lock:
         if multi_tenant and port in _shared_servers:
