@@ -48,13 +48,7 @@ def handshake_grace(handshake_timeout: float) -> float:
 
     :data:`HANDSHAKE_GRACE`, or a quarter of the handshake deadline when
     that is shorter: a stalling peer is still reclaimed well before it
-    would expire.
-
-    Args:
-        handshake_timeout: Seconds within which a handshake must finish.
-
-    Returns:
-        Seconds.
+    would expire (all in seconds).
     """
     return min(HANDSHAKE_GRACE, handshake_timeout / 4)
 
@@ -136,10 +130,8 @@ class Admission:
 
         It may not when a connection cap is reached, or when every handshake
         slot holds a handshake younger than the grace; otherwise the oldest
-        handshakes are closed until a slot is free.
-
-        Returns:
-            Whether it may; if not, it was counted and logged, and must be closed.
+        handshakes are closed until a slot is free. A connection that may not
+        was counted and logged, and must be closed.
         """
         why = self._refusal(address)
         while why is None and len(self.handshaking) >= self.handshake_cap:
@@ -167,11 +159,9 @@ class Admission:
         return True
 
     def admit(self, conn: Connection) -> bool:
-        """Move ``conn``, whose handshake is done, into a connection slot.
+        """Move ``conn``, whose handshake is done, into a connection slot; return whether it has one.
 
-        Returns:
-            Whether it has a slot; if not, it was counted and logged, and
-            must be closed.
+        One without a slot was counted and logged, and must be closed.
         """
         if conn.is_open:
             return True
@@ -263,9 +253,8 @@ class Admission:
 def _descriptor_room() -> int | None:
     """Return how many more sockets the open-file limit allows, keeping headroom.
 
-    Returns:
-        The soft ``RLIMIT_NOFILE`` minus the descriptors open now and
-        :data:`FD_HEADROOM`; None when there is no limit.
+    The soft ``RLIMIT_NOFILE`` minus the descriptors open now and
+    :data:`FD_HEADROOM`; None when there is no limit.
     """
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:

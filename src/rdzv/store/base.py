@@ -40,12 +40,6 @@ DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)
 def to_bytes(value: Value) -> bytes:
     """Convert a store value to bytes (``str`` is encoded as UTF-8).
 
-    Args:
-        value: The value.
-
-    Returns:
-        The value as bytes.
-
     Raises:
         TypeError: The value is neither ``str`` nor bytes-like.
     """
@@ -58,10 +52,6 @@ def to_bytes(value: Value) -> bytes:
 
 def check_multi_set(keys: Sequence[str], values: Sequence[Value]) -> None:
     """Check the arguments of :meth:`Store.multi_set`: as many values as keys.
-
-    Args:
-        keys: The keys.
-        values: Their values.
 
     Raises:
         ValueError: They differ in length; the message gives both lengths.
@@ -81,15 +71,9 @@ below that and far above any wait a rendezvous or a store has."""
 
 
 def to_seconds(timeout: Timeout, name: str = "timeout") -> float:
-    """Convert a timeout given as ``timedelta`` or seconds to seconds.
+    """Convert a timeout given as ``timedelta`` or seconds to seconds, at most :data:`MAX_DURATION`.
 
-    Args:
-        timeout: The timeout.
-        name: The parameter name used in error messages.
-
-    Returns:
-        The timeout in seconds, a non-negative float of at most
-        :data:`MAX_DURATION`.
+    ``name`` is the parameter's name in error messages.
 
     Raises:
         ValueError: The timeout is negative, not finite or over a year.
@@ -125,10 +109,7 @@ class Store(ABC):
         return self._timeout
 
     def set_timeout(self, timeout: Timeout) -> None:
-        """Change the timeout applied to blocking operations.
-
-        Args:
-            timeout: A ``timedelta`` or seconds.
+        """Change the timeout applied to blocking operations (a ``timedelta`` or seconds).
 
         Raises:
             ValueError: The timeout is negative or not finite.
@@ -142,22 +123,11 @@ class Store(ABC):
 
     @abstractmethod
     def set(self, key: str, value: Value) -> None:
-        """Store ``value`` under ``key``, waking anyone waiting for the key.
-
-        Args:
-            key: The key.
-            value: The value.
-        """
+        """Store ``value`` under ``key``, waking anyone waiting for the key."""
 
     @abstractmethod
     def get(self, key: str) -> bytes:
         """Return the value of ``key``, waiting up to the store timeout for it to exist.
-
-        Args:
-            key: The key.
-
-        Returns:
-            The value.
 
         Raises:
             StoreTimeoutError: The key did not appear within the timeout.
@@ -165,14 +135,9 @@ class Store(ABC):
 
     @abstractmethod
     def add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the integer stored under ``key`` (0 when missing).
+        """Add ``amount`` (possibly negative) to the integer under ``key`` (0 when missing).
 
-        Args:
-            key: The key; its value is kept as ASCII decimal.
-            amount: The increment, possibly negative.
-
-        Returns:
-            The new value.
+        The value is kept as ASCII decimal; the new value is returned.
 
         Raises:
             ValueError: The stored value is not an integer.
@@ -184,24 +149,13 @@ class Store(ABC):
 
         torch's rules for a missing key: with an empty ``expected`` the key is
         created with ``desired`` and ``desired`` is returned; with a non-empty
-        ``expected`` nothing is written and ``expected`` is returned.
-
-        Args:
-            key: The key.
-            expected: The value the key must hold.
-            desired: The value to write.
-
-        Returns:
-            The value of the key after the operation.
+        ``expected`` nothing is written and ``expected`` is returned. Otherwise
+        the value of the key after the operation is returned.
         """
 
     @abstractmethod
     def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
-        """Block until every key exists.
-
-        Args:
-            keys: The keys.
-            timeout: Overrides the store timeout for this call.
+        """Block until every key exists; ``timeout`` overrides the store timeout.
 
         Raises:
             StoreTimeoutError: Not every key existed within the timeout.
@@ -209,25 +163,11 @@ class Store(ABC):
 
     @abstractmethod
     def check(self, keys: Sequence[str]) -> bool:
-        """Tell whether every key exists, without waiting.
-
-        Args:
-            keys: The keys.
-
-        Returns:
-            True if all exist.
-        """
+        """Tell whether every key exists, without waiting."""
 
     @abstractmethod
     def delete_key(self, key: str) -> bool:
-        """Delete ``key``.
-
-        Args:
-            key: The key.
-
-        Returns:
-            True if the key existed.
-        """
+        """Delete ``key``; return whether it existed."""
 
     @abstractmethod
     def num_keys(self) -> int:
@@ -235,13 +175,7 @@ class Store(ABC):
 
     @abstractmethod
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """Return the values of several keys, waiting for all of them to exist.
-
-        Args:
-            keys: The keys.
-
-        Returns:
-            The values, in the order of ``keys``.
+        """Return the values of several keys, in order, waiting for all of them to exist.
 
         Raises:
             StoreTimeoutError: Not every key existed within the store timeout.
@@ -249,11 +183,7 @@ class Store(ABC):
 
     @abstractmethod
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
-        """Set several keys at once.
-
-        Args:
-            keys: The keys.
-            values: Their values, as many as ``keys``.
+        """Set several keys at once to their ``values``.
 
         Raises:
             ValueError: ``keys`` and ``values`` differ in length.
@@ -261,12 +191,7 @@ class Store(ABC):
 
     @abstractmethod
     def append(self, key: str, value: Value) -> None:
-        """Append ``value`` to the value of ``key`` (creating it when missing).
-
-        Args:
-            key: The key.
-            value: The bytes to append.
-        """
+        """Append ``value`` to the value of ``key`` (creating it when missing)."""
 
     @abstractmethod
     def list_keys(self) -> list[str]:
@@ -274,24 +199,14 @@ class Store(ABC):
 
     @abstractmethod
     def queue_push(self, key: str, value: Value) -> None:
-        """Push ``value`` onto the queue named ``key``.
-
-        Args:
-            key: The queue name.
-            value: The item.
-        """
+        """Push ``value`` onto the queue named ``key``."""
 
     @abstractmethod
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """Pop the oldest item of the queue named ``key``.
 
-        Args:
-            key: The queue name.
-            block: Wait up to the store timeout for an item when the queue is
-                empty.
-
-        Returns:
-            The item.
+        With ``block``, wait up to the store timeout for an item when the
+        queue is empty.
 
         Raises:
             StoreTimeoutError: The queue stayed empty within the timeout (or
@@ -300,14 +215,7 @@ class Store(ABC):
 
     @abstractmethod
     def queue_len(self, key: str) -> int:
-        """Return the number of items in the queue named ``key``.
-
-        Args:
-            key: The queue name.
-
-        Returns:
-            The length (0 for a queue that does not exist).
-        """
+        """Return the number of items in the queue named ``key`` (0 when it does not exist)."""
 
     def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Return the values of several keys without waiting; None for a missing key.
@@ -316,28 +224,16 @@ class Store(ABC):
         for the present ones; stores that can do it in one step override it.
         A key deleted between the two calls makes :meth:`multi_get` wait for
         it, so prefer an override on stores whose keys get deleted.
-
-        Args:
-            keys: The keys.
-
-        Returns:
-            The values, in the order of ``keys``.
         """
         present = [key for key in keys if self.check([key])]
         found = dict(zip(present, self.multi_get(present), strict=True)) if present else {}
         return [found.get(key) for key in keys]
 
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:
-        """Block until the value of ``key`` differs from ``previous``.
+        """Block until the value of ``key`` differs from ``previous`` (None: absent).
 
-        Args:
-            key: The key.
-            previous: The value the caller last saw; None means "absent".
-            timeout: How long to wait.
-
-        Returns:
-            The new value (None if the key is absent), or ``previous`` if it
-            did not change within the timeout.
+        Return the new value (None if the key is absent), or ``previous`` if
+        it did not change within ``timeout``.
 
         Raises:
             NotImplementedError: This store cannot watch (see

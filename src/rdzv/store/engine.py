@@ -252,16 +252,11 @@ class StoreEngine(Generic[ClientT]):
     # -- the driver's interface ----------------------------------------------
 
     def apply(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
-        """Carry out one request.
+        """Carry out ``client``'s ``request``, whose opcode is one of :attr:`handlers`.
 
-        Args:
-            client: Who sent it.
-            request: The request; its opcode must be one of :attr:`handlers`.
-
-        Returns:
-            The reply to ``client`` (None when the request has no reply or is
-            now blocked), and the ``(client, reply)`` pairs of the blocked
-            requests of other clients that this request answered.
+        Return the reply to ``client`` (None when the request has no reply or
+        is now blocked), and the ``(client, reply)`` pairs of the blocked
+        requests of other clients that this request answered.
 
         Raises:
             ProtocolError: The request cannot be carried out; nothing changed.
@@ -282,13 +277,8 @@ class StoreEngine(Generic[ClientT]):
         The driver's fast path for sets that arrive back to back
         (:meth:`~rdzv.store.protocol.RequestParser.next_sets`): the same as
         :meth:`apply` of each, in one call. The caller checks that the client
-        has no blocked request.
-
-        Args:
-            pairs: The ``(key, value)`` of each set.
-
-        Returns:
-            The ``(client, reply)`` pairs of the blocked requests the sets answered.
+        has no blocked request. Return the ``(client, reply)`` pairs of the
+        blocked requests the sets answered.
         """
         if not self._index:
             self._data.update(pairs)
@@ -302,15 +292,10 @@ class StoreEngine(Generic[ClientT]):
         """End the blocked request of ``client``; the engine answers nothing.
 
         The driver calls this when the client went away or when the time of
-        the request ran out.
-
-        Args:
-            client: The client.
-
-        Returns:
-            The reply a timeout calls for (``GET_WAIT``: timed out,
-            ``WATCH``: unchanged); None for a ``WAIT`` or ``BARRIER``, whose
-            clients cancel, or when ``client`` has no blocked request.
+        the request ran out. Return the reply a timeout calls for
+        (``GET_WAIT``: timed out, ``WATCH``: unchanged); None for a ``WAIT`` or
+        ``BARRIER``, whose clients cancel, or when ``client`` has no blocked
+        request.
         """
         if self._reserved:
             self._unreserve(client)
@@ -329,10 +314,6 @@ class StoreEngine(Generic[ClientT]):
         are read) before the budget refuses all but the first. The ``WAIT``
         itself (:meth:`apply`) or :meth:`drop` gives it back.
 
-        Args:
-            client: Who is sending the ``WAIT``.
-            count: The number of keys it names.
-
         Raises:
             ProtocolError: ``count`` keys would pass ``max_waiting_bytes``.
         """
@@ -347,15 +328,9 @@ class StoreEngine(Generic[ClientT]):
         self.reserved_bytes -= self._reserved.pop(client, 0)
 
     def timeout_ms(self, client: ClientT) -> int | None:
-        """Return how long the blocked request of ``client`` may block.
+        """Return after how many milliseconds the driver should :meth:`drop` ``client``'s request.
 
-        Args:
-            client: The client.
-
-        Returns:
-            Milliseconds after which the driver should :meth:`drop` it, or
-            None when it blocks until answered or cancelled (or is not
-            blocked).
+        None when it blocks until answered or cancelled (or is not blocked).
         """
         waiter = self._blocked.get(client)
         return None if waiter is None else waiter.timeout_ms
@@ -423,10 +398,8 @@ class StoreEngine(Generic[ClientT]):
     def _notify(self, key: bytes, existence: int) -> Woken[ClientT]:
         """Answer the waiters of ``key`` that its change satisfied.
 
-        Args:
-            key: The key that was written.
-            existence: +1 if it came into existence, -1 if it ceased to, 0
-                if only its value changed (or nothing did).
+        ``existence`` is +1 if the key came into existence, -1 if it ceased
+        to, 0 if only its value changed (or nothing did).
         """
         waiting = self._index.get(key)
         if not waiting:

@@ -151,11 +151,7 @@ class FileStore(Store):
         return True
 
     def clone(self) -> FileStore:
-        """Return another user of the same file, with its own cache.
-
-        Returns:
-            A new store on the same path, with the same ``world_size`` and timeout.
-        """
+        """Return another user of the same file (same ``world_size`` and timeout), with its own cache."""
         return FileStore(self._path, self._world_size, self.timeout)
 
     # -- the file ----------------------------------------------------------------

@@ -144,12 +144,8 @@ def _receive(sock: socket.socket) -> bytes:
 class StoreLink:
     """The connection of one TCP store client, made again after it broke.
 
-    Args:
-        host: The server's host name or address.
-        port: The server's port.
-        timeout: The store timeout, in seconds.
-        secret: The shared secret to authenticate with, or None.
-        ssl_context: A client-side TLS context, or None for plain TCP.
+    ``timeout`` is the store timeout, in seconds; without ``secret`` the
+    client does not authenticate, without ``ssl_context`` it speaks plain TCP.
     """
 
     def __init__(

@@ -20,14 +20,7 @@ from rdzv.store.base import (
     to_seconds,
 )
 from rdzv.store.engine import StoreEngine
-from rdzv.store.protocol import (
-    CheckResult,
-    GetWaitStatus,
-    Op,
-    ProtocolError,
-    Request,
-    WatchStatus,
-)
+from rdzv.store.protocol import CheckResult, GetWaitStatus, Op, ProtocolError, Request, WatchStatus
 
 __all__ = ["HashStore", "PrefixStore"]
 
@@ -104,9 +97,7 @@ class HashStore(Store):
     def _block(self, request: Request, seconds: float) -> bytes | None:
         """Apply a request that may block, and wait up to ``seconds`` for its reply.
 
-        Returns:
-            The reply, or once the time ran out the engine's timeout reply
-            (None for ``WAIT``).
+        Once the time ran out, return the engine's timeout reply (None for ``WAIT``).
         """
         client = object()
         deadline = time.monotonic() + seconds
@@ -262,11 +253,7 @@ class PrefixStore(Store):
         return self._store.timeout
 
     def set_timeout(self, timeout: Timeout) -> None:
-        """Change the timeout of the underlying store.
-
-        Args:
-            timeout: A ``timedelta`` or seconds.
-        """
+        """Change the timeout of the underlying store (a ``timedelta`` or seconds)."""
         self._store.set_timeout(timeout)
 
     @property

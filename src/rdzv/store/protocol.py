@@ -446,11 +446,7 @@ class RequestParser:
         """Items of the list field being read (-1 before its count is read)."""
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """Append received bytes.
-
-        Args:
-            data: The bytes, any amount, split anywhere.
-        """
+        """Append received bytes: any amount, split anywhere."""
         self._buf += data
 
     @property
@@ -469,11 +465,7 @@ class RequestParser:
         return self.pending + DECODED_ITEM_OVERHEAD * len(self._items)
 
     def next_request(self) -> Request | None:
-        """Decode the next complete request.
-
-        Returns:
-            The request, or None when the buffered bytes do not hold a
-            complete one yet.
+        """Decode the next complete request; None when the buffered bytes hold no complete one yet.
 
         Raises:
             RefusedOpcodeError: The opcode is not in :attr:`allowed`.
@@ -543,12 +535,8 @@ class RequestParser:
         :attr:`allowed`) and leaves it to :meth:`next_request`, which
         decodes it or raises as always.
 
-        Args:
-            limit: The most sets to decode.
-
-        Returns:
-            The ``(key, value)`` pairs, in arrival order; empty when the next
-            request is no complete set.
+        Return the ``(key, value)`` pairs of at most ``limit`` sets, in arrival
+        order; none when the next request is no complete set.
         """
         buf = self._buf
         pos = self._pos
@@ -906,24 +894,12 @@ def request_encoder(op: Op) -> Callable[..., bytes]:
     The fast path of a client: the encoder takes the layout's fields in
     order (``SET``: key, value; ``ADD``: key, amount) and returns the frame
     that :func:`encode_request` would, skipping its checks of the limits.
-
-    Args:
-        op: The opcode.
-
-    Returns:
-        The encoder.
     """
     return _ENCODERS[op]
 
 
 def encode_request(request: Request) -> bytes:
-    """Encode a request, the inverse of :class:`RequestParser`.
-
-    Args:
-        request: The request; its fields must fit its opcode.
-
-    Returns:
-        The bytes to send.
+    """Encode a request (its fields must fit its opcode), the inverse of :class:`RequestParser`.
 
     Raises:
         ProtocolError: A key, value or count exceeds the limits, or the
@@ -969,15 +945,8 @@ def encode_request(request: Request) -> bytes:
 
 
 def auth_tag(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    """Compute the HMAC-SHA256 tag of one side of the authentication exchange.
+    """Compute the 32-byte HMAC-SHA256 tag of one side of the authentication exchange.
 
-    Args:
-        secret: The shared secret.
-        label: Which side proves itself (client or server label).
-        server_nonce: The server's random nonce.
-        client_nonce: The client's random nonce.
-
-    Returns:
-        The 32-byte tag.
+    ``label`` says which side proves itself (the client's or the server's label).
     """
     return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()

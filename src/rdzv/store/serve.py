@@ -51,9 +51,6 @@ class ServerSecurity:
             tls_cert: A PEM certificate chain; enables TLS with ``tls_key``.
             tls_key: The PEM private key of ``tls_cert``.
 
-        Returns:
-            The security settings.
-
         Raises:
             ValueError: Only one of ``tls_cert`` and ``tls_key`` is given, or
                 the secret file is empty.
@@ -82,16 +79,9 @@ def secured_server(
 ) -> TCPStoreServer:
     """Build (not start) a store server secured by ``security``.
 
-    Args:
-        host: The address to listen on; None for every address.
-        port: The port (0 picks a free one).
-        security: The secret and TLS context.
-        **limits: :class:`~rdzv.store.server.TCPStoreServer`'s limits
-            (``max_connections``, ``frame_timeout``, ``idle_timeout`` ...).
-
-    Returns:
-        The server; call ``start()`` (a background thread) or ``serve()``
-        (the foreground).
+    ``host`` None listens on every address, ``port`` 0 picks a free one, and
+    ``limits`` are :class:`~rdzv.store.server.TCPStoreServer`'s. Call
+    ``start()`` (a background thread) or ``serve()`` (the foreground).
     """
     return TCPStoreServer(
         host, port, auth_token=security.auth_token, ssl_context=security.ssl_context, **limits

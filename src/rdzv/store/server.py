@@ -289,10 +289,7 @@ class TCPStoreServer(Admission):
         return self._port is not None
 
     def start(self) -> TCPStoreServer:
-        """Start serving in a background (daemon) thread; returns once bound.
-
-        Returns:
-            This server.
+        """Start serving in a background (daemon) thread; return this server once bound.
 
         Raises:
             OSError: The address could not be bound.
@@ -321,8 +318,7 @@ class TCPStoreServer(Admission):
     def serve(self, on_ready: Callable[[TCPStoreServer], None] | None = None) -> None:
         """Serve in the current thread until SIGTERM or SIGINT (or :meth:`stop`).
 
-        Args:
-            on_ready: Called once the server is bound, e.g. to print the address.
+        ``on_ready`` is called once the server is bound, e.g. to print the address.
 
         Raises:
             OSError: The address could not be bound.
@@ -383,10 +379,7 @@ class TCPStoreServer(Admission):
                 await loop.connect_accepted_socket(lambda: conn, sock)
             else:
                 await loop.connect_accepted_socket(
-                    lambda: conn,
-                    sock,
-                    ssl=context,
-                    ssl_handshake_timeout=self.handshake_deadline,
+                    lambda: conn, sock, ssl=context, ssl_handshake_timeout=self.handshake_deadline
                 )
         except asyncio.CancelledError:
             self.release(conn)
@@ -433,10 +426,7 @@ class TCPStoreServer(Admission):
             await asyncio.sleep(0)  # accepting must not starve the connections
 
     async def _main(
-        self,
-        on_ready: Callable[[TCPStoreServer], None] | None,
-        *,
-        install_signals: bool = False,
+        self, on_ready: Callable[[TCPStoreServer], None] | None, *, install_signals: bool = False
     ) -> None:
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()

@@ -221,11 +221,8 @@ class TCPStore(Store):
 
         Blocking calls (``get``, ``wait``, ``watch``, ...) hold this client's
         connection until they return; a thread that must not wait behind
-        them uses a clone.
-
-        Returns:
-            A connected client with the same timeout, secret and TLS context
-            (it never hosts a server).
+        them uses a clone. The clone has the same timeout, secret and TLS
+        context, and never hosts a server.
         """
         return TCPStore(
             self._link.host,
@@ -350,10 +347,8 @@ class TCPStore(Store):
     def barrier(self, key: str, world_size: int, timeout: Timeout | None = None) -> None:
         """Block until ``world_size`` callers reached the barrier named ``key``.
 
-        Args:
-            key: The barrier's name; its value counts the arrivals.
-            world_size: How many callers to wait for.
-            timeout: Overrides the store timeout for this call.
+        The key's value counts the arrivals; ``timeout`` overrides the store
+        timeout.
 
         Raises:
             StoreTimeoutError: Fewer callers arrived within the timeout.
@@ -442,14 +437,7 @@ class TCPStore(Store):
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:
         """Block until the value of ``key`` differs from ``previous`` (rdzv servers only).
 
-        Args:
-            key: The key.
-            previous: The value the caller last saw; None means "absent".
-            timeout: How long to wait.
-
-        Returns:
-            The new value (None if the key is absent), or ``previous`` if it
-            did not change within the timeout.
+        See :meth:`Store.watch <rdzv.store.base.Store.watch>`.
 
         Raises:
             NotImplementedError: The server is torch's, which cannot watch.
@@ -483,12 +471,6 @@ class TCPStore(Store):
 
         One round trip on an rdzv server; on torch's server, the portable
         :meth:`Store.try_multi_get`.
-
-        Args:
-            keys: The keys.
-
-        Returns:
-            The values, in the order of ``keys``.
         """
         wire = self._wire_keys(keys)
 

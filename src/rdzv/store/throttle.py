@@ -20,12 +20,7 @@ _log = logging.getLogger("rdzv.store.server")
 
 
 class ThrottledLog:
-    """The server's warnings, those of a named kind at most once per interval.
-
-    Args:
-        interval: Seconds between two lines of one kind.
-        clock: What reads the time, in seconds.
-    """
+    """The server's warnings, those of a named kind at most once per ``interval`` seconds of ``clock``."""
 
     def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._interval = interval
@@ -36,10 +31,7 @@ class ThrottledLog:
     def warning(self, kind: str | None, message: str, *args: object) -> None:
         """Log ``message % args``, unless a line of ``kind`` was logged within the interval.
 
-        Args:
-            kind: The kind of line to throttle, or None to log it always.
-            message: The ``%``-format message.
-            args: Its arguments.
+        A ``kind`` of None is logged always.
         """
         if kind is not None:
             now = self._clock()
