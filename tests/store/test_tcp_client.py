@@ -16,7 +16,7 @@ import pytest
 
 import rdzv
 from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError, StoreTimeoutError
-from rdzv.retry import LAST_ATTEMPT, deadline_within
+from rdzv.retry import LAST_ATTEMPT, as_clock, deadline_within
 from rdzv.store import link
 from rdzv.store.protocol import (
     FEATURE_AUTH_REQUIRED,
@@ -576,11 +576,10 @@ def test_a_wait_a_callers_deadline_cuts_short_is_cancelled_in_step() -> None:
         store.close()
 
 
-def test_the_callers_deadline_caps_a_limit_in_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_callers_deadline_caps_a_limit_in_steps() -> None:
     now = [100.0]
-    monkeypatch.setattr(time, "monotonic", lambda: now[0])  # the clock of both
     assert link.capped(65.0) == 65.0  # no deadline
-    with deadline_within(120.0):
+    with deadline_within(120.0, as_clock(lambda: now[0])):
         assert link.capped(65.0) == 65.0  # the deadline is farther
         now[0] += 1.0  # 119 s left: rounded down to a step of 8 s
         assert link.capped(125.0) == 112.0
