@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Callable
 
 from rdzv.store.protocol import VALIDATE_MAGIC, Op, Request, encode_request
 from rdzv.store.tcp import TCPStore
-from tests.procs import NotReachedError, wait_until
 
 VALIDATE = encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
 PING = encode_request(Request(Op.PING, number=7))
-
-
-def eventually(predicate: Callable[[], bool], seconds: float = 15.0) -> bool:
-    """Whether ``predicate`` became true within ``seconds``: :func:`wait_until`, answered."""
-    try:
-        return bool(wait_until(predicate, timeout=seconds, every=0.02))
-    except NotReachedError:
-        return False
 
 
 def connect(port: int, validate: bool = True) -> socket.socket:

@@ -28,8 +28,8 @@ from rdzv.store.engine import (
 from rdzv.store.protocol import MAX_MULTI_KEYS, Op, Request, encode_bytes, encode_request
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
-from tests.certs import TLSFiles, make_tls_files
-from tests.reliability.sockets import eventually
+from tests.certs import TLSFiles
+from tests.procs import wait_until
 from tests.store.hostile import (
     VALIDATE,
     ServerProcess,
@@ -59,6 +59,7 @@ def _incomplete_check(keys: int) -> bytes:
     return frame[:-100]
 
 
+@pytest.mark.slow
 def test_slow_incomplete_requests_cost_little_cpu_and_others_are_served(tmp_path: Path) -> None:
     # Row 1: connections each hold a 1 MiB incomplete CHECK of 131,072 keys
     # and add one byte every 50 ms. A parser that re-read the request on
@@ -127,13 +128,14 @@ def _shed_in_turn(
         send_quietly(sock, payload)
         socks.append(sock)
         time.sleep(gap)  # each one's request starts later than the one before
-    assert eventually(lambda: "max_buffered_bytes" in server.log())
+    wait_until(lambda: "max_buffered_bytes" in server.log())
     grown = server.rss() - idle_rss
     for sock in socks:
         sock.settimeout(2.0)  # a loaded server sheds the next ones a little later
     return grown, [closed_by_server(sock) for sock in socks]
 
 
+@pytest.mark.slow
 def test_without_a_secret_incomplete_requests_are_bounded_in_total(tmp_path: Path) -> None:
     # Row 2 without a secret: VALIDATE is the whole handshake, so the 8 MiB
     # values are read; past max_buffered_bytes in total, the connections
@@ -149,6 +151,7 @@ def test_without_a_secret_incomplete_requests_are_bounded_in_total(tmp_path: Pat
     assert quantile(taken, 0.5) < LATENCY_BOUND, taken
 
 
+@pytest.mark.slow
 def test_without_a_secret_keys_decoded_from_incomplete_requests_count_at_their_memory_cost(
     tmp_path: Path,
 ) -> None:
@@ -177,6 +180,7 @@ def test_a_request_before_validate_is_refused_at_its_first_byte(
     assert "its first request was not VALIDATE" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_client_that_never_reads_cannot_pile_up_replies(tmp_path: Path) -> None:
     # Row 3: small GETs of a 1 MiB value, never read: the server stops
     # executing them once 1 MiB of replies is unsent.
@@ -192,7 +196,7 @@ def test_a_client_that_never_reads_cannot_pile_up_replies(tmp_path: Path) -> Non
             grown = server.rss() - idle_rss
             taken = latencies(server.port, 1.0)
             # ... and it is dropped after frame_timeout (it still reads nothing).
-            assert eventually(lambda: "did not read its replies" in server.log(), 30)
+            wait_until(lambda: "did not read its replies" in server.log(), timeout=30)
     assert grown < RSS_BOUND, grown
     assert quantile(taken, 0.5) < LATENCY_BOUND, taken
 
@@ -227,7 +231,7 @@ def test_writes_to_a_key_cost_one_step_per_waiter_on_it(
         for _ in range(8):
             sock = stack.enter_context(attacker(server.port))
             sock.sendall(VALIDATE + encode_request(Request(Op.WAIT, keys)))
-        assert eventually(lambda: server.waiter_count() == 8)
+        wait_until(lambda: server.waiter_count() == 8)
         checks_before = server.engine.waiter_checks
         with TCPStore("127.0.0.1", server.port, timeout=30) as client:
             for _ in range(100):
@@ -251,7 +255,9 @@ def test_waits_of_many_keys_stay_within_the_waiting_budget(tmp_path: Path) -> No
         for sock in socks:
             send_quietly(sock, wait)
         refusals = f"over the limit of {DEFAULT_MAX_WAITING_BYTES} bytes (max_waiting_bytes)"
-        assert eventually(lambda: server.log().count(refusals) == 8 - admitted, 60), server.log()
+        wait_until(
+            lambda: server.log().count(refusals) == 8 - admitted, timeout=60, detail=server.log
+        )
         with TCPStore("127.0.0.1", server.port, timeout=30) as client:
             for _ in range(100):
                 client.set("/hot", "1")
@@ -350,6 +356,7 @@ def served_once(port: int) -> bool:
         return store.get("after") == b"x"
 
 
+@pytest.mark.slow
 def test_unauthenticated_connections_cannot_take_an_authenticated_clients_slot(
     make_server: type[TCPStoreServer], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -363,7 +370,7 @@ def test_unauthenticated_connections_cannot_take_an_authenticated_clients_slot(
         for _ in range(40):
             sock = stack.enter_context(attacker(server.port))
             send_quietly(sock, VALIDATE)
-        assert eventually(lambda: server.reclaimed_connections + server.refused_connections >= 32)
+        wait_until(lambda: server.reclaimed_connections + server.refused_connections >= 32)
         assert server.connection_count() <= 8
         taken = latencies(server.port, 1.0, auth_token=SECRET)
     assert quantile(taken, 0.5) < LATENCY_BOUND, taken
@@ -394,7 +401,7 @@ def test_a_storm_of_real_clients_connects_without_reclaiming_each_other(
             t.join(90)
         assert len(clients) == 48
         assert server.reclaimed_connections == 0
-        assert eventually(lambda: server.connection_count() == 48)
+        wait_until(lambda: server.connection_count() == 48)
     finally:
         for store in clients:
             store.close()
@@ -423,18 +430,13 @@ def test_without_a_secret_one_address_cannot_take_every_slot(
             sock = stack.enter_context(attacker(server.port, source="127.0.0.2"))
             send_quietly(sock, VALIDATE)
             held.append(sock)
-        assert eventually(lambda: server.refused_connections == 25)
+        wait_until(lambda: server.refused_connections == 25)
         assert server.connection_count() == 15
         taken = latencies(server.port, 1.0)  # from 127.0.0.1
         time.sleep(0.5)
         assert server.connection_count() == 15  # the idle ones are kept
     assert quantile(taken, 0.5) < LATENCY_BOUND, taken
     assert "max_connections_per_address=15" in caplog.text
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
-    return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
 def test_tls_handshakes_in_progress_count_and_expire(
@@ -449,9 +451,9 @@ def test_tls_handshakes_in_progress_count_and_expire(
     client_context = ssl.create_default_context(cafile=tls_files.ca_cert)
     with ExitStack() as stack:
         socks = [stack.enter_context(attacker(server.port)) for _ in range(40)]
-        assert eventually(lambda: server.reclaimed_connections + server.refused_connections >= 32)
+        wait_until(lambda: server.reclaimed_connections + server.refused_connections >= 32)
         assert server.connection_count() <= 8
         taken = latencies(server.port, 1.0, ssl_context=client_context)
         assert all(closed_by_server(sock) for sock in socks)  # reclaimed or expired
     assert quantile(taken, 0.5) < LATENCY_BOUND, taken
-    assert eventually(lambda: server.connection_count() == 0)
+    wait_until(lambda: server.connection_count() == 0)

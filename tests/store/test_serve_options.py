@@ -47,6 +47,7 @@ def test_handshake_timeout_closes_a_connection_that_never_handshakes() -> None:
             assert sock.recv(1) == b""  # closed by the server, nothing sent
 
 
+@pytest.mark.slow
 def test_a_port_held_by_a_silent_program_fails_at_the_handshake_timeout_not_the_store_timeout() -> (
     None
 ):

@@ -31,21 +31,11 @@ from rdzv.store.protocol import (
 )
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
-from tests.procs import subprocess_env
+from tests.procs import subprocess_env, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 VALIDATE = encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
-
-
-def eventually(predicate: Callable[[], bool], seconds: float = 10.0) -> bool:
-    """Poll ``predicate`` until true or ``seconds`` passed (bounded)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 @pytest.fixture
@@ -107,7 +97,7 @@ def test_bad_client_is_disconnected_with_one_log_line_and_others_are_served(
         with caplog.at_level(logging.WARNING, logger="rdzv.store.server"), raw(server.port) as bad:
             bad.sendall(payload)
             assert closed_by_peer(bad)
-            assert eventually(lambda: server.connection_count() == 1)
+            wait_until(lambda: server.connection_count() == 1)
         lines = [r for r in caplog.records if r.name == "rdzv.store.server"]
         assert len(lines) == 1
         assert logged in lines[0].getMessage()
@@ -123,7 +113,7 @@ def test_truncated_frame_then_close_is_logged(
         with raw(server.port) as bad:
             bad.sendall(encode_request(Request(Op.SET, (b"/k",), (b"value",)))[:-2])
             time.sleep(0.05)
-        assert eventually(lambda: server.connection_count() == 0)
+        wait_until(lambda: server.connection_count() == 0)
     assert any("middle of a request" in r.getMessage() for r in caplog.records)
     assert healthy(server.port)
 
@@ -171,7 +161,7 @@ def test_pipelined_requests_are_answered_in_order(server: TCPStoreServer) -> Non
 def test_wait_then_cancel_removes_the_waiter(server: TCPStoreServer) -> None:
     with raw(server.port) as sock:
         sock.sendall(encode_request(Request(Op.WAIT, (b"/never",))))
-        assert eventually(lambda: server.waiter_count() == 1)
+        wait_until(lambda: server.waiter_count() == 1)
         sock.sendall(encode_request(Request(Op.CANCEL_WAIT)))
         assert recv_exact(sock, 1) == b"\x01"
         assert server.waiter_count() == 0
@@ -183,7 +173,7 @@ def test_cancel_after_stop_waiting_is_still_answered(server: TCPStoreServer) -> 
     """torch's race: the STOP_WAITING crossed the CANCEL_WAIT on the wire."""
     with raw(server.port) as sock, TCPStore("127.0.0.1", server.port, timeout=5) as writer:
         sock.sendall(encode_request(Request(Op.WAIT, (b"/soon",))))
-        assert eventually(lambda: server.waiter_count() == 1)
+        wait_until(lambda: server.waiter_count() == 1)
         writer.set("soon", "x")
         sock.sendall(encode_request(Request(Op.CANCEL_WAIT)))
         assert recv_exact(sock, 2) == b"\x00\x01"
@@ -193,17 +183,17 @@ def test_cancel_after_stop_waiting_is_still_answered(server: TCPStoreServer) -> 
 def test_other_request_during_a_wait_disconnects(server: TCPStoreServer) -> None:
     with raw(server.port) as sock:
         sock.sendall(encode_request(Request(Op.WAIT, (b"/never",))))
-        assert eventually(lambda: server.waiter_count() == 1)
+        wait_until(lambda: server.waiter_count() == 1)
         sock.sendall(encode_request(Request(Op.GETNUMKEYS)))
         assert closed_by_peer(sock)
-    assert eventually(lambda: server.waiter_count() == 0)
+    wait_until(lambda: server.waiter_count() == 0)
 
 
 def test_barrier_releases_at_world_size(server: TCPStoreServer) -> None:
     barrier = encode_request(Request(Op.BARRIER, (b"/bar",), (), 2))
     with raw(server.port) as first, raw(server.port) as second:
         first.sendall(barrier)
-        assert eventually(lambda: server.waiter_count() == 1)
+        wait_until(lambda: server.waiter_count() == 1)
         second.sendall(barrier)
         assert recv_exact(second, 1) == b"\x00"
         assert recv_exact(first, 1) == b"\x00"
@@ -224,11 +214,11 @@ def test_waiters_of_a_closed_connection_are_dropped(server: TCPStoreServer) -> N
     try:
         for sock, request in zip(socks, blocking, strict=True):
             sock.sendall(encode_request(request))
-        assert eventually(lambda: server.waiter_count() == 5)
+        wait_until(lambda: server.waiter_count() == 5)
     finally:
         for sock in socks:
             sock.close()
-    assert eventually(lambda: server.waiter_count() == 0)
+    wait_until(lambda: server.waiter_count() == 0)
     assert server.engine.indexed_keys == 0
 
 
@@ -251,7 +241,7 @@ def test_every_write_wakes_a_watcher(
         writer.set("w", "5")
         with raw(server.port) as sock:
             sock.sendall(encode_request(Request(Op.WATCH, (b"/w",), (b"5",), 30_000)))
-            assert eventually(lambda: server.waiter_count() == 1)
+            wait_until(lambda: server.waiter_count() == 1)
             write(writer)
             status = recv_exact(sock, 1)
             assert status in (b"\x00", b"\x01")
@@ -284,11 +274,11 @@ def test_client_killed_during_wait_leaves_no_waiter(server: TCPStoreServer) -> N
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
-        assert eventually(lambda: server.waiter_count() == 1)
+        wait_until(lambda: server.waiter_count() == 1)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        assert eventually(lambda: server.waiter_count() == 0)
-        assert eventually(lambda: server.connection_count() == 0)
+        wait_until(lambda: server.waiter_count() == 0)
+        wait_until(lambda: server.connection_count() == 0)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
@@ -304,7 +294,7 @@ def open_fds() -> int:
 @pytest.mark.timeout(90)
 def test_a_thousand_connections_opened_and_dropped_leave_no_leak(server: TCPStoreServer) -> None:
     assert healthy(server.port)
-    assert eventually(lambda: server.connection_count() == 0)
+    wait_until(lambda: server.connection_count() == 0)
     fds_before = open_fds()
     for i in range(1000):
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
@@ -313,9 +303,9 @@ def test_a_thousand_connections_opened_and_dropped_leave_no_leak(server: TCPStor
         if i % 3 == 1:
             sock.sendall(VALIDATE + encode_request(Request(Op.WAIT, (b"/never",))))
         sock.close()
-    assert eventually(lambda: server.connection_count() == 0, 30)
-    assert eventually(lambda: server.waiter_count() == 0)
-    assert eventually(lambda: open_fds() <= fds_before, 10)
+    wait_until(lambda: server.connection_count() == 0, timeout=30)
+    wait_until(lambda: server.waiter_count() == 0)
+    wait_until(lambda: open_fds() <= fds_before, timeout=10)
     assert healthy(server.port)
 
 
