@@ -37,8 +37,7 @@ import http.client
 import json
 import ssl
 import threading
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from rdzv.backends.etcd_gateway import (
@@ -510,8 +509,6 @@ class EtcdClient:
         self, index: int, payload: bytes, start_revision: int, retry: Retry
     ) -> tuple[list[WatchEvent], int]:
         endpoint = self._url(index)
-        deadline = retry.deadline
-        assert deadline is not None  # a watch always has a timeout
         conn = self._connect(index, retry.attempt_timeout(self._connect_timeout))
         try:
             try:
@@ -522,7 +519,7 @@ class EtcdClient:
                     raise EtcdRetryableError(
                         f"{endpoint}: watch answered HTTP {resp.status}: {body!r}"
                     )
-                for message in self._stream(resp, conn, deadline, endpoint):
+                for message in self._stream(resp, conn, retry.remaining, endpoint):
                     events = watch_events(message, endpoint)
                     if events:
                         return events, events[-1].kv.mod_revision + 1
@@ -530,7 +527,7 @@ class EtcdClient:
             except ssl.SSLError as exc:
                 raise _tls_error(endpoint, exc, self._has_client_cert) from exc
             except (OSError, http.client.HTTPException) as exc:
-                if isinstance(exc, TimeoutError) and (time.monotonic() >= deadline - 0.01):
+                if isinstance(exc, TimeoutError) and retry.remaining() <= 0.01:
                     return [], start_revision
                 raise EtcdRetryableError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
         finally:
@@ -540,11 +537,11 @@ class EtcdClient:
     def _stream(
         resp: http.client.HTTPResponse,
         conn: http.client.HTTPConnection,
-        deadline: float,
+        time_left: Callable[[], float],
         endpoint: str,
     ) -> Iterator[dict[str, Any]]:
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = time_left()
             if remaining <= 0:
                 return
             if conn.sock is not None:
