@@ -222,7 +222,7 @@ def decode_state(data: bytes) -> RendezvousState:
     """Decode and validate a stored state.
 
     Raises:
-        RendezvousStateError: The bytes are not a valid version-1 state.
+        RendezvousStateError: The bytes are not a valid state of a version this codec reads (1 or 2).
     """
     if not isinstance(data, (bytes, bytearray)) or not data:
         raise _bad("it is empty")
