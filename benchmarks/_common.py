@@ -4,7 +4,8 @@ Importing this module puts the checkout's ``src`` and root first on
 ``sys.path``, so a benchmark runs this tree's rdzv and can use the helpers
 it shares with the tests (``tests/procs.py``: child environments, free
 ports, bounded polling, a counting store; ``tests/engines/servers.py``:
-private etcd and redis-server), re-exported here. :func:`make_handler`
+private etcd and redis-server; ``tests/store/hostile.py``: raw attacker
+sockets and frames, a quantile), re-exported here. :func:`make_handler`
 builds one agent's handler of a benchmark column.
 
 A figure means little without the load it was measured under: each
@@ -33,15 +34,27 @@ from tests.procs import (  # noqa: E402 - after the path
     subprocess_env,
     wait_until,
 )
+from tests.store.hostile import (  # noqa: E402 - after the path
+    VALIDATE,
+    attacker,
+    quantile,
+    send_quietly,
+    slow_check_frame,
+)
 
 __all__ = [
     "ROOT",
+    "VALIDATE",
     "CountingStore",
     "NotReachedError",
+    "attacker",
     "free_port",
     "load",
     "make_handler",
+    "quantile",
     "read_markers",
+    "send_quietly",
+    "slow_check_frame",
     "stamp",
     "subprocess_env",
     "wait_until",

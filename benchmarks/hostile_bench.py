@@ -24,6 +24,7 @@ no TLS: the same connections are made to it in plain TCP).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -40,7 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import stamp, subprocess_env
+from _common import (
+    VALIDATE,
+    attacker,
+    quantile,
+    send_quietly,
+    slow_check_frame,
+    stamp,
+    subprocess_env,
+)
 
 MiB = 1 << 20
 SECRET = "hostile-bench-secret"
@@ -59,25 +68,7 @@ def _blob(data: bytes) -> bytes:
     return _u64(len(data)) + data
 
 
-VALIDATE = b"\x00" + (0x3C85F7CE).to_bytes(4, "little")
-
-
-def _connect(port: int, rcvbuf: int | None = None) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if rcvbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.settimeout(10)
-    sock.bind((ATTACKER_SOURCE, 0))
-    sock.connect(("127.0.0.1", port))
-    return sock
-
-
-def _send(sock: socket.socket, data: bytes) -> bool:
-    try:
-        sock.sendall(data)
-    except OSError:
-        return False
-    return True
+_connect = functools.partial(attacker, source=ATTACKER_SOURCE, timeout=10)
 
 
 def _open_many(port: int, count: int, first: bytes) -> list[socket.socket]:
@@ -88,21 +79,20 @@ def _open_many(port: int, count: int, first: bytes) -> list[socket.socket]:
         except OSError:
             continue
         if first:
-            _send(sock, first)
+            send_quietly(sock, first)
         socks.append(sock)
     return socks
 
 
 def attack_slow_check(port: int, duration: float, validate: bool) -> None:
     """96 connections, each a 1 MiB incomplete CHECK of 131,072 keys, then a byte every 50 ms."""
-    frame = b"\x05" + _u64(131072) + _u64(0) * 131072
     socks = _open_many(port, 96, b"")
     for sock in socks:
-        _send(sock, (VALIDATE if validate else b"") + frame[:-1000])
+        send_quietly(sock, (VALIDATE if validate else b"") + slow_check_frame(131072))
     deadline = time.monotonic() + duration
     while time.monotonic() < deadline:
         for sock in socks:
-            _send(sock, b"\x00")
+            send_quietly(sock, b"\x00")
         time.sleep(0.05)
 
 
@@ -113,7 +103,7 @@ def attack_big_value(port: int, duration: float) -> None:
     socks = _open_many(port, 200, b"")
     for sock in socks:
         sock.settimeout(2)
-        _send(sock, VALIDATE + head + body)
+        send_quietly(sock, VALIDATE + head + body)
     time.sleep(duration)
 
 
@@ -124,9 +114,9 @@ def attack_unread_gets(port: int, duration: float) -> None:
     setter.sendall(b"\x05" + _u64(1) + _blob(b"/big"))  # CHECK: the SET is applied
     setter.recv(1)
     lazy = _connect(port, rcvbuf=4096)
-    _send(lazy, VALIDATE + (b"\x03" + _blob(b"/big")) * 300)
+    send_quietly(lazy, VALIDATE + (b"\x03" + _blob(b"/big")) * 300)
     multi = _connect(port, rcvbuf=4096)
-    _send(multi, VALIDATE + b"\x0a" + _u64(2000) + _blob(b"/big") * 2000)
+    send_quietly(multi, VALIDATE + b"\x0a" + _u64(2000) + _blob(b"/big") * 2000)
     time.sleep(duration)
 
 
@@ -136,13 +126,13 @@ def attack_wait_keys(port: int, duration: float) -> None:
     wait = b"\x06" + _u64(len(keys)) + b"".join(_blob(k) for k in keys)
     waiters = _open_many(port, 8, b"")
     for sock in waiters:
-        _send(sock, VALIDATE + wait)
+        send_quietly(sock, VALIDATE + wait)
     writer = _connect(port)
     writer.sendall(VALIDATE)
     pairs = (b"\x01" + _blob(b"/hot") + _blob(b"1") + b"\x08" + _blob(b"/hot")) * 100
     deadline = time.monotonic() + duration
     while time.monotonic() < deadline:
-        if not _send(writer, pairs):
+        if not send_quietly(writer, pairs):
             return
         for _ in range(100):  # DELETE_KEY answers an i64 each
             got = 0
@@ -159,7 +149,7 @@ def attack_append(port: int, duration: float) -> None:
     sock.sendall(VALIDATE)
     frame = b"\x09" + _blob(b"/grown") + _blob(b"a" * 32768)
     for _ in range(3000):
-        if not _send(sock, frame):
+        if not send_quietly(sock, frame):
             break
     time.sleep(duration)
 
@@ -359,12 +349,6 @@ def probe(port: int, duration: float, auth: bool, tls: Path | None) -> tuple[lis
     return sorted(taken), failures, first
 
 
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -> dict[str, Any]:
     setup = SETUPS[attack]
     server = start_rdzv(setup, files, memory_mib) if kind == "rdzv" else start_torch(setup, files)
@@ -414,8 +398,8 @@ def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -
         "idle": idle,
         "peak": peak - idle,
         "cpu": cpu,
-        "p50": quantile(taken, 0.5),
-        "p99": quantile(taken, 0.99),
+        "p50": quantile(taken, 0.5) if taken else None,
+        "p99": quantile(taken, 0.99) if taken else None,
         "calls": len(taken),
         "failures": failures,
         "first_failure": first,

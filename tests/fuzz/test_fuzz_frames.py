@@ -25,7 +25,8 @@ from rdzv.store.server import TCPStoreServer
 from tests.fuzz.budget import budget
 from tests.fuzz.test_fuzz_state_codec import mutated
 from tests.procs import wait_until
-from tests.reliability.sockets import VALIDATE, served
+from tests.reliability.sockets import served
+from tests.store.hostile import VALIDATE
 
 pytestmark = pytest.mark.timeout(120)
 

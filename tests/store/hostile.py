@@ -1,6 +1,7 @@
-"""Helpers of the hostile-client tests: a store server in a subprocess whose
-memory and CPU can be read, raw attacker sockets, and a well-behaved client
-whose latency is measured while an attack runs."""
+"""Helpers of the hostile-client tests and benchmarks/hostile_bench.py: a
+store server in a subprocess whose memory and CPU can be read, raw attacker
+sockets, and a well-behaved client whose latency is measured while an attack
+runs. The reliability and fuzz tests use its raw-socket helpers too."""
 
 from __future__ import annotations
 
@@ -95,10 +96,12 @@ def server_process(tmp_path: Path, **options: Any) -> Iterator[ServerProcess]:
             proc.stdout.close()
 
 
-def attacker(port: int, source: str = "127.0.0.1", rcvbuf: int | None = None) -> socket.socket:
+def attacker(
+    port: int, source: str = "127.0.0.1", rcvbuf: int | None = None, timeout: float = 15
+) -> socket.socket:
     """Open a raw connection to the server from ``source`` (any 127/8 address)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.settimeout(15)
+    sock.settimeout(timeout)
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.bind((source, 0))
@@ -145,7 +148,7 @@ def latencies(
 
 
 def quantile(sorted_values: list[float], q: float) -> float:
-    """Return the ``q`` quantile of already sorted values."""
+    """Return the ``q`` quantile of already sorted values (none: IndexError)."""
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
