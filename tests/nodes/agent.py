@@ -1,6 +1,6 @@
-"""One rendezvous node per process, for the multi-process tests.
+"""One rendezvous node per process, for the multi-process, chaos and netns tests.
 
-``python -m tests.nodes.agent MODE ...``, with two modes:
+``python -m tests.nodes.agent MODE ...``, with three modes:
 
 ``dynamic``
     An elastic node on any backend (``--backend``, default ``c10d``) through
