@@ -6,7 +6,8 @@ it shares with the tests (``tests/procs.py``: child environments, free
 ports, bounded polling, a counting store; ``tests/engines/servers.py``:
 private etcd and redis-server; ``tests/store/hostile.py``: raw attacker
 sockets and frames, a quantile), re-exported here. :func:`make_handler`
-builds one agent's handler of a benchmark column.
+builds one agent's handler of a benchmark column; :func:`release` starts
+waiting benchmark processes together.
 
 A figure means little without the load it was measured under: each
 benchmark prints :func:`stamp` before its first measurement and after its
@@ -16,9 +17,10 @@ last, so a table pasted into the docs carries the load average beside it.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ __all__ = [
     "make_handler",
     "quantile",
     "read_markers",
+    "release",
     "send_quietly",
     "slow_check_frame",
     "stamp",
@@ -66,6 +69,19 @@ def load() -> str:
     with open("/proc/loadavg") as f:
         avg = f.read().split()
     return f"loadavg {' '.join(avg[:3])} on {os.cpu_count()} cores ({avg[3]} running/threads)"
+
+
+def release(procs: Sequence[subprocess.Popen[str]], delay: float) -> float:
+    """Tell each waiting benchmark process (a ``go START`` line on its stdin) to start in ``delay`` s.
+
+    Returns the wall-clock start time they were given.
+    """
+    start_at = time.time() + delay
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"go {start_at}\n")
+        proc.stdin.flush()
+    return start_at
 
 
 def stamp(when: str) -> None:
