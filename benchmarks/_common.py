@@ -5,7 +5,7 @@ Importing this module puts the checkout's ``src`` and root first on
 it shares with the tests (``tests/procs.py``: child environments, free
 ports, bounded polling, a counting store; ``tests/engines/servers.py``:
 private etcd and redis-server; ``tests/store/hostile.py``: raw attacker
-sockets and frames, a quantile), re-exported here. :func:`make_handler`
+sockets and frames, a quantile; ``tests/certs.py``: TLS files), re-exported here. :func:`make_handler`
 builds one agent's handler of a benchmark column; :func:`release` starts
 waiting benchmark processes together.
 
@@ -28,6 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
+from tests.certs import make_tls_files  # noqa: E402 - after the path
 from tests.procs import (  # noqa: E402 - after the path
     CountingStore,
     NotReachedError,
@@ -53,6 +54,7 @@ __all__ = [
     "free_port",
     "load",
     "make_handler",
+    "make_tls_files",
     "quantile",
     "read_markers",
     "release",

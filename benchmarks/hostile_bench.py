@@ -44,6 +44,7 @@ from typing import Any
 from _common import (
     VALIDATE,
     attacker,
+    make_tls_files,
     quantile,
     send_quietly,
     slow_check_frame,
@@ -259,7 +260,7 @@ def start_rdzv(setup: Setup, files: Path, memory_mib: int) -> Server:
         token.write_text(SECRET)
         args += ["--auth-token-file", str(token)]
     if setup.tls:
-        args += ["--tls-cert", str(files / "cert.pem"), "--tls-key", str(files / "key.pem")]
+        args += ["--tls-cert", str(files / "server.crt"), "--tls-key", str(files / "server.key")]
     args += setup.options
     proc = subprocess.Popen(
         args,
@@ -297,19 +298,6 @@ def start_torch(setup: Setup, files: Path) -> Server:
     )
     assert proc.stdout is not None
     return Server(proc, int(proc.stdout.readline()))
-
-
-def make_certificate(files: Path) -> None:
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-keyout", str(files / "key.pem"), "-out", str(files / "cert.pem"),
-            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )  # fmt: skip
 
 
 def probe(port: int, duration: float, auth: bool, tls: Path | None) -> tuple[list[float], int, str]:
@@ -374,7 +362,7 @@ def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -
         )
         try:
             time.sleep(1.0)  # let the attack build up
-            tls = files / "cert.pem" if setup.tls and kind == "rdzv" else None
+            tls = files / "ca.crt" if setup.tls and kind == "rdzv" else None
             taken, failures, first = probe(
                 server.port, duration, setup.auth and kind == "rdzv", tls
             )
@@ -425,7 +413,7 @@ def main() -> None:
     stamp("start")
     with tempfile.TemporaryDirectory() as tmp:
         files = Path(tmp)
-        make_certificate(files)
+        make_tls_files(files)
         for attack in args.attacks:
             for kind in args.servers:
                 row = run(attack, kind, files, args.duration, args.memory_limit_mib)
