@@ -3,7 +3,7 @@
 Importing this module puts the checkout's ``src`` and root first on
 ``sys.path``, so a benchmark runs this tree's rdzv and can use the helpers
 it shares with the tests (``tests/procs.py``: child environments, free
-ports, bounded polling, a counting store; ``tests/engines/servers.py``:
+ports, bounded polling, a counting store, a process's memory and CPU time; ``tests/engines/servers.py``:
 private etcd and redis-server; ``tests/store/hostile.py``: raw attacker
 sockets and frames, a quantile; ``tests/certs.py``: TLS files), re-exported here. :func:`make_handler`
 builds one agent's handler of a benchmark column; :func:`release` starts
@@ -32,8 +32,10 @@ from tests.certs import make_tls_files  # noqa: E402 - after the path
 from tests.procs import (  # noqa: E402 - after the path
     CountingStore,
     NotReachedError,
+    cpu_seconds,
     free_port,
     read_markers,
+    rss_bytes,
     subprocess_env,
     wait_until,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "CountingStore",
     "NotReachedError",
     "attacker",
+    "cpu_seconds",
     "free_port",
     "load",
     "make_handler",
@@ -58,6 +61,7 @@ __all__ = [
     "quantile",
     "read_markers",
     "release",
+    "rss_bytes",
     "send_quietly",
     "slow_check_frame",
     "stamp",

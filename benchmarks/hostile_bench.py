@@ -44,8 +44,10 @@ from typing import Any
 from _common import (
     VALIDATE,
     attacker,
+    cpu_seconds,
     make_tls_files,
     quantile,
+    rss_bytes,
     send_quietly,
     slow_check_frame,
     stamp,
@@ -222,14 +224,11 @@ class Server:
     port: int
 
     def rss(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def cpu(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """The server's resident memory in bytes; 0 once it died (a sample may race its death)."""
+        try:
+            return rss_bytes(self.proc.pid)
+        except AssertionError:
+            return 0
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -343,7 +342,7 @@ def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -
     try:
         time.sleep(0.5)
         idle = server.rss()
-        cpu0 = server.cpu()
+        cpu0 = cpu_seconds(server.proc.pid)
         peak = idle
         stop = threading.Event()
 
@@ -371,7 +370,7 @@ def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -
             stop.set()
             sampler.join()
         alive = server.proc.poll() is None
-        cpu = server.cpu() - cpu0 if alive else float("nan")
+        cpu = cpu_seconds(server.proc.pid) - cpu0 if alive else float("nan")
     finally:
         server.stop()
     label = kind

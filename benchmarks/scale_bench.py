@@ -100,7 +100,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from _common import CountingStore, load, make_handler, release, stamp, subprocess_env
+from _common import CountingStore, cpu_seconds, load, make_handler, release, stamp, subprocess_env
 from rdzv.api import DEFAULT_KEEP_ALIVE_INTERVAL
 
 BACKENDS = ("rdzv", "torch", "etcd", "redis", "floor", "floor-noconfirm")
@@ -111,7 +111,6 @@ FLOOR_SCENARIOS = ("formation", "lastcall")
 SCENARIOS = ("formation", "lastcall", "recovery", "scaleup", "steady")
 TORCH_MAX_N = 128
 """torch's handler is run up to this N (at 256 it livelocks on this machine)."""
-_TICK = os.sysconf("SC_CLK_TCK")
 SWITCH_INTERVAL = 0.1
 """The GIL switch interval of the agent processes (CPython's default is 5 ms).
 
@@ -472,12 +471,6 @@ def agents_per_process(n: int) -> int:
     """
     cores = len(os.sched_getaffinity(0))
     return max(MIN_PER_PROCESS, -(-n // (PROCESSES_PER_CORE * cores)))
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 # --------------------------------------------------------------------------

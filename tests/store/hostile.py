@@ -6,7 +6,6 @@ runs. The reliability and fuzz tests use its raw-socket helpers too."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from typing import Any
 from rdzv.store.protocol import MAX_MULTI_KEYS, VALIDATE_MAGIC, Op, Request, encode_request
 from rdzv.store.tcp import TCPStore
 from tests.engines.servers import stop_process
-from tests.procs import subprocess_env
+from tests.procs import cpu_seconds, rss_bytes, subprocess_env
 
 VALIDATE = encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
 
@@ -55,15 +54,11 @@ class ServerProcess:
 
     def rss(self) -> int:
         """Return the server's resident memory in bytes."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS line")
+        return rss_bytes(self.proc.pid)
 
     def cpu(self) -> float:
         """Return the CPU seconds (user and system) the server has used."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def log(self) -> str:
         """Return what the server logged so far."""
