@@ -2,12 +2,14 @@
 
 Importing this module puts the checkout's ``src`` and root first on
 ``sys.path``, so a benchmark runs this tree's rdzv and can use the helpers
-it shares with the tests (``tests/procs.py``: child environments, free
-ports, bounded polling, a counting store, a process's memory and CPU time; ``tests/engines/servers.py``:
-private etcd and redis-server; ``tests/store/hostile.py``: raw attacker
-sockets and frames, a quantile; ``tests/certs.py``: TLS files), re-exported here. :func:`make_handler`
-builds one agent's handler of a benchmark column; :func:`release` starts
-waiting benchmark processes together.
+it shares with the tests, re-exported here: ``tests/procs.py`` (child
+environments, free ports, bounded polling, a counting store, a process's
+memory and CPU time), ``tests/store/hostile.py`` (raw attacker sockets and
+frames, a quantile), ``tests/certs.py`` (TLS files) and ``stop_process``
+of ``tests/engines/servers.py`` (whose private etcd and redis-server the
+benchmarks import from there). :func:`make_handler` builds one agent's
+handler of a benchmark column; :func:`release` starts waiting benchmark
+processes together.
 
 A figure means little without the load it was measured under: each
 benchmark prints :func:`stamp` before its first measurement and after its
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 from tests.certs import make_tls_files  # noqa: E402 - after the path
+from tests.engines.servers import stop_process  # noqa: E402 - after the path
 from tests.procs import (  # noqa: E402 - after the path
     CountingStore,
     NotReachedError,
@@ -65,6 +68,7 @@ __all__ = [
     "send_quietly",
     "slow_check_frame",
     "stamp",
+    "stop_process",
     "subprocess_env",
     "wait_until",
 ]

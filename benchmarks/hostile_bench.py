@@ -28,7 +28,6 @@ import functools
 import json
 import os
 import resource
-import signal
 import socket
 import ssl
 import subprocess
@@ -51,6 +50,7 @@ from _common import (
     send_quietly,
     slow_check_frame,
     stamp,
+    stop_process,
     subprocess_env,
 )
 
@@ -231,13 +231,7 @@ class Server:
             return 0
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(15)
+        stop_process(self.proc, grace=15.0)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 
