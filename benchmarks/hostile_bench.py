@@ -53,6 +53,7 @@ from _common import (
     stop_process,
     subprocess_env,
 )
+from rdzv.store.protocol import encode_bytes
 
 MiB = 1 << 20
 SECRET = "hostile-bench-secret"
@@ -65,10 +66,6 @@ ATTACKER_SOURCE = "127.0.0.2"
 
 def _u64(n: int) -> bytes:
     return n.to_bytes(8, "little")
-
-
-def _blob(data: bytes) -> bytes:
-    return _u64(len(data)) + data
 
 
 _connect = functools.partial(attacker, source=ATTACKER_SOURCE, timeout=10)
@@ -101,7 +98,7 @@ def attack_slow_check(port: int, duration: float, validate: bool) -> None:
 
 def attack_big_value(port: int, duration: float) -> None:
     """200 connections, each an 8 MiB value one byte short (never authenticated)."""
-    head = b"\x01" + _blob(b"/big") + _u64(8 * MiB)
+    head = b"\x01" + encode_bytes(b"/big") + _u64(8 * MiB)
     body = b"x" * (8 * MiB - 1)
     socks = _open_many(port, 200, b"")
     for sock in socks:
@@ -113,26 +110,28 @@ def attack_big_value(port: int, duration: float) -> None:
 def attack_unread_gets(port: int, duration: float) -> None:
     """3.9 KB of GETs of a 1 MiB value that are never read, then a 24 KB MULTI_GET."""
     setter = _connect(port)
-    setter.sendall(VALIDATE + b"\x01" + _blob(b"/big") + _blob(b"x" * MiB))
-    setter.sendall(b"\x05" + _u64(1) + _blob(b"/big"))  # CHECK: the SET is applied
+    setter.sendall(VALIDATE + b"\x01" + encode_bytes(b"/big") + encode_bytes(b"x" * MiB))
+    setter.sendall(b"\x05" + _u64(1) + encode_bytes(b"/big"))  # CHECK: the SET is applied
     setter.recv(1)
     lazy = _connect(port, rcvbuf=4096)
-    send_quietly(lazy, VALIDATE + (b"\x03" + _blob(b"/big")) * 300)
+    send_quietly(lazy, VALIDATE + (b"\x03" + encode_bytes(b"/big")) * 300)
     multi = _connect(port, rcvbuf=4096)
-    send_quietly(multi, VALIDATE + b"\x0a" + _u64(2000) + _blob(b"/big") * 2000)
+    send_quietly(multi, VALIDATE + b"\x0a" + _u64(2000) + encode_bytes(b"/big") * 2000)
     time.sleep(duration)
 
 
 def attack_wait_keys(port: int, duration: float) -> None:
     """8 WAITs of 131,072 keys each, then SET/DELETE pairs on one of those keys."""
     keys = [b"/hot"] + [b"/absent-%07d" % i for i in range(131071)]
-    wait = b"\x06" + _u64(len(keys)) + b"".join(_blob(k) for k in keys)
+    wait = b"\x06" + _u64(len(keys)) + b"".join(encode_bytes(k) for k in keys)
     waiters = _open_many(port, 8, b"")
     for sock in waiters:
         send_quietly(sock, VALIDATE + wait)
     writer = _connect(port)
     writer.sendall(VALIDATE)
-    pairs = (b"\x01" + _blob(b"/hot") + _blob(b"1") + b"\x08" + _blob(b"/hot")) * 100
+    pairs = (
+        b"\x01" + encode_bytes(b"/hot") + encode_bytes(b"1") + b"\x08" + encode_bytes(b"/hot")
+    ) * 100
     deadline = time.monotonic() + duration
     while time.monotonic() < deadline:
         if not send_quietly(writer, pairs):
@@ -150,7 +149,7 @@ def attack_append(port: int, duration: float) -> None:
     """3,000 APPENDs of 32 KiB to one key."""
     sock = _connect(port)
     sock.sendall(VALIDATE)
-    frame = b"\x09" + _blob(b"/grown") + _blob(b"a" * 32768)
+    frame = b"\x09" + encode_bytes(b"/grown") + encode_bytes(b"a" * 32768)
     for _ in range(3000):
         if not send_quietly(sock, frame):
             break
