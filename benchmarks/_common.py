@@ -2,10 +2,14 @@
 
 Importing this module puts the checkout's ``src`` and root first on
 ``sys.path``, so a benchmark runs this tree's rdzv and can use the helpers
-it shares with the tests (``tests/procs.py``: child environments, free
-ports, bounded polling, a counting store; ``tests/engines/servers.py``:
-private etcd and redis-server), re-exported here. :func:`make_handler`
-builds one agent's handler of a benchmark column.
+it shares with the tests, re-exported here: ``tests/procs.py`` (child
+environments, free ports, bounded polling, a counting store, a process's
+memory and CPU time), ``tests/store/hostile.py`` (raw attacker sockets and
+frames, a quantile), ``tests/certs.py`` (TLS files) and ``stop_process``
+of ``tests/engines/servers.py`` (whose private etcd and redis-server the
+benchmarks import from there). :func:`make_handler` builds one agent's
+handler of a benchmark column; :func:`release` starts waiting benchmark
+processes together.
 
 A figure means little without the load it was measured under: each
 benchmark prints :func:`stamp` before its first measurement and after its
@@ -15,9 +19,10 @@ last, so a table pasted into the docs carries the load average beside it.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,24 +30,45 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
+from tests.certs import make_tls_files  # noqa: E402 - after the path
+from tests.engines.servers import stop_process  # noqa: E402 - after the path
 from tests.procs import (  # noqa: E402 - after the path
     CountingStore,
     NotReachedError,
+    cpu_seconds,
     free_port,
     read_markers,
+    rss_bytes,
     subprocess_env,
     wait_until,
+)
+from tests.store.hostile import (  # noqa: E402 - after the path
+    VALIDATE,
+    attacker,
+    quantile,
+    send_quietly,
+    slow_check_frame,
 )
 
 __all__ = [
     "ROOT",
+    "VALIDATE",
     "CountingStore",
     "NotReachedError",
+    "attacker",
+    "cpu_seconds",
     "free_port",
     "load",
     "make_handler",
+    "make_tls_files",
+    "quantile",
     "read_markers",
+    "release",
+    "rss_bytes",
+    "send_quietly",
+    "slow_check_frame",
     "stamp",
+    "stop_process",
     "subprocess_env",
     "wait_until",
 ]
@@ -53,6 +79,19 @@ def load() -> str:
     with open("/proc/loadavg") as f:
         avg = f.read().split()
     return f"loadavg {' '.join(avg[:3])} on {os.cpu_count()} cores ({avg[3]} running/threads)"
+
+
+def release(procs: Sequence[subprocess.Popen[str]], delay: float) -> float:
+    """Tell each waiting benchmark process (a ``go START`` line on its stdin) to start in ``delay`` s.
+
+    Returns the wall-clock start time they were given.
+    """
+    start_at = time.time() + delay
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"go {start_at}\n")
+        proc.stdin.flush()
+    return start_at
 
 
 def stamp(when: str) -> None:

@@ -24,10 +24,10 @@ no TLS: the same connections are made to it in plain TCP).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
-import signal
 import socket
 import ssl
 import subprocess
@@ -40,7 +40,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import stamp, subprocess_env
+from _common import (
+    VALIDATE,
+    attacker,
+    cpu_seconds,
+    make_tls_files,
+    quantile,
+    rss_bytes,
+    send_quietly,
+    slow_check_frame,
+    stamp,
+    stop_process,
+    subprocess_env,
+)
+from rdzv.store.protocol import encode_bytes
 
 MiB = 1 << 20
 SECRET = "hostile-bench-secret"
@@ -55,29 +68,7 @@ def _u64(n: int) -> bytes:
     return n.to_bytes(8, "little")
 
 
-def _blob(data: bytes) -> bytes:
-    return _u64(len(data)) + data
-
-
-VALIDATE = b"\x00" + (0x3C85F7CE).to_bytes(4, "little")
-
-
-def _connect(port: int, rcvbuf: int | None = None) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if rcvbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.settimeout(10)
-    sock.bind((ATTACKER_SOURCE, 0))
-    sock.connect(("127.0.0.1", port))
-    return sock
-
-
-def _send(sock: socket.socket, data: bytes) -> bool:
-    try:
-        sock.sendall(data)
-    except OSError:
-        return False
-    return True
+_connect = functools.partial(attacker, source=ATTACKER_SOURCE, timeout=10)
 
 
 def _open_many(port: int, count: int, first: bytes) -> list[socket.socket]:
@@ -88,61 +79,62 @@ def _open_many(port: int, count: int, first: bytes) -> list[socket.socket]:
         except OSError:
             continue
         if first:
-            _send(sock, first)
+            send_quietly(sock, first)
         socks.append(sock)
     return socks
 
 
 def attack_slow_check(port: int, duration: float, validate: bool) -> None:
     """96 connections, each a 1 MiB incomplete CHECK of 131,072 keys, then a byte every 50 ms."""
-    frame = b"\x05" + _u64(131072) + _u64(0) * 131072
     socks = _open_many(port, 96, b"")
     for sock in socks:
-        _send(sock, (VALIDATE if validate else b"") + frame[:-1000])
+        send_quietly(sock, (VALIDATE if validate else b"") + slow_check_frame(131072))
     deadline = time.monotonic() + duration
     while time.monotonic() < deadline:
         for sock in socks:
-            _send(sock, b"\x00")
+            send_quietly(sock, b"\x00")
         time.sleep(0.05)
 
 
 def attack_big_value(port: int, duration: float) -> None:
     """200 connections, each an 8 MiB value one byte short (never authenticated)."""
-    head = b"\x01" + _blob(b"/big") + _u64(8 * MiB)
+    head = b"\x01" + encode_bytes(b"/big") + _u64(8 * MiB)
     body = b"x" * (8 * MiB - 1)
     socks = _open_many(port, 200, b"")
     for sock in socks:
         sock.settimeout(2)
-        _send(sock, VALIDATE + head + body)
+        send_quietly(sock, VALIDATE + head + body)
     time.sleep(duration)
 
 
 def attack_unread_gets(port: int, duration: float) -> None:
     """3.9 KB of GETs of a 1 MiB value that are never read, then a 24 KB MULTI_GET."""
     setter = _connect(port)
-    setter.sendall(VALIDATE + b"\x01" + _blob(b"/big") + _blob(b"x" * MiB))
-    setter.sendall(b"\x05" + _u64(1) + _blob(b"/big"))  # CHECK: the SET is applied
+    setter.sendall(VALIDATE + b"\x01" + encode_bytes(b"/big") + encode_bytes(b"x" * MiB))
+    setter.sendall(b"\x05" + _u64(1) + encode_bytes(b"/big"))  # CHECK: the SET is applied
     setter.recv(1)
     lazy = _connect(port, rcvbuf=4096)
-    _send(lazy, VALIDATE + (b"\x03" + _blob(b"/big")) * 300)
+    send_quietly(lazy, VALIDATE + (b"\x03" + encode_bytes(b"/big")) * 300)
     multi = _connect(port, rcvbuf=4096)
-    _send(multi, VALIDATE + b"\x0a" + _u64(2000) + _blob(b"/big") * 2000)
+    send_quietly(multi, VALIDATE + b"\x0a" + _u64(2000) + encode_bytes(b"/big") * 2000)
     time.sleep(duration)
 
 
 def attack_wait_keys(port: int, duration: float) -> None:
     """8 WAITs of 131,072 keys each, then SET/DELETE pairs on one of those keys."""
     keys = [b"/hot"] + [b"/absent-%07d" % i for i in range(131071)]
-    wait = b"\x06" + _u64(len(keys)) + b"".join(_blob(k) for k in keys)
+    wait = b"\x06" + _u64(len(keys)) + b"".join(encode_bytes(k) for k in keys)
     waiters = _open_many(port, 8, b"")
     for sock in waiters:
-        _send(sock, VALIDATE + wait)
+        send_quietly(sock, VALIDATE + wait)
     writer = _connect(port)
     writer.sendall(VALIDATE)
-    pairs = (b"\x01" + _blob(b"/hot") + _blob(b"1") + b"\x08" + _blob(b"/hot")) * 100
+    pairs = (
+        b"\x01" + encode_bytes(b"/hot") + encode_bytes(b"1") + b"\x08" + encode_bytes(b"/hot")
+    ) * 100
     deadline = time.monotonic() + duration
     while time.monotonic() < deadline:
-        if not _send(writer, pairs):
+        if not send_quietly(writer, pairs):
             return
         for _ in range(100):  # DELETE_KEY answers an i64 each
             got = 0
@@ -157,9 +149,9 @@ def attack_append(port: int, duration: float) -> None:
     """3,000 APPENDs of 32 KiB to one key."""
     sock = _connect(port)
     sock.sendall(VALIDATE)
-    frame = b"\x09" + _blob(b"/grown") + _blob(b"a" * 32768)
+    frame = b"\x09" + encode_bytes(b"/grown") + encode_bytes(b"a" * 32768)
     for _ in range(3000):
-        if not _send(sock, frame):
+        if not send_quietly(sock, frame):
             break
     time.sleep(duration)
 
@@ -231,23 +223,14 @@ class Server:
     port: int
 
     def rss(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def cpu(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """The server's resident memory in bytes; 0 once it died (a sample may race its death)."""
+        try:
+            return rss_bytes(self.proc.pid)
+        except AssertionError:
+            return 0
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(15)
+        stop_process(self.proc, grace=15.0)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 
@@ -269,7 +252,7 @@ def start_rdzv(setup: Setup, files: Path, memory_mib: int) -> Server:
         token.write_text(SECRET)
         args += ["--auth-token-file", str(token)]
     if setup.tls:
-        args += ["--tls-cert", str(files / "cert.pem"), "--tls-key", str(files / "key.pem")]
+        args += ["--tls-cert", str(files / "server.crt"), "--tls-key", str(files / "server.key")]
     args += setup.options
     proc = subprocess.Popen(
         args,
@@ -309,19 +292,6 @@ def start_torch(setup: Setup, files: Path) -> Server:
     return Server(proc, int(proc.stdout.readline()))
 
 
-def make_certificate(files: Path) -> None:
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-keyout", str(files / "key.pem"), "-out", str(files / "cert.pem"),
-            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )  # fmt: skip
-
-
 def probe(port: int, duration: float, auth: bool, tls: Path | None) -> tuple[list[float], int, str]:
     """Time a well-behaved client's set + get for ``duration`` s.
 
@@ -359,19 +329,13 @@ def probe(port: int, duration: float, auth: bool, tls: Path | None) -> tuple[lis
     return sorted(taken), failures, first
 
 
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -> dict[str, Any]:
     setup = SETUPS[attack]
     server = start_rdzv(setup, files, memory_mib) if kind == "rdzv" else start_torch(setup, files)
     try:
         time.sleep(0.5)
         idle = server.rss()
-        cpu0 = server.cpu()
+        cpu0 = cpu_seconds(server.proc.pid)
         peak = idle
         stop = threading.Event()
 
@@ -390,7 +354,7 @@ def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -
         )
         try:
             time.sleep(1.0)  # let the attack build up
-            tls = files / "cert.pem" if setup.tls and kind == "rdzv" else None
+            tls = files / "ca.crt" if setup.tls and kind == "rdzv" else None
             taken, failures, first = probe(
                 server.port, duration, setup.auth and kind == "rdzv", tls
             )
@@ -399,7 +363,7 @@ def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -
             stop.set()
             sampler.join()
         alive = server.proc.poll() is None
-        cpu = server.cpu() - cpu0 if alive else float("nan")
+        cpu = cpu_seconds(server.proc.pid) - cpu0 if alive else float("nan")
     finally:
         server.stop()
     label = kind
@@ -414,8 +378,8 @@ def run(attack: str, kind: str, files: Path, duration: float, memory_mib: int) -
         "idle": idle,
         "peak": peak - idle,
         "cpu": cpu,
-        "p50": quantile(taken, 0.5),
-        "p99": quantile(taken, 0.99),
+        "p50": quantile(taken, 0.5) if taken else None,
+        "p99": quantile(taken, 0.99) if taken else None,
         "calls": len(taken),
         "failures": failures,
         "first_failure": first,
@@ -441,7 +405,7 @@ def main() -> None:
     stamp("start")
     with tempfile.TemporaryDirectory() as tmp:
         files = Path(tmp)
-        make_certificate(files)
+        make_tls_files(files)
         for attack in args.attacks:
             for kind in args.servers:
                 row = run(attack, kind, files, args.duration, args.memory_limit_mib)

@@ -49,7 +49,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from _common import make_handler, stamp, subprocess_env
+from _common import make_handler, release, stamp, subprocess_env
 
 BACKENDS = ("torch", "rdzv", "etcd", "redis")
 LABELS = {
@@ -237,15 +237,6 @@ def wait_ready(impl: str, workers: list[subprocess.Popen[str]]) -> None:
             raise RuntimeError(f"a {impl} worker died while starting")
 
 
-def release(workers: list[subprocess.Popen[str]], delay: float = 0.3) -> float:
-    start_at = time.time() + delay
-    for w in workers:
-        assert w.stdin is not None
-        w.stdin.write(f"go {start_at}\n")
-        w.stdin.flush()
-    return start_at
-
-
 def collect(workers: list[subprocess.Popen[str]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
     results: list[dict[str, Any]] = []
     totals = {"writes": 0, "failed_cas": 0, "bytes": 0}
@@ -292,7 +283,7 @@ def formation(
         attempts=3,
     )
     try:
-        start_at = release(workers)
+        start_at = release(workers, 0.3)
         results, counts = collect(workers)
     finally:
         finish(workers, host)
@@ -319,7 +310,7 @@ def recovery(impl: str, engines: dict[str, str]) -> dict[str, Any]:
         rejoin=True,
     )
     try:
-        release(workers)
+        release(workers, 0.3)
         collect(workers)
         time.sleep(0.5)
         victim, survivors = workers[1], [workers[0], workers[2]]

@@ -100,7 +100,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from _common import CountingStore, load, make_handler, stamp, subprocess_env
+from _common import CountingStore, cpu_seconds, load, make_handler, release, stamp, subprocess_env
 from rdzv.api import DEFAULT_KEEP_ALIVE_INTERVAL
 
 BACKENDS = ("rdzv", "torch", "etcd", "redis", "floor", "floor-noconfirm")
@@ -111,7 +111,6 @@ FLOOR_SCENARIOS = ("formation", "lastcall")
 SCENARIOS = ("formation", "lastcall", "recovery", "scaleup", "steady")
 TORCH_MAX_N = 128
 """torch's handler is run up to this N (at 256 it livelocks on this machine)."""
-_TICK = os.sysconf("SC_CLK_TCK")
 SWITCH_INTERVAL = 0.1
 """The GIL switch interval of the agent processes (CPython's default is 5 ms).
 
@@ -474,12 +473,6 @@ def agents_per_process(n: int) -> int:
     return max(MIN_PER_PROCESS, -(-n // (PROCESSES_PER_CORE * cores)))
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
 # --------------------------------------------------------------------------
 # The driver
 # --------------------------------------------------------------------------
@@ -611,14 +604,6 @@ class Run:
             nodes.extend(json.loads(line)["nodes"])
         return nodes
 
-    def release(self, group: Sequence[subprocess.Popen[str]], delay: float = 0.5) -> float:
-        start_at = time.time() + delay
-        for proc in group:
-            assert proc.stdin is not None
-            proc.stdin.write(f"go {start_at}\n")
-            proc.stdin.flush()
-        return start_at
-
     def collect(self, group: Sequence[subprocess.Popen[str]]) -> list[dict[str, Any]]:
         deadline = time.monotonic() + self.opts.join + 60
         reports = []
@@ -734,7 +719,7 @@ def formation(run: Run, n: int, opts: argparse.Namespace, **cfg: Any) -> dict[st
     group = run.spawn(n, opts.per_proc, rounds=1, **cfg)
     run.ready(group)
     cpu0 = run.server_cpu()
-    start = run.release(group)
+    start = release(group, 0.5)
     reports = run.collect(group)
     return summarise(reports, start, run.server_cpu() - cpu0)
 
@@ -751,7 +736,7 @@ def membership_change(run: Run, n: int, opts: argparse.Namespace, kill: bool) ->
         everyone = group
     run.ready(group)
     killed = run.ready(victim) if kill else []
-    start = run.release(everyone)
+    start = release(everyone, 0.5)
     first = summarise(run.collect(everyone), start, 0.0)
     if "error" in first:
         return {"error": f"initial formation: {first['error']}"}
@@ -769,7 +754,7 @@ def membership_change(run: Run, n: int, opts: argparse.Namespace, kill: bool) ->
     else:
         late = run.spawn(1, 1, min=n, max=n + 1, last_call=opts.last_call, rounds=1)
         run.ready(late)
-        begin = run.release(late, delay=0.2)
+        begin = release(late, 0.2)
         second = run.collect(group + late)
         bound = 0.0
     summary = summarise(second, begin, run.server_cpu() - cpu0)
@@ -783,7 +768,7 @@ def steady(run: Run, n: int, opts: argparse.Namespace) -> dict[str, Any]:
     """Form N, let every member poll ``num_nodes_waiting()`` for ``--steady`` s; cost per poll."""
     group = run.spawn(n, opts.per_proc, min=n, max=n, last_call=30.0, rounds=2)
     run.ready(group)
-    start = run.release(group)
+    start = release(group, 0.5)
     reports = run.collect(group)
     first = summarise(reports, start, 0.0)
     if "error" in first:

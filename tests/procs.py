@@ -3,8 +3,9 @@
 Child processes (``subprocess_env``: a ``python`` that imports this tree's
 rdzv; ``require_binary``; ``Children``, a test's child processes, and
 ``LoggedAgents``, agent processes with log files; ``read_markers``, the JSON files their workers write), loopback
-ports (``free_port``), bounded polling (``wait_until``) and a store that
-counts its calls (``CountingStore``). The benchmarks reach this module
+ports (``free_port``), bounded polling (``wait_until``), a store that
+counts its calls (``CountingStore``) and a process's memory and CPU time
+(``rss_bytes``, ``cpu_seconds``). The benchmarks reach this module
 through ``benchmarks/_common.py``.
 """
 
@@ -87,6 +88,20 @@ def wait_until(
 def read_markers(directory: Path, pattern: str) -> list[dict[str, Any]]:
     """The JSON objects of the files ``pattern`` in ``directory`` (an empty one is being written)."""
     return [json.loads(text) for p in directory.glob(pattern) if (text := p.read_text())]
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Return the resident memory of process ``pid`` (default: this one) in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS line for {pid}: not running")
+
+
+def cpu_seconds(pid: int) -> float:
+    """Return the CPU seconds (user and system) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Children:

@@ -27,9 +27,12 @@ from rdzv.backends.base import RendezvousBackend
 from rdzv.dynamic.state import decode_state
 from rdzv.registry import open_backend
 from rdzv.store.base import Store
-from tests.chaos.agent import EPOCH_KEY, RUN_ID
 from tests.chaos.proxy import FaultProxy
 from tests.procs import subprocess_env, wait_until
+
+EPOCH_KEY = "chaos/epoch"
+"""The store key the harness writes each time it starts the store host."""
+RUN_ID = "chaos"
 
 _SERVE = [sys.executable, "-m", "rdzv.cli", "serve", "--host", "127.0.0.1"]
 

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A :class:`ChaosRun` starts the store host (``rdzv serve`` in a subprocess),
 a :class:`~tests.chaos.proxy.FaultProxy` in front of it, and a population of
-agent processes (:mod:`tests.chaos.agent`) that re-rendezvous forever through
+agent processes (:mod:`tests.nodes.agent` ``loop``) that re-rendezvous forever through
 the proxy. A seeded random schedule injects one fault every one to three
 seconds: an agent SIGKILLed (and a fresh one started later: a late joiner),
 an agent paused with SIGSTOP past the heartbeat bound and resumed, every
@@ -48,7 +48,7 @@ from typing import Any
 
 from rdzv.errors import RendezvousStateError
 from rdzv.retry import deadline_within
-from tests.chaos.clusters import Cluster, make_cluster
+from tests.chaos.clusters import EPOCH_KEY, RUN_ID, Cluster, make_cluster
 from tests.chaos.netns import FAULTS, NetnsTopology
 from tests.procs import subprocess_env
 
@@ -335,11 +335,21 @@ class _Agent:
                 *inside,
                 sys.executable,
                 "-m",
-                "tests.chaos.agent",
+                "tests.nodes.agent",
+                "loop",
                 "--backend",
                 run.cluster.rdzv_backend,
                 "--endpoint",
                 run.cluster.agent_endpoint,
+                "--run-id",
+                RUN_ID,
+                "--epoch-key",
+                EPOCH_KEY,
+                *(["--is-host", "false"] if run.cluster.rdzv_backend == "c10d" else []),
+                "--last-call",
+                "0.3",
+                "--read-timeout",
+                str(READ_TIMEOUT),
                 "--min",
                 str(settings.min_nodes),
                 "--max",
@@ -353,7 +363,8 @@ class _Agent:
                 "--attempts",
                 str(settings.attempts),
                 *self._log_option(settings, run.figures.agent_starts),
-                *(["--hold", "0"] if settings.steady else []),
+                "--hold",
+                "0" if settings.steady else "1.5",
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

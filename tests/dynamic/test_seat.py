@@ -160,7 +160,7 @@ def test_a_corrupt_summary_is_a_state_error(data: bytes) -> None:
         decode_summary(data)
 
 
-class CountingStore(PrefixStore):
+class ReadRecordingStore(PrefixStore):
     """One node's client of a shared store: counts the bytes and keys it read."""
 
     def __init__(self, inner: HashStore) -> None:
@@ -195,7 +195,7 @@ class CountingStore(PrefixStore):
 
 
 def _handlers(
-    clients: Sequence[CountingStore],
+    clients: Sequence[ReadRecordingStore],
     run_id: str,
     nodes: tuple[int, int],
     net: str,
@@ -219,9 +219,9 @@ def _handlers(
     ]
 
 
-def _form(size: int) -> tuple[list[RendezvousInfo], list[CountingStore], HashStore]:
+def _form(size: int) -> tuple[list[RendezvousInfo], list[ReadRecordingStore], HashStore]:
     shared = HashStore(timeout=30)
-    clients = [CountingStore(shared) for _ in range(size)]
+    clients = [ReadRecordingStore(shared) for _ in range(size)]
     handlers = _handlers(clients, "seats", (size, size), "10.1.0", keep_alive=5)
     infos: list[RendezvousInfo | None] = [None] * size
 
@@ -257,7 +257,7 @@ def test_members_learn_their_place_from_their_seats_without_reading_the_state() 
 
 def test_members_judge_their_successor_from_the_mark_the_sealer_read() -> None:
     shared = HashStore(timeout=30)
-    clients = [CountingStore(shared) for _ in range(4)]
+    clients = [ReadRecordingStore(shared) for _ in range(4)]
     handlers = _handlers(clients, "marks", (4, 4), "10.3.0", keep_alive=5)
     beaten = handlers[2].node
     for _ in range(2):  # it beat twice before the seal: its counter holds 2
@@ -291,8 +291,8 @@ def test_a_seat_is_stored_only_by_the_write_that_committed_and_proves_it() -> No
     write stores none, and a member whose seat watch fires knows its write
     committed without reading the state's head again."""
     shared = HashStore(timeout=30)
-    writer = C10dRendezvousBackend(CountingStore(shared), "proof")
-    waiting = CountingStore(shared)
+    writer = C10dRendezvousBackend(ReadRecordingStore(shared), "proof")
+    waiting = ReadRecordingStore(shared)
     member = C10dRendezvousBackend(waiting, "proof")
     first = writer.set_state_seated(b"v1", None, {A: b"first seat"})
     assert first is not None
@@ -320,7 +320,7 @@ def test_a_seat_is_stored_only_by_the_write_that_committed_and_proves_it() -> No
     assert member.read_seat(second[1], A) == b"second seat"
 
 
-class _LateSeats(CountingStore):
+class _LateSeats(ReadRecordingStore):
     """Stores a seal's member seats ``lag`` seconds after the seal (a slow sealer)."""
 
     def __init__(self, inner: HashStore, lag: float) -> None:
@@ -345,7 +345,7 @@ def test_a_node_that_finds_its_round_sealed_before_its_seat_waits_for_the_seat(
     come over a second later, past its next wait cap (a starved sealer,
     in a recovery of 1,024 beside a second one)."""
     shared = HashStore(timeout=30)
-    waiting = CountingStore(shared)
+    waiting = ReadRecordingStore(shared)
     sealing = _LateSeats(shared, lag=lag)
 
     first, second = _handlers([waiting, sealing], "late", (2, 2), "10.5.0")
@@ -367,7 +367,7 @@ def test_a_node_that_finds_its_round_sealed_before_its_seat_waits_for_the_seat(
             h.pre_shutdown()
 
 
-class _Ordered(CountingStore):
+class _Ordered(ReadRecordingStore):
     """Records the appends and deletes of one client in order."""
 
     def __init__(self, inner: HashStore) -> None:
@@ -424,7 +424,7 @@ def test_a_leave_wakes_no_member_waiting_for_the_next_round() -> None:
     read the state's summary, not the state; the leave wakes none of them
     (each waits on its own seat); only the one that seals reads the state."""
     shared = HashStore(timeout=30)
-    clients = [CountingStore(shared) for _ in range(4)]
+    clients = [ReadRecordingStore(shared) for _ in range(4)]
     # keep-alive 30 s: nobody is judged dead meanwhile
     handlers = _handlers(clients, "leave", (3, 4), "10.3.0")
     infos: list[RendezvousInfo | None] = [None] * 4
@@ -530,7 +530,7 @@ def test_num_nodes_waiting_reads_the_backend_at_most_once_per_gap() -> None:
         return time.monotonic() if held is None else held
 
     shared = HashStore(timeout=30)
-    clients = [CountingStore(shared) for _ in range(3)]
+    clients = [ReadRecordingStore(shared) for _ in range(3)]
     handlers = _handlers(clients, "gap", (2, 3), "10.6.0", clock=clock)
     threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in handlers[:2]]
     for t in threads:
@@ -577,7 +577,7 @@ def test_num_nodes_waiting_reads_the_backend_at_most_once_per_gap() -> None:
 
 def test_an_unchanged_round_is_polled_without_reading_the_state() -> None:
     shared = HashStore(timeout=30)
-    clients = [CountingStore(shared) for _ in range(3)]
+    clients = [ReadRecordingStore(shared) for _ in range(3)]
     handlers = _handlers(clients, "poll", (3, 3), "10.2.0", keep_alive=5)
     threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in handlers]
     for t in threads:

@@ -23,23 +23,17 @@ with atheris.instrument_imports():
     from rdzv.errors import RendezvousStateError
     from rdzv.store.protocol import ProtocolError, RequestParser, encode_request
 
+from tests.fuzz.test_fuzz_frames import parse_all  # after the instrumented imports
+
 
 def fuzz_parser(data: bytes) -> None:
     """Feed the input to a parser in fuzzer-chosen chunks; only ProtocolError may escape."""
     provider = atheris.FuzzedDataProvider(data)
-    parser = RequestParser()
-    decoded = []
+    chunks = []
+    while provider.remaining_bytes():
+        chunks.append(provider.ConsumeBytes(provider.ConsumeIntInRange(1, 64)))
     try:
-        while provider.remaining_bytes():
-            chunk = provider.ConsumeBytes(provider.ConsumeIntInRange(1, 64))
-            parser.feed(chunk)
-            for _ in range(len(chunk) + 1):
-                request = parser.next_request()
-                if request is None:
-                    break
-                decoded.append(request)
-            else:
-                raise AssertionError("the parser returned more requests than bytes fed")
+        decoded = parse_all(chunks)
     except ProtocolError:
         return
     # Whatever decoded must re-encode and decode to the same requests.

@@ -1,6 +1,6 @@
 """Partitions with stated outcomes: rendezvous nodes in namespaces, packets dropped between them.
 
-Each node (:mod:`tests.netns.node`) re-rendezvouses for as long as it runs
+Each node (:mod:`tests.nodes.agent` ``loop --retry``) re-rendezvouses for as long as it runs
 and prints every round it completes and every error it gets, with how long
 the call took; the test cuts the network, watches, heals, watches again and
 then checks the outcome from the lines. Clocks: all nodes run on this
@@ -19,25 +19,26 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rdzv.testing.netns import Host, NetnsBed
-from tests.netns import node
 from tests.netns.conftest import open_bed
 from tests.netns.engines import NetnsEtcd
 from tests.procs import subprocess_env, wait_until
 
 pytestmark = pytest.mark.slow
 
-NODE = str(Path(node.__file__))
 C10D_PORT = 29456
+JOIN_TIMEOUT = 20.0
+READ_TIMEOUT = 3.0
+KEEP_ALIVE = 0.5
+ATTEMPTS = 3
 #: Longest a ``next_rendezvous`` may take: the join timeout, plus two store
 #: timeouts (a read and a write in flight when the network went), plus 5 s of
 #: slack for a loaded two-core machine. A hang-catching bound, not a figure.
-CALL_DEADLINE = node.JOIN_TIMEOUT + 2 * node.READ_TIMEOUT + 5.0
+CALL_DEADLINE = JOIN_TIMEOUT + 2 * READ_TIMEOUT + 5.0
 
 
 class Nodes:
@@ -51,9 +52,17 @@ class Nodes:
         self.keys: dict[int, str] = {}
         self._threads: list[threading.Thread] = []
 
-    def start(self, host: Host, args: list[str]) -> None:
+    def start(self, host: Host, backend: str, endpoint: str) -> None:
+        """Start a node on ``host`` that rejoins after errors, for 150 s, in 2 to 5 nodes."""
+        options = (
+            f"loop --retry --backend {backend} --endpoint {endpoint} --addr {host.ipv4} "
+            f"--run-id partitions --min 2 --max 5 --seconds 150 --join {JOIN_TIMEOUT} "
+            f"--read-timeout {READ_TIMEOUT} --interval {KEEP_ALIVE} --attempts {ATTEMPTS} --hold 1"
+        )
         proc = host.popen(
-            [sys.executable, NODE, *args], env=subprocess_env(), stderr=subprocess.DEVNULL
+            [sys.executable, "-m", "tests.nodes.agent", *options.split()],
+            env=subprocess_env(),
+            stderr=subprocess.DEVNULL,
         )
         self.procs[host.index] = proc
         thread = threading.Thread(target=self._read, args=(host.index, proc), daemon=True)
@@ -134,7 +143,8 @@ def check_no_two_groups_complete_one_round(nodes: Nodes) -> None:
 
 
 def check_calls_bounded(nodes: Nodes) -> None:
-    slow = [(i, ln) for i, ln in nodes.drain() if ln["took"] > CALL_DEADLINE]
+    """Every timed call (the lines with a ``took``: rounds and rendezvous errors) is bounded."""
+    slow = [(i, ln) for i, ln in nodes.drain() if ln.get("took", 0.0) > CALL_DEADLINE]
     assert slow == [], f"calls past {CALL_DEADLINE} s: {slow}"
 
 
@@ -168,7 +178,7 @@ def test_etcd_leader_cut_off_with_a_minority_of_nodes(bed5: NetnsBed, nodes: Nod
     """
     with NetnsEtcd(bed5.hosts[:3]) as etcd:
         for host in bed5.hosts:
-            nodes.start(host, ["etcd", etcd.endpoints, host.ipv4, "2", "5", "150"])
+            nodes.start(host, "etcd", etcd.endpoints)
         everyone = set(range(5))
         nodes.wait_for("a round of all five", full_round(nodes, everyone, 0.0))
         leader = etcd.leader().index
@@ -186,7 +196,7 @@ def test_etcd_leader_cut_off_with_a_minority_of_nodes(bed5: NetnsBed, nodes: Nod
         )
         # The keep-alive bound after the cut: a round whose last write landed
         # before the cut may still be reported just after it.
-        grace = cut_at + node.KEEP_ALIVE * node.ATTEMPTS + 2.0
+        grace = cut_at + KEEP_ALIVE * ATTEMPTS + 2.0
         during = [(i, ln) for i, ln in nodes.rounds(grace) if i in minority]
         healed_at = time.time()
         bed5.heal()
@@ -208,7 +218,7 @@ def test_c10d_store_host_cut_off_from_half_the_nodes(bed5: NetnsBed, nodes: Node
     """
     endpoint = f"{bed5.hosts[0].ipv4}:{C10D_PORT}"
     for host in bed5.hosts:
-        nodes.start(host, ["c10d", endpoint, host.ipv4, "2", "5", "150"])
+        nodes.start(host, "c10d", endpoint)
     everyone = set(range(5))
     nodes.wait_for("a round of all five", full_round(nodes, everyone, 0.0))
     cut_off = {3, 4}
@@ -236,7 +246,7 @@ def test_c10d_store_host_cut_off_from_every_other_node(bed5: NetnsBed, nodes: No
     """
     endpoint = f"{bed5.hosts[0].ipv4}:{C10D_PORT}"
     for host in bed5.hosts:
-        nodes.start(host, ["c10d", endpoint, host.ipv4, "2", "5", "150"])
+        nodes.start(host, "c10d", endpoint)
     everyone = set(range(5))
     nodes.wait_for("a round of all five", full_round(nodes, everyone, 0.0))
     bed5.isolate(0)

@@ -1,14 +1,15 @@
-"""Raw-socket helpers of the reliability tests (loopback only, every wait bounded)."""
+"""Raw-socket helpers of the reliability tests (loopback only, every wait bounded);
+the ones the hostile-client tests share are in tests/store/hostile.py."""
 
 from __future__ import annotations
 
 import socket
 import uuid
 
-from rdzv.store.protocol import VALIDATE_MAGIC, Op, Request, encode_request
+from rdzv.store.protocol import Op, Request, encode_request
 from rdzv.store.tcp import TCPStore
+from tests.store.hostile import VALIDATE
 
-VALIDATE = encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
 PING = encode_request(Request(Op.PING, number=7))
 
 
@@ -24,14 +25,6 @@ def pinged(sock: socket.socket) -> bool:
     """Return whether a ``PING`` on ``sock`` is echoed (the connection is served)."""
     sock.sendall(PING)
     return sock.recv(4) == (7).to_bytes(4, "little")
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    """Block (up to the socket timeout) until the server closes ``sock``."""
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def served(port: int, auth_token: str | None = None) -> bool:

@@ -23,13 +23,8 @@ from rdzv.store.server import (
 )
 from rdzv.store.tcp import TCPStore
 from tests.procs import wait_until
-from tests.reliability.sockets import (
-    VALIDATE,
-    closed_by_server,
-    connect,
-    pinged,
-    served,
-)
+from tests.reliability.sockets import connect, pinged, served
+from tests.store.hostile import VALIDATE, closed_by_server
 
 pytestmark = pytest.mark.timeout(60)
 

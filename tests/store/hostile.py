@@ -1,11 +1,11 @@
-"""Helpers of the hostile-client tests: a store server in a subprocess whose
-memory and CPU can be read, raw attacker sockets, and a well-behaved client
-whose latency is measured while an attack runs."""
+"""Helpers of the hostile-client tests and benchmarks/hostile_bench.py: a
+store server in a subprocess whose memory and CPU can be read, raw attacker
+sockets, and a well-behaved client whose latency is measured while an attack
+runs. The reliability and fuzz tests use its raw-socket helpers too."""
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,7 +19,7 @@ from typing import Any
 from rdzv.store.protocol import MAX_MULTI_KEYS, VALIDATE_MAGIC, Op, Request, encode_request
 from rdzv.store.tcp import TCPStore
 from tests.engines.servers import stop_process
-from tests.procs import subprocess_env
+from tests.procs import cpu_seconds, rss_bytes, subprocess_env
 
 VALIDATE = encode_request(Request(Op.VALIDATE, number=VALIDATE_MAGIC))
 
@@ -54,15 +54,11 @@ class ServerProcess:
 
     def rss(self) -> int:
         """Return the server's resident memory in bytes."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS line")
+        return rss_bytes(self.proc.pid)
 
     def cpu(self) -> float:
         """Return the CPU seconds (user and system) the server has used."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def log(self) -> str:
         """Return what the server logged so far."""
@@ -95,10 +91,12 @@ def server_process(tmp_path: Path, **options: Any) -> Iterator[ServerProcess]:
             proc.stdout.close()
 
 
-def attacker(port: int, source: str = "127.0.0.1", rcvbuf: int | None = None) -> socket.socket:
+def attacker(
+    port: int, source: str = "127.0.0.1", rcvbuf: int | None = None, timeout: float = 15
+) -> socket.socket:
     """Open a raw connection to the server from ``source`` (any 127/8 address)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.settimeout(15)
+    sock.settimeout(timeout)
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.bind((source, 0))
@@ -145,7 +143,7 @@ def latencies(
 
 
 def quantile(sorted_values: list[float], q: float) -> float:
-    """Return the ``q`` quantile of already sorted values."""
+    """Return the ``q`` quantile of already sorted values (none: IndexError)."""
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 

@@ -39,7 +39,7 @@ from rdzv.api import (
 )
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.state import RendezvousState, decode_state
-from tests.procs import free_port
+from tests.procs import free_port, rss_bytes
 from tests.store.hostile import attack_process, latencies, quantile
 
 ATTACK_SECONDS = float(os.environ.get("RDZV_ATTACK_SECONDS", "15"))
@@ -96,13 +96,6 @@ def events() -> Iterator[Events]:
         logger.setLevel(level)
 
 
-def _rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS line")
-
-
 def _state(handler: DynamicRendezvousHandler) -> RendezvousState:
     stored = handler.backend.get_state()
     assert stored is not None
@@ -155,7 +148,7 @@ def test_an_authenticated_rendezvous_under_a_connection_flood_evicts_nobody(
         except BaseException as exc:  # reported by the main thread
             probe["error"] = exc
 
-    idle_rss = peak_rss = _rss()
+    idle_rss = peak_rss = rss_bytes()
     started = time.monotonic()
     with attack_process(port, ATTACK_SECONDS) as attack:
         time.sleep(1.0)  # let the attack build up
@@ -164,7 +157,7 @@ def test_an_authenticated_rendezvous_under_a_connection_flood_evicts_nobody(
         ticks = 0
         while attack.poll() is None and time.monotonic() - started < ATTACK_SECONDS + 60:
             time.sleep(0.25)
-            peak_rss = max(peak_rss, _rss())
+            peak_rss = max(peak_rss, rss_bytes())
             ticks += 1
             if ticks % 4 == 0:  # an agent's monitor loop asks once a second
                 waiting.extend(handler.num_nodes_waiting() for handler in handlers)
