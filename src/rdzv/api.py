@@ -276,11 +276,45 @@ _TRUE = frozenset({"1", "true", "t", "yes", "y"})
 _FALSE = frozenset({"0", "false", "f", "no", "n"})
 
 
+class _DefaultRank(int):
+    """The type of ``node_rank``'s default: 0, and an object no caller passes."""
+
+    __slots__ = ()
+
+
+_DEFAULT_RANK = _DefaultRank(0)
+
+
+def _positional(args: tuple[Any, ...], *keywords: Any) -> list[Any]:
+    """Merge the arguments after ``run_id`` (torch's order) with their keywords."""
+    names = ("min_nodes", "max_nodes", "local_addr")
+    if len(args) > len(names):
+        raise TypeError(
+            f"RendezvousParameters takes at most 6 positional arguments (backend, endpoint, "
+            f"run_id, {', '.join(names)}) but {3 + len(args)} were given"
+        )
+    merged = list(keywords)
+    for index, value in enumerate(args):
+        if merged[index] is not None:
+            raise TypeError(
+                f"RendezvousParameters got multiple values for argument {names[index]!r}"
+            )
+        merged[index] = value
+    return merged
+
+
+def given_node_rank(params: RendezvousParameters) -> int | None:
+    """Return the ``node_rank`` the caller passed to ``params``, None when it was left at 0."""
+    return params._given_rank
+
+
 class RendezvousParameters:
     """The parameters used to build a rendezvous handler.
 
-    ``min_nodes``/``max_nodes`` may be given positionally (torch) or as
-    ``config={"min_nodes": ..., "max_nodes": ...}`` (tensorplay). When only
+    The signature is the tensorplay spec's. ``min_nodes``, ``max_nodes`` and
+    ``local_addr`` may also be given positionally, in torch's order
+    (``RendezvousParameters("c10d", "h:1", "job", 2, 4)``), or the node counts
+    as ``config={"min_nodes": ..., "max_nodes": ...}``. When only
     ``min_nodes`` is known, ``max_nodes`` equals it; when neither is, both
     are 1.
 
@@ -288,15 +322,20 @@ class RendezvousParameters:
         backend: The registered name of the backend (``c10d``, ``etcd``, ...).
         endpoint: The backend's endpoint, usually ``host[:port]``.
         run_id: The run identifier.
+        *args: ``min_nodes``, ``max_nodes``, ``local_addr``, positionally.
         min_nodes: The fewest nodes a round needs.
         max_nodes: The most nodes a round admits.
         local_addr: The address of this node, if known.
-        node_rank: This node's rank when launchers assign one, else None.
+        node_rank: This node's rank (0). Whether the caller gave it is kept
+            (:func:`given_node_rank`): a static group of several nodes needs
+            it, and the dynamic rendezvous honours only ranks nodes gave.
         local_world_size: Workers on this node (1).
         config: Backend-specific settings.
         **kwargs: More backend-specific settings (merged into ``config``).
 
     Raises:
+        TypeError: More than three arguments after ``run_id`` are
+            positional, or one is given both positionally and by keyword.
         ValueError: ``backend`` is empty, ``min_nodes < 1`` or
             ``max_nodes < min_nodes``; the message names the bad value.
     """
@@ -306,14 +345,16 @@ class RendezvousParameters:
         backend: str,
         endpoint: str,
         run_id: str,
+        *args: Any,
         min_nodes: int | None = None,
         max_nodes: int | None = None,
         local_addr: str | None = None,
-        node_rank: int | None = None,
+        node_rank: int = _DEFAULT_RANK,
         local_world_size: int = 1,
         config: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        min_nodes, max_nodes, local_addr = _positional(args, min_nodes, max_nodes, local_addr)
         if not isinstance(backend, str) or not backend.strip():
             raise ValueError(
                 f"The rendezvous backend name must be a non-empty string. Got {backend!r}."
@@ -333,9 +374,7 @@ class RendezvousParameters:
         if max_nodes is None:
             max_nodes = min_nodes
         _check_node_counts(min_nodes, max_nodes, "rendezvous nodes")
-        if node_rank is not None and (
-            isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0
-        ):
+        if isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0:
             raise ValueError(f"node_rank must be a non-negative integer, got {node_rank!r}")
         if (
             isinstance(local_world_size, bool)
@@ -351,7 +390,8 @@ class RendezvousParameters:
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
         self.local_addr = local_addr
-        self.node_rank = node_rank
+        self.node_rank = int(node_rank)
+        self._given_rank = None if node_rank is _DEFAULT_RANK else self.node_rank
         self.local_world_size = local_world_size
         self.config = merged
 

@@ -20,7 +20,13 @@ from __future__ import annotations
 import errno
 import uuid
 
-from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
+from rdzv.api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    given_node_rank,
+)
 from rdzv.endpoint import DEFAULT_PORT, format_endpoint, parse_endpoint
 from rdzv.errors import (
     RendezvousClosedError,
@@ -45,7 +51,7 @@ _ENDPOINT_ABSENT = (
 
 def _from_params(params: RendezvousParameters) -> tuple[str, int, int | None, int, str, float]:
     """Read ``(host, port, rank, world_size, run_id, timeout)`` as torch's creator does."""
-    rank = params.get_as_int("rank", params.node_rank)
+    rank = params.get_as_int("rank", given_node_rank(params))
     if rank is None and params.max_nodes > 1:
         raise ValueError(
             f"{_RANK_ABSENT} (a group of {params.max_nodes} nodes needs each node's rank: "

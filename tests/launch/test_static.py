@@ -149,3 +149,14 @@ def test_bad_arguments_are_named(kwargs: dict[str, int], message: str) -> None:
 def test_elastic_parameters_are_rejected() -> None:
     with pytest.raises(ValueError, match="min_nodes=1 max_nodes=2"):
         StaticTCPRendezvous(RendezvousParameters("static", "127.0.0.1:1", "r", 1, 2, node_rank=0))
+
+
+def test_a_group_of_several_nodes_needs_a_rank_given_by_node_rank_or_config() -> None:
+    endpoint = "127.0.0.1:1"
+    with pytest.raises(ValueError, match=r"^rank is absent in RendezvousParameters\."):
+        create_handler(RendezvousParameters("static", endpoint, "r", 2, 2))
+    for params in (
+        RendezvousParameters("static", endpoint, "r", 2, 2, node_rank=0),
+        RendezvousParameters("static", endpoint, "r", 2, 2, rank="1"),
+    ):
+        assert create_handler(params).get_backend() == "static"

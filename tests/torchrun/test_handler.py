@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from rdzv import errors
+from rdzv.api import given_node_rank
 from rdzv.registry import RendezvousHandlerRegistry
 from tests.procs import free_port
 from tests.torchrun.conftest import torchrun_env
@@ -60,10 +61,15 @@ def test_parameters_keep_rdzv_conf_strings_and_map_the_node_rank() -> None:
     )
     assert (converted.min_nodes, converted.max_nodes) == (2, 4)
     assert converted.local_addr == "10.0.0.2"
-    assert converted.node_rank == 3
+    assert converted.node_rank == given_node_rank(converted) == 3
     assert "timeout" not in converted.config
     assert converted.timeout.join.total_seconds() == 12.5
     assert converted.get_as_bool("is_host") is False
+
+
+def test_no_rank_in_the_conf_is_no_given_node_rank() -> None:
+    converted = torchrun.to_rdzv_parameters(torch_params(), "c10d")
+    assert (converted.node_rank, given_node_rank(converted)) == (0, None)
 
 
 def test_a_bad_node_rank_is_named() -> None:

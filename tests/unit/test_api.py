@@ -13,6 +13,7 @@ from rdzv import (
     RendezvousStoreInfo,
     RendezvousTimeout,
 )
+from rdzv.api import given_node_rank
 
 
 def test_timeout_defaults() -> None:
@@ -112,7 +113,7 @@ def test_parameters_torch_style() -> None:
         4,
     )
     assert p.local_addr == "10.0.0.1"
-    assert p.node_rank is None
+    assert p.node_rank == 0
     assert p.local_world_size == 1
     assert p.get("join_timeout") == "60"
     assert p.get("missing", "dflt") == "dflt"
@@ -129,6 +130,24 @@ def test_parameters_tensorplay_style() -> None:
     )
     assert (p.min_nodes, p.max_nodes, p.node_rank, p.local_world_size) == (2, 5, 3, 8)
     assert p.config == {"x": 1}
+
+
+def test_parameters_take_torchs_positional_order() -> None:
+    p = RendezvousParameters("c10d", "h:1", "job", 2, 4, "10.0.0.1")
+    assert (p.min_nodes, p.max_nodes, p.local_addr) == (2, 4, "10.0.0.1")
+    with pytest.raises(TypeError, match=r"at most 6 positional arguments .* but 7 were given"):
+        RendezvousParameters("c10d", "h:1", "job", 2, 4, "10.0.0.1", 0)
+    with pytest.raises(TypeError, match="multiple values for argument 'max_nodes'"):
+        RendezvousParameters("c10d", "h:1", "job", 2, 4, max_nodes=4)
+
+
+def test_node_rank_is_0_by_default_and_a_given_rank_is_told_apart() -> None:
+    default = RendezvousParameters("c10d", "h:1", "r")
+    assert default.node_rank == 0
+    assert type(default.node_rank) is int
+    assert given_node_rank(default) is None
+    assert given_node_rank(RendezvousParameters("c10d", "h:1", "r", node_rank=0)) == 0
+    assert given_node_rank(RendezvousParameters("c10d", "h:1", "r", node_rank=2)) == 2
 
 
 def test_parameters_min_only_and_none() -> None:
@@ -150,6 +169,7 @@ def test_parameters_min_only_and_none() -> None:
         ),
         (("b", "e", "r"), {"config": {"min_nodes": "x"}}, "min_nodes must be an integer, got 'x'"),
         (("b", "e", "r", 1, 1), {"node_rank": -1}, "node_rank"),
+        (("b", "e", "r", 1, 1), {"node_rank": None}, "node_rank"),
         (("b", "e", "r", 1, 1), {"local_world_size": 0}, "local_world_size"),
     ],
 )

@@ -58,6 +58,7 @@ from rdzv.api import (
     RendezvousParameters,
     RendezvousSettings,
     RendezvousTimeout,
+    given_node_rank,
 )
 from rdzv.backends.base import JoinQueueBackend, LivenessBackend, RendezvousBackend
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness
@@ -507,7 +508,8 @@ def create_handler(
         backend: The backend holding the shared state.
         params: The parameters (``run_id``, ``min_nodes``, ``max_nodes``,
             ``local_addr`` (without it, the address facing the endpoint:
-            :func:`rdzv.net.advertised_address`), ``node_rank``, config).
+            :func:`rdzv.net.advertised_address`), ``node_rank`` when the caller
+            gave it, config).
 
     The handler's :meth:`~DynamicRendezvousHandler.close` closes ``backend`` and ``store``.
 
@@ -519,5 +521,5 @@ def create_handler(
         store,
         backend,
         params.local_addr or advertised_address(params.endpoint),
-        node_rank=params.node_rank,
+        node_rank=given_node_rank(params),
     )

@@ -27,10 +27,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rdzv import errors
-from rdzv.api import RendezvousParameters, RendezvousSettings
+from rdzv.api import RendezvousParameters, RendezvousSettings, given_node_rank
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.backends.store import open_store
 from rdzv.dynamic.handler import DynamicRendezvousHandler
@@ -86,7 +86,7 @@ def to_rdzv_parameters(
     config.pop("timeout", None)
     rank = config.pop("rank", None)
     try:
-        node_rank = None if rank is None else int(rank)
+        rank_kwargs: dict[str, Any] = {} if rank is None else {"node_rank": int(rank)}
     except (TypeError, ValueError):
         raise ValueError(f"the node rank must be an integer, got {rank!r}") from None
     return RendezvousParameters(
@@ -96,8 +96,8 @@ def to_rdzv_parameters(
         params.min_nodes,
         params.max_nodes,
         params.local_addr,
-        node_rank=node_rank,
         config=config,
+        **rank_kwargs,
     )
 
 
@@ -191,7 +191,7 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
             store,
             backend,
             rdzv_params.local_addr or advertised_address(rdzv_params.endpoint),
-            node_rank=rdzv_params.node_rank,
+            node_rank=given_node_rank(rdzv_params),
         )
     except BaseException:
         resources.close()
