@@ -127,15 +127,12 @@ TORCH_DIFFERENCES: dict[str, str] = {
     "c10d_rendezvous_backend.C10dRendezvousBackend": _STORE_BACKEND,
     "etcd_rendezvous_backend.EtcdRendezvousBackend": _ETCD_BACKEND,
     "static_tcp_rendezvous.StaticTCPRendezvous": _STATIC,
-    "registry.get_rendezvous_handler": ABSENT,
 }
 
 TENSORPLAY_DIFFERENCES: dict[str, str] = {
     "api.RendezvousStoreInfo": "(master_addr, master_port)",
-    "api.RendezvousTimeout.from_params": ABSENT,
     "api.RendezvousHandlerRegistry": _REGISTRY,
     "api.RendezvousHandlerRegistry.register": _REGISTER,
-    "api.get_registry": ABSENT,
     "dynamic_rendezvous.RendezvousSettings": _SETTINGS,
     "dynamic_rendezvous.DynamicRendezvousHandler": _DYNAMIC,
     "dynamic_rendezvous.DynamicRendezvousHandler.from_backend": _FROM_BACKEND,
@@ -149,6 +146,4 @@ TENSORPLAY_DIFFERENCES: dict[str, str] = {
     "tp_rendezvous_backend.TpRendezvousBackend": _STORE_BACKEND,
     "etcd_rendezvous_backend.EtcdRendezvousBackend": _ETCD_BACKEND,
     "static_tcp_rendezvous.StaticTCPRendezvous": _STATIC,
-    "static_tcp_rendezvous.create_handler": ABSENT,
-    "registry.get_rendezvous_handler": ABSENT,
 }

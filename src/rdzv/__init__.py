@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "RendezvousHandlerRegistry": "rdzv.registry",
     "rendezvous_handler_registry": "rdzv.registry",
     "create_handler": "rdzv.registry",
+    "get_registry": "rdzv.registry",
     "RendezvousBackend": "rdzv.backends.base",
     "DynamicRendezvousHandler": "rdzv.dynamic.handler",
     "C10dRendezvousBackend": "rdzv.backends.store",
@@ -51,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "HashStore": "rdzv.store.memory",
     "PrefixStore": "rdzv.store.memory",
     "parse_endpoint": "rdzv.endpoint",
+    "parse_rendezvous_endpoint": "rdzv.utils",
     "parse_config": "rdzv.endpoint",
     "StaticTCPRendezvous": "rdzv.static",
     "EtcdRendezvousBackend": "rdzv.backends.etcd",
@@ -87,8 +89,10 @@ __all__ = [
     "TCPStoreServer",
     "TpRendezvousBackend",
     "create_handler",
+    "get_registry",
     "parse_config",
     "parse_endpoint",
+    "parse_rendezvous_endpoint",
     "rendezvous_handler_registry",
     "__version__",
 ]
@@ -126,6 +130,7 @@ if TYPE_CHECKING:
         RendezvousHandlerCreator,
         RendezvousHandlerRegistry,
         create_handler,
+        get_registry,
         rendezvous_handler_registry,
     )
     from rdzv.static import StaticTCPRendezvous
@@ -133,6 +138,7 @@ if TYPE_CHECKING:
     from rdzv.store.memory import HashStore, PrefixStore
     from rdzv.store.server import TCPStoreServer
     from rdzv.store.tcp import TCPStore
+    from rdzv.utils import parse_rendezvous_endpoint
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -137,6 +137,11 @@ class RendezvousTimeout:
         """The heartbeat timeout, kept for compatibility and not read (see the class)."""
         return self._heartbeat
 
+    @staticmethod
+    def from_params(params: RendezvousParameters) -> RendezvousTimeout:
+        """Return the timeouts ``params`` configures (:attr:`RendezvousParameters.timeout`)."""
+        return params.timeout
+
     def __repr__(self) -> str:
         return (
             f"RendezvousTimeout(join={self.join.total_seconds():g}, "

@@ -54,6 +54,8 @@ __all__ = [
     "canonical_backend_name",
     "create_dynamic_handler",
     "create_handler",
+    "get_registry",
+    "get_rendezvous_handler",
     "open_backend",
     "rendezvous_handler_registry",
 ]
@@ -275,6 +277,15 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         RuntimeError: The handler built reports another backend.
     """
     return rendezvous_handler_registry.create_handler(params)
+
+
+def get_registry() -> RendezvousHandlerRegistry:
+    """Return the global registry, :data:`rendezvous_handler_registry` (the tensorplay spec's name)."""
+    return rendezvous_handler_registry
+
+
+get_rendezvous_handler = create_handler
+"""torch's name of :func:`create_handler` (``registry.get_rendezvous_handler``)."""
 
 
 def open_backend(

@@ -39,7 +39,7 @@ from rdzv.keys import STATIC_ROOT
 from rdzv.store.memory import PrefixStore
 from rdzv.store.tcp import TCPStore
 
-__all__ = ["StaticTCPRendezvous", "create_rdzv_handler"]
+__all__ = ["StaticTCPRendezvous", "create_handler", "create_rdzv_handler"]
 
 # torch 2.13's messages (static_tcp_rendezvous.create_rdzv_handler), verbatim.
 _RANK_ABSENT = "rank is absent in RendezvousParameters.Try add --node-rank to the cmd request"
@@ -296,3 +296,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         ValueError: A parameter is missing or invalid; torch's message first.
     """
     return StaticTCPRendezvous(params)
+
+
+create_handler = create_rdzv_handler
+"""The tensorplay spec's name of :func:`create_rdzv_handler`."""

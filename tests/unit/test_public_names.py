@@ -27,6 +27,8 @@ SPEC_NAMES = [
     "RendezvousHandlerRegistry",
     "rendezvous_handler_registry",
     "create_handler",
+    "get_registry",
+    "parse_rendezvous_endpoint",
     # dynamic rendezvous and backends
     "RendezvousBackend",
     "DynamicRendezvousHandler",

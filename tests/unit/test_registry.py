@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import rdzv
-from rdzv import RendezvousHandler, RendezvousHandlerRegistry, RendezvousParameters
+import rdzv.static
+from rdzv import RendezvousHandler, RendezvousHandlerRegistry, RendezvousParameters, registry
 from rdzv.registry import BACKEND_FACTORIES, open_backend
 from tests.procs import ROOT, SRC, subprocess_env
 from tests.unit.test_api import _Handler
@@ -111,6 +112,20 @@ def test_module_level_registry_and_create_handler() -> None:
     assert isinstance(rdzv.rendezvous_handler_registry, RendezvousHandlerRegistry)
     with pytest.raises(ValueError, match="not registered"):
         rdzv.create_handler(RendezvousParameters("definitely-not-a-backend", "e", "r", 1, 1))
+
+
+def test_the_specs_other_names_for_the_registry_and_its_factories() -> None:
+    assert rdzv.get_registry() is rdzv.rendezvous_handler_registry
+    static = RendezvousParameters("static", "127.0.0.1:1", "r", 1, 1)
+    for build in (registry.get_rendezvous_handler, rdzv.static.create_handler):
+        handler = build(static)
+        assert isinstance(handler, rdzv.StaticTCPRendezvous)
+        assert handler.get_run_id() == "r"
+    with pytest.raises(ValueError, match="not registered"):
+        registry.get_rendezvous_handler(RendezvousParameters("no-such-backend", "e", "r"))
+    params = RendezvousParameters("c10d", "h:1", "r", join_timeout=7, heartbeat=2)
+    timeout = rdzv.RendezvousTimeout.from_params(params)
+    assert (timeout.join.total_seconds(), timeout.heartbeat.total_seconds()) == (7, 2)
 
 
 def test_cli_version_and_backends() -> None:
