@@ -74,6 +74,7 @@ from rdzv.keys import handler_prefix
 from rdzv.net import advertised_address, primary_address
 from rdzv.retry import Clock, as_clock, call_within, deadline_within
 from rdzv.store.base import Store
+from rdzv.store.foreign import StoreLike, as_store
 
 __all__ = ["DynamicRendezvousHandler", "HandlerStatistics", "create_handler"]
 
@@ -94,7 +95,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         node: This handler's node key (``addr#pid#nonce``).
         settings: The rendezvous settings.
         backend_name: The name reported by :meth:`get_backend`.
-        store: The store members get (prefixed per run and round).
+        store: The store members get (prefixed per run and round): an rdzv
+            store, or one with torch's ``Store`` API, wrapped once here
+            (:func:`~rdzv.store.foreign.as_store`).
         backend: The backend holding the shared state.
         local_addr: The address published for this node.
         node_rank: The rank this node asks for, or None.
@@ -107,12 +110,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         node: str,
         settings: RendezvousSettings,
         backend_name: str,
-        store: Store,
+        store: StoreLike,
         backend: RendezvousBackend,
         local_addr: str,
         node_rank: int | None = None,
         clock: Clock | Callable[[], float] | None = None,
     ) -> None:
+        store = as_store(store)
         self._node = node
         self._settings = settings
         self._backend_name = backend_name
@@ -193,7 +197,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def from_backend(
         cls,
         run_id: str,
-        store: Store,
+        store: StoreLike,
         backend: RendezvousBackend,
         min_nodes: int,
         max_nodes: int,
@@ -210,7 +214,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         Args:
             run_id: The run identifier.
             store: The store members get; also hosts joins and heartbeats when
-                the backend lacks those capabilities.
+                the backend lacks those capabilities. An rdzv store or one
+                with torch's ``Store`` API (``torch.distributed.TCPStore``, ...).
             backend: The backend holding the shared state.
             min_nodes: The fewest nodes a round needs.
             max_nodes: The most nodes a round admits.
@@ -225,6 +230,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         Raises:
             ValueError: A setting is invalid; the message names it.
+            TypeError: ``store`` is of neither kind.
         """
         interval = (
             keep_alive_interval
@@ -247,7 +253,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def from_settings(
         cls,
         settings: RendezvousSettings,
-        store: Store,
+        store: StoreLike,
         backend: RendezvousBackend,
         local_addr: str | None = None,
         *,
@@ -493,7 +499,7 @@ class _EventText:
 
 
 def create_handler(
-    store: Store, backend: RendezvousBackend, params: RendezvousParameters
+    store: StoreLike, backend: RendezvousBackend, params: RendezvousParameters
 ) -> DynamicRendezvousHandler:
     """Build a :class:`DynamicRendezvousHandler` from rendezvous parameters.
 
@@ -503,7 +509,7 @@ def create_handler(
     ``keep_alive_interval``, ``keep_alive_max_attempt``).
 
     Args:
-        store: The store members get.
+        store: The store members get (an rdzv store or a torch store).
         backend: The backend holding the shared state.
         params: The parameters (``run_id``, ``min_nodes``, ``max_nodes``,
             ``local_addr`` (without it, the address facing the endpoint:
@@ -513,6 +519,7 @@ def create_handler(
 
     Raises:
         ValueError: A parameter is invalid; the message names it.
+        TypeError: ``store`` is of neither kind.
     """
     return DynamicRendezvousHandler.from_settings(
         RendezvousSettings.from_params(params),
