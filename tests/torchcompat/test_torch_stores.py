@@ -26,10 +26,11 @@ import pytest
 import torch.distributed as torch_dist
 
 from rdzv import DynamicRendezvousHandler, RendezvousTimeout
-from rdzv.backends.store import C10dRendezvousBackend
+from rdzv.backends.store import RETAIN_REPLACED, C10dRendezvousBackend
 from rdzv.keys import agent_key
 from rdzv.status import HeartbeatTracker, list_runs, read_status
 from rdzv.store.foreign import ForeignStore, StoreLike, as_store
+from rdzv.testing.clock import FakeClock
 from rdzv.testing.conformance import BACKEND_CHECKS, Check
 from rdzv.testing.store_conformance import STORE_CHECKS, StoreCapability, StoreCheck
 from tests.conformance.test_backends import C10dHarness, run_all
@@ -145,6 +146,57 @@ def test_a_torch_store_is_wrapped_once_and_an_rdzv_store_not_at_all() -> None:
     assert not backend.store.supports_watch
     with pytest.raises(TypeError, match=r"lacks .*compare_set"):
         C10dRendezvousBackend(object(), "run")  # type: ignore[arg-type]
+
+
+class _RivalBeforeBodyRead:
+    """torch's HashStore, on which ``rival`` runs once right before the next read of a state body."""
+
+    def __init__(self, inner: Any, rival: Callable[[], None]) -> None:
+        self._inner = inner
+        self._rival = rival
+        self.armed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        if self.armed and key.startswith("rdzv.backend/run/state/"):
+            self.armed = False
+            self._rival()
+        result: bytes = self._inner.compare_set(key, expected, desired)
+        return result
+
+
+def test_a_body_gone_before_its_read_is_a_lost_race_not_an_error() -> None:
+    """The head a reader read is replaced twice and its body deleted before the body read."""
+    shared = torch_hash_store()
+    clock = FakeClock()
+    rival = C10dRendezvousBackend(shared, "run", clock=clock)
+    rival.set_state(b"0")
+
+    def commit() -> None:
+        read = rival.get_state()
+        assert read is not None
+        assert rival.set_state(str(int(read[0]) + 1).encode(), read[1]) is not None
+
+    def two_commits_and_retention() -> None:
+        commit()
+        commit()
+        clock.advance(RETAIN_REPLACED)
+        rival.read_token()  # deletes the bodies it replaced, the reader's among them
+
+    view = _RivalBeforeBodyRead(shared, two_commits_and_retention)
+    reader = C10dRendezvousBackend(view, "run")
+    for expected in (b"3", b"6", b"9"):
+        commit()  # a head the reader has not read
+        view.armed = True
+        found = reader.get_state()
+        # Read the other way round (head, then body) the head would still
+        # name the deleted body: a false "missing body" corruption error.
+        assert found is not None
+        assert found[0] == expected
+        assert found == rival.get_state()
+        assert not view.armed
 
 
 # -- the handler over a torch store ------------------------------------------
