@@ -159,7 +159,7 @@ class _RivalBeforeBodyRead:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         if self.armed and key.startswith("rdzv.backend/run/state/"):
             self.armed = False
             self._rival()

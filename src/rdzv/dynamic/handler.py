@@ -59,7 +59,13 @@ from rdzv.api import (
     RendezvousSettings,
     RendezvousTimeout,
 )
-from rdzv.backends.base import JoinQueueBackend, LivenessBackend, RendezvousBackend
+from rdzv.backends.base import (
+    BackendLike,
+    JoinQueueBackend,
+    LivenessBackend,
+    RendezvousBackend,
+    as_backend,
+)
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness
 from rdzv.dynamic.bootstrap import HeldPort
 from rdzv.dynamic.join import Join, JoinContext
@@ -98,7 +104,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         store: The store members get (prefixed per run and round): an rdzv
             store, or one with torch's ``Store`` API, wrapped once here
             (:func:`~rdzv.store.foreign.as_store`).
-        backend: The backend holding the shared state.
+        backend: The backend holding the shared state: rdzv's, or one
+            written against torch's ``RendezvousBackend``, wrapped once here
+            (:func:`~rdzv.backends.base.as_backend`).
         local_addr: The address published for this node.
         node_rank: The rank this node asks for, or None.
         clock: The clock decisions, polls and keep-alive ticks run on (a
@@ -111,12 +119,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         settings: RendezvousSettings,
         backend_name: str,
         store: StoreLike,
-        backend: RendezvousBackend,
+        backend: BackendLike,
         local_addr: str,
         node_rank: int | None = None,
         clock: Clock | Callable[[], float] | None = None,
     ) -> None:
         store = as_store(store)
+        backend = as_backend(backend)
         self._node = node
         self._settings = settings
         self._backend_name = backend_name
@@ -198,7 +207,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         cls,
         run_id: str,
         store: StoreLike,
-        backend: RendezvousBackend,
+        backend: BackendLike,
         min_nodes: int,
         max_nodes: int,
         local_addr: str | None = None,
@@ -216,7 +225,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             store: The store members get; also hosts joins and heartbeats when
                 the backend lacks those capabilities. An rdzv store or one
                 with torch's ``Store`` API (``torch.distributed.TCPStore``, ...).
-            backend: The backend holding the shared state.
+            backend: The backend holding the shared state (rdzv's, or one
+                with torch's ``RendezvousBackend`` API).
             min_nodes: The fewest nodes a round needs.
             max_nodes: The most nodes a round admits.
             local_addr: This node's address; found with ``getaddrinfo`` (never
@@ -230,7 +240,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         Raises:
             ValueError: A setting is invalid; the message names it.
-            TypeError: ``store`` is of neither kind.
+            TypeError: ``store`` or ``backend`` is of neither kind.
         """
         interval = (
             keep_alive_interval
@@ -254,7 +264,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         cls,
         settings: RendezvousSettings,
         store: StoreLike,
-        backend: RendezvousBackend,
+        backend: BackendLike,
         local_addr: str | None = None,
         *,
         node_rank: int | None = None,
@@ -499,7 +509,7 @@ class _EventText:
 
 
 def create_handler(
-    store: StoreLike, backend: RendezvousBackend, params: RendezvousParameters
+    store: StoreLike, backend: BackendLike, params: RendezvousParameters
 ) -> DynamicRendezvousHandler:
     """Build a :class:`DynamicRendezvousHandler` from rendezvous parameters.
 
@@ -519,7 +529,7 @@ def create_handler(
 
     Raises:
         ValueError: A parameter is invalid; the message names it.
-        TypeError: ``store`` is of neither kind.
+        TypeError: ``store`` or ``backend`` is of neither kind.
     """
     return DynamicRendezvousHandler.from_settings(
         RendezvousSettings.from_params(params),
