@@ -41,11 +41,12 @@ in :mod:`rdzv.dynamic.shared`, the heartbeat and ring judgement in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -82,7 +83,7 @@ from rdzv.retry import Clock, as_clock, call_within, deadline_within
 from rdzv.store.base import Store
 from rdzv.store.foreign import StoreLike, as_store
 
-__all__ = ["DynamicRendezvousHandler", "HandlerStatistics", "create_handler"]
+__all__ = ["DynamicRendezvousHandler", "HandlerStatistics", "create_handler", "recorded_creation"]
 
 LOGGER = logging.getLogger("rdzv.dynamic")
 
@@ -304,16 +305,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._node
 
     def _event(self, action: str, round_id: int, **fields: Any) -> None:
-        if not LOGGER.isEnabledFor(logging.INFO):
-            return
-        event = {
-            "run_id": self._settings.run_id,
-            "round": round_id,
-            "node": self._node,
-            "action": action,
-            **fields,
-        }
-        LOGGER.info("rdzv %s", _EventText(event), extra={"rdzv_event": event})
+        if LOGGER.isEnabledFor(logging.INFO):
+            _log_event(self._settings.run_id, round_id, self._node, action, fields)
 
     def statistics(self) -> HandlerStatistics:
         """Return what this handler knows of its rounds now (no backend call)."""
@@ -508,6 +501,14 @@ class _EventText:
         return json.dumps(self._event, sort_keys=True)
 
 
+def _log_event(
+    run_id: str, round_id: int, node: str | None, action: str, fields: dict[str, Any]
+) -> None:
+    """Log one structured event on :data:`LOGGER` (the record's ``rdzv_event``)."""
+    event = {"run_id": run_id, "round": round_id, "node": node, "action": action, **fields}
+    LOGGER.info("rdzv %s", _EventText(event), extra={"rdzv_event": event})
+
+
 def create_handler(
     store: StoreLike, backend: BackendLike, params: RendezvousParameters
 ) -> DynamicRendezvousHandler:
@@ -527,14 +528,36 @@ def create_handler(
 
     The handler's :meth:`~DynamicRendezvousHandler.close` closes ``backend`` and ``store``.
 
+    As torch's ``create_handler`` records an event and raises when it
+    fails, a failure here is logged as the event ``create-failed``
+    (:func:`recorded_creation`), then raised; under torchrun it reaches
+    torch's event handler too (:mod:`rdzv.torchrun.events`).
+
     Raises:
         ValueError: A parameter is invalid; the message names it.
         TypeError: ``store`` or ``backend`` is of neither kind.
     """
-    return DynamicRendezvousHandler.from_settings(
-        RendezvousSettings.from_params(params),
-        store,
-        backend,
-        params.local_addr or advertised_address(params.endpoint),
-        node_rank=params.node_rank,
-    )
+    with recorded_creation(params.run_id):
+        return DynamicRendezvousHandler.from_settings(
+            RendezvousSettings.from_params(params),
+            store,
+            backend,
+            params.local_addr or advertised_address(params.endpoint),
+            node_rank=params.node_rank,
+        )
+
+
+@contextlib.contextmanager
+def recorded_creation(run_id: str) -> Iterator[None]:
+    """Log a failure of the block, creating a handler of ``run_id``, as ``create-failed``; raise it.
+
+    The event has round -1, no node key (there is none yet) and ``error``:
+    ``"<type>: <text>"``, the message of torch's event for the same failure.
+    """
+    try:
+        yield
+    except Exception as exc:
+        if LOGGER.isEnabledFor(logging.INFO):
+            error = f"{type(exc).__name__}: {exc}"
+            _log_event(run_id, -1, None, "create-failed", {"error": error})
+        raise
