@@ -30,6 +30,8 @@ from rdzv.backends.store import RETAIN_REPLACED, C10dRendezvousBackend
 from rdzv.keys import agent_key
 from rdzv.status import HeartbeatTracker, list_runs, read_status
 from rdzv.store.foreign import ForeignStore, StoreLike, as_store
+from rdzv.store.memory import PrefixStore
+from rdzv.store.tcp import TCPStore
 from rdzv.testing.clock import FakeClock
 from rdzv.testing.conformance import BACKEND_CHECKS, Check
 from rdzv.testing.store_conformance import STORE_CHECKS, StoreCapability, StoreCheck
@@ -82,19 +84,29 @@ def test_backend_suite_on_torchs_hash_store(check: Check) -> None:
     run_all(check, C10dHarness(as_store(shared), lambda: shared))
 
 
+@pytest.mark.parametrize("client", ["torch", "rdzv"])
 @EACH_BACKEND_CHECK
 def test_backend_suite_on_torchs_tcp_store(
-    check: Check, torch_server: Any, torch_clients: list[Any]
+    check: Check, client: str, torch_server: Any, torch_clients: list[Any]
 ) -> None:
-    # Each backend on a client of its own, under torch's PrefixStore (a run
-    # of keys of its own on the shared server); the suite's corruption goes
-    # through the master's client.
+    # Each backend on a client of its own (torch's, or rdzv's, which reads
+    # torch's server as a torch store is read), under a prefix of its own on
+    # the shared server; the suite's corruption goes through the master.
     uid, pool = uuid.uuid4().hex[:10], itertools.cycle(torch_clients)
+
+    def connect() -> StoreLike:
+        if client == "torch":
+            return torch_dist.PrefixStore(uid, next(pool))  # type: ignore[attr-defined]
+        return PrefixStore(uid, TCPStore("127.0.0.1", torch_server.port, timeout=TIMEOUT))
+
     harness = C10dHarness(
         as_store(torch_dist.PrefixStore(uid, torch_server)),  # type: ignore[attr-defined]
-        lambda: torch_dist.PrefixStore(uid, next(pool)),  # type: ignore[attr-defined]
+        connect,
     )
-    run_all(check, harness)
+    try:
+        run_all(check, harness)
+    finally:
+        harness.close()
 
 
 @EACH_BACKEND_CHECK

@@ -11,7 +11,8 @@ gets the two capabilities that make a formation linear from its store:
   mark is ``add(key, 0)``, one round trip.
 
 The c10d backend is built from both, and the dynamic handler falls back to
-them for backends that lack the capabilities. Store failures become
+them for backends that lack the capabilities. The store may be rdzv's or
+torch's (:func:`~rdzv.store.foreign.as_store`). Store failures become
 :class:`~rdzv.errors.RendezvousConnectionError`.
 """
 

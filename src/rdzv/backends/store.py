@@ -28,19 +28,22 @@ and ``TpRendezvousBackend``. It offers every capability:
 * a store with torch's ``Store`` API (``torch.distributed.HashStore``,
   ``TCPStore``, ``FileStore``) is taken as it is and wrapped once
   (:func:`~rdzv.store.foreign.as_store`). It has no atomic
-  ``try_multi_get``: the wrapper reads the body, then the head, each with
-  a ``compare_set`` that neither writes nor waits. That order keeps every
-  conclusion of a read true. A body found belongs to the head that names
-  it, which was committed. A body missing while the head read after it
-  still names it is corruption, as with one atomic read: a head never
-  comes back once replaced (its generation only grows, its nonce is
-  random), so the head named the body the whole time, and a body goes
-  only :data:`RETAIN_REPLACED` seconds after its head was replaced. A body
-  missing under a head that moved is a lost race: the newer head is read
-  next. A lost race is never an error; only a state that moved on faster
-  than it could be read, ``_BODY_ATTEMPTS`` times in a row, is one, and a
-  retryable one (:class:`~rdzv.errors.RendezvousConnectionError`), as on
-  rdzv's stores. Without ``watch``, waits poll;
+  ``try_multi_get``, nor has rdzv's client of torch's server: there
+  :meth:`Store.try_multi_get <rdzv.store.base.Store.try_multi_get>` reads
+  the body, then the head, each with a ``compare_set`` that neither writes
+  nor waits. That order keeps every conclusion of a read true. A body
+  found belongs to the head that names it, which was committed. A body
+  missing while the head read after it still names it is corruption, as
+  with one atomic read: a head never comes back once replaced (its
+  generation only grows, its nonce is random), so that head named the body
+  from the first read to the last, and a body is deleted only after its
+  head was replaced. A body missing under a head that moved is a lost race
+  (rare: the body was read :data:`RETAIN_REPLACED` seconds or more after
+  the head that named it), and the newer head is read next. A lost race is
+  never an error; only a state that moved on faster than it could be read,
+  ``_BODY_ATTEMPTS`` times in a row, is one, and a retryable one
+  (:class:`~rdzv.errors.RendezvousConnectionError`), as on rdzv's stores.
+  Without ``watch``, waits poll;
 * watch: ``Store.watch`` on the head key when the store supports it,
   otherwise polling with jittered, capped backoff;
 * seats: a seated write stores each member's seat under

@@ -12,18 +12,12 @@ by having the methods rdzv calls.
 
 What torch's ``Store`` lacks and what stands in for it:
 
-* ``try_multi_get`` (read without waiting, None for a missing key) reads
-  each key with ``compare_set(key, probe, probe)``, ``probe`` being random
-  bytes of this adapter that no stored value equals: torch's rule for a
-  missing key with a non-empty expected value returns the expected value
-  and writes nothing, and a present key returns its value. So each key is
-  read atomically in one request that never waits. ``check`` then
-  ``multi_get`` would not do: a key deleted between the two makes
-  ``multi_get`` wait for the store's whole timeout. The keys are read one
-  after the other, in the order given: the values are no snapshot of one
-  instant, but each is read after the one before (the c10d backend reads a
-  state body before its head for that reason; see
-  :mod:`rdzv.backends.store`).
+* ``try_multi_get`` (read without waiting, None for a missing key) is
+  :meth:`Store.try_multi_get <rdzv.store.base.Store.try_multi_get>`'s
+  default, which needs only torch's API: one ``compare_set`` per key that
+  neither writes nor waits, the keys read one after the other in the order
+  given (the c10d backend reads a state body before its head for that
+  reason; see :mod:`rdzv.backends.store`).
 * ``watch``: none (``supports_watch`` is False), so rdzv's callers poll.
 * errors: a timeout of a waiting call (torch's ``DistStoreError``, its
   ``QueueEmptyError``, ``FileStore``'s ``RuntimeError``) becomes
@@ -42,10 +36,8 @@ needs none.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from functools import partial
 from typing import Any, Protocol, TypeVar, Union
 
 from rdzv.errors import RendezvousConnectionError, StoreTimeoutError
@@ -141,8 +133,6 @@ class ForeignStore(Store):
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         super().__init__(inner.timeout)
-        # No stored value equals it (see try_multi_get).
-        self._probe = b"\x00rdzv-absent-" + secrets.token_bytes(16)
 
     @property
     def timeout(self) -> timedelta:
@@ -219,19 +209,6 @@ class ForeignStore(Store):
 
     def queue_len(self, key: str) -> int:  # noqa: D102
         return int(self._call(lambda: self._inner.queue_len(key)))
-
-    def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Read each key in turn with one ``compare_set`` that never writes nor waits.
-
-        None for a missing key. Each value is read after the one before it
-        (see the module).
-        """
-        probe, cas = self._probe, self._inner.compare_set
-        found: list[bytes | None] = []
-        for key in keys:
-            raw = bytes(self._call(partial(cas, key, probe, probe)))
-            found.append(None if raw == probe else raw)
-        return found
 
     def __repr__(self) -> str:
         return f"ForeignStore({self._inner!r})"
