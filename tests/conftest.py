@@ -134,6 +134,33 @@ def rdzv_server_process() -> Iterator[int]:
         yield port
 
 
+@pytest.fixture
+def torch_events(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
+    """The rendezvous events torch records, each as its JSON object, while the test runs.
+
+    A capturing handler is torch's ``dynamic_rendezvous`` event handler
+    meanwhile (a ``NullHandler`` otherwise, which records nothing).
+    """
+    import json
+    import logging
+
+    from torch.distributed.elastic import events
+    from torch.distributed.elastic.events import handlers
+
+    recorded: list[dict[str, Any]] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            recorded.append(json.loads(record.getMessage()))
+
+    capture = Capture()
+    monkeypatch.setitem(handlers._log_handlers, "dynamic_rendezvous", capture)
+    monkeypatch.delitem(events._events_loggers, "dynamic_rendezvous", raising=False)
+    yield recorded
+    logging.getLogger("torchelastic-events-dynamic_rendezvous").removeHandler(capture)
+    events._events_loggers.pop("dynamic_rendezvous", None)
+
+
 @pytest.fixture(scope="session")
 def torch_server() -> Iterator[Any]:
     """torch's C++ TCPStore server, hosted in this process."""

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rdzv.store.base import Store
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 ROOT = SRC.parent
 
@@ -196,7 +198,9 @@ class CountingStore:
     ``close``, ``clone`` and attributes pass through uncounted. A method's
     wrapper is made on its first call and kept in the instance, so a counted
     call costs one Python call more (the benchmarks count thousands of
-    handlers' calls). A call that raises is not counted.
+    handlers' calls). A call that raises is not counted. It is registered as
+    an rdzv :class:`~rdzv.store.base.Store`, so rdzv uses it as the rdzv
+    store it wraps (its watch included) instead of as a foreign store.
     """
 
     def __init__(self, inner: Any, count: Callable[[str, tuple[Any, ...], Any], None]) -> None:
@@ -224,6 +228,9 @@ class CountingStore:
 
         setattr(self, name, call)
         return call
+
+
+Store.register(CountingStore)
 
 
 def _ephemeral_low() -> int:

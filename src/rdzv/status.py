@@ -39,6 +39,7 @@ from rdzv.errors import RendezvousError
 from rdzv.keys import agent_key, round_store_prefix, run_of_backend_key
 from rdzv.registry import open_backend as open_registered_backend
 from rdzv.store.base import Store
+from rdzv.store.foreign import StoreLike, as_store
 from rdzv.store.memory import PrefixStore
 
 __all__ = [
@@ -245,15 +246,16 @@ def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def list_runs(store: Store) -> list[str]:
+def list_runs(store: StoreLike) -> list[str]:
     """Return the run ids the store backend (``c10d``, ...) holds keys of, sorted.
 
-    ``store`` is the rendezvous store, not a prefix of it.
+    ``store`` is the rendezvous store, not a prefix of it (an rdzv store or
+    one with torch's ``Store`` API).
 
     Raises:
         RendezvousError: The store cannot be read.
     """
-    runs = {run_of_backend_key(key) for key in store.list_keys()}
+    runs = {run_of_backend_key(key) for key in as_store(store).list_keys()}
     return sorted(run for run in runs if run is not None)
 
 
@@ -264,7 +266,7 @@ def read_status(
     sample: float = 0.0,
     poll: float = 0.1,
     sleep: Callable[[float], None] = time.sleep,
-    store: Store | None = None,
+    store: StoreLike | None = None,
 ) -> RunStatus:
     """Read a run's status, watching the heartbeats for ``sample`` seconds.
 
@@ -279,7 +281,8 @@ def read_status(
         poll: Seconds between heartbeat readings while sampling.
         sleep: Sleeps between readings.
         store: The run's store, to read what the agents wrote (host,
-            workers, restarts); None to skip it.
+            workers, restarts): an rdzv store or one with torch's ``Store``
+            API; None to skip it.
 
     Raises:
         RendezvousError: The backend cannot be read or its state is corrupt.
@@ -307,7 +310,7 @@ def read_status(
         if latest is not None and (latest.round, latest.closed) != (state.round, state.closed):
             state = latest
             break
-    agents = _agents(store, run_id, state)
+    agents = _agents(None if store is None else as_store(store), run_id, state)
     members = [
         MemberStatus(
             rank,

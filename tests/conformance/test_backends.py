@@ -23,6 +23,7 @@ from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.errors import RendezvousConnectionError
 from rdzv.store.base import Store
 from rdzv.store.file import FileStore
+from rdzv.store.foreign import StoreLike, as_store
 from rdzv.store.memory import HashStore
 from rdzv.store.tcp import TCPStore
 from rdzv.testing import InMemoryBackend, InMemoryRendezvousStorage
@@ -77,14 +78,17 @@ def test_memory(check: Check) -> None:
 
 
 class C10dHarness(BackendHarness):
-    """c10d backends on ``store`` (or on clients ``client`` makes of it), run ``run1``."""
+    """c10d backends on ``store`` (or on clients ``client`` makes of it), run ``run1``.
 
-    def __init__(self, store: Store, client: Callable[[], Store] | None = None) -> None:
+    A client may be any store the backend takes (torch's too: tests/torchcompat).
+    """
+
+    def __init__(self, store: Store, client: Callable[[], StoreLike] | None = None) -> None:
         self.store = store
         self.client = client
-        self.clients: list[Store] = []
+        self.clients: list[StoreLike] = []
 
-    def _client(self) -> Store:
+    def _client(self) -> StoreLike:
         if self.client is None:
             return self.store
         store = self.client()
@@ -106,7 +110,7 @@ class C10dHarness(BackendHarness):
 
     def close(self) -> None:
         for store in self.clients:
-            store.close()
+            as_store(store).close()
         self.store.close()
 
 

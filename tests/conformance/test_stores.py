@@ -33,7 +33,7 @@ from rdzv.testing.store_conformance import (
     run_store_conformance,
 )
 from tests.engines.servers import EtcdCluster, RedisServer
-from tests.store.helpers import TorchClientStore
+from tests.store.helpers import torch_client
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,6 +43,10 @@ TIMEOUT = 5.0
 EVERY = frozenset(StoreCapability)
 WATCH_ONLY = frozenset({StoreCapability.WATCH})
 QUEUE_KEY = frozenset({StoreCapability.QUEUE_KEY})
+# The rest of torch's Store API: its queues and delete_key's answer (torch's
+# FileStore has neither).
+TORCH_API = frozenset({StoreCapability.QUEUES, StoreCapability.DELETE_RESULT})
+FILE = WATCH_ONLY | TORCH_API
 
 
 class Clients(StoreHarness):
@@ -94,14 +98,14 @@ def test_prefix_store(check: StoreCheck) -> None:
 
 @pytest.mark.parametrize(
     "check",
-    [c for c in STORE_CHECKS if c.capability is None or c.capability in WATCH_ONLY],
+    [c for c in STORE_CHECKS if c.capability is None or c.capability in FILE],
     ids=lambda c: c.name,
 )
 def test_file_store(check: StoreCheck, tmp_path: Path) -> None:
     # Every client opens the file on its own, as separate processes would. A
     # client serialises its calls (a blocking wait holds it), like the TCP client.
     path = tmp_path / "store"
-    run(check, Clients(lambda: FileStore(path, timeout=TIMEOUT), WATCH_ONLY))
+    run(check, Clients(lambda: FileStore(path, timeout=TIMEOUT), FILE))
 
 
 # -- server/client pairings --------------------------------------------------
@@ -109,10 +113,10 @@ def test_file_store(check: StoreCheck, tmp_path: Path) -> None:
 
 # (server, client) -> what the pairing offers; torch's side watches nothing.
 PAIRINGS = {
-    ("rdzv", "rdzv"): WATCH_ONLY | QUEUE_KEY,
-    ("rdzv", "torch"): QUEUE_KEY,
-    ("torch", "rdzv"): QUEUE_KEY,
-    ("torch", "torch"): QUEUE_KEY,
+    ("rdzv", "rdzv"): WATCH_ONLY | QUEUE_KEY | TORCH_API,
+    ("rdzv", "torch"): QUEUE_KEY | TORCH_API,
+    ("torch", "rdzv"): QUEUE_KEY | TORCH_API,
+    ("torch", "torch"): QUEUE_KEY | TORCH_API,
 }
 
 
@@ -129,7 +133,7 @@ class PairingHarness(Clients):
         def make() -> Store:
             if client == "rdzv":
                 return TCPStore("127.0.0.1", port, timeout=TIMEOUT)
-            return TorchClientStore(port, TIMEOUT)
+            return torch_client(port, TIMEOUT)
 
         super().__init__(make, PAIRINGS[server, client])
 

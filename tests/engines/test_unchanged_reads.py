@@ -73,7 +73,7 @@ def _poll_and_change(
     clock: FakeClock,
 ) -> None:
     counting = BytesRead()
-    reader = C10dRendezvousBackend(CountingStore(clone, counting), "job")  # type: ignore[arg-type]
+    reader = C10dRendezvousBackend(CountingStore(clone, counting), "job")
     assert reader.get_state() == first[:2]
     assert counting.read > len(first[0])  # the first read fetches the body
     counting.read = 0

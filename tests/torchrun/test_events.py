@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -12,32 +12,12 @@ from rdzv import HashStore
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.testing.memory import InMemoryBackend
 
-events = pytest.importorskip("torch.distributed.elastic.events")
-from torch.distributed.elastic.events import handlers as torch_handlers  # noqa: E402
+pytest.importorskip("torch.distributed.elastic.events")
+from torch.distributed.elastic.events import handlers as torch_handlers
 
-from rdzv.torchrun.events import bridge_events  # noqa: E402
+from rdzv.torchrun.events import bridge_events
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(60)]
-
-
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[dict[str, object]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.events.append(json.loads(record.getMessage()))
-
-
-@pytest.fixture
-def torch_handler(monkeypatch: pytest.MonkeyPatch) -> Iterator[Capture]:
-    """A capturing handler installed as torch's ``dynamic_rendezvous`` event handler."""
-    capture = Capture()
-    monkeypatch.setitem(torch_handlers._log_handlers, "dynamic_rendezvous", capture)
-    monkeypatch.delitem(events._events_loggers, "dynamic_rendezvous", raising=False)
-    yield capture
-    logging.getLogger("torchelastic-events-dynamic_rendezvous").removeHandler(capture)
-    events._events_loggers.pop("dynamic_rendezvous", None)
 
 
 def _handler() -> DynamicRendezvousHandler:
@@ -46,7 +26,9 @@ def _handler() -> DynamicRendezvousHandler:
     )
 
 
-def test_events_are_recorded_as_torchs_rendezvous_events(torch_handler: Capture) -> None:
+def test_events_are_recorded_as_torchs_rendezvous_events(
+    torch_events: list[dict[str, Any]],
+) -> None:
     handler = _handler()
     rdzv_logger = logging.getLogger("rdzv.dynamic")
     level = rdzv_logger.level
@@ -60,15 +42,15 @@ def test_events_are_recorded_as_torchs_rendezvous_events(torch_handler: Capture)
         handler.close()
     assert rdzv_logger.level == level
     # torch prefixes the name with the file that recorded it, as for its own events
-    names = [str(e["name"]).split(":", 1)[-1] for e in torch_handler.events]
+    names = [str(e["name"]).split(":", 1)[-1] for e in torch_events]
     assert names[:4] == ["rdzv.join", "rdzv.enqueue", "rdzv.sealed", "rdzv.complete"]
-    complete = torch_handler.events[names.index("rdzv.complete")]
+    complete = torch_events[names.index("rdzv.complete")]
     assert complete["run_id"] == "bridged"
     assert complete["node_state"] == "SUCCEEDED"
     assert complete["hostname"] == "127.0.0.1"
     assert complete["rank"] == 0
     assert json.loads(str(complete["message"]))["action"] == "complete"
-    assert {e["run_id"] for e in torch_handler.events} == {"bridged"}
+    assert {e["run_id"] for e in torch_events} == {"bridged"}
 
 
 def test_nothing_is_attached_while_torchs_handler_is_a_null_handler() -> None:

@@ -4,7 +4,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
 
 import pytest
 
@@ -14,7 +13,7 @@ from rdzv.backends.store import (
     P10dRendezvousBackend,
     TpRendezvousBackend,
 )
-from rdzv.store.memory import HashStore
+from rdzv.store.memory import HashStore, PrefixStore
 from rdzv.testing.clock import FakeClock
 
 
@@ -163,28 +162,25 @@ def test_sixteen_writers_on_a_tcp_store_lose_no_update_and_raise_nothing() -> No
         server.stop()
 
 
-class _RivalBeforeEachRead:
-    """A store view on which ``rival`` runs before every atomic multi-key read."""
+class _RivalBeforeEachRead(PrefixStore):
+    """A view of ``inner`` (under ``view``) on which ``rival`` runs before every multi-key read."""
 
     def __init__(self, inner: HashStore, rival: Callable[[], None]) -> None:
-        self._inner = inner
+        super().__init__("view", inner)
         self._rival = rival
         self.reads = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
         self.reads += 1
         self._rival()
-        return self._inner.try_multi_get(keys)
+        return super().try_multi_get(keys)
 
 
 def test_a_reader_reads_in_one_round_trip_whatever_the_write_rate() -> None:
     """Five commits land between a reader's head and its body read, each time; it reads at once."""
     store = HashStore()
     clock = FakeClock()
-    rival = C10dRendezvousBackend(store, "r", clock=clock)
+    rival = C10dRendezvousBackend(PrefixStore("view", store), "r", clock=clock)
     rival.set_state(b"0")
 
     def five_commits() -> None:
@@ -194,7 +190,7 @@ def test_a_reader_reads_in_one_round_trip_whatever_the_write_rate() -> None:
             assert rival.set_state(str(int(read[0]) + 1).encode(), read[1]) is not None
 
     view = _RivalBeforeEachRead(store, five_commits)
-    reader = C10dRendezvousBackend(view, "r")  # type: ignore[arg-type]
+    reader = C10dRendezvousBackend(view, "r")
     for _ in range(3):
         view.reads = 0
         state, token = reader.get_state() or (b"", b"")
@@ -204,7 +200,7 @@ def test_a_reader_reads_in_one_round_trip_whatever_the_write_rate() -> None:
         assert not lost[2]
         # The loser's answer is a committed pair: the body its head names.
         assert int(lost[0]) > int(state)
-        assert store.get(f"rdzv.backend/r/state/{lost[1][4:].hex()}") == lost[0]
+        assert store.get(f"view/rdzv.backend/r/state/{lost[1][4:].hex()}") == lost[0]
         assert view.reads == 2
     # The rival keeps every body it replaced until RETAIN_REPLACED has passed on its clock.
     replaced = 3 * 2 * 5

@@ -55,6 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.store",
             "rdzv.store.engine",
             "rdzv.store.memory",
+            "rdzv.store.foreign",
             "rdzv.store.file",
             "rdzv.store.throttle",
             "rdzv.store.admission",

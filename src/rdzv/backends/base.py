@@ -32,18 +32,22 @@ import copy
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, Union
 
 __all__ = [
     "MAX_RECORD_SIZE",
+    "BackendLike",
+    "ForeignBackend",
     "JoinQueueBackend",
     "LivenessBackend",
     "NamedQueues",
     "RendezvousBackend",
     "SeatedBackend",
     "Token",
+    "TorchBackendAPI",
     "WatchableBackend",
     "MAX_RUN_ID",
+    "as_backend",
     "is_pseudo_node",
     "validate_node_key",
     "validate_run_id",
@@ -96,6 +100,78 @@ class RendezvousBackend(ABC):
         Called once by the owner of the backend (the handler built by
         ``create_handler``, ``rdzv status``); the backend is not used after.
         """
+
+
+class TorchBackendAPI(Protocol):
+    """A backend written against torch's ``RendezvousBackend``: the contract, nothing more."""
+
+    @property
+    def name(self) -> str:  # noqa: D102
+        ...
+
+    def get_state(self) -> tuple[bytes, Token] | None:  # noqa: D102
+        ...
+
+    def set_state(  # noqa: D102
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None: ...
+
+
+BackendLike = Union[RendezvousBackend, TorchBackendAPI]  # noqa: UP007 - a runtime alias on 3.10
+"""What the dynamic handler takes as a backend: rdzv's, or one with torch's API."""
+
+
+class ForeignBackend(RendezvousBackend):
+    """A backend with torch's ``RendezvousBackend`` API behind rdzv's contract.
+
+    torch documents its backend as ``name``, ``get_state`` and
+    ``set_state``; a backend written against that (a subclass of torch's
+    ABC, usually) has no :meth:`~RendezvousBackend.side_channel` nor
+    :meth:`~RendezvousBackend.close`. This one is its own side channel and
+    closes nothing (the caller owns the backend it built); it offers no
+    capability, so the handler keeps joins and heartbeats in its store.
+    Built by :func:`as_backend`.
+
+    Args:
+        inner: The backend.
+    """
+
+    def __init__(self, inner: TorchBackendAPI) -> None:
+        self._inner = inner
+
+    @property
+    def name(self) -> str:
+        """The backend's own name."""
+        return self._inner.name
+
+    def get_state(self) -> tuple[bytes, Token] | None:  # noqa: D102 - see RendezvousBackend
+        return self._inner.get_state()
+
+    def set_state(  # noqa: D102 - see RendezvousBackend
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        return self._inner.set_state(state, token)
+
+    def __repr__(self) -> str:
+        return f"ForeignBackend({self._inner!r})"
+
+
+def as_backend(backend: BackendLike) -> RendezvousBackend:
+    """Return ``backend`` as rdzv's: itself, or a :class:`ForeignBackend` around it.
+
+    Raises:
+        TypeError: ``backend`` is no rdzv backend and lacks part of torch's
+            backend API; the message names what it lacks.
+    """
+    if isinstance(backend, RendezvousBackend):
+        return backend
+    missing = [name for name in ("name", "get_state", "set_state") if not hasattr(backend, name)]
+    if missing:
+        raise TypeError(
+            f"{type(backend).__name__} is neither an rdzv RendezvousBackend nor a backend with "
+            f"torch's API: it lacks {', '.join(missing)}"
+        )
+    return ForeignBackend(backend)
 
 
 # ---------------------------------------------------------------------------

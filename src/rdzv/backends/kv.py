@@ -11,7 +11,8 @@ gets the two capabilities that make a formation linear from its store:
   mark is ``add(key, 0)``, one round trip.
 
 The c10d backend is built from both, and the dynamic handler falls back to
-them for backends that lack the capabilities. Store failures become
+them for backends that lack the capabilities. The store may be rdzv's or
+torch's (:func:`~rdzv.store.foreign.as_store`). Store failures become
 :class:`~rdzv.errors.RendezvousConnectionError`.
 """
 
@@ -26,6 +27,7 @@ from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousSt
 from rdzv.keys import CONFIRM_QUEUE, JOIN_QUEUE, heartbeat_key, queue_keys
 from rdzv.retry import current_clock, poll_backoff
 from rdzv.store.base import Store
+from rdzv.store.foreign import StoreLike, as_store
 
 __all__ = ["StoreJoinQueue", "StoreLiveness", "store_call"]
 
@@ -48,14 +50,15 @@ class StoreJoinQueue(JoinQueueBackend):
     """The join-queue capability over a store.
 
     Args:
-        store: The store.
+        store: The store: an rdzv store or one with torch's ``Store`` API
+            (:func:`~rdzv.store.foreign.as_store`).
         prefix: The key prefix (ends with ``/``).
         kind: The queues' name under the prefix: ``q`` for join queues,
             ``c`` for confirmations (:meth:`confirmation_queue`).
     """
 
-    def __init__(self, store: Store, prefix: str, kind: str = JOIN_QUEUE) -> None:
-        self._queue_store = store
+    def __init__(self, store: StoreLike, prefix: str, kind: str = JOIN_QUEUE) -> None:
+        self._queue_store: Store = as_store(store)
         self._queue_prefix = prefix
         self._queue_kind = kind
 
@@ -136,12 +139,12 @@ class StoreLiveness(LivenessBackend):
     """The liveness capability over a store: one counter per node.
 
     Args:
-        store: The store.
+        store: The store: an rdzv store or one with torch's ``Store`` API.
         prefix: The key prefix (ends with ``/``).
     """
 
-    def __init__(self, store: Store, prefix: str) -> None:
-        self._liveness_store = store
+    def __init__(self, store: StoreLike, prefix: str) -> None:
+        self._liveness_store: Store = as_store(store)
         self._liveness_prefix = prefix
 
     def _beat_key(self, node: str) -> str:

@@ -18,13 +18,32 @@ and ``TpRendezvousBackend``. It offers every capability:
 * a replaced body outlives its replacement by :data:`RETAIN_REPLACED`
   seconds on the clock of the winner that replaced it, which deletes it at
   its first read or write after that, or when it closes. A reader (a
-  loser's read of the head that beat it, or any read) fetches the head and
-  the body it names in one atomic ``try_multi_get``: the body can be gone
-  only if that one round trip took longer than the retention, however fast
-  others write, and the same reply names the head to read next. So a read
-  costs one round trip, two when the head moved meanwhile, whatever the
-  write rate. A winner that dies
-  leaves the bodies it had not yet deleted behind;
+  loser's read of the head that beat it, or any read) fetches the body a
+  head names, then the head, with one ``try_multi_get``: the body can be
+  gone only if that one round trip took longer than the retention, however
+  fast others write, and the same reply names the head to read next. So a
+  read costs one round trip, two when the head moved meanwhile, whatever
+  the write rate. A winner that dies leaves the bodies it had not yet
+  deleted behind;
+* a store with torch's ``Store`` API (``torch.distributed.HashStore``,
+  ``TCPStore``, ``FileStore``) is taken as it is and wrapped once
+  (:func:`~rdzv.store.foreign.as_store`). It has no atomic
+  ``try_multi_get``, nor has rdzv's client of torch's server: there
+  :meth:`Store.try_multi_get <rdzv.store.base.Store.try_multi_get>` reads
+  the body, then the head, each with a ``compare_set`` that neither writes
+  nor waits. That order keeps every conclusion of a read true. A body
+  found belongs to the head that names it, which was committed. A body
+  missing while the head read after it still names it is corruption, as
+  with one atomic read: a head never comes back once replaced (its
+  generation only grows, its nonce is random), so that head named the body
+  from the first read to the last, and a body is deleted only after its
+  head was replaced. A body missing under a head that moved is a lost race
+  (rare: the body was read :data:`RETAIN_REPLACED` seconds or more after
+  the head that named it), and the newer head is read next. A lost race is
+  never an error; only a state that moved on faster than it could be read,
+  ``_BODY_ATTEMPTS`` times in a row, is one, and a retryable one
+  (:class:`~rdzv.errors.RendezvousConnectionError`), as on rdzv's stores.
+  Without ``watch``, waits poll;
 * watch: ``Store.watch`` on the head key when the store supports it,
   otherwise polling with jittered, capped backoff;
 * seats: a seated write stores each member's seat under
@@ -78,6 +97,7 @@ from rdzv.backends.options import StoreBackendOptions
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
 from rdzv.keys import backend_prefix
 from rdzv.retry import Clock, as_clock, current_clock, deadline_within, poll_backoff
+from rdzv.store.foreign import StoreLike, as_store
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
@@ -121,7 +141,9 @@ class C10dRendezvousBackend(
     """Keeps a run's rendezvous in a key-value store (the TCP store, usually).
 
     Args:
-        store: The store; its operations must be atomic across clients.
+        store: The store; its operations must be atomic across clients. An
+            rdzv store, or one with torch's ``Store`` API (wrapped once by
+            :func:`~rdzv.store.foreign.as_store`).
         run_id: The run identifier; it names the keys.
         liveness_store: A second client of the same store for heartbeats, so
             a heartbeat never queues behind a long watch on a client that
@@ -130,19 +152,23 @@ class C10dRendezvousBackend(
 
     Raises:
         ValueError: ``run_id`` is empty or holds whitespace.
+        TypeError: A store is neither kind.
     """
 
     def __init__(
         self,
-        store: Store,
+        store: StoreLike,
         run_id: str,
-        liveness_store: Store | None = None,
+        liveness_store: StoreLike | None = None,
         clock: Clock | None = None,
     ) -> None:
         validate_run_id(run_id)
         prefix = backend_prefix(run_id)
+        store = as_store(store)
         StoreJoinQueue.__init__(self, store, prefix)
-        StoreLiveness.__init__(self, liveness_store or store, prefix)
+        StoreLiveness.__init__(
+            self, store if liveness_store is None else as_store(liveness_store), prefix
+        )
         self._store = store
         self._run_id = run_id
         self._prefix = prefix
@@ -183,10 +209,11 @@ class C10dRendezvousBackend(
     def _resolve(self, raw: bytes) -> tuple[bytes, Token]:
         """Return ``(state, token)`` for a stored head (reading its body) or old-layout record.
 
-        Each attempt reads the head and the body ``raw`` names in one atomic
-        request: a body found is returned with ``raw`` (committed, and
+        Each attempt reads the body ``raw`` names, then the head, in one
+        request (atomic on rdzv's stores; in that order on a torch store: see
+        the module): a body found is returned with ``raw`` (committed, and
         current when ``raw`` was read); a body missing means two newer
-        writes committed, and the head read beside it is tried next.
+        writes committed, and the head read with it is tried next.
 
         Raises:
             RendezvousStateError: The record is corrupt, or a head's body is
@@ -201,8 +228,10 @@ class C10dRendezvousBackend(
             if cached is not None and cached[1] == raw:
                 return cached
             key = self._body_key(raw)
-            current, body = store_call(
-                "get_state", partial(self._store.try_multi_get, [self._key, key])
+            # The body first: on a store that reads the keys one after the
+            # other (a torch store), the head is then read after the body.
+            body, current = store_call(
+                "get_state", partial(self._store.try_multi_get, [key, self._key])
             )
             if body is not None:
                 self._last = (body, raw)

@@ -41,11 +41,12 @@ in :mod:`rdzv.dynamic.shared`, the heartbeat and ring judgement in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -60,7 +61,13 @@ from rdzv.api import (
     RendezvousTimeout,
     given_node_rank,
 )
-from rdzv.backends.base import JoinQueueBackend, LivenessBackend, RendezvousBackend
+from rdzv.backends.base import (
+    BackendLike,
+    JoinQueueBackend,
+    LivenessBackend,
+    RendezvousBackend,
+    as_backend,
+)
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness
 from rdzv.dynamic.bootstrap import HeldPort
 from rdzv.dynamic.join import Join, JoinContext
@@ -75,8 +82,9 @@ from rdzv.keys import handler_prefix
 from rdzv.net import advertised_address, primary_address
 from rdzv.retry import Clock, as_clock, call_within, deadline_within
 from rdzv.store.base import Store
+from rdzv.store.foreign import StoreLike, as_store
 
-__all__ = ["DynamicRendezvousHandler", "HandlerStatistics", "create_handler"]
+__all__ = ["DynamicRendezvousHandler", "HandlerStatistics", "create_handler", "recorded_creation"]
 
 LOGGER = logging.getLogger("rdzv.dynamic")
 
@@ -95,8 +103,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         node: This handler's node key (``addr#pid#nonce``).
         settings: The rendezvous settings.
         backend_name: The name reported by :meth:`get_backend`.
-        store: The store members get (prefixed per run and round).
-        backend: The backend holding the shared state.
+        store: The store members get (prefixed per run and round): an rdzv
+            store, or one with torch's ``Store`` API, wrapped once here
+            (:func:`~rdzv.store.foreign.as_store`).
+        backend: The backend holding the shared state: rdzv's, or one
+            written against torch's ``RendezvousBackend``, wrapped once here
+            (:func:`~rdzv.backends.base.as_backend`).
         local_addr: The address published for this node.
         node_rank: The rank this node asks for, or None.
         clock: The clock decisions, polls and keep-alive ticks run on (a
@@ -108,12 +120,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         node: str,
         settings: RendezvousSettings,
         backend_name: str,
-        store: Store,
-        backend: RendezvousBackend,
+        store: StoreLike,
+        backend: BackendLike,
         local_addr: str,
         node_rank: int | None = None,
         clock: Clock | Callable[[], float] | None = None,
     ) -> None:
+        store = as_store(store)
+        backend = as_backend(backend)
         self._node = node
         self._settings = settings
         self._backend_name = backend_name
@@ -194,8 +208,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def from_backend(
         cls,
         run_id: str,
-        store: Store,
-        backend: RendezvousBackend,
+        store: StoreLike,
+        backend: BackendLike,
         min_nodes: int,
         max_nodes: int,
         local_addr: str | None = None,
@@ -211,8 +225,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         Args:
             run_id: The run identifier.
             store: The store members get; also hosts joins and heartbeats when
-                the backend lacks those capabilities.
-            backend: The backend holding the shared state.
+                the backend lacks those capabilities. An rdzv store or one
+                with torch's ``Store`` API (``torch.distributed.TCPStore``, ...).
+            backend: The backend holding the shared state (rdzv's, or one
+                with torch's ``RendezvousBackend`` API).
             min_nodes: The fewest nodes a round needs.
             max_nodes: The most nodes a round admits.
             local_addr: This node's address; found with ``getaddrinfo`` (never
@@ -226,6 +242,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         Raises:
             ValueError: A setting is invalid; the message names it.
+            TypeError: ``store`` or ``backend`` is of neither kind.
         """
         interval = (
             keep_alive_interval
@@ -248,8 +265,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def from_settings(
         cls,
         settings: RendezvousSettings,
-        store: Store,
-        backend: RendezvousBackend,
+        store: StoreLike,
+        backend: BackendLike,
         local_addr: str | None = None,
         *,
         node_rank: int | None = None,
@@ -289,16 +306,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._node
 
     def _event(self, action: str, round_id: int, **fields: Any) -> None:
-        if not LOGGER.isEnabledFor(logging.INFO):
-            return
-        event = {
-            "run_id": self._settings.run_id,
-            "round": round_id,
-            "node": self._node,
-            "action": action,
-            **fields,
-        }
-        LOGGER.info("rdzv %s", _EventText(event), extra={"rdzv_event": event})
+        if LOGGER.isEnabledFor(logging.INFO):
+            _log_event(self._settings.run_id, round_id, self._node, action, fields)
 
     def statistics(self) -> HandlerStatistics:
         """Return what this handler knows of its rounds now (no backend call)."""
@@ -493,8 +502,16 @@ class _EventText:
         return json.dumps(self._event, sort_keys=True)
 
 
+def _log_event(
+    run_id: str, round_id: int, node: str | None, action: str, fields: dict[str, Any]
+) -> None:
+    """Log one structured event on :data:`LOGGER` (the record's ``rdzv_event``)."""
+    event = {"run_id": run_id, "round": round_id, "node": node, "action": action, **fields}
+    LOGGER.info("rdzv %s", _EventText(event), extra={"rdzv_event": event})
+
+
 def create_handler(
-    store: Store, backend: RendezvousBackend, params: RendezvousParameters
+    store: StoreLike, backend: BackendLike, params: RendezvousParameters
 ) -> DynamicRendezvousHandler:
     """Build a :class:`DynamicRendezvousHandler` from rendezvous parameters.
 
@@ -504,7 +521,7 @@ def create_handler(
     ``keep_alive_interval``, ``keep_alive_max_attempt``).
 
     Args:
-        store: The store members get.
+        store: The store members get (an rdzv store or a torch store).
         backend: The backend holding the shared state.
         params: The parameters (``run_id``, ``min_nodes``, ``max_nodes``,
             ``local_addr`` (without it, the address facing the endpoint:
@@ -513,13 +530,36 @@ def create_handler(
 
     The handler's :meth:`~DynamicRendezvousHandler.close` closes ``backend`` and ``store``.
 
+    As torch's ``create_handler`` records an event and raises when it
+    fails, a failure here is logged as the event ``create-failed``
+    (:func:`recorded_creation`), then raised; under torchrun it reaches
+    torch's event handler too (:mod:`rdzv.torchrun.events`).
+
     Raises:
         ValueError: A parameter is invalid; the message names it.
+        TypeError: ``store`` or ``backend`` is of neither kind.
     """
-    return DynamicRendezvousHandler.from_settings(
-        RendezvousSettings.from_params(params),
-        store,
-        backend,
-        params.local_addr or advertised_address(params.endpoint),
-        node_rank=given_node_rank(params),
-    )
+    with recorded_creation(params.run_id):
+        return DynamicRendezvousHandler.from_settings(
+            RendezvousSettings.from_params(params),
+            store,
+            backend,
+            params.local_addr or advertised_address(params.endpoint),
+            node_rank=given_node_rank(params),
+        )
+
+
+@contextlib.contextmanager
+def recorded_creation(run_id: str) -> Iterator[None]:
+    """Log a failure of the block, creating a handler of ``run_id``, as ``create-failed``; raise it.
+
+    The event has round -1, no node key (there is none yet) and ``error``:
+    ``"<type>: <text>"``, the message of torch's event for the same failure.
+    """
+    try:
+        yield
+    except Exception as exc:
+        if LOGGER.isEnabledFor(logging.INFO):
+            error = f"{type(exc).__name__}: {exc}"
+            _log_event(run_id, -1, None, "create-failed", {"error": error})
+        raise

@@ -12,6 +12,7 @@ A store that can block until a key changes also implements
 from __future__ import annotations
 
 import math
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import timedelta
@@ -35,6 +36,10 @@ Value = Union[str, bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alia
 Timeout = Union[timedelta, float, int]  # noqa: UP007 - a runtime alias on 3.10
 
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)
+
+# What Store.try_multi_get's default compares a key with: never stored (a
+# compare_set with it writes nothing new), unknown to other processes.
+_ABSENT = b"\x00rdzv-absent-" + secrets.token_bytes(16)
 
 
 def to_bytes(value: Value) -> bytes:
@@ -220,14 +225,24 @@ class Store(ABC):
     def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Return the values of several keys without waiting; None for a missing key.
 
-        This default asks :meth:`check` about each key, then :meth:`multi_get`
-        for the present ones; stores that can do it in one step override it.
-        A key deleted between the two calls makes :meth:`multi_get` wait for
-        it, so prefer an override on stores whose keys get deleted.
+        This default needs only torch's ``Store`` API (a torch store behind
+        :class:`~rdzv.store.foreign.ForeignStore`, rdzv's client of torch's
+        server): it reads each key with ``compare_set(key, probe, probe)``,
+        ``probe`` being random bytes of this process that no stored value
+        equals. torch's rule for a missing key with a non-empty expected
+        value returns the expected value and writes nothing, and a present
+        key returns its value: one atomic read of one key that never waits
+        (``check`` then ``multi_get`` would wait the store's whole timeout
+        for a key deleted between the two). The keys are read one after the
+        other, in the order given, so the values are no snapshot of one
+        instant but each is read after the one before. Stores that read
+        several keys at once override it.
         """
-        present = [key for key in keys if self.check([key])]
-        found = dict(zip(present, self.multi_get(present), strict=True)) if present else {}
-        return [found.get(key) for key in keys]
+        found: list[bytes | None] = []
+        for key in keys:
+            raw = self.compare_set(key, _ABSENT, _ABSENT)
+            found.append(None if raw == _ABSENT else raw)
+        return found
 
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:
         """Block until the value of ``key`` differs from ``previous`` (None: absent).

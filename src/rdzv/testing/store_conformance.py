@@ -1,8 +1,9 @@
 """A reusable conformance suite for stores: torch's ``Store`` semantics.
 
 Every :class:`~rdzv.store.base.Store` runs the same checks: values, counters,
-compare-and-set, waits and their timeouts, queues, several clients of one
-store, and the checks of each optional capability the store offers. The
+compare-and-set, waits and their timeouts, several clients of one store,
+and the checks of each optional capability the store offers (queues among
+them: torch's own ``FileStore`` has none). The
 suite has the shape of :mod:`rdzv.testing.conformance`: checks are data, a
 :class:`StoreHarness` makes clients of the store under test, and pytest is
 not needed. Use it from pytest like this::
@@ -56,6 +57,12 @@ class StoreCapability(enum.Enum):
     #: as on torch's server (rdzv's server and ``HashStore`` too; the etcd,
     #: Redis and file stores keep queues apart from keys).
     QUEUE_KEY = "queue_key"
+    #: ``queue_push``, ``queue_pop`` and ``queue_len`` (torch's ``FileStore``
+    #: and its legacy TCP server have none).
+    QUEUES = "queues"
+    #: ``delete_key`` tells whether the key existed (torch's ``FileStore``
+    #: says True for a missing key too).
+    DELETE_RESULT = "delete_result"
 
 
 class StoreHarness(ABC):
@@ -264,9 +271,17 @@ def _check(harness: StoreHarness) -> None:
 def _delete_key(harness: StoreHarness) -> None:
     store, uid = harness.connect(), _uid()
     store.set(f"{uid}/d", "1")
+    store.delete_key(f"{uid}/d")
+    _expect(not store.check([f"{uid}/d"]), "a deleted key is gone")
+    store.delete_key(f"{uid}/d")
+    _expect(not store.check([f"{uid}/d"]), "deleting a missing key creates nothing")
+
+
+def _delete_result(harness: StoreHarness) -> None:
+    store, uid = harness.connect(), _uid()
+    store.set(f"{uid}/d", "1")
     _expect(store.delete_key(f"{uid}/d") is True, "deleting a key returns True")
     _expect(store.delete_key(f"{uid}/d") is False, "deleting a missing key returns False")
-    _expect(not store.check([f"{uid}/d"]), "a deleted key is gone")
 
 
 def _num_keys(harness: StoreHarness) -> None:
@@ -462,16 +477,17 @@ STORE_CHECKS: list[StoreCheck] = [
     StoreCheck("wait_times_out", None, _wait_times_out),
     StoreCheck("check", None, _check),
     StoreCheck("delete_key", None, _delete_key),
+    StoreCheck("delete_result", StoreCapability.DELETE_RESULT, _delete_result),
     StoreCheck("num_keys", None, _num_keys),
     StoreCheck("multi_set_get", None, _multi_set_get),
     StoreCheck("multi_get_times_out", None, _multi_get_times_out),
     StoreCheck("append", None, _append),
     StoreCheck("list_keys", None, _list_keys),
-    StoreCheck("queue_fifo", None, _queue_fifo),
-    StoreCheck("queue_pop_empty", None, _queue_pop_empty),
-    StoreCheck("queue_pop_blocks", None, _queue_pop_blocks),
-    StoreCheck("queue_pop_times_out", None, _queue_pop_times_out),
-    StoreCheck("queue_one_consumer", None, _queue_one_consumer),
+    StoreCheck("queue_fifo", StoreCapability.QUEUES, _queue_fifo),
+    StoreCheck("queue_pop_empty", StoreCapability.QUEUES, _queue_pop_empty),
+    StoreCheck("queue_pop_blocks", StoreCapability.QUEUES, _queue_pop_blocks),
+    StoreCheck("queue_pop_times_out", StoreCapability.QUEUES, _queue_pop_times_out),
+    StoreCheck("queue_one_consumer", StoreCapability.QUEUES, _queue_one_consumer),
     StoreCheck("queue_key", StoreCapability.QUEUE_KEY, _queue_key),
     StoreCheck("try_multi_get", None, _try_multi_get),
     StoreCheck("odd_keys", None, _odd_keys),

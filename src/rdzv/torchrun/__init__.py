@@ -33,9 +33,10 @@ from rdzv import errors
 from rdzv.api import RendezvousParameters, RendezvousSettings, given_node_rank
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.backends.store import open_store
-from rdzv.dynamic.handler import DynamicRendezvousHandler
+from rdzv.dynamic.handler import DynamicRendezvousHandler, recorded_creation
 from rdzv.net import advertised_address
 from rdzv.registry import rendezvous_handler_registry
+from rdzv.torchrun.events import bridged_creation
 from rdzv.torchrun.handler import _Resources, _torch_errors, _wrap
 from rdzv.torchrun.server_child import _ServerProcess, _ServerStartError
 from rdzv.torchrun.stores import (
@@ -170,7 +171,16 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
         torch.distributed.elastic.rendezvous.RendezvousConnectionError: The
             store could not be hosted or reached, or refused the secret or
             certificate.
+
+    A failure is recorded as torch's ``create_handler`` records one
+    (:func:`~rdzv.dynamic.handler.recorded_creation`,
+    :func:`~rdzv.torchrun.events.bridged_creation`).
     """
+    with bridged_creation(params.run_id), recorded_creation(params.run_id):
+        return _create_rdzv_handler(params)
+
+
+def _create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.RendezvousHandler:
     rdzv_params = to_rdzv_parameters(params, "c10d")
     spare_exit = _spare_exit(rdzv_params)
     options = StoreBackendOptions.from_params(rdzv_params)
@@ -212,7 +222,8 @@ def _create_from_registry(
         )
     rdzv_params = to_rdzv_parameters(params, backend)
     spare_exit = _spare_exit(rdzv_params)
-    with _torch_errors():
+    # The backend's create_handler records a failure; torch hears of it.
+    with bridged_creation(params.run_id), _torch_errors():
         inner = rendezvous_handler_registry.create_handler(rdzv_params)
     if not isinstance(inner, DynamicRendezvousHandler):
         raise ValueError(  # noqa: TRY004 - a backend the user named, not an argument type

@@ -9,15 +9,22 @@ structured events of rdzv's dynamic handler (the ``rdzv_event`` of the
 same run, with the node's address, pid, rank and the event's fields as
 JSON in the message. It is attached only when torch's handler is not a
 ``NullHandler``, so by default it costs nothing.
+
+A handler that cannot be created has no node key yet: its ``create-failed``
+event (:func:`rdzv.dynamic.handler.create_handler`) reaches torch through
+:func:`bridged_creation`, which the torchrun creators open around creating
+one, as torch's ``create_handler`` event: its message is torch's
+``"<type>: <text>"``, its state ``FAILED``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-__all__ = ["TorchEventBridge", "bridge_events"]
+__all__ = ["TorchEventBridge", "bridge_events", "bridged_creation"]
 
 _EVENTS_LOGGER = "rdzv.dynamic"
 
@@ -27,10 +34,11 @@ class TorchEventBridge(logging.Handler):
 
     Args:
         run_id: Only this run's events are recorded.
-        node: Only this node key's events are recorded.
+        node: Only this node key's events are recorded (None: the events
+            of a handler being created, which has none yet).
     """
 
-    def __init__(self, run_id: str, node: str) -> None:
+    def __init__(self, run_id: str, node: str | None) -> None:
         super().__init__(logging.NOTSET)
         self._run_id = run_id
         self._node = node
@@ -51,7 +59,7 @@ class TorchEventBridge(logging.Handler):
             )
 
             action = str(event.get("action"))
-            if action in ("fail", "broken"):
+            if action in ("fail", "broken", "create-failed"):
                 state = NodeState.FAILED
             elif action in ("complete", "closed", "shutdown"):
                 state = NodeState.SUCCEEDED
@@ -59,11 +67,16 @@ class TorchEventBridge(logging.Handler):
                 state = NodeState.INIT
             else:
                 state = NodeState.RUNNING
-            address, pid, _ = [*self._node.split("#"), "", ""][:3]
+            address, pid, _ = [*(self._node or "").split("#"), "", ""][:3]
             rank = event.get("rank")
+            message = (
+                str(event.get("error"))
+                if action == "create-failed"
+                else json.dumps(event, sort_keys=True, default=str)
+            )
             construct_and_record_rdzv_event(
                 run_id=self._run_id,
-                message=json.dumps(event, sort_keys=True, default=str),
+                message=message,
                 node_state=state,
                 name=f"rdzv.{action}",
                 hostname=address,
@@ -74,12 +87,12 @@ class TorchEventBridge(logging.Handler):
             self.handleError(record)
 
 
-def bridge_events(run_id: str, node: str) -> Callable[[], None] | None:
+def bridge_events(run_id: str, node: str | None) -> Callable[[], None] | None:
     """Forward a node's rdzv events to torch's rendezvous event handler, if it has one.
 
     Args:
         run_id: The run.
-        node: The node key of the rdzv handler.
+        node: The node key of the rdzv handler (None: of one being created).
 
     Returns:
         A function that stops forwarding, or None when torch's
@@ -103,3 +116,14 @@ def bridge_events(run_id: str, node: str) -> Callable[[], None] | None:
         logger.setLevel(previous)
 
     return detach
+
+
+@contextlib.contextmanager
+def bridged_creation(run_id: str) -> Iterator[None]:
+    """Forward the events of a handler of ``run_id`` being created while the block runs."""
+    detach = bridge_events(run_id, None)
+    try:
+        yield
+    finally:
+        if detach is not None:
+            detach()
