@@ -116,6 +116,7 @@ class Ticker:
         self._runner: object | None = None
         self._standby: object | None = None
         self._busy_since: float | None = None
+        self._standby_until = float("inf")
         self._runner_wake = threading.Event()
         self._standby_wake = threading.Event()
 
@@ -172,6 +173,9 @@ class Ticker:
         heapq.heappush(self._heap, (due, next(self._order), task.version, task))
         if first is None or due < first.due:
             self._runner_wake.set()
+        if due + TAKEOVER < self._standby_until:
+            # It would take over later than this task needs: it plans again.
+            # (Not at every push: a thousand wakes at a verdict wake it once.)
             self._standby_wake.set()
 
     def _peek(self) -> Task | None:
@@ -305,8 +309,8 @@ class Ticker:
                     self._ensure()
                     return
                 self._standby_wake.clear()
-                wait = max(task.due, now if busy is None else busy) + TAKEOVER - now
-            clock.wait(self._standby_wake, wait)
+                self._standby_until = max(task.due, now if busy is None else busy) + TAKEOVER
+            clock.wait(self._standby_wake, self._standby_until - now)
 
 
 _TICKERS: weakref.WeakKeyDictionary[Clock, Ticker] = weakref.WeakKeyDictionary()
