@@ -2,12 +2,15 @@
 
 Theory of operation
 -------------------
-One daemon thread per handler, started when the node first enqueues. Each
-tick it does two independent things:
+One task per handler on the process's shared ticker
+(:mod:`rdzv.dynamic.ticker`: one thread runs the ticks of every handler on
+the same clock, a standby takes over from a tick stuck in a backend call),
+started when the node first enqueues. Each tick does two independent
+things, and returns when the next is due:
 
 * **beat**: every ``interval`` it bumps this node's heartbeat mark. Only the
   beat's own failures count toward ``max_attempt``; after that many in a row
-  the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
+  the keep-alive stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
 * **judge**: once the node is a member (:meth:`KeepAlive.wake` signals it,
   at the round's verdict or when a confirmation slice passes without it),
@@ -33,12 +36,16 @@ keep-alive gives up within that time instead of the backend's read timeout
 per beat, while a beat that is merely slow on a loaded machine still lands;
 a judgement may take the dead-node bound (past it, judging is late anyway).
 :meth:`KeepAlive.stop` waits at most :data:`STOP_WAIT` for a call in flight.
+These deadlines are each handler's own: another handler's slow backend
+delays a tick by at most :data:`rdzv.dynamic.ticker.TAKEOVER`, after which
+the ticker's standby runs it.
 
-The thread is supervised: an error in judging or evicting, of any kind, is
-logged as an event and retried on the next tick; it never ends the thread,
-so a node that is alive and connected keeps beating whatever else fails. A
-thread that ended (stopped, or gave up) is started afresh by the next
-:meth:`KeepAlive.start`.
+The keep-alive is supervised: an error in judging or evicting, of any kind,
+is logged as an event and retried on the next tick; it never ends the
+keep-alive, so a node that is alive and connected keeps beating whatever
+else fails (and a tick that raised anything else ends its own task only,
+never the ticker's thread). A keep-alive that ended (stopped, or gave up)
+is started afresh by the next :meth:`KeepAlive.start`.
 """
 
 from __future__ import annotations
@@ -60,13 +67,13 @@ CALL_GRACE = 5.0
 """Seconds a heartbeat may take past the dead-node bound (the etcd client's connect timeout)."""
 
 STOP_WAIT = 1.0
-"""Seconds :meth:`KeepAlive.stop` waits for the thread to end."""
+"""Seconds :meth:`KeepAlive.stop` waits for a tick in flight to end."""
 
 Event = Callable[..., None]
 
 
 class KeepAlive:
-    """Beats this node's heartbeat and watches its ring successor, in one supervised thread.
+    """Beats this node's heartbeat and watches its ring successor, as a task of the shared ticker.
 
     Args:
         node: This node's key.

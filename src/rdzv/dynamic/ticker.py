@@ -145,6 +145,7 @@ class Ticker:
                 task.due = at
             else:
                 self._push(task, at)
+                self._ensure()
 
     def _cancel(self, task: Task, wait: float) -> None:
         until = time.monotonic() + wait
