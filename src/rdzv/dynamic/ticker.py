@@ -112,7 +112,8 @@ class Ticker:
         self._heap: list[tuple[float, int, int, Task]] = []
         self._order = itertools.count()
         self._tasks: set[Task] = set()
-        self._threads: dict[object, threading.Thread] = {}
+        # Each thread by its token; None while it is being started.
+        self._threads: dict[object, threading.Thread | None] = {}
         self._runner: object | None = None
         self._standby: object | None = None
         self._busy_since: float | None = None
@@ -126,7 +127,7 @@ class Ticker:
         with self._lock:
             self._tasks.add(task)
             self._push(task, due)
-            self._ensure()
+        self._ensure()
         return task
 
     @property
@@ -143,9 +144,9 @@ class Ticker:
                 return
             if task.running_in is not None:
                 task.due = at
-            else:
-                self._push(task, at)
-                self._ensure()
+                return
+            self._push(task, at)
+        self._ensure()
 
     def _cancel(self, task: Task, wait: float) -> None:
         until = time.monotonic() + wait
@@ -162,7 +163,7 @@ class Ticker:
         if running is not None and running is not me:
             task.idle.wait(wait)
         for thread in threads:
-            if thread is not me:
+            if thread is not None and thread is not me:
                 thread.join(max(0.0, until - time.monotonic()))
 
     # -- bookkeeping (under the lock) ----------------------------------------
@@ -190,20 +191,29 @@ class Ticker:
         return None
 
     def _ensure(self) -> None:
-        """Start the runner, and the standby, that the scheduled tasks need."""
-        if self._peek() is None:
-            return
-        if self._runner is None:
-            self._runner = self._start(_RUNNER)
-        if self._standby is None and len(self._tasks) > 1:
-            self._standby = self._start(_STANDBY)
+        """Start the runner, and the standby, that the scheduled tasks need (call it unlocked).
 
-    def _start(self, role: _Role) -> object:
-        me = object()
-        self._threads[me] = start_thread(
-            self._serve, args=(me, role), name=f"rdzv-keepalive-{role}"
-        )
-        return me
+        The threads start after the lock is released: a start waits until
+        the new thread runs, and on a loaded machine every handler that
+        enqueued meanwhile waited for the lock behind it.
+        """
+        if self._runner is not None and (self._standby is not None or len(self._tasks) < 2):
+            return  # read unlocked after the caller's change: see both roles filled
+        roles = []
+        with self._lock:
+            if self._peek() is not None:
+                if self._runner is None:
+                    self._runner = object()
+                    roles.append((self._runner, _RUNNER))
+                if self._standby is None and len(self._tasks) > 1:
+                    self._standby = object()
+                    roles.append((self._standby, _STANDBY))
+            self._threads.update((me, None) for me, _ in roles)
+        for me, role in roles:
+            thread = start_thread(self._serve, args=(me, role), name=f"rdzv-keepalive-{role}")
+            with self._lock:
+                if me in self._threads:  # unless it ended already
+                    self._threads[me] = thread
 
     # -- the threads ---------------------------------------------------------
 
@@ -222,9 +232,11 @@ class Ticker:
             LOGGER.exception("rdzv keep-alive ticker thread failed; another takes its place")
         finally:
             with self._lock:
-                if me in self._threads:  # it failed: a new thread takes its role
+                failed = me in self._threads
+                if failed:  # a new thread takes its role
                     self._leave(me)
-                    self._ensure()
+            if failed:
+                self._ensure()
 
     def _leave(self, me: object) -> None:
         del self._threads[me]
@@ -288,8 +300,8 @@ class Ticker:
                         self._tasks.discard(task)
                     else:
                         self._push(task, min(due, task.due))
-                        self._ensure()
                 task.idle.set()
+            self._ensure()
 
     def _stand_by(self, me: object, clock: Clock) -> None:
         """Watch the runner until this thread takes over from it, or is not needed."""
@@ -307,11 +319,11 @@ class Ticker:
                 ):
                     # The runner is stuck in one tick while another is due: take over.
                     self._standby, self._runner, self._busy_since = None, me, None
-                    self._ensure()
-                    return
+                    break
                 self._standby_wake.clear()
                 self._standby_until = max(task.due, now if busy is None else busy) + TAKEOVER
             clock.wait(self._standby_wake, self._standby_until - now)
+        self._ensure()  # a new standby
 
 
 _TICKERS: weakref.WeakKeyDictionary[Clock, Ticker] = weakref.WeakKeyDictionary()
