@@ -106,6 +106,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.dynamic",
             "rdzv.dynamic.shared",
             "rdzv.dynamic.confirm",
+            "rdzv.dynamic.ticker",
             "rdzv.dynamic.keepalive",
             "rdzv.dynamic.bootstrap",
             "rdzv.dynamic.member",

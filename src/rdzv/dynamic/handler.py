@@ -475,7 +475,7 @@ class HandlerStatistics:
     Attributes:
         round: The round this node is a member of, or None.
         watched: Its seat in the round whose ring its keep-alive judges, or None.
-        keepalive_running: Whether its keep-alive thread runs.
+        keepalive_running: Whether its keep-alive runs.
         keepalive_error: Why its keep-alive gave up, until it starts again; or None.
     """
 

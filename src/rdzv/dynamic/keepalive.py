@@ -2,12 +2,15 @@
 
 Theory of operation
 -------------------
-One daemon thread per handler, started when the node first enqueues. Each
-tick it does two independent things:
+One task per handler on the process's shared ticker
+(:mod:`rdzv.dynamic.ticker`: one thread runs the ticks of every handler on
+the same clock, a standby takes over from a tick stuck in a backend call),
+started when the node first enqueues. Each tick does two independent
+things, and returns when the next is due:
 
 * **beat**: every ``interval`` it bumps this node's heartbeat mark. Only the
   beat's own failures count toward ``max_attempt``; after that many in a row
-  the thread stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
+  the keep-alive stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
 * **judge**: once the node is a member (:meth:`KeepAlive.wake` signals it,
   at the round's verdict or when a confirmation slice passes without it),
@@ -33,12 +36,16 @@ keep-alive gives up within that time instead of the backend's read timeout
 per beat, while a beat that is merely slow on a loaded machine still lands;
 a judgement may take the dead-node bound (past it, judging is late anyway).
 :meth:`KeepAlive.stop` waits at most :data:`STOP_WAIT` for a call in flight.
+These deadlines are each handler's own: another handler's slow backend
+delays a tick by at most :data:`rdzv.dynamic.ticker.TAKEOVER`, after which
+the ticker's standby runs it.
 
-The thread is supervised: an error in judging or evicting, of any kind, is
-logged as an event and retried on the next tick; it never ends the thread,
-so a node that is alive and connected keeps beating whatever else fails. A
-thread that ended (stopped, or gave up) is started afresh by the next
-:meth:`KeepAlive.start`.
+The keep-alive is supervised: an error in judging or evicting, of any kind,
+is logged as an event and retried on the next tick; it never ends the
+keep-alive, so a node that is alive and connected keeps beating whatever
+else fails (and a tick that raised anything else ends its own task only,
+never the ticker's thread). A keep-alive that ended (stopped, or gave up)
+is started afresh by the next :meth:`KeepAlive.start`.
 """
 
 from __future__ import annotations
@@ -50,9 +57,9 @@ from rdzv.backends.base import LivenessBackend
 from rdzv.dynamic.machine import MarkWatch, judge_marks
 from rdzv.dynamic.pacing import ring_judge_period
 from rdzv.dynamic.seat import Seat
+from rdzv.dynamic.ticker import Task, ticker_for
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.retry import Clock, deadline_within, jitter
-from rdzv.threads import start_thread
 
 __all__ = ["CALL_GRACE", "STOP_WAIT", "KeepAlive"]
 
@@ -60,13 +67,13 @@ CALL_GRACE = 5.0
 """Seconds a heartbeat may take past the dead-node bound (the etcd client's connect timeout)."""
 
 STOP_WAIT = 1.0
-"""Seconds :meth:`KeepAlive.stop` waits for the thread to end."""
+"""Seconds :meth:`KeepAlive.stop` waits for a tick in flight to end."""
 
 Event = Callable[..., None]
 
 
 class KeepAlive:
-    """Beats this node's heartbeat and watches its ring successor, in one supervised thread.
+    """Beats this node's heartbeat and watches its ring successor, as a task of the shared ticker.
 
     Args:
         node: This node's key.
@@ -108,47 +115,68 @@ class KeepAlive:
         self._on_dead = on_dead
         self._event = event
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._task: Task | None = None
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._error: RendezvousConnectionError | None = None
+        # The tick's own state, touched by the tick alone (one runs at a time).
+        self._failures = 0
+        self._last_ok = 0.0
+        self._next_beat = 0.0
+        self._judged: tuple[int, dict[str, MarkWatch]] = (-1, {})
+        # Shared with wake(), under the lock: whether the last tick found nobody
+        # to judge, and whether a wake came since the last tick began.
+        self._idle = False
+        self._woken = False
 
     @property
     def running(self) -> bool:
-        """Whether the thread is alive."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
+        """Whether the keep-alive runs (started, and neither stopped nor given up)."""
+        task = self._task
+        return task is not None and task.active
 
     def start(self) -> None:
-        """Start the thread unless it is running; a thread that ended is replaced.
+        """Start beating unless the keep-alive runs; one that ended is started afresh.
 
-        Starting afresh forgets why the last thread gave up.
+        Starting afresh forgets why the last one gave up.
         """
         with self._lock:
             if self.running:
                 return
             self._error = None
             self._stop = threading.Event()
-            self._thread = start_thread(
-                self._run, args=(self._stop,), name=f"rdzv-keepalive-{self._node}"
+            now = self._clock()
+            self._failures, self._last_ok, self._judged = 0, now, (-1, {})
+            # The first beat is due one interval after joining: an observer only
+            # starts judging a node when a round completes, and a round that
+            # forms within one interval needs no heartbeat traffic at all.
+            self._next_beat = now + self._interval
+            # A node with no ring to judge has nothing to do before its first
+            # beat, or a wake; one still judging its last round goes on at once.
+            self._idle, self._woken = self._watched() is None, False
+            stop = self._stop
+            self._task = ticker_for(self._clock).schedule(
+                lambda: self._tick(stop), self._next_beat if self._idle else now
             )
 
     def stop(self) -> None:
-        """Stop the thread; wait for it at most :data:`STOP_WAIT` seconds.
+        """Stop the keep-alive; wait at most :data:`STOP_WAIT` seconds for a tick in flight.
 
         A beat or a judgement still in flight then (bounded by the interval)
-        may finish after this returns; the thread makes no other call.
+        may finish after this returns; no other call is made.
         """
         with self._lock:
-            thread, self._thread = self._thread, None
+            task, self._task = self._task, None
             self._stop.set()
-            self._wake.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(STOP_WAIT)
+        if task is not None:
+            task.cancel(STOP_WAIT)
 
     def wake(self) -> None:
         """Start judging now: the round is confirmed, or its confirmation late (see the module)."""
-        self._wake.set()
+        with self._lock:
+            self._woken = True
+            task = self._task
+            if self._idle and task is not None:
+                task.wake(self._clock())
 
     @property
     def error(self) -> RendezvousConnectionError | None:
@@ -161,64 +189,54 @@ class KeepAlive:
         if error is not None:
             raise error
 
-    def _run(self, stop: threading.Event) -> None:
-        # An autojump clock moves only while this thread waits on it.
-        with self._clock.running():
-            failures = 0
-            last_ok = self._clock()
-            # The first beat is due one interval after joining: an observer only
-            # starts judging a node when a round completes, and a round that
-            # forms within one interval needs no heartbeat traffic at all.
-            next_beat = self._clock() + self._interval
-            judged: tuple[int, dict[str, MarkWatch]] = (-1, {})
-            while not stop.is_set():
-                now = self._clock()
-                if now >= next_beat:
-                    # The beats of one failure streak share one budget: the
-                    # dead-node bound since the last good beat, plus a call's grace.
-                    with deadline_within(
-                        last_ok + self._dead_after + CALL_GRACE - now, self._clock
-                    ):
-                        failures = self._beat(failures, stop)
-                    if failures == 0:
-                        last_ok = now
-                    if failures >= self._max_attempt:
-                        return
-                    next_beat = now + self._interval
-                try:
-                    with deadline_within(self._dead_after, self._clock):
-                        judged = self._judge(judged)
-                except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
-                    self._event("judge-failed", judged[0], error=f"{type(exc).__name__}: {exc}")
-                member = self._watched()
-                if member is None:
-                    # Nobody to judge (not a member yet): wake only to beat. A
-                    # thousand joining handlers in one process would otherwise
-                    # wake dozens of times a second each, for nothing.
-                    woken = self._clock.wait(self._wake, max(0.0, next_beat - self._clock()))
-                    self._wake.clear()
-                    seat = self._watched()
-                    if woken and seat is not None:
-                        # The first reading of a new ring only sets its baseline:
-                        # spread over one period, so that the members of a round
-                        # confirmed at once do not all read at once.
-                        period = ring_judge_period(
-                            self._judge_every, self._interval, seat.world_size
-                        )
-                        left = max(0.0, next_beat - self._clock())
-                        self._clock.wait(stop, min(left, period * jitter(0.0, 1.0)))
-                else:
-                    period = ring_judge_period(self._judge_every, self._interval, member.world_size)
-                    pause = period * jitter(0.75, 1.25)
-                    watches = judged[1] if judged[0] == member.round else {}
-                    watch = None if member.successor is None else watches.get(member.successor)
-                    if watch is not None:
-                        # The reading that judges comes as the bound is reached,
-                        # not up to a period after it.
-                        # At least a millisecond: a rounding error short of the
-                        # bound would otherwise be waited for again and again.
-                        pause = min(pause, max(0.001, self._dead_after - watch.credited))
-                    self._clock.wait(stop, pause)
+    def _tick(self, stop: threading.Event) -> float | None:
+        """Beat if due, judge, and return the reading of the next tick; None once given up."""
+        with self._lock:
+            spread, self._idle, self._woken = self._idle and self._woken, False, False
+        seat = self._watched()
+        if spread and seat is not None:
+            # The first reading of a new ring only sets its baseline: spread
+            # over one period, so that the members of a round confirmed at
+            # once do not all read at once.
+            period = ring_judge_period(self._judge_every, self._interval, seat.world_size)
+            now = self._clock()
+            return now + min(max(0.0, self._next_beat - now), period * jitter(0.0, 1.0))
+        now = self._clock()
+        if now >= self._next_beat:
+            # The beats of one failure streak share one budget: the
+            # dead-node bound since the last good beat, plus a call's grace.
+            with deadline_within(self._last_ok + self._dead_after + CALL_GRACE - now, self._clock):
+                self._failures = self._beat(self._failures, stop)
+            if self._failures == 0:
+                self._last_ok = now
+            if self._failures >= self._max_attempt:
+                return None
+            self._next_beat = now + self._interval
+        try:
+            with deadline_within(self._dead_after, self._clock):
+                self._judged = self._judge(self._judged)
+        except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
+            self._event("judge-failed", self._judged[0], error=f"{type(exc).__name__}: {exc}")
+        member = self._watched()
+        if member is None:
+            # Nobody to judge (not a member yet): tick only to beat, or when
+            # woken. A thousand joining handlers in one process would
+            # otherwise tick dozens of times a second each, for nothing.
+            with self._lock:
+                self._idle = True
+                if not self._woken:
+                    return self._next_beat
+            return self._clock()  # woken while this tick ran: spread at once
+        period = ring_judge_period(self._judge_every, self._interval, member.world_size)
+        pause = period * jitter(0.75, 1.25)
+        watches = self._judged[1] if self._judged[0] == member.round else {}
+        watch = None if member.successor is None else watches.get(member.successor)
+        if watch is not None:
+            # The reading that judges comes as the bound is reached, not up
+            # to a period after it. At least a millisecond: a rounding error
+            # short of the bound would otherwise be waited for again and again.
+            pause = min(pause, max(0.001, self._dead_after - watch.credited))
+        return self._clock() + pause
 
     def _beat(self, failures: int, stop: threading.Event) -> int:
         """Beat once; return the number of failed beats in a row."""
