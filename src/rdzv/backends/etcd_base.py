@@ -46,10 +46,13 @@ from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError
 from rdzv.retry import Retry
 
-__all__ = ["ConnectFailedError", "EtcdClientBase", "tls_failure"]
+__all__ = ["PROBE_KEY", "ConnectFailedError", "EtcdClientBase", "tls_failure"]
 
 _T = TypeVar("_T")
 _C = TypeVar("_C", bound="EtcdClientBase")
+
+PROBE_KEY = b"\0rdzv-probe"
+"""The key :meth:`EtcdClientBase.check_reachable` counts (none is there)."""
 
 
 class ConnectFailedError(EtcdRetryableError):

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-This module is the transport: connections, timeouts and failover. What goes
+This module is the transport: connections and timeouts. What goes
 over the wire (base64 keys and values, int64 fields as strings, error bodies
 with gRPC codes, watch-stream lines) is built and parsed by
 :mod:`rdzv.backends.etcd_gateway`.
@@ -29,7 +29,7 @@ import ssl
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from rdzv.backends.etcd_base import ConnectFailedError, EtcdClientBase, tls_failure
+from rdzv.backends.etcd_base import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
 from rdzv.backends.etcd_gateway import (
     LEASE_NOT_FOUND,
     EtcdCompactedError,
@@ -192,7 +192,7 @@ class EtcdClient(EtcdClientBase):
         return response, attempts, self._url(index)
 
     def _probe(self, index: int, timeout: float) -> None:
-        body = range_request(b"\0rdzv-probe", count_only=True, serializable=True)
+        body = range_request(PROBE_KEY, count_only=True, serializable=True)
         self._request_once(index, "/v3/kv/range", body, timeout)
 
     # -- KV ---------------------------------------------------------------------
@@ -206,19 +206,7 @@ class EtcdClient(EtcdClientBase):
         keys_only: bool = False,
         serializable: bool = False,
     ) -> tuple[list[KeyValue], int]:
-        """Read a key or every key under a prefix.
-
-        Args:
-            key: The key or prefix.
-            prefix: Read every key starting with ``key``.
-            limit: The most keys to return (0: no limit).
-            sort_by_create: Oldest-created first.
-            keys_only: Leave the values out.
-            serializable: Answer from the member's own copy (may be stale).
-
-        Returns:
-            ``(kvs, revision)``: the keys found and the store revision read.
-        """
+        """Read a key or every key under a prefix (see :class:`EtcdClientBase`)."""
         body = range_request(
             key, prefix, limit, sort_by_create, keys_only, serializable=serializable
         )

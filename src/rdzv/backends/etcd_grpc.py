@@ -42,7 +42,7 @@ from typing import Any
 
 import grpc
 
-from rdzv.backends.etcd_base import ConnectFailedError, EtcdClientBase, tls_failure
+from rdzv.backends.etcd_base import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
 from rdzv.backends.etcd_gateway import (
     LEASE_NOT_FOUND,
     TRANSIENT_CODES,
@@ -198,7 +198,7 @@ class EtcdGrpcClient(EtcdClientBase):
         )
 
     def _probe(self, index: int, timeout: float) -> None:
-        request = range_message(b"\0rdzv-probe", count_only=True, serializable=True)
+        request = range_message(PROBE_KEY, count_only=True, serializable=True)
         self._unary(index, "range", request, timeout)
 
     # -- KV ---------------------------------------------------------------------
