@@ -110,7 +110,8 @@ def make_handler(
     connection when ``cfg["two_clients"]``; otherwise torch's handler over
     torch's c10d backend and TCPStore (its backend's calls counted). ``cfg``
     also holds ``run_id``, ``min``, ``max``, ``join``, ``last_call``,
-    ``interval``, ``attempts`` and the engines' ``read_timeout``.
+    ``interval``, ``attempts`` and the engines' ``read_timeout``, and may
+    hold ``etcd_client`` (the etcd backend's ``client`` option).
     """
     run_id, n_min, n_max = cfg["run_id"], cfg["min"], cfg["max"]
     if impl in ("etcd", "redis"):
@@ -128,6 +129,7 @@ def make_handler(
             keep_alive_interval=cfg["interval"],
             keep_alive_max_attempt=cfg["attempts"],
             read_timeout=cfg["read_timeout"],
+            **({"client": cfg["etcd_client"]} if impl == "etcd" and "etcd_client" in cfg else {}),
         )
         return rdzv.create_handler(params)
     if impl == "rdzv":

@@ -566,6 +566,7 @@ class Run:
             "sample": opts.sample,
             "nice": opts.agent_nice,
             "pin": not opts.no_pin,
+            "etcd_client": opts.etcd_client,
         }
         self.server_pid = endpoints.get(f"{impl}-pid")
         if impl in ("rdzv", "torch", *FLOORS):
@@ -922,6 +923,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-pin", action="store_true", help="let agent processes run on any core")
     parser.add_argument("--one-client", action="store_true", help="one store client per node")
     parser.add_argument("--max-connections", type=int, default=65536)
+    parser.add_argument(
+        "--etcd-client", default="auto", help="the etcd backend's client: auto, grpc or gateway"
+    )
     parser.add_argument(
         "--sample", action="store_true", help="print where the first agent process's threads are"
     )

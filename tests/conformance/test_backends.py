@@ -17,7 +17,7 @@ import pytest
 
 from rdzv.backends.base import RendezvousBackend, SeatedBackend
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
-from rdzv.backends.etcd_client import EtcdClient
+from rdzv.backends.etcd_base import EtcdClientBase
 from rdzv.backends.redis import RedisRendezvousBackend
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.errors import RendezvousConnectionError
@@ -149,13 +149,14 @@ def test_c10d_on_a_file(check: Check, tmp_path: Path) -> None:
 
 
 class EtcdHarness(BackendHarness):
-    def __init__(self, cluster: EtcdCluster) -> None:
+    def __init__(self, cluster: EtcdCluster, client_type: type[EtcdClientBase]) -> None:
         self._endpoints = parse_endpoints(cluster.endpoints)
         self._run = f"conf{uuid.uuid4().hex[:10]}"
-        self._clients: list[EtcdClient] = []
+        self._client_type = client_type
+        self._clients: list[EtcdClientBase] = []
 
     def _backend(self, run: str) -> EtcdRendezvousBackend:
-        client = EtcdClient(self._endpoints, read_timeout=10)
+        client = self._client_type(self._endpoints, read_timeout=10)
         self._clients.append(client)
         return EtcdRendezvousBackend(client, run, key_prefix="/conf/")
 
@@ -176,8 +177,8 @@ class EtcdHarness(BackendHarness):
 
 @pytest.mark.etcd
 @EACH_CHECK
-def test_etcd(check: Check, etcd: EtcdCluster) -> None:
-    harness = EtcdHarness(etcd)
+def test_etcd(check: Check, etcd: EtcdCluster, etcd_client_type: type[EtcdClientBase]) -> None:
+    harness = EtcdHarness(etcd, etcd_client_type)
     try:
         run_all(check, harness, seated=False)
     finally:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rdzv.backends.etcd import parse_endpoints
-from rdzv.backends.etcd_client import EtcdClient
+from rdzv.backends.etcd_base import EtcdClientBase
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.backends.redis_store import RedisStore
 from rdzv.store.base import Store, Timeout, Value
@@ -164,11 +164,13 @@ def test_tcp_pairing(
 
 @pytest.mark.etcd
 @EACH_CHECK
-def test_etcd_store(check: StoreCheck, etcd: EtcdCluster) -> None:
+def test_etcd_store(
+    check: StoreCheck, etcd: EtcdCluster, etcd_client_type: type[EtcdClientBase]
+) -> None:
     endpoints, prefix = parse_endpoints(etcd.endpoints), f"/suite/{uuid.uuid4().hex[:10]}/"
 
     def make() -> Store:
-        client = EtcdClient(endpoints, read_timeout=10)
+        client = etcd_client_type(endpoints, read_timeout=10)
         return EtcdStore(client, prefix, TIMEOUT, owns_client=True)
 
     run(check, Clients(make, EVERY - QUEUE_KEY))

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rdzv.backends.etcd import parse_endpoints
-from rdzv.backends.etcd_client import EtcdClient
+from rdzv.backends.etcd_base import EtcdClientBase
 from tests.engines.servers import EtcdCluster, RedisServer
 
 
@@ -19,8 +19,11 @@ def unique() -> str:
 
 
 @pytest.fixture
-def etcd_client(etcd: EtcdCluster) -> Iterator[EtcdClient]:
-    client = EtcdClient(parse_endpoints(etcd.endpoints), read_timeout=10)
+def etcd_client(
+    etcd: EtcdCluster, etcd_client_type: type[EtcdClientBase]
+) -> Iterator[EtcdClientBase]:
+    """A client of the session's etcd, of each kind in turn."""
+    client = etcd_client_type(parse_endpoints(etcd.endpoints), read_timeout=10)
     try:
         yield client
     finally:

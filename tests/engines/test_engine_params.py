@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
 
 import rdzv
 from rdzv.api import RendezvousParameters
-from rdzv.backends.etcd import EtcdRendezvousBackend, create_backend
+from rdzv.backends.etcd import EtcdRendezvousBackend, create_backend, parse_endpoints
+from rdzv.backends.etcd_base import EtcdClientBase
 from rdzv.backends.etcd_client import EtcdClient
+from rdzv.backends.etcd_grpc import EtcdGrpcClient
 from rdzv.backends.etcd_store import EtcdStore
+from rdzv.backends.options import EtcdOptions
 from rdzv.errors import RendezvousConnectionError
 from tests.engines.servers import EtcdCluster, RedisServer
 from tests.procs import free_port, wait_until
@@ -23,7 +27,10 @@ def test_etcd_backend_is_exported() -> None:
 
 
 @pytest.mark.etcd
-def test_etcd_create_backend_with_several_members(etcd: EtcdCluster, unique: str) -> None:
+@pytest.mark.parametrize("client", ["gateway", "grpc"])
+def test_etcd_create_backend_with_several_members(
+    etcd: EtcdCluster, unique: str, client: str
+) -> None:
     dead = free_port()
     params = RendezvousParameters(
         "etcd",
@@ -32,9 +39,11 @@ def test_etcd_create_backend_with_several_members(etcd: EtcdCluster, unique: str
         read_timeout="5",
         key_prefix="/params/",
         ttl=30,
+        client=client,
     )
     backend, store = create_backend(params)
     try:
+        assert isinstance(backend.client, EtcdClient if client == "gateway" else EtcdGrpcClient)
         assert isinstance(store, EtcdStore)
         assert backend.client.endpoints == [
             f"http://127.0.0.1:{dead}",
@@ -49,7 +58,8 @@ def test_etcd_create_backend_with_several_members(etcd: EtcdCluster, unique: str
         assert kv is not None
         assert kv.mod_revision == token
         assert kv.lease != 0  # the state expires on the server after ttl
-        response, _, _ = backend.client.call("/v3/lease/timetolive", {"ID": str(kv.lease)})
+        with EtcdClient(parse_endpoints(etcd.endpoint)) as gateway:
+            response, _, _ = gateway.call("/v3/lease/timetolive", {"ID": str(kv.lease)})
         assert 0 < int(response["TTL"]) <= 30
         store.set("k", b"v")
         assert store.get("k") == b"v"
@@ -64,12 +74,33 @@ def test_etcd_create_backend_with_several_members(etcd: EtcdCluster, unique: str
         ({"read_timeout": "soon"}, "read_timeout"),
         ({"ca_cert": "/ca.pem"}, "protocol=https"),
         ({"ttl": "0"}, "ttl"),
+        ({"client": "http2"}, "client='http2'"),
     ],
 )
 def test_etcd_create_backend_rejects_bad_options(config: dict[str, Any], message: str) -> None:
     params = RendezvousParameters("etcd", "127.0.0.1:1", "run", **config)
     with pytest.raises(ValueError, match=message):
         create_backend(params)
+
+
+def test_etcd_client_option_picks_grpc_where_grpcio_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def options(**config: Any) -> EtcdOptions:
+        return EtcdOptions.from_params(RendezvousParameters("etcd", "h:1", "run", **config))
+
+    assert options().client == "grpc"  # the dev extra installs grpcio, as the etcd extra does
+    assert options(client="gateway").client == "gateway"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "grpc" else real_find_spec(name, *a),
+    )
+    assert options().client == "gateway"
+    assert options(client="AUTO").client == "gateway"
+    with pytest.raises(ValueError, match=r"client=grpc needs grpcio.*rdzv\[etcd\]"):
+        options(client="grpc")
 
 
 def test_etcd_backend_rejects_bad_arguments() -> None:
@@ -86,7 +117,7 @@ def test_etcd_backend_rejects_bad_arguments() -> None:
 
 @pytest.mark.etcd
 @pytest.mark.timeout(30)
-def test_etcd_heartbeat_expires_on_the_server(etcd_client: EtcdClient, unique: str) -> None:
+def test_etcd_heartbeat_expires_on_the_server(etcd_client: EtcdClientBase, unique: str) -> None:
     backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/live/", liveness_ttl=1)
     backend.beat("node-a")
     assert backend.heartbeat_mark("node-a") is not None
@@ -175,7 +206,9 @@ def test_redis_client_must_not_decode(redis_srv: RedisServer) -> None:
 
 
 @pytest.mark.etcd
-def test_etcd_backend_survives_losing_its_state_lease(etcd_client: EtcdClient, unique: str) -> None:
+def test_etcd_backend_survives_losing_its_state_lease(
+    etcd_client: EtcdClientBase, unique: str
+) -> None:
     backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/lease/")
     backend.set_state(b"one")
     kv, _ = etcd_client.get(backend.key)

@@ -1,4 +1,4 @@
-"""The stdlib etcd v3 client against a real etcd: KV, txn, watch, compaction, leases, failover."""
+"""Both etcd v3 clients (gateway and gRPC) against a real etcd: KV, txn, watch, compaction, leases, failover."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 import pytest
 
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
+from rdzv.backends.etcd_base import EtcdClientBase
 from rdzv.backends.etcd_client import (
     EtcdClient,
     EtcdCompactedError,
@@ -37,18 +38,18 @@ def test_parse_endpoints() -> None:
         parse_endpoints("h1:notaport")
 
 
-def test_client_option_errors_name_the_value() -> None:
+def test_client_option_errors_name_the_value(etcd_client_type: type[EtcdClientBase]) -> None:
     with pytest.raises(ValueError, match="'ftp'"):
-        EtcdClient([("127.0.0.1", 1)], protocol="ftp")
+        etcd_client_type([("127.0.0.1", 1)], protocol="ftp")
     with pytest.raises(ValueError, match="need protocol=https"):
-        EtcdClient([("127.0.0.1", 1)], ca_cert="/x.pem")
+        etcd_client_type([("127.0.0.1", 1)], ca_cert="/x.pem")
     with pytest.raises(ValueError, match="together"):
-        EtcdClient([("127.0.0.1", 1)], protocol="https", ssl_cert="/x.pem")
+        etcd_client_type([("127.0.0.1", 1)], protocol="https", ssl_cert="/x.pem")
     with pytest.raises(ValueError, match="at least one"):
-        EtcdClient([])
+        etcd_client_type([])
 
 
-def test_put_get_delete_and_prefix(etcd_client: EtcdClient, unique: str) -> None:
+def test_put_get_delete_and_prefix(etcd_client: EtcdClientBase, unique: str) -> None:
     base = f"/c/{unique}/".encode()
     rev1 = etcd_client.put(base + b"a", b"1")
     rev2 = etcd_client.put(base + b"b", b"2")
@@ -64,7 +65,7 @@ def test_put_get_delete_and_prefix(etcd_client: EtcdClient, unique: str) -> None
     assert etcd_client.get(base + b"a")[0] is None
 
 
-def test_cas_returns_current_value_on_failure(etcd_client: EtcdClient, unique: str) -> None:
+def test_cas_returns_current_value_on_failure(etcd_client: EtcdClientBase, unique: str) -> None:
     key = f"/c/{unique}".encode()
     written, rev, current, attempts = etcd_client.compare_and_put(key, b"v1", 0)
     assert (written, current, attempts) == (True, None, 1)
@@ -75,7 +76,7 @@ def test_cas_returns_current_value_on_failure(etcd_client: EtcdClient, unique: s
     assert current.mod_revision == rev
 
 
-def test_watch_returns_events_and_times_out(etcd_client: EtcdClient, unique: str) -> None:
+def test_watch_returns_events_and_times_out(etcd_client: EtcdClientBase, unique: str) -> None:
     key = f"/c/{unique}".encode()
     _, revision = etcd_client.get(key)
     start = time.monotonic()
@@ -91,7 +92,7 @@ def test_watch_returns_events_and_times_out(etcd_client: EtcdClient, unique: str
     assert next_revision == events[0].kv.mod_revision + 1
 
 
-def test_watch_latency_is_far_below_polling(etcd_client: EtcdClient, unique: str) -> None:
+def test_watch_latency_is_far_below_polling(etcd_client: EtcdClientBase, unique: str) -> None:
     """A generous bound that catches a fallback to polling, not a benchmark."""
     key = f"/c/{unique}".encode()
     delays = []
@@ -114,13 +115,15 @@ def test_watch_latency_is_far_below_polling(etcd_client: EtcdClient, unique: str
     assert sorted(delays)[2] < 0.5
 
 
-def _compact(client: EtcdClient) -> int:
+def _compact(client: EtcdClientBase) -> int:
+    """Compact the history up to the current revision (through the gateway, whichever client)."""
     _, revision = client.get(b"/")
-    client.call("/v3/kv/compaction", {"revision": str(revision), "physical": True})
+    with EtcdClient(parse_endpoints(",".join(client.endpoints))) as gateway:
+        gateway.call("/v3/kv/compaction", {"revision": str(revision), "physical": True})
     return revision
 
 
-def test_watch_from_compacted_revision_raises(etcd_client: EtcdClient, unique: str) -> None:
+def test_watch_from_compacted_revision_raises(etcd_client: EtcdClientBase, unique: str) -> None:
     key = f"/c/{unique}".encode()
     first = etcd_client.put(key, b"1")
     etcd_client.put(key, b"2")
@@ -130,7 +133,9 @@ def test_watch_from_compacted_revision_raises(etcd_client: EtcdClient, unique: s
     assert info.value.compact_revision == compacted
 
 
-def test_backend_and_store_recover_from_compaction(etcd_client: EtcdClient, unique: str) -> None:
+def test_backend_and_store_recover_from_compaction(
+    etcd_client: EtcdClientBase, unique: str
+) -> None:
     backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
     one = backend.set_state(b"one")
     assert one is not None
@@ -153,7 +158,7 @@ def test_backend_and_store_recover_from_compaction(etcd_client: EtcdClient, uniq
 
 
 def test_lease_expiry_deletes_key_and_is_seen_by_watch(
-    etcd_client: EtcdClient, unique: str
+    etcd_client: EtcdClientBase, unique: str
 ) -> None:
     key = f"/c/{unique}".encode()
     lease, ttl = etcd_client.lease_grant(1)
@@ -170,7 +175,7 @@ def test_lease_expiry_deletes_key_and_is_seen_by_watch(
     etcd_client.lease_revoke(lease)  # revoking an expired lease is not an error
 
 
-def test_revoke_deletes_attached_keys(etcd_client: EtcdClient, unique: str) -> None:
+def test_revoke_deletes_attached_keys(etcd_client: EtcdClientBase, unique: str) -> None:
     key = f"/c/{unique}".encode()
     lease, _ = etcd_client.lease_grant(60)
     etcd_client.put(key, b"x", lease=lease)
@@ -178,9 +183,9 @@ def test_revoke_deletes_attached_keys(etcd_client: EtcdClient, unique: str) -> N
     assert etcd_client.get(key)[0] is None
 
 
-def test_unreachable_endpoint_error_names_it() -> None:
+def test_unreachable_endpoint_error_names_it(etcd_client_type: type[EtcdClientBase]) -> None:
     port = free_port()
-    client = EtcdClient([("127.0.0.1", port)], read_timeout=0.5, connect_timeout=0.2)
+    client = etcd_client_type([("127.0.0.1", port)], read_timeout=0.5, connect_timeout=0.2)
     try:
         with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
             client.get(b"/x")
@@ -190,9 +195,12 @@ def test_unreachable_endpoint_error_names_it() -> None:
         client.close()
 
 
-def test_failover_skips_a_dead_first_member(etcd: EtcdCluster, unique: str) -> None:
+def test_failover_skips_a_dead_first_member(
+    etcd: EtcdCluster, unique: str, etcd_client_type: type[EtcdClientBase]
+) -> None:
     dead = free_port()
-    client = EtcdClient([("127.0.0.1", dead), *parse_endpoints(etcd.endpoints)], read_timeout=5)
+    endpoints = [("127.0.0.1", dead), *parse_endpoints(etcd.endpoints)]
+    client = etcd_client_type(endpoints, read_timeout=5)
     try:
         key = f"/c/{unique}".encode()
         revision = client.put(key, b"v")
@@ -204,9 +212,11 @@ def test_failover_skips_a_dead_first_member(etcd: EtcdCluster, unique: str) -> N
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_failover_when_the_member_in_use_dies(unique: str) -> None:
+def test_failover_when_the_member_in_use_dies(
+    unique: str, etcd_client_type: type[EtcdClientBase]
+) -> None:
     with etcd_cluster(3) as cluster:
-        client = EtcdClient(parse_endpoints(cluster.endpoints), read_timeout=10)
+        client = etcd_client_type(parse_endpoints(cluster.endpoints), read_timeout=10)
         try:
             key = f"/c/{unique}".encode()
             revision = client.put(key, b"1")
@@ -232,7 +242,9 @@ def test_failover_when_the_member_in_use_dies(unique: str) -> None:
 
 
 @pytest.mark.slow
-def test_failover_skips_a_member_that_hangs(etcd: EtcdCluster, unique: str) -> None:
+def test_failover_skips_a_member_that_hangs(
+    etcd: EtcdCluster, unique: str, etcd_client_type: type[EtcdClientBase]
+) -> None:
     """A member that accepts connections but never answers gets only its share of the budget."""
     import socket
 
@@ -240,7 +252,8 @@ def test_failover_skips_a_member_that_hangs(etcd: EtcdCluster, unique: str) -> N
         hung.bind(("127.0.0.1", 0))
         hung.listen(8)
         port = hung.getsockname()[1]
-        client = EtcdClient([("127.0.0.1", port), *parse_endpoints(etcd.endpoints)], read_timeout=6)
+        endpoints = [("127.0.0.1", port), *parse_endpoints(etcd.endpoints)]
+        client = etcd_client_type(endpoints, read_timeout=6)
         try:
             start = time.monotonic()
             client.put(f"/c/{unique}".encode(), b"v")

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
+from rdzv.backends.etcd_base import EtcdClientBase
 from rdzv.backends.etcd_client import EtcdClient
 from tests.engines.servers import etcd_cluster, kill_process
 from tests.procs import wait_until
@@ -25,11 +26,13 @@ def _local_read(member_endpoint: str, key: bytes) -> bytes | None:
 
 
 @pytest.mark.timeout(120)
-def test_no_acknowledged_write_is_lost_when_the_leader_dies() -> None:
+def test_no_acknowledged_write_is_lost_when_the_leader_dies(
+    etcd_client_type: type[EtcdClientBase],
+) -> None:
     writers, per_writer = 4, 25
     with etcd_cluster(3) as cluster:
         endpoints = parse_endpoints(cluster.endpoints)
-        clients = [EtcdClient(endpoints, read_timeout=20) for _ in range(writers)]
+        clients = [etcd_client_type(endpoints, read_timeout=20) for _ in range(writers)]
         try:
             backends = [EtcdRendezvousBackend(c, "ha", key_prefix="/ha/") for c in clients]
             backends[0].set_state(b"")

@@ -8,7 +8,7 @@ import pytest
 
 from rdzv.api import RendezvousParameters
 from rdzv.backends.etcd import create_backend, parse_endpoints
-from rdzv.backends.etcd_client import EtcdClient
+from rdzv.backends.etcd_base import EtcdClientBase
 from rdzv.errors import RendezvousConnectionError
 from tests.certs import TLSFiles
 from tests.engines.servers import EtcdCluster, etcd_cluster
@@ -26,16 +26,20 @@ def tls_etcd(tls_files: TLSFiles) -> Iterator[EtcdCluster]:
         yield cluster
 
 
-def test_tls_with_client_certificate_works(tls_etcd: EtcdCluster, tls_files: TLSFiles) -> None:
+@pytest.mark.parametrize("client", ["gateway", "grpc"])
+def test_tls_with_client_certificate_works(
+    tls_etcd: EtcdCluster, tls_files: TLSFiles, client: str
+) -> None:
     params = RendezvousParameters(
         "etcd",
         tls_etcd.endpoint,
-        "tlsrun",
+        f"tlsrun-{client}",
         protocol="https",
         ssl_cert=tls_files.client_cert,
         ssl_cert_key=tls_files.client_key,
         cacert=tls_files.ca_cert,  # torch's etcd handler's name for ca_cert
         read_timeout=10,
+        client=client,
     )
     backend, store = create_backend(params)
     try:
@@ -50,8 +54,10 @@ def test_tls_with_client_certificate_works(tls_etcd: EtcdCluster, tls_files: TLS
         backend.client.close()
 
 
-def test_wrong_ca_gives_a_clear_error(tls_etcd: EtcdCluster, tls_files: TLSFiles) -> None:
-    client = EtcdClient(
+def test_wrong_ca_gives_a_clear_error(
+    tls_etcd: EtcdCluster, tls_files: TLSFiles, etcd_client_type: type[EtcdClientBase]
+) -> None:
+    client = etcd_client_type(
         parse_endpoints(tls_etcd.endpoint),
         protocol="https",
         read_timeout=5,
@@ -70,9 +76,9 @@ def test_wrong_ca_gives_a_clear_error(tls_etcd: EtcdCluster, tls_files: TLSFiles
 
 
 def test_missing_client_certificate_gives_a_clear_error(
-    tls_etcd: EtcdCluster, tls_files: TLSFiles
+    tls_etcd: EtcdCluster, tls_files: TLSFiles, etcd_client_type: type[EtcdClientBase]
 ) -> None:
-    client = EtcdClient(
+    client = etcd_client_type(
         parse_endpoints(tls_etcd.endpoint),
         protocol="https",
         read_timeout=5,
@@ -86,8 +92,11 @@ def test_missing_client_certificate_gives_a_clear_error(
         client.close()
 
 
-def test_plain_http_to_a_tls_server_fails_with_the_endpoint(tls_etcd: EtcdCluster) -> None:
-    client = EtcdClient(parse_endpoints(tls_etcd.endpoint), read_timeout=1, connect_timeout=0.5)
+def test_plain_http_to_a_tls_server_fails_with_the_endpoint(
+    tls_etcd: EtcdCluster, etcd_client_type: type[EtcdClientBase]
+) -> None:
+    endpoints = parse_endpoints(tls_etcd.endpoint)
+    client = etcd_client_type(endpoints, read_timeout=1, connect_timeout=0.5)
     try:
         with pytest.raises(RendezvousConnectionError, match=tls_etcd.endpoint):
             client.get(b"/x")

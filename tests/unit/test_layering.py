@@ -79,8 +79,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.backends",
             "rdzv.backends.store",
             "rdzv.backends.etcd",
+            "rdzv.backends.etcd_base",
             "rdzv.backends.etcd_client",
             "rdzv.backends.etcd_gateway",
+            "rdzv.backends.etcd_grpc",
+            "rdzv.backends.etcd_proto",
             "rdzv.backends.etcd_store",
             "rdzv.backends.redis",
             "rdzv.backends.redis_connection",
@@ -150,6 +153,7 @@ PURE: frozenset[str] = frozenset(
     {
         "rdzv.backends.base",
         "rdzv.backends.etcd_gateway",
+        "rdzv.backends.etcd_proto",
         "rdzv.dynamic.machine",
         "rdzv.dynamic.pacing",
         "rdzv.dynamic.seat",
@@ -357,3 +361,19 @@ def test_relative_imports_are_resolved() -> None:
     assert isinstance(node, ast.ImportFrom)
     assert _resolve("rdzv.dynamic.handler", False, node) == "rdzv.dynamic.machine"
     assert _resolve("rdzv.dynamic", True, node) == "rdzv.dynamic.machine"
+
+
+def test_grpc_is_imported_only_by_the_grpc_client() -> None:
+    # The core stays standard library: grpcio is the etcd extra's, and its one
+    # module (rdzv.backends.etcd_grpc) is imported only by create_client, lazily.
+    importers = {a for a, b in all_imports() if _matches(b, "grpc")}
+    assert importers == {"rdzv.backends.etcd_grpc"}
+    lazy = {a for a, b in all_imports() if b == "rdzv.backends.etcd_grpc"}
+    assert lazy == {"rdzv.backends.etcd"}
+    source = (SRC / "rdzv" / "backends" / "etcd.py").read_text()
+    top_level = [
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ImportFrom) and node.module == "rdzv.backends.etcd_grpc"
+    ]
+    assert top_level == []

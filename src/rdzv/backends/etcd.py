@@ -56,6 +56,7 @@ from rdzv.backends.base import (
     validate_node_key,
     validate_record,
 )
+from rdzv.backends.etcd_base import EtcdClientBase
 from rdzv.backends.etcd_client import EtcdClient, EtcdCompactedError, KeyValue
 from rdzv.backends.etcd_gateway import LEASE_NOT_FOUND, EtcdRequestError, put_request, range_request
 from rdzv.backends.etcd_store import EtcdStore
@@ -100,7 +101,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
     (:meth:`beat`, :meth:`heartbeat_mark`, :meth:`forget`).
 
     Args:
-        client: The etcd client.
+        client: The etcd client (either: :class:`~rdzv.backends.etcd_base.EtcdClientBase`).
         run_id: The run identifier.
         key_prefix: Prefix of every key of this backend (``/rdzv/``).
         ttl: Seconds an unwritten state survives on the server (two hours).
@@ -114,7 +115,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
 
     def __init__(
         self,
-        client: EtcdClient,
+        client: EtcdClientBase,
         run_id: str,
         key_prefix: str | None = None,
         ttl: int | None = None,
@@ -146,7 +147,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         return "etcd-v3"
 
     @property
-    def client(self) -> EtcdClient:
+    def client(self) -> EtcdClientBase:
         """The etcd client."""
         return self._client
 
@@ -369,13 +370,20 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         return sorted(kv.key[len(prefix) :].decode("utf-8", "replace") for kv in kvs)
 
 
-def create_client(options: EtcdOptions) -> EtcdClient:
-    """Build an :class:`EtcdClient` from parsed options.
+def create_client(options: EtcdOptions) -> EtcdClientBase:
+    """Build the etcd client the options name (``options.client``): gRPC or the gateway's.
+
+    The gRPC client's module, and grpcio, are imported only here, when chosen.
 
     Raises:
         ValueError: An option is invalid; the message names it.
     """
-    return EtcdClient(
+    kind: type[EtcdClientBase] = EtcdClient
+    if options.client == "grpc":
+        from rdzv.backends.etcd_grpc import EtcdGrpcClient  # noqa: PLC0415 - grpcio is optional
+
+        kind = EtcdGrpcClient
+    return kind(
         list(options.endpoints),
         protocol=options.protocol,
         read_timeout=options.read_timeout,

@@ -2,26 +2,16 @@
 
 Theory of operation
 -------------------
-This module is the transport: connections, timeouts and failover. What goes
+This module is the transport: connections and timeouts. What goes
 over the wire (base64 keys and values, int64 fields as strings, error bodies
 with gRPC codes, watch-stream lines) is built and parsed by
 :mod:`rdzv.backends.etcd_gateway`.
 
 Unary calls (range, put, txn, leases) share a small pool of keep-alive
 ``http.client`` connections, one per call at a time, so the client is
-thread-safe. Each call has a per-request socket timeout and an overall
-deadline (a :class:`rdzv.retry.Retry`): the read timeout, or the caller's
-deadline when that comes sooner (:func:`rdzv.retry.deadline_within`: the
-handler bounds a join by its join timeout, a heartbeat by the keep-alive
-interval). When a member is unreachable, or answers with a transient error
-(no leader, leader changed, ...: an
-:class:`~rdzv.backends.etcd_gateway.EtcdRetryableError`), the call moves on
-to the next endpoint, with capped backoff between full passes over the
-endpoint list, until the deadline; while no member accepts a connection at
-all (every host down), it gives up after the connect timeout rather than
-the read timeout. A call that was sent more than once reports it
-(``attempts``), so a caller can recognise its own write when the reply to
-the first attempt was lost.
+thread-safe. Each attempt has a socket timeout; the deadline of a whole
+call and the failover between members are
+:class:`~rdzv.backends.etcd_base.EtcdClientBase`'s.
 
 A watch runs on its own connection: ``POST /v3/watch`` answers with a stream
 of newline-delimited JSON objects. A watch from a compacted revision raises
@@ -36,10 +26,10 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from rdzv.backends.etcd_base import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
 from rdzv.backends.etcd_gateway import (
     LEASE_NOT_FOUND,
     EtcdCompactedError,
@@ -53,7 +43,6 @@ from rdzv.backends.etcd_gateway import (
     delete_request,
     lease_grant_request,
     lease_id_request,
-    mod_revision_compare,
     parse_count,
     parse_deleted,
     parse_keepalive,
@@ -68,7 +57,6 @@ from rdzv.backends.etcd_gateway import (
     watch_events,
     watch_request,
 )
-from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError
 from rdzv.retry import Retry
 
@@ -79,23 +67,10 @@ __all__ = ["EtcdClient", "EtcdCompactedError", "KeyValue", "WatchEvent", "prefix
 _MAX_WATCH_LINE = 64 * 1024 * 1024
 
 
-class EtcdClient:
+class EtcdClient(EtcdClientBase):
     """A thread-safe etcd v3 client over the JSON gateway.
 
-    Args:
-        endpoints: ``(host, port)`` of one or more cluster members.
-        protocol: ``"http"`` or ``"https"``.
-        read_timeout: Seconds one request (and a whole call with failover)
-            may take.
-        connect_timeout: Seconds to establish a connection to one member.
-        ssl_cert: The client certificate file (PEM), for https.
-        ssl_cert_key: The client certificate's key file (PEM).
-        ca_cert: The CA bundle that verifies the servers (PEM); the system
-            trust store when None.
-
-    Raises:
-        ValueError: No endpoint, an unknown protocol, TLS files without https,
-            a certificate without its key, or a non-positive timeout.
+    Takes the arguments of :class:`~rdzv.backends.etcd_base.EtcdClientBase`.
     """
 
     def __init__(
@@ -108,51 +83,18 @@ class EtcdClient:
         ssl_cert_key: str | None = None,
         ca_cert: str | None = None,
     ) -> None:
-        if not endpoints:
-            raise ValueError("the etcd client needs at least one endpoint")
-        protocol = protocol.strip().lower()
-        if protocol not in ("http", "https"):
-            raise ValueError(f"the etcd protocol must be 'http' or 'https', got {protocol!r}")
-        if protocol == "http" and (ssl_cert or ssl_cert_key or ca_cert):
-            raise ValueError(
-                "ssl_cert, ssl_cert_key and ca_cert need protocol=https; got protocol=http"
-            )
-        if bool(ssl_cert) != bool(ssl_cert_key):
-            raise ValueError("ssl_cert and ssl_cert_key must be given together")
-        if not read_timeout > 0:
-            raise ValueError(f"read_timeout must be positive, got {read_timeout!r}")
-        if not connect_timeout > 0:
-            raise ValueError(f"connect_timeout must be positive, got {connect_timeout!r}")
-        self._endpoints = [(host, int(port)) for host, port in endpoints]
-        self._protocol = protocol
-        self._read_timeout = float(read_timeout)
-        self._connect_timeout = float(connect_timeout)
+        super().__init__(
+            endpoints, protocol, read_timeout, connect_timeout, ssl_cert, ssl_cert_key, ca_cert
+        )
         self._ssl_context: ssl.SSLContext | None = None
-        self._has_client_cert = bool(ssl_cert)
-        if protocol == "https":
+        if self._protocol == "https":
             self._ssl_context = ssl.create_default_context(cafile=ca_cert)
             if ssl_cert and ssl_cert_key:
                 self._ssl_context.load_cert_chain(ssl_cert, ssl_cert_key)
-        self._lock = threading.Lock()
-        self._current = 0
         self._idle: list[tuple[int, http.client.HTTPConnection]] = []
         self._closed = False
 
     # -- endpoints and connections ------------------------------------------
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The members' URLs, in failover order."""
-        return [self._url(i) for i in range(len(self._endpoints))]
-
-    @property
-    def read_timeout(self) -> float:
-        """Seconds one call may take."""
-        return self._read_timeout
-
-    def _url(self, index: int) -> str:
-        host, port = self._endpoints[index]
-        return f"{self._protocol}://{format_endpoint(host, port)}"
 
     def _connect(self, index: int, timeout: float) -> http.client.HTTPConnection:
         host, port = self._endpoints[index]
@@ -187,21 +129,7 @@ class EtcdClient:
         for _, conn in idle:
             conn.close()
 
-    def __enter__(self) -> EtcdClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- requests -------------------------------------------------------------
-
-    def _tls_hint(self) -> str:
-        if self._ssl_context is not None and not self._has_client_cert:
-            return (
-                " (a server that requires client certificates drops connections "
-                "without one: set ssl_cert and ssl_cert_key)"
-            )
-        return ""
 
     def _request_once(
         self, index: int, path: str, body: dict[str, Any], timeout: float
@@ -217,7 +145,7 @@ class EtcdClient:
                 raise _tls_error(endpoint, exc, self._has_client_cert) from exc
             except OSError as exc:
                 conn.close()
-                raise _ConnectFailedError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
+                raise ConnectFailedError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
         try:
             conn.sock.settimeout(timeout)
             conn.request("POST", path, payload, {"Content-Type": "application/json"})
@@ -258,84 +186,14 @@ class EtcdClient:
                 error ``code``).
             RendezvousStateError: A member's answer is not a JSON object.
         """
-        retry = Retry(self._read_timeout)
-        errors: list[str] = []
-        attempts = 0
-        reached = False
-        count = len(self._endpoints)
-        # A member that accepts connections but hangs must not eat the whole
-        # budget: with several members each attempt gets a share of it.
-        per_attempt = self._read_timeout if count == 1 else max(1.0, self._read_timeout / count)
-
-        def give_up() -> bool:
-            unreachable = not reached and retry.elapsed() >= self._connect_timeout
-            return unreachable or retry.expired()
-
-        while True:
-            with self._lock:
-                start = self._current
-            for step in range(count):
-                if attempts and give_up():
-                    break
-                index = (start + step) % count
-                attempts += 1
-                try:
-                    response = self._request_once(
-                        index, path, body, retry.attempt_timeout(per_attempt)
-                    )
-                except _ConnectFailedError as exc:
-                    errors.append(str(exc))
-                    continue
-                except EtcdRetryableError as exc:
-                    reached = True
-                    errors.append(str(exc))
-                    continue
-                if step:
-                    with self._lock:
-                        self._current = index
-                return response, attempts, self._url(index)
-            if give_up() or not retry.pause():
-                what = (
-                    f"answered {path}"
-                    if reached
-                    else f"accepted a connection for {path} (connect timeout "
-                    f"{self._connect_timeout:g} s)"
-                )
-                raise RendezvousConnectionError(
-                    f"no etcd member {what} within {retry.elapsed():.3g} s "
-                    f"({attempts} attempts); last errors: {'; '.join(errors[-count:])}"
-                    + self._tls_hint()
-                )
-
-    def check_reachable(self) -> str:
-        """Ask each member once, in order, for a count of no keys, until one answers.
-
-        One bounded round trip per member: each attempt may take the connect
-        timeout (or the read timeout, when shorter); no member is retried.
-
-        Returns:
-            The URL of the member that answered.
-
-        Raises:
-            RendezvousConnectionError: No member answered; the message names
-                every member and its failure.
-            EtcdRejectedError: A member answered and refused to read.
-        """
-        timeout = min(self._connect_timeout, self._read_timeout)
-        body = range_request(b"\0rdzv-probe", count_only=True, serializable=True)
-        errors: list[str] = []
-        for index in range(len(self._endpoints)):
-            try:
-                self._request_once(index, "/v3/kv/range", body, timeout)
-            except EtcdRetryableError as exc:
-                errors.append(str(exc))
-                continue
-            with self._lock:
-                self._current = index
-            return self._url(index)
-        raise RendezvousConnectionError(
-            f"no etcd member answered within {timeout:g} s: {'; '.join(errors)}" + self._tls_hint()
+        response, attempts, index = self._failover(
+            path, lambda index, timeout: self._request_once(index, path, body, timeout)
         )
+        return response, attempts, self._url(index)
+
+    def _probe(self, index: int, timeout: float) -> None:
+        body = range_request(PROBE_KEY, count_only=True, serializable=True)
+        self._request_once(index, "/v3/kv/range", body, timeout)
 
     # -- KV ---------------------------------------------------------------------
 
@@ -348,19 +206,7 @@ class EtcdClient:
         keys_only: bool = False,
         serializable: bool = False,
     ) -> tuple[list[KeyValue], int]:
-        """Read a key or every key under a prefix.
-
-        Args:
-            key: The key or prefix.
-            prefix: Read every key starting with ``key``.
-            limit: The most keys to return (0: no limit).
-            sort_by_create: Oldest-created first.
-            keys_only: Leave the values out.
-            serializable: Answer from the member's own copy (may be stale).
-
-        Returns:
-            ``(kvs, revision)``: the keys found and the store revision read.
-        """
+        """Read a key or every key under a prefix (see :class:`EtcdClientBase`)."""
         body = range_request(
             key, prefix, limit, sort_by_create, keys_only, serializable=serializable
         )
@@ -372,11 +218,6 @@ class EtcdClient:
         body = range_request(prefix, prefix=True, count_only=True)
         response, _, endpoint = self.call("/v3/kv/range", body)
         return parse_count(response, endpoint)
-
-    def get(self, key: bytes) -> tuple[KeyValue | None, int]:
-        """Read one key."""
-        kvs, revision = self.range(key)
-        return (kvs[0] if kvs else None), revision
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         """Write a key under ``lease`` (0: none); return the store revision of the write."""
@@ -402,41 +243,6 @@ class EtcdClient:
     def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:
         """Return the keys of the ``index``-th range response of a txn."""
         return txn_range_kvs(result, index, self.endpoints[self._current])
-
-    def compare_and_put(
-        self,
-        key: bytes,
-        value: bytes,
-        mod_revision: int,
-        lease: int = 0,
-        also: Mapping[bytes, bytes] | None = None,
-    ) -> tuple[bool, int, KeyValue | None, int]:
-        """Write ``key`` if its ``mod_revision`` is ``mod_revision``, in one round trip.
-
-        Args:
-            key: The key.
-            value: The new value.
-            mod_revision: The expected modification revision; 0 means
-                "the key must not exist".
-            lease: A lease ID to attach to the new value.
-            also: More ``{key: value}`` to put in the same transaction, under
-                the same lease, when the write wins.
-
-        Returns:
-            ``(written, revision, current, attempts)``: on success the
-            revision of the write and ``current`` None; on failure the
-            stored key (None when absent) as read in the same transaction.
-        """
-        puts = {key: value, **(also or {})}
-        result = self.txn(
-            [mod_revision_compare(key, mod_revision)],
-            [{"request_put": put_request(k, v, lease)} for k, v in puts.items()],
-            [{"request_range": range_request(key)}],
-        )
-        if result.succeeded:
-            return True, result.revision, None, result.attempts
-        kvs = self.txn_kvs(result, 0)
-        return False, result.revision, (kvs[0] if kvs else None), result.attempts
 
     # -- leases ---------------------------------------------------------------
 
@@ -464,51 +270,11 @@ class EtcdClient:
 
     # -- watch ------------------------------------------------------------------
 
-    def watch(
-        self, key: bytes, start_revision: int, timeout: float, prefix: bool = False
-    ) -> tuple[list[WatchEvent], int]:
-        """Wait for changes of ``key`` (or a prefix) at or after ``start_revision``.
-
-        Returns as soon as one batch of events arrives, or empty when
-        ``timeout`` elapses.
-
-        Args:
-            key: The key or prefix.
-            start_revision: The first revision of interest.
-            timeout: The most seconds to wait.
-            prefix: Watch every key starting with ``key``.
-
-        Returns:
-            ``(events, next_revision)``: the events and the revision to
-            resume from.
-
-        Raises:
-            EtcdCompactedError: ``start_revision`` was compacted; re-read.
-            RendezvousConnectionError: No member could be watched.
-        """
-        retry = Retry(timeout)
-        payload = json.dumps(watch_request(key, start_revision, prefix)).encode()
-        errors: list[str] = []
-        count = len(self._endpoints)
-        while True:
-            with self._lock:
-                start = self._current
-            for step in range(count):
-                index = (start + step) % count
-                try:
-                    return self._watch_once(index, payload, start_revision, retry)
-                except EtcdRetryableError as exc:
-                    errors.append(str(exc))
-            if not retry.pause():
-                raise RendezvousConnectionError(
-                    f"could not watch etcd ({', '.join(self.endpoints)}): "
-                    f"{'; '.join(errors[-count:])}" + self._tls_hint()
-                )
-
     def _watch_once(
-        self, index: int, payload: bytes, start_revision: int, retry: Retry
+        self, index: int, key: bytes, start_revision: int, prefix: bool, retry: Retry
     ) -> tuple[list[WatchEvent], int]:
         endpoint = self._url(index)
+        payload = json.dumps(watch_request(key, start_revision, prefix)).encode()
         conn = self._connect(index, retry.attempt_timeout(self._connect_timeout))
         try:
             try:
@@ -557,28 +323,9 @@ class EtcdClient:
                 yield message
 
 
-class _ConnectFailedError(EtcdRetryableError):
-    """No connection to a member could be made (nothing listening, host down)."""
-
-
 def _tls_error(
     endpoint: str, exc: ssl.SSLError, has_client_cert: bool
 ) -> RendezvousConnectionError:
     reason = getattr(exc, "reason", None) or str(exc)
-    text = str(exc).upper()
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        hint = "the server certificate did not verify against ca_cert"
-    elif "ALERT" in text and ("CERTIFICATE" in text or "UNKNOWN_CA" in text):
-        hint = (
-            "the server rejected this client's certificate"
-            if has_client_cert
-            else "the server requires a client certificate; set ssl_cert and ssl_cert_key"
-        )
-    elif not has_client_cert:
-        hint = (
-            "the server ended the handshake; if it requires a client certificate, "
-            "set ssl_cert and ssl_cert_key"
-        )
-    else:
-        hint = "check ca_cert, ssl_cert and ssl_cert_key"
-    return RendezvousConnectionError(f"TLS with etcd at {endpoint} failed ({reason}): {hint}")
+    verify_failed = isinstance(exc, ssl.SSLCertVerificationError)
+    return tls_failure(endpoint, reason, str(exc), verify_failed, has_client_cert)

@@ -21,7 +21,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from rdzv.backends.etcd_client import EtcdClient, EtcdCompactedError, KeyValue
+from rdzv.backends.etcd_base import EtcdClientBase
+from rdzv.backends.etcd_client import EtcdCompactedError, KeyValue
 from rdzv.backends.etcd_gateway import (
     delete_request,
     mod_revision_compare,
@@ -50,7 +51,7 @@ class EtcdStore(Store):
     """A key-value store with torch's ``Store`` semantics, kept in etcd.
 
     Args:
-        client: The etcd client.
+        client: The etcd client (either one).
         prefix: The key prefix of this store (bytes or str), e.g.
             ``b"/rdzv/job/store/"``.
         timeout: The timeout of blocking operations.
@@ -63,7 +64,7 @@ class EtcdStore(Store):
 
     def __init__(
         self,
-        client: EtcdClient,
+        client: EtcdClientBase,
         prefix: bytes | str,
         timeout: Timeout = DEFAULT_STORE_TIMEOUT,
         owns_client: bool = False,

@@ -16,6 +16,7 @@ thread or a child process).
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 import socket
@@ -442,12 +443,14 @@ class EtcdOptions:
         ssl_cert_key: Its key, or None.
         ca_cert: The CA bundle the members are verified with, or None.
         keys: Where the run's keys live and how long they survive.
+        client: ``grpc`` (:mod:`rdzv.backends.etcd_grpc`) or ``gateway``
+            (:mod:`rdzv.backends.etcd_client`).
     """
 
     DEFAULT_PREFIX: ClassVar[str] = "/rdzv/"
 
     #: The configuration keys :meth:`from_params` reads.
-    KEYS: ClassVar[frozenset[str]] = frozenset({"cacert", *_KV_KEYS})
+    KEYS: ClassVar[frozenset[str]] = frozenset({"cacert", "client", *_KV_KEYS})
 
     endpoints: tuple[tuple[str, int], ...]
     run_id: str
@@ -457,6 +460,7 @@ class EtcdOptions:
     ssl_cert_key: str | None = None
     ca_cert: str | None = None
     keys: KeySettings = field(default_factory=KeySettings)
+    client: str = "gateway"
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> EtcdOptions:
@@ -464,16 +468,28 @@ class EtcdOptions:
 
         Keys: ``read_timeout`` (60 s), ``protocol`` (``http`` or ``https``),
         ``ssl_cert``, ``ssl_cert_key``, ``ca_cert`` (or ``cacert``, the name
-        torch's etcd handler reads), ``key_prefix`` (``/rdzv/``), ``ttl`` (7200 s).
-        The ``endpoint`` lists the members.
+        torch's etcd handler reads), ``key_prefix`` (``/rdzv/``), ``ttl`` (7200 s),
+        ``client`` (``auto``: ``grpc`` where the ``etcd`` extra, grpcio, is
+        installed, else ``gateway``). The ``endpoint`` lists the members.
 
         Raises:
-            ValueError: A bad value, naming its key.
+            ValueError: A bad value, naming its key; ``client=grpc`` without grpcio.
         """
         protocol = _choice(
             params, "protocol", ("http", "https"), "The protocol must be HTTP or HTTPS."
         )
         cert, key, ca = _tls_files(params, ("ca_cert", "cacert"), protocol == "https", "https")
+        client = _choice(
+            params, "client", ("auto", "grpc", "gateway"), "The etcd client must be one of these."
+        )
+        has_grpc = importlib.util.find_spec("grpc") is not None
+        if client == "grpc" and not has_grpc:
+            raise ValueError(
+                "client=grpc needs grpcio, which is not installed: pip install 'rdzv[etcd]' "
+                "(or client=gateway, the standard-library client)"
+            )
+        if client == "auto":
+            client = "grpc" if has_grpc else "gateway"
         return cls(
             tuple(parse_endpoints(params.endpoint)),
             params.run_id,
@@ -483,6 +499,7 @@ class EtcdOptions:
             key,
             ca,
             KeySettings.from_params(params, "etcd", cls.DEFAULT_PREFIX),
+            client,
         )
 
 
