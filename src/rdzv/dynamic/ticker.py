@@ -49,7 +49,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable
 
@@ -57,6 +56,8 @@ from rdzv.retry import Clock
 from rdzv.threads import start_thread
 
 __all__ = ["TAKEOVER", "Task", "Ticker", "ticker_for"]
+
+_REAL_TIME = Clock()
 
 LOGGER = logging.getLogger("rdzv.dynamic")
 
@@ -149,7 +150,7 @@ class Ticker:
         self._ensure()
 
     def _cancel(self, task: Task, wait: float) -> None:
-        until = time.monotonic() + wait
+        until = _REAL_TIME() + wait  # thread joins wait real time
         with self._lock:
             task.ended = True
             self._tasks.discard(task)
@@ -164,7 +165,7 @@ class Ticker:
             task.idle.wait(wait)
         for thread in threads:
             if thread is not None and thread is not me:
-                thread.join(max(0.0, until - time.monotonic()))
+                thread.join(max(0.0, until - _REAL_TIME()))
 
     # -- bookkeeping (under the lock) ----------------------------------------
 
