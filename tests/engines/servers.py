@@ -368,19 +368,25 @@ def redis_server(tls: TLSFiles | None = None) -> Iterator[RedisServer]:
 
 
 @contextlib.contextmanager
-def engine_servers(names: Sequence[str]) -> Iterator[dict[str, str]]:
+def engine_servers(names: Sequence[str], etcd_members: int = 1) -> Iterator[dict[str, str]]:
     """Start a private etcd and/or redis-server for those of ``names`` that are engines.
 
-    Yields ``{name: endpoint, f"{name}-pid": pid}``; both are stopped by pid on exit.
+    A name counts for its engine when it is the engine's or starts with it
+    and a dash (``etcd-floor`` needs etcd). etcd runs ``etcd_members``
+    members. Yields ``{engine: endpoints, f"{engine}-pid": pids}`` (each
+    comma-separated); every server is stopped by pid on exit.
     """
+
+    def wanted(engine: str) -> bool:
+        return any(name == engine or name.startswith(f"{engine}-") for name in names)
+
     with contextlib.ExitStack() as stack:
         endpoints: dict[str, str] = {}
-        if "etcd" in names:
-            cluster = stack.enter_context(etcd_cluster(1))
+        if wanted("etcd"):
+            cluster = stack.enter_context(etcd_cluster(etcd_members))
             endpoints["etcd"] = cluster.endpoints
-            proc = cluster.members[0].proc
-            endpoints["etcd-pid"] = str(proc.pid) if proc else ""
-        if "redis" in names:
+            endpoints["etcd-pid"] = ",".join(str(m.proc.pid) for m in cluster.members if m.proc)
+        if wanted("redis"):
             server = stack.enter_context(redis_server())
             endpoints["redis"] = server.endpoint
             endpoints["redis-pid"] = str(server.proc.pid) if server.proc else ""
