@@ -138,7 +138,8 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         self._lock = threading.Lock()
         self._state_lease = 0
         self._state_lease_renew_at = 0.0
-        self._node_leases: dict[str, int] = {}
+        # node -> (its heartbeat lease, when a beat refreshes it next).
+        self._node_leases: dict[str, tuple[int, float]] = {}
 
     @property
     def name(self) -> str:
@@ -214,6 +215,10 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         last = self._last
         if last is not None and last[1] == kvs[0].mod_revision:
             return last, revision
+        return self._read_value()
+
+    def _read_value(self) -> tuple[tuple[bytes, Token] | None, int]:
+        """Read the state with its value, and the store revision (no keys-only read first)."""
         kv, revision = self._client.get(self._key)
         if kv is None:
             return None, revision
@@ -258,7 +263,10 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         if timeout > 0:
             # A compacted revision means something changed after our read: re-read below.
             with contextlib.suppress(EtcdCompactedError):
-                self._client.watch(self._head, revision + 1, timeout)
+                events, _ = self._client.watch(self._head, revision + 1, timeout)
+                if events:
+                    # The head moves with the state: read its value at once.
+                    return self._read_value()[0]
         return self.get_state()
 
     # -- join queue -----------------------------------------------------------
@@ -325,18 +333,27 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         return self._run_prefix + f"alive/{node}".encode()
 
     def beat(self, node: str) -> None:
-        """Record a heartbeat: put the node's key under its lease and refresh the lease."""
+        """Record a heartbeat: put the node's key under its lease, refreshed a third into its life.
+
+        The put moves the mark; the lease only lets the server delete the
+        key of a node that stopped beating, so a beat refreshes it only once
+        a third of its TTL passed since it was last granted or refreshed: a
+        beat is one request, not two, when beats come more often than that.
+        """
         key = self._alive_key(node)
         for _ in range(2):
             with self._lock:
-                lease = self._node_leases.get(node, 0)
+                lease, refresh_at = self._node_leases.get(node, (0, 0.0))
+            now = time.monotonic()
+            ttl = None
             if not lease:
-                lease, _ = self._client.lease_grant(self._liveness_ttl)
-                with self._lock:
-                    self._node_leases[node] = lease
-                self._client.put(key, b"alive", lease=lease)
-                return
-            if self._client.lease_keepalive(lease) > 0:
+                lease, ttl = self._client.lease_grant(self._liveness_ttl)
+            elif now >= refresh_at:
+                ttl = self._client.lease_keepalive(lease)
+            if ttl is None or ttl > 0:
+                if ttl is not None:
+                    with self._lock:
+                        self._node_leases[node] = (lease, now + ttl / 3)
                 try:
                     self._client.put(key, b"alive", lease=lease)
                 except EtcdRequestError as exc:
@@ -357,7 +374,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         """Delete the node's heartbeat key and revoke its lease if this process holds it."""
         key = self._alive_key(node)
         with self._lock:
-            lease = self._node_leases.pop(node, 0)
+            lease, _ = self._node_leases.pop(node, (0, 0.0))
         if lease:
             self._client.lease_revoke(lease)
         self._client.delete(key)

@@ -1,0 +1,139 @@
+"""The requests an etcd wait or heartbeat sends: a watch event's value is used, a lease is refreshed when due.
+
+At thousands of members every request through etcd's gateway costs etcd
+CPU that the round waits for: a read after a watch that already carried
+the value, or a lease refresh at every beat of a 60 s lease, doubled them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from rdzv.backends.etcd import EtcdRendezvousBackend
+from rdzv.backends.etcd_client import EtcdClient
+from rdzv.backends.etcd_store import EtcdStore
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def calls(etcd_client: EtcdClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The client's requests from here on, by path (``watch`` for a watch)."""
+    sent: list[str] = []
+    real_call, real_watch = etcd_client.call, etcd_client.watch
+
+    def call(path: str, body: dict[str, Any]) -> Any:
+        sent.append(path + (" keys-only" if body.get("keys_only") else ""))
+        return real_call(path, body)
+
+    def watch(*args: Any, **kwargs: Any) -> Any:
+        sent.append("watch")
+        return real_watch(*args, **kwargs)
+
+    monkeypatch.setattr(etcd_client, "call", call)
+    monkeypatch.setattr(etcd_client, "watch", watch)
+    return sent
+
+
+def _while_watching(calls: list[str], wait: Callable[[], Any], write: Callable[[], Any]) -> Any:
+    """Run ``wait`` in a thread; once it watches, ``write``; return what ``wait`` returned."""
+    result: list[Any] = []
+    waiter = threading.Thread(target=lambda: result.append(wait()))
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "watch" not in calls and time.monotonic() < deadline:
+            time.sleep(0.005)
+        write()
+    finally:
+        waiter.join(30)
+    assert len(result) == 1
+    return result[0]
+
+
+def test_a_state_waiter_woken_by_the_head_reads_the_state_once(
+    etcd_client: EtcdClient, unique: str, calls: list[str]
+) -> None:
+    writer = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
+    reader = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
+    first = writer.set_state(b"one")
+    assert first is not None
+    assert reader.get_state() == first[:2]
+    calls.clear()
+    second: list[Any] = []
+    woken = _while_watching(
+        calls,
+        lambda: reader.wait_for_state(first[1], 10.0),
+        lambda: second.append(writer.set_state(b"two", first[1])),
+    )
+    assert woken == second[0][:2]
+    # Its revisions before the watch, then the state with its value: no
+    # keys-only read after the head moved (the writer's txn is the other).
+    assert calls == ["/v3/kv/range keys-only", "watch", "/v3/kv/txn", "/v3/kv/range"]
+
+
+@pytest.mark.parametrize("previous", [None, b"old"])
+def test_a_store_watch_takes_the_new_value_from_the_event(
+    etcd_client: EtcdClient, unique: str, calls: list[str], previous: bytes | None
+) -> None:
+    store = EtcdStore(etcd_client, f"/test/{unique}/")
+    if previous is not None:
+        store.set("key", previous)
+    calls.clear()
+    found = _while_watching(
+        calls, lambda: store.watch("key", previous, 10.0), lambda: store.set("key", b"new")
+    )
+    assert found == b"new"
+    assert calls == ["/v3/kv/range", "watch", "/v3/kv/put"]
+
+
+def test_a_store_get_of_a_key_yet_to_come_takes_its_value_from_the_event(
+    etcd_client: EtcdClient, unique: str, calls: list[str]
+) -> None:
+    store = EtcdStore(etcd_client, f"/test/{unique}/", timeout=10)
+    found = _while_watching(calls, lambda: store.get("key"), lambda: store.set("key", b"v"))
+    assert found == b"v"
+    assert calls == ["/v3/kv/range", "watch", "/v3/kv/put"]
+
+
+def test_a_beat_refreshes_the_lease_only_a_third_into_its_life(
+    etcd_client: EtcdClient, unique: str, calls: list[str]
+) -> None:
+    backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/", liveness_ttl=3)
+    backend.beat("n1")
+    marks = [backend.heartbeat_mark("n1")]
+    assert calls == ["/v3/lease/grant", "/v3/kv/put", "/v3/kv/range"]
+    calls.clear()
+    backend.beat("n1")
+    marks.append(backend.heartbeat_mark("n1"))
+    assert calls == ["/v3/kv/put", "/v3/kv/range"]  # within a third of 3 s: the put alone
+    time.sleep(1.1)
+    calls.clear()
+    backend.beat("n1")
+    marks.append(backend.heartbeat_mark("n1"))
+    assert calls == ["/v3/lease/keepalive", "/v3/kv/put", "/v3/kv/range"]
+    assert len(set(marks)) == 3  # every beat moved the mark
+    # Refreshed in time, the lease outlives its first TTL while beats go on.
+    for _ in range(4):
+        time.sleep(0.6)
+        backend.beat("n1")
+    assert backend.heartbeat_mark("n1") is not None
+
+
+def test_a_beat_after_the_lease_was_revoked_grants_a_new_one(
+    etcd_client: EtcdClient, unique: str, calls: list[str]
+) -> None:
+    backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
+    backend.beat("n1")
+    lease = backend._node_leases["n1"][0]
+    etcd_client.lease_revoke(lease)
+    calls.clear()
+    backend.beat("n1")  # the put finds no lease: granted anew
+    assert calls == ["/v3/kv/put", "/v3/lease/grant", "/v3/kv/put"]
+    assert backend._node_leases["n1"][0] != lease
+    assert backend.heartbeat_mark("n1") is not None
