@@ -1,4 +1,4 @@
-"""The requests an etcd wait or heartbeat sends: a watch event's value is used, a lease is refreshed when due.
+"""The requests an etcd wait or heartbeat sends: one watch for a verdict and the state, events' values used.
 
 At thousands of members every request through etcd's gateway costs etcd
 CPU that the round waits for: a read after a watch that already carried
@@ -17,6 +17,7 @@ import pytest
 from rdzv.backends.etcd import EtcdRendezvousBackend
 from rdzv.backends.etcd_client import EtcdClient
 from rdzv.backends.etcd_store import EtcdStore
+from rdzv.dynamic.confirm import RoundConfirmation, drop_confirmation
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -137,3 +138,35 @@ def test_a_beat_after_the_lease_was_revoked_grants_a_new_one(
     assert calls == ["/v3/kv/put", "/v3/lease/grant", "/v3/kv/put"]
     assert backend._node_leases["n1"][0] != lease
     assert backend.heartbeat_mark("n1") is not None
+
+
+def test_a_confirmation_waits_for_the_verdict_and_the_state_with_one_watch(
+    etcd_client: EtcdClient, unique: str, calls: list[str]
+) -> None:
+    backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
+    sealed = backend.set_state(b"sealed")
+    assert sealed is not None
+    store = EtcdStore(etcd_client, backend.run_prefix + b"store/")
+    a, b = (
+        RoundConfirmation(backend.confirmation_queue(), store, "run/", 1, 2, lambda: ("a", "b"))
+        for _ in range(2)
+    )
+    assert a.joint
+    a.confirm("a")
+    calls.clear()
+    outcome = _while_watching(calls, lambda: a.wait(10.0, token=sealed[1]), lambda: b.confirm("b"))
+    assert outcome is True
+    # a's wait is its watch; b enqueues, reads the confirmations, puts the verdict.
+    assert calls == ["watch", "/v3/kv/txn", "/v3/kv/range", "/v3/kv/put"]
+    # A member that waits after the verdict was put finds it (a watch from a
+    # past revision is answered at etcd's next catch-up of such watches).
+    assert b.wait(5.0, token=sealed[1]) is True
+    # A write of the state (an eviction) ends the wait of a round whose
+    # verdict is still to come.
+    drop_confirmation(b.queue, store, "run/", 1)
+    evicted = backend.set_state(b"evicted", sealed[1])
+    assert evicted is not None
+    assert a.wait(0.3, token=evicted[1]) is None
+    assert a.wait(5.0, token=sealed[1]) is True  # the verdict came before the write
+    c = RoundConfirmation(backend.confirmation_queue(), store, "run/", 2, 2, lambda: ("a", "b"))
+    assert c.wait(5.0, token=sealed[1]) is False

@@ -27,6 +27,11 @@ Beside the state, a run keeps (all under ``<key_prefix><run_id>/``):
   (etcd serialises transactions, so positions are gap-free);
 * ``confirm/<round>/<unique>`` -- the members' confirmations of a sealed
   round, kept the same way (:meth:`EtcdRendezvousBackend.confirmation_queue`);
+* ``head/verdict/<round>`` -- the verdict of a sealed round, once every
+  member confirmed it: under the head, so that one watch of the keys that
+  start with the head's name, from the revision after the member's token,
+  ends at the verdict or at a write of the state, whichever comes first
+  (:class:`~rdzv.backends.base.VerdictBackend`), with no read before it;
 * ``alive/<node>`` -- a node's heartbeat: a put under the node's own lease,
   whose ``mod_revision`` is the heartbeat mark; if the node dies the lease
   expires and the server deletes the key;
@@ -52,6 +57,7 @@ from rdzv.backends.base import (
     NamedQueues,
     RendezvousBackend,
     Token,
+    VerdictBackend,
     WatchableBackend,
     validate_node_key,
     validate_record,
@@ -91,7 +97,9 @@ def _valid_token(token: Token | None) -> int | None:
     return token
 
 
-class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, LivenessBackend):
+class EtcdRendezvousBackend(
+    RendezvousBackend, WatchableBackend, NamedQueues, LivenessBackend, VerdictBackend
+):
     """Keeps a run's rendezvous state in etcd v3, with compare-and-set on ``mod_revision``.
 
     Besides the backend contract it offers waiting for a state change
@@ -325,6 +333,40 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
     def drop_queue(self, round_id: int) -> None:
         """Delete the queue of ``round_id``."""
         self._client.delete(self._queue_prefix(round_id), prefix=True)
+
+    # -- verdicts -------------------------------------------------------------
+
+    def _verdict_key(self, round_id: int) -> bytes:
+        return self._head + f"/verdict/{round_id}".encode()
+
+    def set_verdict(self, round_id: int) -> None:
+        """Put the verdict of ``round_id`` (under the run's lease)."""
+        key = self._verdict_key(round_id)
+        self._with_state_lease(lambda lease: self._client.put(key, b"confirmed", lease=lease))
+
+    def wait_for_verdict(self, round_id: int, token: Token, timeout: float) -> bool | None:
+        """Watch the head and the verdicts from the revision after ``token``; see :class:`VerdictBackend`."""
+        verdict = self._verdict_key(round_id)
+        start = (_valid_token(token) or 0) + 1
+        deadline = time.monotonic() + max(0.0, timeout)
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                events, start = self._client.watch(self._head, start, remaining, prefix=True)
+            except EtcdCompactedError:
+                # The history since the token is gone: read the verdict, and
+                # let the caller read the state.
+                kv, _ = self._client.get(verdict)
+                return kv is not None or False
+            keys = {(e.kv.key, e.kind) for e in events}
+            if (verdict, "PUT") in keys:
+                return True
+            if any(key == self._head for key, _ in keys):
+                return False
+        return None
+
+    def drop_verdict(self, round_id: int) -> None:
+        """Delete the verdict of ``round_id``."""
+        self._client.delete(self._verdict_key(round_id))
 
     # -- liveness -----------------------------------------------------------
 
