@@ -57,14 +57,16 @@ def _while_watching(calls: list[str], wait: Callable[[], Any], write: Callable[[
     return result[0]
 
 
-def test_a_state_waiter_woken_by_the_head_reads_the_state_once(
-    etcd_client: EtcdClient, unique: str, calls: list[str]
+@pytest.mark.parametrize("seen", [True, False])
+def test_a_state_waiter_watches_from_its_token_and_reads_the_state_once(
+    etcd_client: EtcdClient, unique: str, calls: list[str], seen: bool
 ) -> None:
     writer = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
     reader = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
     first = writer.set_state(b"one")
     assert first is not None
-    assert reader.get_state() == first[:2]
+    if seen:
+        assert reader.get_state() == first[:2]
     calls.clear()
     second: list[Any] = []
     woken = _while_watching(
@@ -73,9 +75,17 @@ def test_a_state_waiter_woken_by_the_head_reads_the_state_once(
         lambda: second.append(writer.set_state(b"two", first[1])),
     )
     assert woken == second[0][:2]
-    # Its revisions before the watch, then the state with its value: no
-    # keys-only read after the head moved (the writer's txn is the other).
-    assert calls == ["/v3/kv/range keys-only", "watch", "/v3/kv/txn", "/v3/kv/range"]
+    # The state it saw last needs no read before the watch (another token
+    # is checked first: its revisions); after the head moved, the state is
+    # read with its value, no keys-only read first (the txn is the writer's).
+    before = [] if seen else ["/v3/kv/range keys-only", "/v3/kv/range"]
+    assert calls == [*before, "watch", "/v3/kv/txn", "/v3/kv/range"]
+    # A write before the wait ends it at once, with no read before the watch.
+    third = writer.set_state(b"three", second[0][1])
+    assert third is not None
+    calls.clear()
+    assert reader.wait_for_state(second[0][1], 10.0) == third[:2]
+    assert calls == ["watch", "/v3/kv/range"]
 
 
 @pytest.mark.parametrize("previous", [None, b"old"])

@@ -264,14 +264,29 @@ class EtcdRendezvousBackend(
         return current_state, current_token, False
 
     def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
-        """Wait until the state's token differs from ``token``, by watching."""
-        current, revision = self._read()
-        if (current is None and token is not None) or (current is not None and current[1] != token):
-            return current
+        """Wait until the state's token differs from ``token``, by watching.
+
+        The token is the revision of the state's last write, which put the
+        head too: a watch of the head from the revision after the token
+        ends at once if the state was written since, so a wait for the
+        token of the state this backend last saw sends no read before its
+        watch. Otherwise the state is read first and the watch starts after
+        that read.
+        """
+        last = self._last
+        if token is not None and last is not None and last[1] == token:
+            start = token + 1
+        else:
+            current, revision = self._read()
+            if (current is None and token is not None) or (
+                current is not None and current[1] != token
+            ):
+                return current
+            start = revision + 1
         if timeout > 0:
-            # A compacted revision means something changed after our read: re-read below.
+            # A compacted revision means something changed since: re-read below.
             with contextlib.suppress(EtcdCompactedError):
-                events, _ = self._client.watch(self._head, revision + 1, timeout)
+                events, _ = self._client.watch(self._head, start, timeout)
                 if events:
                     # The head moves with the state: read its value at once.
                     return self._read_value()[0]
