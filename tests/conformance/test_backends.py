@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rdzv.backends.base import RendezvousBackend, SeatedBackend, VerdictBackend
+from rdzv.backends.base import RendezvousBackend, VerdictBackend
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
 from rdzv.backends.etcd_client import EtcdClient
 from rdzv.backends.redis import RedisRendezvousBackend
@@ -36,13 +36,12 @@ EACH_CHECK = pytest.mark.parametrize("check", BACKEND_CHECKS, ids=lambda c: c.na
 
 
 def run_all(check: Check, harness: BackendHarness, etcd: bool = False) -> None:
-    """Run ``check``, which must apply: these backends offer every capability but one.
+    """Run ``check``, which must apply: these backends offer every capability.
 
-    etcd stores no seats (its members read the state); the others keep a
-    round's verdict in the handler's store, where etcd keeps it beside the
-    state.
+    Only etcd keeps a round's verdict beside the state; the others keep it
+    in the handler's store.
     """
-    if check.capability is (VerdictBackend if not etcd else SeatedBackend):
+    if check.capability is VerdictBackend and not etcd:
         assert not check.applies_to(harness.connect())
         return
     assert check.applies_to(harness.connect()), f"{check.name} must apply"

@@ -80,6 +80,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.backends.etcd",
             "rdzv.backends.etcd_client",
             "rdzv.backends.etcd_gateway",
+            "rdzv.backends.etcd_seats",
             "rdzv.backends.etcd_store",
             "rdzv.backends.redis",
             "rdzv.backends.redis_connection",
@@ -148,6 +149,7 @@ PURE: frozenset[str] = frozenset(
     {
         "rdzv.backends.base",
         "rdzv.backends.etcd_gateway",
+        "rdzv.backends.etcd_seats",
         "rdzv.dynamic.machine",
         "rdzv.dynamic.pacing",
         "rdzv.dynamic.seat",

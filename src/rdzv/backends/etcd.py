@@ -49,21 +49,24 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from rdzv.backends.base import (
     LivenessBackend,
     NamedQueues,
     RendezvousBackend,
+    SeatedBackend,
     Token,
     VerdictBackend,
     WatchableBackend,
     validate_node_key,
     validate_record,
+    validate_seats,
 )
 from rdzv.backends.etcd_client import EtcdClient, EtcdCompactedError, KeyValue
 from rdzv.backends.etcd_gateway import LEASE_NOT_FOUND, EtcdRequestError, put_request, range_request
+from rdzv.backends.etcd_seats import group_name, pack_groups, unpack_seat
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.backends.options import EtcdOptions, check_key_settings, parse_endpoints
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
@@ -86,6 +89,8 @@ _ETCD_FAILED = "The connection to etcd has failed. See inner exception for detai
 
 DEFAULT_KEY_PREFIX = EtcdOptions.DEFAULT_PREFIX
 _MAGIC = b"rdzv-state/1\n"
+MARKS_IN_ONE_READ = 16
+"""From this many nodes on, :meth:`EtcdRendezvousBackend.heartbeat_marks` reads them all at once."""
 
 
 def _valid_token(token: Token | None) -> int | None:
@@ -98,7 +103,7 @@ def _valid_token(token: Token | None) -> int | None:
 
 
 class EtcdRendezvousBackend(
-    RendezvousBackend, WatchableBackend, NamedQueues, LivenessBackend, VerdictBackend
+    RendezvousBackend, WatchableBackend, SeatedBackend, NamedQueues, LivenessBackend, VerdictBackend
 ):
     """Keeps a run's rendezvous state in etcd v3, with compare-and-set on ``mod_revision``.
 
@@ -141,6 +146,7 @@ class EtcdRendezvousBackend(
         self._last: tuple[bytes, int] | None = None
         self._run_prefix = self._key + b"/"
         self._head = self._run_prefix + b"head"
+        self._seats = self._run_prefix + b"seats/"
         self._ttl = ttl
         self._liveness_ttl = liveness_ttl
         self._lock = threading.Lock()
@@ -237,11 +243,20 @@ class EtcdRendezvousBackend(
     def set_state(
         self, state: bytes, token: Token | None = None
     ) -> tuple[bytes, Token, bool] | None:
-        """Write the state if ``token`` is current (see :class:`RendezvousBackend`).
+        """Write the state if ``token`` is current (see :class:`RendezvousBackend`)."""
+        return self.set_state_seated(state, token, {})
+
+    def set_state_seated(
+        self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
+    ) -> tuple[bytes, Token, bool] | None:
+        """Write the state, its head and ``seats`` (:mod:`~rdzv.backends.etcd_seats`) in one txn.
 
         A write whose first reply was lost and that is found stored on the
         retry (same bytes) is reported as written.
         """
+        validate_seats(seats)
+        also = {self._seats + name: group for name, group in pack_groups(seats).items()}
+        also[self._head] = b""
         state = bytes(state)
         expected = _valid_token(token)
         if expected is None:
@@ -250,7 +265,7 @@ class EtcdRendezvousBackend(
         value = _MAGIC + state
         written, revision, kv, attempts = self._with_state_lease(
             lambda lease: self._client.compare_and_put(
-                self._key, value, expected, lease=lease, also={self._head: b""}
+                self._key, value, expected, lease=lease, also=also
             )
         )
         if written:
@@ -262,6 +277,39 @@ class EtcdRendezvousBackend(
             return state, kv.mod_revision, True
         current_state, current_token = self._decode(kv)
         return current_state, current_token, False
+
+    def _token_at(self) -> tuple[int | None, int]:
+        """Return the state's token (None when nothing is stored) and the store revision."""
+        kvs, revision = self._client.range(self._key, keys_only=True)
+        return (kvs[0].mod_revision if kvs else None), revision
+
+    def read_token(self) -> Token | None:
+        """Return the state's token, reading its revisions alone."""
+        return self._token_at()[0]
+
+    def wait_for_token(self, token: Token | None, timeout: float) -> Token | None:
+        """Wait as :meth:`wait_for_state`; a write's head event names its token: no read after it."""
+        expected = _valid_token(token)
+        if expected:
+            start = expected + 1
+        else:
+            current, revision = self._token_at()
+            if current != token:
+                return current
+            start = revision + 1
+        if timeout > 0:
+            with contextlib.suppress(EtcdCompactedError):
+                events, _ = self._client.watch(self._head, start, timeout)
+                if events:
+                    return events[-1].kv.mod_revision
+        return self.read_token()
+
+    def read_seat(self, token: Token, node: str) -> bytes | None:
+        """Return ``node``'s seat from its group, if the write of ``token`` put the group."""
+        kv, _ = self._client.get(self._seats + group_name(validate_node_key(node)))
+        if kv is None or _valid_token(token) != kv.mod_revision:
+            return None
+        return unpack_seat(kv.value, node)
 
     def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
         """Wait until the state's token differs from ``token``, by watching.
@@ -426,6 +474,22 @@ class EtcdRendezvousBackend(
         """Return the ``mod_revision`` of the node's heartbeat key, or None if it expired."""
         kv, _ = self._client.get(self._alive_key(node))
         return None if kv is None else str(kv.mod_revision).encode()
+
+    def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
+        """Return the marks of several nodes; of many, from one read of every heartbeat's revision.
+
+        A seal reads the marks of every member it seats (2,048 reads at
+        2,048 members); from :data:`MARKS_IN_ONE_READ` nodes on, one
+        keys-only read of the run's heartbeat keys answers for all.
+        """
+        if len(nodes) < MARKS_IN_ONE_READ:
+            return super().heartbeat_marks(nodes)
+        for node in nodes:
+            validate_node_key(node)
+        prefix = self._run_prefix + b"alive/"
+        kvs, _ = self._client.range(prefix, prefix=True, keys_only=True)
+        marks = {kv.key[len(prefix) :].decode("utf-8", "replace"): kv.mod_revision for kv in kvs}
+        return {node: None if node not in marks else str(marks[node]).encode() for node in nodes}
 
     def forget(self, node: str) -> None:
         """Delete the node's heartbeat key and revoke its lease if this process holds it."""
