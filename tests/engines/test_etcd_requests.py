@@ -180,3 +180,22 @@ def test_a_confirmation_waits_for_the_verdict_and_the_state_with_one_watch(
     assert a.wait(5.0, token=sealed[1]) is True  # the verdict came before the write
     c = RoundConfirmation(backend.confirmation_queue(), store, "run/", 2, 2, lambda: ("a", "b"))
     assert c.wait(5.0, token=sealed[1]) is False
+
+
+def test_joins_and_confirmations_share_one_lease_and_count_on_a_counter(
+    etcd_client: EtcdClient, unique: str, calls: list[str]
+) -> None:
+    backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
+    confirms = backend.confirmation_queue()
+    assert backend.enqueue(1, b"a") == 1
+    assert confirms.enqueue(1, b"a") == 1
+    assert backend.enqueue(1, b"b") == 2
+    # One lease for the run's keys, the view's writes included; each append
+    # one txn that reads its position from the counter's version.
+    assert calls == ["/v3/lease/grant", "/v3/kv/txn", "/v3/kv/txn", "/v3/kv/txn"]
+    assert backend.queue_length(1) == 2
+    assert backend.queue_records(1) == [b"a", b"b"]  # the counter is no record
+    backend.drop_queue(1)
+    assert backend.queue_length(1) == 0
+    assert backend.enqueue(1, b"c") == 1  # a dropped queue counts from 1 again
+    assert confirms.queue_length(1) == 1

@@ -23,8 +23,10 @@ state expires on the server.
 Beside the state, a run keeps (all under ``<key_prefix><run_id>/``):
 
 * ``queue/<round>/<unique>`` -- join records; one transaction puts a record
-  and counts the round's records, so the count is the record's position
-  (etcd serialises transactions, so positions are gap-free);
+  and the round's counter ``queue/<round>`` and reads the counter, whose
+  ``version`` (etcd's count of its puts) is the record's position (etcd
+  serialises transactions, so positions are gap-free, and the count costs
+  O(1) whatever the queue's length);
 * ``confirm/<round>/<unique>`` -- the members' confirmations of a sealed
   round, kept the same way (:meth:`EtcdRendezvousBackend.confirmation_queue`);
 * ``head/verdict/<round>`` -- the verdict of a sealed round, once every
@@ -50,6 +52,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from rdzv.backends.base import (
@@ -91,6 +94,14 @@ DEFAULT_KEY_PREFIX = EtcdOptions.DEFAULT_PREFIX
 _MAGIC = b"rdzv-state/1\n"
 MARKS_IN_ONE_READ = 16
 """From this many nodes on, :meth:`EtcdRendezvousBackend.heartbeat_marks` reads them all at once."""
+
+
+@dataclass
+class _Lease:
+    """The lease a backend's writes carry, and when it is granted anew (half its life)."""
+
+    id: int = 0
+    renew_at: float = 0.0
 
 
 def _valid_token(token: Token | None) -> int | None:
@@ -150,8 +161,8 @@ class EtcdRendezvousBackend(
         self._ttl = ttl
         self._liveness_ttl = liveness_ttl
         self._lock = threading.Lock()
-        self._state_lease = 0
-        self._state_lease_renew_at = 0.0
+        # Shared with the confirmation queue's view (a shallow copy): one lease a run.
+        self._state_lease = _Lease()
         # node -> (its heartbeat lease, when a beat refreshes it next).
         self._node_leases: dict[str, tuple[int, float]] = {}
 
@@ -191,13 +202,14 @@ class EtcdRendezvousBackend(
         return kv.value[len(_MAGIC) :], kv.mod_revision
 
     def _state_lease_id(self) -> int:
+        lease = self._state_lease
         with self._lock:
-            if self._state_lease and time.monotonic() < self._state_lease_renew_at:
-                return self._state_lease
+            if lease.id and time.monotonic() < lease.renew_at:
+                return lease.id
         lease_id, granted = self._client.lease_grant(self._ttl)
         with self._lock:
-            self._state_lease = lease_id
-            self._state_lease_renew_at = time.monotonic() + max(granted, 1) / 2
+            lease.id = lease_id
+            lease.renew_at = time.monotonic() + max(granted, 1) / 2
         return lease_id
 
     def _with_state_lease(self, write: Callable[[int], _T]) -> _T:
@@ -208,7 +220,7 @@ class EtcdRendezvousBackend(
             if exc.code != LEASE_NOT_FOUND:
                 raise
         with self._lock:
-            self._state_lease = 0
+            self._state_lease.id = 0
         return write(self._state_lease_id())
 
     def get_state(self) -> tuple[bytes, Token] | None:
@@ -343,30 +355,39 @@ class EtcdRendezvousBackend(
     # -- join queue -----------------------------------------------------------
 
     def _queue_prefix(self, round_id: int) -> bytes:
-        return self._run_prefix + f"{self._queue_name}/{round_id}/".encode()
+        return self._queue_counter(round_id) + b"/"
+
+    def _queue_counter(self, round_id: int) -> bytes:
+        """The key every append to the queue of ``round_id`` puts: its version is the length."""
+        return self._run_prefix + f"{self._queue_name}/{round_id}".encode()
 
     def enqueue(self, round_id: int, record: bytes) -> int:
-        """Append a join record to the queue of ``round_id`` in one transaction."""
+        """Append a join record in one transaction that also puts the queue's counter and reads it.
+
+        etcd serialises transactions and counts every put of a key in its
+        ``version``, so the counter's version after the put is the record's
+        position: O(1), where counting the records grew with the queue.
+        """
         validate_record(round_id, record)
-        prefix = self._queue_prefix(round_id)
-        key = prefix + uuid.uuid4().hex.encode()
+        counter = self._queue_counter(round_id)
+        key = self._queue_prefix(round_id) + uuid.uuid4().hex.encode()
         result = self._with_state_lease(
             lambda lease: self._client.txn(
                 [],
                 [
                     {"request_put": put_request(key, record, lease)},
-                    {"request_range": range_request(prefix, prefix=True, count_only=True)},
+                    {"request_put": put_request(counter, b"", lease)},
+                    {"request_range": range_request(counter)},
                 ],
                 [],
             )
         )
-        try:
-            reply = result.responses[1]["response_range"]
-            return int(reply.get("count", 0))
-        except (IndexError, KeyError, TypeError, ValueError):
+        kvs = self._client.txn_kvs(result, 2)
+        if not kvs:
             raise RendezvousStateError(
-                f"etcd answered an enqueue with an unexpected reply: {result.responses!r}"
-            ) from None
+                f"etcd answered an enqueue with no counter: {result.responses!r}"
+            )
+        return kvs[0].version
 
     def queue_records(self, round_id: int) -> list[bytes]:
         """Return the join records of ``round_id``, oldest first."""
@@ -374,28 +395,34 @@ class EtcdRendezvousBackend(
         return [kv.value for kv in kvs]
 
     def queue_length(self, round_id: int) -> int:
-        """Return how many join records ``round_id`` has."""
-        return self._client.count(self._queue_prefix(round_id))
+        """Return how many join records ``round_id`` has (its counter's version)."""
+        kv, _ = self._client.get(self._queue_counter(round_id))
+        return 0 if kv is None else kv.version
 
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
-        """Wait until the queue length of ``round_id`` differs from ``known``."""
-        prefix = self._queue_prefix(round_id)
+        """Wait until the queue length of ``round_id`` differs from ``known``, watching its counter."""
+        counter = self._queue_counter(round_id)
         deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            kvs, revision = self._client.range(prefix, prefix=True, keys_only=True)
-            if len(kvs) != known:
-                return len(kvs)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return known
+        kv, revision = self._client.get(counter)
+        length = 0 if kv is None else kv.version
+        while length == known and (remaining := deadline - time.monotonic()) > 0:
             try:
-                self._client.watch(prefix, revision + 1, remaining, prefix=True)
+                events, after = self._client.watch(counter, revision + 1, remaining)
             except EtcdCompactedError:
+                kv, revision = self._client.get(counter)
+                length = 0 if kv is None else kv.version
                 continue
+            if events:
+                # The event carries the counter's version: no read after it.
+                last = events[-1]
+                length = 0 if last.kind == "DELETE" else last.kv.version
+                revision = after - 1
+        return length
 
     def drop_queue(self, round_id: int) -> None:
-        """Delete the queue of ``round_id``."""
+        """Delete the queue of ``round_id`` and its counter."""
         self._client.delete(self._queue_prefix(round_id), prefix=True)
+        self._client.delete(self._queue_counter(round_id))
 
     # -- verdicts -------------------------------------------------------------
 
