@@ -229,8 +229,14 @@ def _port_taken(exc: RuntimeError) -> bool:
 
 
 @contextlib.contextmanager
-def etcd_cluster(size: int = 1, tls: TLSFiles | None = None) -> Iterator[EtcdCluster]:
-    """Start ``size`` etcd members on free loopback ports; stop and delete them afterwards."""
+def etcd_cluster(
+    size: int = 1, tls: TLSFiles | None = None, extra_args: Sequence[str] = ()
+) -> Iterator[EtcdCluster]:
+    """Start ``size`` etcd members on free loopback ports; stop and delete them afterwards.
+
+    ``extra_args`` come after the test flags, so they override them (etcd
+    takes a flag's last value).
+    """
     require_binary("etcd")
     names = "abcdefg"
     for attempt in range(_PORT_ATTEMPTS):
@@ -245,7 +251,7 @@ def etcd_cluster(size: int = 1, tls: TLSFiles | None = None) -> Iterator[EtcdClu
             )
             for i in range(size)
         ]
-        cluster = EtcdCluster(members=members, base_dir=base, tls=tls)
+        cluster = EtcdCluster(members=members, base_dir=base, tls=tls, extra_args=list(extra_args))
         try:
             try:
                 for member in members:
@@ -367,6 +373,12 @@ def redis_server(tls: TLSFiles | None = None) -> Iterator[RedisServer]:
             shutil.rmtree(base, ignore_errors=True)
 
 
+ETCD_TIMERS = ("--heartbeat-interval", "100", "--election-timeout", "1000")
+"""etcd's own defaults, which the benchmarks' clusters run with: the tests' fast timers
+(10 and 100 ms) made the members of a cluster loaded by thousands of agents on
+two cores elect a new leader about ten times in one formation."""
+
+
 @contextlib.contextmanager
 def engine_servers(names: Sequence[str], etcd_members: int = 1) -> Iterator[dict[str, str]]:
     """Start a private etcd and/or redis-server for those of ``names`` that are engines.
@@ -374,7 +386,8 @@ def engine_servers(names: Sequence[str], etcd_members: int = 1) -> Iterator[dict
     A name counts for its engine when it is the engine's or starts with it
     and a dash (``etcd-floor`` needs etcd). etcd runs ``etcd_members``
     members. Yields ``{engine: endpoints, f"{engine}-pid": pids}`` (each
-    comma-separated); every server is stopped by pid on exit.
+    comma-separated); every server is stopped by pid on exit. etcd runs
+    with its default timers (:data:`ETCD_TIMERS`).
     """
 
     def wanted(engine: str) -> bool:
@@ -383,7 +396,7 @@ def engine_servers(names: Sequence[str], etcd_members: int = 1) -> Iterator[dict
     with contextlib.ExitStack() as stack:
         endpoints: dict[str, str] = {}
         if wanted("etcd"):
-            cluster = stack.enter_context(etcd_cluster(etcd_members))
+            cluster = stack.enter_context(etcd_cluster(etcd_members, extra_args=ETCD_TIMERS))
             endpoints["etcd"] = cluster.endpoints
             endpoints["etcd-pid"] = ",".join(str(m.proc.pid) for m in cluster.members if m.proc)
         if wanted("redis"):
