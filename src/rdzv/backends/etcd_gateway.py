@@ -17,7 +17,8 @@ A rejected call answers with a non-200 status and an error body holding the
 gRPC status ``code`` and ``message`` (etcd 3.4 repeats the message as
 ``error``). :func:`decode_reply` turns it into an :class:`EtcdRequestError`
 carrying the code: an :class:`EtcdUnavailableError` (retryable on another
-member) for the codes in :data:`TRANSIENT_CODES` or a gateway/proxy status,
+member) for the codes in :data:`TRANSIENT_CODES`, a gateway/proxy status or
+etcd's "too many requests" (HTTP 429),
 an :class:`EtcdRejectedError` (final) otherwise.
 
 A watch is a stream: ``POST /v3/watch`` with a ``create_request`` answers
@@ -98,7 +99,10 @@ TRANSIENT_CODES = frozenset({GrpcCode.CANCELLED, GrpcCode.DEADLINE_EXCEEDED, Grp
 # etcd's code for "requested lease not found", the only NOT_FOUND a KV or lease call gets.
 LEASE_NOT_FOUND = GrpcCode.NOT_FOUND
 # Bad gateway, service unavailable, gateway timeout: the member behind is unreachable.
-_TRANSIENT_HTTP_STATUSES = frozenset({502, 503, 504})
+# Too many requests (gRPC RESOURCE_EXHAUSTED): etcd's own backpressure while its
+# applies lag its commits by over 5,000 entries, which a pass over the members
+# and a backoff ride out (8,192 joining nodes on two cores drove etcd there).
+_TRANSIENT_HTTP_STATUSES = frozenset({429, 502, 503, 504})
 
 
 # -- errors -------------------------------------------------------------------
