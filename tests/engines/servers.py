@@ -276,6 +276,7 @@ class RedisServer:
     data_dir: Path
     proc: subprocess.Popen[bytes] | None = None
     tls: TLSFiles | None = None
+    extra_args: Sequence[str] = ()
 
     @property
     def endpoint(self) -> str:
@@ -314,6 +315,7 @@ class RedisServer:
             "warning",
             "--logfile",
             str(self.data_dir / "redis.log"),
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
@@ -352,12 +354,14 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server(tls: TLSFiles | None = None) -> Iterator[RedisServer]:
+def redis_server(
+    tls: TLSFiles | None = None, extra_args: Sequence[str] = ()
+) -> Iterator[RedisServer]:
     """Start a private redis-server on a free loopback port; stop and delete it afterwards."""
     require_binary("redis-server")
     for attempt in range(_PORT_ATTEMPTS):
         base = Path(tempfile.mkdtemp(prefix="rdzv-redis-"))
-        server = RedisServer(port=free_port(), data_dir=base, tls=tls)
+        server = RedisServer(port=free_port(), data_dir=base, tls=tls, extra_args=extra_args)
         try:
             try:
                 server.start()
@@ -379,6 +383,11 @@ ETCD_TIMERS = ("--heartbeat-interval", "100", "--election-timeout", "1000")
 two cores elect a new leader about ten times in one formation."""
 
 
+REDIS_CLIENTS = ("--maxclients", "65536")
+"""The benchmarks' Redis takes as many clients as its file limit allows: its default of
+10,000 refused 1,930 of 8,192 simulated nodes (each holds two connections)."""
+
+
 @contextlib.contextmanager
 def engine_servers(names: Sequence[str], etcd_members: int = 1) -> Iterator[dict[str, str]]:
     """Start a private etcd and/or redis-server for those of ``names`` that are engines.
@@ -387,7 +396,8 @@ def engine_servers(names: Sequence[str], etcd_members: int = 1) -> Iterator[dict
     and a dash (``etcd-floor`` needs etcd). etcd runs ``etcd_members``
     members. Yields ``{engine: endpoints, f"{engine}-pid": pids}`` (each
     comma-separated); every server is stopped by pid on exit. etcd runs
-    with its default timers (:data:`ETCD_TIMERS`).
+    with its default timers (:data:`ETCD_TIMERS`), Redis with room for every
+    node's clients (:data:`REDIS_CLIENTS`).
     """
 
     def wanted(engine: str) -> bool:
@@ -400,7 +410,7 @@ def engine_servers(names: Sequence[str], etcd_members: int = 1) -> Iterator[dict
             endpoints["etcd"] = cluster.endpoints
             endpoints["etcd-pid"] = ",".join(str(m.proc.pid) for m in cluster.members if m.proc)
         if wanted("redis"):
-            server = stack.enter_context(redis_server())
+            server = stack.enter_context(redis_server(extra_args=REDIS_CLIENTS))
             endpoints["redis"] = server.endpoint
             endpoints["redis-pid"] = str(server.proc.pid) if server.proc else ""
         yield endpoints
