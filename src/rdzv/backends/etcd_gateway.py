@@ -18,7 +18,7 @@ gRPC status ``code`` and ``message`` (etcd 3.4 repeats the message as
 ``error``). :func:`decode_reply` turns it into an :class:`EtcdRequestError`
 carrying the code: an :class:`EtcdUnavailableError` (retryable on another
 member) for the codes in :data:`TRANSIENT_CODES`, a gateway/proxy status or
-etcd's "too many requests" (HTTP 429),
+etcd's "too many requests",
 an :class:`EtcdRejectedError` (final) otherwise.
 
 A watch is a stream: ``POST /v3/watch`` with a ``create_request`` answers
@@ -87,6 +87,7 @@ class GrpcCode(IntEnum):
     UNKNOWN = 2
     DEADLINE_EXCEEDED = 4
     NOT_FOUND = 5
+    RESOURCE_EXHAUSTED = 8
     UNAVAILABLE = 14
 
 
@@ -99,10 +100,12 @@ TRANSIENT_CODES = frozenset({GrpcCode.CANCELLED, GrpcCode.DEADLINE_EXCEEDED, Grp
 # etcd's code for "requested lease not found", the only NOT_FOUND a KV or lease call gets.
 LEASE_NOT_FOUND = GrpcCode.NOT_FOUND
 # Bad gateway, service unavailable, gateway timeout: the member behind is unreachable.
-# Too many requests (gRPC RESOURCE_EXHAUSTED): etcd's own backpressure while its
-# applies lag its commits by over 5,000 entries, which a pass over the members
-# and a backoff ride out (8,192 joining nodes on two cores drove etcd there).
-_TRANSIENT_HTTP_STATUSES = frozenset({429, 502, 503, 504})
+_TRANSIENT_HTTP_STATUSES = frozenset({502, 503, 504})
+# etcd's own backpressure (gRPC RESOURCE_EXHAUSTED, HTTP 500 from the 3.4
+# gateway) while its applies lag its commits by over 5,000 entries: a pass over
+# the members and a backoff ride it out (8,192 joining nodes on two cores drove
+# etcd there). The same code's "database space exceeded" stays final.
+_TOO_MANY_REQUESTS = "too many requests"
 
 
 # -- errors -------------------------------------------------------------------
@@ -348,14 +351,16 @@ def _request_error(
 ) -> EtcdRequestError:
     """Classify an error body by its gRPC code (and the HTTP status).
 
-    An :class:`EtcdUnavailableError` for a code in :data:`TRANSIENT_CODES` or
-    a 502, 503 or 504 status, an :class:`EtcdRejectedError` otherwise.
+    An :class:`EtcdUnavailableError` for a code in :data:`TRANSIENT_CODES`, a
+    502, 503 or 504 status or etcd's "too many requests", an
+    :class:`EtcdRejectedError` otherwise.
     """
     message = str(body.get("message") or body.get("error") or data[:200])
     code = body.get("code")
     if not isinstance(code, int) or isinstance(code, bool):
         code = GrpcCode.UNKNOWN
-    if code in TRANSIENT_CODES or status in _TRANSIENT_HTTP_STATUSES:
+    busy = code == GrpcCode.RESOURCE_EXHAUSTED and _TOO_MANY_REQUESTS in message
+    if code in TRANSIENT_CODES or status in _TRANSIENT_HTTP_STATUSES or busy:
         return EtcdUnavailableError(code, message, endpoint)
     return EtcdRejectedError(code, message, f"etcd at {endpoint} rejected {path} (HTTP {status})")
 
