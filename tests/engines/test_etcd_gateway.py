@@ -295,6 +295,7 @@ def test_lease_not_found_body_is_a_final_request_error_with_its_code(
         (408, 1, "grpc: the client connection is closing"),
         (504, 4, "context deadline exceeded"),
         (500, 8, "etcdserver: too many requests"),  # etcd's backpressure: back off
+        (500, 2, "etcdserver: too many requests"),  # as etcd 3.4's gateway answers it
     ],
 )
 def test_transient_codes_are_retryable_connection_errors(

@@ -87,7 +87,6 @@ class GrpcCode(IntEnum):
     UNKNOWN = 2
     DEADLINE_EXCEEDED = 4
     NOT_FOUND = 5
-    RESOURCE_EXHAUSTED = 8
     UNAVAILABLE = 14
 
 
@@ -101,10 +100,11 @@ TRANSIENT_CODES = frozenset({GrpcCode.CANCELLED, GrpcCode.DEADLINE_EXCEEDED, Grp
 LEASE_NOT_FOUND = GrpcCode.NOT_FOUND
 # Bad gateway, service unavailable, gateway timeout: the member behind is unreachable.
 _TRANSIENT_HTTP_STATUSES = frozenset({502, 503, 504})
-# etcd's own backpressure (gRPC RESOURCE_EXHAUSTED, HTTP 500 from the 3.4
-# gateway) while its applies lag its commits by over 5,000 entries: a pass over
-# the members and a backoff ride it out (8,192 joining nodes on two cores drove
-# etcd there). The same code's "database space exceeded" stays final.
+# etcd's own backpressure while its applies lag its commits by over 5,000
+# entries: a pass over the members and a backoff ride it out (8,192 joining
+# nodes on two cores drove etcd there). Told by its message: the 3.4 gateway
+# answers it with HTTP 500 and whatever code, and gRPC's RESOURCE_EXHAUSTED also
+# stands for "database space exceeded", which stays final.
 _TOO_MANY_REQUESTS = "too many requests"
 
 
@@ -359,7 +359,7 @@ def _request_error(
     code = body.get("code")
     if not isinstance(code, int) or isinstance(code, bool):
         code = GrpcCode.UNKNOWN
-    busy = code == GrpcCode.RESOURCE_EXHAUSTED and _TOO_MANY_REQUESTS in message
+    busy = _TOO_MANY_REQUESTS in message
     if code in TRANSIENT_CODES or status in _TRANSIENT_HTTP_STATUSES or busy:
         return EtcdUnavailableError(code, message, endpoint)
     return EtcdRejectedError(code, message, f"etcd at {endpoint} rejected {path} (HTTP {status})")
