@@ -4,6 +4,7 @@ Run:  python benchmarks/scale_bench.py --n 256,1024,2048
       python benchmarks/scale_bench.py --n 64 --backends rdzv,torch,etcd,redis
       python benchmarks/scale_bench.py --n 1024 --scenarios recovery,scaleup
       python benchmarks/scale_bench.py --n 2048 --backends rdzv,floor --scenarios lastcall
+      python benchmarks/scale_bench.py --n 2048 --backends etcd,etcd-floor,redis,redis-floor
 
 What runs
 ---------
@@ -27,13 +28,18 @@ What runs
   events (``enqueue``, ``complete``). torch's handler is counted on its
   backend's store only (its round store must be torch's C++ type); etcd and
   Redis are not counted.
-* The ``floor`` column (formation and last call only) sends rdzv's messages
-  of one round from the same processes and threads to the same store
-  server, with no handler (:class:`FloorAgent`): what the harness and the
-  messages cost by themselves, so that rdzv's figures can be read against
-  the lowest this machine allows them. ``floor-noconfirm`` leaves out the
-  round's confirmation (an ``append``, an ``add`` and the wait for the
-  verdict a member).
+* The floor columns (formation and last call only; ``benchmarks/scale_floors.py``)
+  send rdzv's messages of one round from the same processes and threads
+  to the same servers, with no handler: ``floor`` on the TCP store,
+  ``etcd-floor`` and ``redis-floor`` through the backend and store rdzv's
+  handler gets on that engine; what the harness and the messages cost by
+  themselves, so that rdzv's figures can be read against the lowest this
+  machine allows them. The ``-noconfirm`` floors leave out the round's
+  confirmation (a write and the wait for the verdict a member). After the
+  table, each column's figures are printed over its floor's of the same
+  run.
+* etcd runs ``--etcd-members`` members (3, as users run it); each node's
+  client starts at the first, and the server CPU is the members' sum.
 * Dead-node judgements are the handlers' ``dead`` events; a judgement of a
   node that was never killed is a *false death*.
 * Keep-alive: torch's and rdzv's default interval (5 s) x ``--attempts``,
@@ -100,14 +106,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from _common import CountingStore, cpu_seconds, load, make_handler, release, stamp, subprocess_env
+from _common import cpu_seconds, load, make_handler, release, stamp, subprocess_env
 from rdzv.api import DEFAULT_KEEP_ALIVE_INTERVAL
+from scale_floors import FLOOR_OF, FLOOR_SCENARIOS, engine_of, floor_column, make_floor
 
-BACKENDS = ("rdzv", "torch", "etcd", "redis", "floor", "floor-noconfirm")
-FLOORS = ("floor", "floor-noconfirm")
-"""Columns of :class:`FloorAgent`: rdzv's messages, and the same without the confirmation."""
-FLOOR_SCENARIOS = ("formation", "lastcall")
-"""The scenarios the floor columns run: one round of a group that stays whole."""
+BACKENDS = ("rdzv", "torch", "etcd", "redis", *FLOOR_OF)
 SCENARIOS = ("formation", "lastcall", "recovery", "scaleup", "steady")
 TORCH_MAX_N = 128
 """torch's handler is run up to this N (at 256 it livelocks on this machine)."""
@@ -202,71 +205,10 @@ class EventLog(logging.Handler):
             self.cuts.setdefault(index, {})[action] = (now, *counter.snapshot())
 
 
-class FloorAgent:
-    """rdzv's messages of one round on the TCP store, with no handler: the harness's floor.
-
-    What an rdzv member of a TCP-store round sends and waits for, each as
-    the cheapest request that does it: read the head (the round to join),
-    ``append`` a join record and ``add`` the round's counter, wait for the
-    seal (one ``get`` that blocks until the sealer sets it), ``append`` a
-    confirmation and ``add`` its counter, wait for the verdict (the
-    ``floor-noconfirm`` column stops at the seal). The node
-    whose ``add`` reaches ``max`` seals at once, the one reaching ``min``
-    after sleeping the last call (reading the count then); the last to
-    confirm writes the verdict. No keep-alive, bootstrap port, state,
-    seats, deadlines or decisions: whatever time a round takes here, on
-    the same processes, threads, pinning and store server as the rdzv
-    column, is the harness's and the messages', so rdzv's figures minus
-    these are what its handler adds. It emits the handler's ``enqueue``,
-    ``sealed`` and ``complete`` events, so its phases are cut alike.
-    """
-
-    def __init__(self, cfg: dict[str, Any], addr: str, counter: Counter, confirm: bool) -> None:
-        from rdzv.store.tcp import TCPStore
-
-        self.node = addr
-        self._confirm = confirm
-        self._store: Any = CountingStore(
-            TCPStore("127.0.0.1", cfg["port"], timeout=120), counter.count
-        )
-        self._prefix = f"floor/{cfg['run_id']}/"
-        self._min, self._max, self._last_call = cfg["min"], cfg["max"], cfg["last_call"]
-        self._log = logging.getLogger("rdzv.dynamic")
-
-    def _event(self, action: str) -> None:
-        self._log.info("floor %s", action, extra={"rdzv_event": {"action": action}})
-
-    def next_rendezvous(self) -> Any:
-        store, key = self._store, self._prefix
-        store.compare_set(f"{key}head", b"probe", b"probe")
-        store.append(f"{key}queue", self.node.encode())
-        position = int(store.add(f"{key}joined", 1))
-        self._event("enqueue")
-        if position in (self._min, self._max):
-            if position != self._max:
-                time.sleep(self._last_call)
-            world = int(store.add(f"{key}joined", 0))
-            store.set(f"{key}seal", str(world).encode())
-            self._event("sealed")
-        world = int(store.get(f"{key}seal"))
-        if position > world:
-            raise RuntimeError(f"{self.node} joined at {position}, after a seal of {world}")
-        if self._confirm:
-            self._confirmation(world)
-        self._event("complete")
-        return argparse.Namespace(rank=position - 1, world_size=world)
-
-    def _confirmation(self, world: int) -> None:
-        store, key = self._store, self._prefix
-        store.append(f"{key}confirmed", self.node.encode())
-        if store.add(f"{key}confirmations", 1) == world:
-            store.set(f"{key}verdict", b"1")
-        store.get(f"{key}verdict")
-
-
 def agent_handler(impl: str, cfg: dict[str, Any], addr: str, counter: Counter) -> Any:
-    if impl in FLOORS:
-        return FloorAgent(cfg, addr, counter, confirm=impl == "floor")
+    floor = make_floor(impl, cfg, addr, counter.count)
+    if floor is not None:
+        return floor
     return make_handler(impl, {**cfg, "read_timeout": 120}, addr, counter.count)
 
 
@@ -556,7 +498,6 @@ class Run:
         self.dead: list[str] = []
         self.server: subprocess.Popen[str] | None = None
         self.base: dict[str, Any] = {
-            "endpoint": endpoints.get(impl, ""),
             "run_id": f"scale{random.getrandbits(32):08x}",
             "join": opts.join,
             "interval": interval,
@@ -568,20 +509,24 @@ class Run:
             "pin": not opts.no_pin,
             "etcd_client": opts.etcd_client,
         }
-        self.server_pid = endpoints.get(f"{impl}-pid")
-        if impl in ("rdzv", "torch", *FLOORS):
+        engine = engine_of(impl)
+        self.base["endpoint"] = endpoints.get(engine, "")
+        # Every member of an etcd cluster: their CPU is summed.
+        self.server_pids = [int(p) for p in endpoints.get(f"{engine}-pid", "").split(",") if p]
+        if engine in ("rdzv", "torch"):
             server = "torch" if impl == "torch" else "rdzv"
             self.server = _spawn(["--server", server, str(opts.max_connections)])
             line = _readline(self.server, time.monotonic() + 60)
             if not line:
                 raise RuntimeError(f"the {impl} store server did not start")
             self.base["port"] = int(line)
-            self.server_pid = str(self.server.pid)
-        if self.server_pid:
-            favour(int(self.server_pid))
+            self.server_pids = [self.server.pid]
+        for pid in self.server_pids:
+            favour(pid)
 
     def server_cpu(self) -> float:
-        return cpu_seconds(int(self.server_pid)) if self.server_pid else float("nan")
+        """The CPU seconds the run's servers have spent (NaN: no server known)."""
+        return sum(map(cpu_seconds, self.server_pids)) if self.server_pids else float("nan")
 
     def spawn(self, n: int, per_proc: int | None, **cfg: Any) -> list[subprocess.Popen[str]]:
         if per_proc is None:
@@ -893,6 +838,35 @@ def print_row(impl: str, scenario: str, n: int, r: dict[str, Any], show_ops: boo
         print("  requests/agent by call: " + ", ".join(f"{op} {c:.3g}" for op, c in ops))
 
 
+RATIOS = {
+    "formation": ("completion", "done"),
+    "lastcall": ("overhead", "overhead"),
+}
+"""Per scenario, the figure a column is compared to its floor on, and its label."""
+
+
+def print_ratios(rows: Sequence[dict[str, Any]]) -> None:
+    """Print each column's figures over its floor's of the same run, N and scenario."""
+    found = {(r["impl"], r["scenario"], r["n"]): r for r in rows if "error" not in r}
+    lines = []
+    for (impl, scenario, n), r in found.items():
+        floor = found.get((floor_column(impl) or "", scenario, n))
+        if floor is None or scenario not in RATIOS:
+            continue
+        key, label = RATIOS[scenario]
+        pairs = [
+            (label, key),
+            ("agent cpu", "agent_cpu_ms"),
+            ("server cpu", "server_cpu_ms"),
+        ]
+        if "after_last_call" in r and "after_last_call" in floor:
+            pairs.insert(1, ("after the last call", "after_last_call"))
+        ratios = [f"{name} {r[k] / floor[k]:.2f}x" for name, k in pairs if floor.get(k)]
+        lines.append(f"{scenario:9} {impl:5} N={n:<5} over {floor['impl']}: " + " | ".join(ratios))
+    if lines:
+        print("ratios to the floor (same run):", *lines, sep="\n", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", default="256,1024,2048", help="comma-separated N")
@@ -932,6 +906,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--ops", action="store_true", help="also print each agent's requests by store call"
     )
+    parser.add_argument(
+        "--etcd-members", type=int, default=3, help="members of the private etcd cluster (3)"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     opts = parser.parse_args(argv)
     sizes = [int(x) for x in opts.n.split(",")]
@@ -944,19 +921,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     from tests.engines.servers import engine_servers
 
-    with engine_servers(backends) as endpoints:
+    with engine_servers(backends, opts.etcd_members) as endpoints:
         for n in sizes:
             for scenario in scenarios:
                 for impl in backends:
                     if impl == "torch" and n > TORCH_MAX_N:
                         continue
-                    if impl in FLOORS and scenario not in FLOOR_SCENARIOS:
+                    if impl in FLOOR_OF and scenario not in FLOOR_SCENARIOS:
                         continue
                     result = run_scenario(impl, scenario, n, endpoints, opts)
                     result["load_after"] = load()
                     print_row(impl, scenario, n, result, opts.ops)
                     rows.append({"impl": impl, "scenario": scenario, "n": n, **result})
     stamp("end")
+    print_ratios(rows)
     if opts.json:
         Path(opts.json).write_text(json.dumps(rows, indent=1))
     return 0

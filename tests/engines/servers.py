@@ -229,8 +229,14 @@ def _port_taken(exc: RuntimeError) -> bool:
 
 
 @contextlib.contextmanager
-def etcd_cluster(size: int = 1, tls: TLSFiles | None = None) -> Iterator[EtcdCluster]:
-    """Start ``size`` etcd members on free loopback ports; stop and delete them afterwards."""
+def etcd_cluster(
+    size: int = 1, tls: TLSFiles | None = None, extra_args: Sequence[str] = ()
+) -> Iterator[EtcdCluster]:
+    """Start ``size`` etcd members on free loopback ports; stop and delete them afterwards.
+
+    ``extra_args`` come after the test flags, so they override them (etcd
+    takes a flag's last value).
+    """
     require_binary("etcd")
     names = "abcdefg"
     for attempt in range(_PORT_ATTEMPTS):
@@ -245,7 +251,7 @@ def etcd_cluster(size: int = 1, tls: TLSFiles | None = None) -> Iterator[EtcdClu
             )
             for i in range(size)
         ]
-        cluster = EtcdCluster(members=members, base_dir=base, tls=tls)
+        cluster = EtcdCluster(members=members, base_dir=base, tls=tls, extra_args=list(extra_args))
         try:
             try:
                 for member in members:
@@ -270,6 +276,7 @@ class RedisServer:
     data_dir: Path
     proc: subprocess.Popen[bytes] | None = None
     tls: TLSFiles | None = None
+    extra_args: Sequence[str] = ()
 
     @property
     def endpoint(self) -> str:
@@ -308,6 +315,7 @@ class RedisServer:
             "warning",
             "--logfile",
             str(self.data_dir / "redis.log"),
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
@@ -346,12 +354,14 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server(tls: TLSFiles | None = None) -> Iterator[RedisServer]:
+def redis_server(
+    tls: TLSFiles | None = None, extra_args: Sequence[str] = ()
+) -> Iterator[RedisServer]:
     """Start a private redis-server on a free loopback port; stop and delete it afterwards."""
     require_binary("redis-server")
     for attempt in range(_PORT_ATTEMPTS):
         base = Path(tempfile.mkdtemp(prefix="rdzv-redis-"))
-        server = RedisServer(port=free_port(), data_dir=base, tls=tls)
+        server = RedisServer(port=free_port(), data_dir=base, tls=tls, extra_args=extra_args)
         try:
             try:
                 server.start()
@@ -367,21 +377,40 @@ def redis_server(tls: TLSFiles | None = None) -> Iterator[RedisServer]:
             shutil.rmtree(base, ignore_errors=True)
 
 
+ETCD_TIMERS = ("--heartbeat-interval", "100", "--election-timeout", "1000")
+"""etcd's own defaults, which the benchmarks' clusters run with: the tests' fast timers
+(10 and 100 ms) made the members of a cluster loaded by thousands of agents on
+two cores elect a new leader about ten times in one formation."""
+
+
+REDIS_CLIENTS = ("--maxclients", "65536")
+"""The benchmarks' Redis takes as many clients as its file limit allows: its default of
+10,000 refused 1,930 of 8,192 simulated nodes (each holds two connections)."""
+
+
 @contextlib.contextmanager
-def engine_servers(names: Sequence[str]) -> Iterator[dict[str, str]]:
+def engine_servers(names: Sequence[str], etcd_members: int = 1) -> Iterator[dict[str, str]]:
     """Start a private etcd and/or redis-server for those of ``names`` that are engines.
 
-    Yields ``{name: endpoint, f"{name}-pid": pid}``; both are stopped by pid on exit.
+    A name counts for its engine when it is the engine's or starts with it
+    and a dash (``etcd-floor`` needs etcd). etcd runs ``etcd_members``
+    members. Yields ``{engine: endpoints, f"{engine}-pid": pids}`` (each
+    comma-separated); every server is stopped by pid on exit. etcd runs
+    with its default timers (:data:`ETCD_TIMERS`), Redis with room for every
+    node's clients (:data:`REDIS_CLIENTS`).
     """
+
+    def wanted(engine: str) -> bool:
+        return any(name == engine or name.startswith(f"{engine}-") for name in names)
+
     with contextlib.ExitStack() as stack:
         endpoints: dict[str, str] = {}
-        if "etcd" in names:
-            cluster = stack.enter_context(etcd_cluster(1))
+        if wanted("etcd"):
+            cluster = stack.enter_context(etcd_cluster(etcd_members, extra_args=ETCD_TIMERS))
             endpoints["etcd"] = cluster.endpoints
-            proc = cluster.members[0].proc
-            endpoints["etcd-pid"] = str(proc.pid) if proc else ""
-        if "redis" in names:
-            server = stack.enter_context(redis_server())
+            endpoints["etcd-pid"] = ",".join(str(m.proc.pid) for m in cluster.members if m.proc)
+        if wanted("redis"):
+            server = stack.enter_context(redis_server(extra_args=REDIS_CLIENTS))
             endpoints["redis"] = server.endpoint
             endpoints["redis-pid"] = str(server.proc.pid) if server.proc else ""
         yield endpoints

@@ -294,6 +294,8 @@ def test_lease_not_found_body_is_a_final_request_error_with_its_code(
         (503, 14, "etcdserver: request timed out"),
         (408, 1, "grpc: the client connection is closing"),
         (504, 4, "context deadline exceeded"),
+        (500, 8, "etcdserver: too many requests"),  # etcd's backpressure: back off
+        (500, 2, "etcdserver: too many requests"),  # as etcd 3.4's gateway answers it
     ],
 )
 def test_transient_codes_are_retryable_connection_errors(
@@ -316,7 +318,7 @@ def test_transient_codes_are_retryable_connection_errors(
         (400, 3, "illegal base64 data at input byte 0"),
         (400, 9, "etcdserver: not leader"),
         (400, 11, "etcdserver: mvcc: required revision is a future revision"),
-        (429, 8, "etcdserver: too many requests"),
+        (500, 8, "etcdserver: mvcc: database space exceeded"),
         (403, 7, "etcdserver: permission denied"),
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,12 +12,14 @@ from hypothesis import strategies as st
 from rdzv.backends import etcd_proto as proto
 from rdzv.backends.etcd_gateway import (
     EtcdCompactedError,
+    EtcdRejectedError,
     EtcdRetryableError,
     KeyValue,
     mod_revision_compare,
     put_request,
     range_request,
 )
+from rdzv.backends.etcd_grpc import EtcdGrpcClient
 
 
 def _kv(kv: KeyValue) -> bytes:
@@ -104,3 +107,39 @@ def test_garbage_only_ever_raises_the_malformed_message_error(data: bytes) -> No
     for decode in decoders:
         with contextlib.suppress(proto.MalformedMessageError, EtcdRetryableError):
             decode(data)
+
+
+class _RpcError(grpc.RpcError):
+    """A failed gRPC call as grpcio reports it: a status code and its details."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "retryable"),
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: too many requests", True),
+        (grpc.StatusCode.UNAVAILABLE, "etcdserver: leader changed", True),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: mvcc: database space exceeded", False),
+        (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: key is not provided", False),
+    ],
+)
+def test_grpc_errors_are_retried_as_the_gateways_are(
+    code: grpc.StatusCode, details: str, retryable: bool
+) -> None:
+    client = EtcdGrpcClient([("127.0.0.1", 2379)])
+    try:
+        error = client._error(_RpcError(code, details), "http://127.0.0.1:2379", "put")
+    finally:
+        client.close()
+    assert isinstance(error, EtcdRetryableError) is retryable
+    assert isinstance(error, EtcdRejectedError) is not retryable
+    assert details in str(error)

@@ -127,3 +127,18 @@ def test_the_floor_columns_form_with_rdzvs_messages_and_without_the_confirmation
     assert requests == pytest.approx(expected, abs=0.01), lines
     for f in fields[2:]:
         assert float(f["overhead"].removesuffix("s")) >= 0, f  # the last call was waited out
+
+
+@pytest.mark.slow
+@pytest.mark.etcd
+@pytest.mark.redis
+def test_the_engine_floors_form_and_rdzv_is_printed_over_its_floor() -> None:
+    lines = _run_small("etcd,etcd-floor,redis-floor-noconfirm", "formation", "--etcd-members", "3")
+    assert [line.split()[:2] for line in lines] == [
+        ["formation", "etcd"],
+        ["formation", "etcd-floor"],
+        ["formation", "redis-floor-noconfirm"],
+        # The ratios after the table: etcd over its floor, nothing over a floor.
+        ["formation", "etcd"],
+    ], lines
+    assert " over etcd-floor: done " in lines[-1], lines

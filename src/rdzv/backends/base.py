@@ -19,9 +19,10 @@ Optional capabilities (below the contract) let a backend do better than
 compare-and-set on one blob: :class:`WatchableBackend` (block until the state
 changes), :class:`JoinQueueBackend` (one non-conflicting write per joining
 node), :class:`LivenessBackend` (per-node heartbeats judged on the
-observer's clock) and :class:`SeatedBackend` (a seal that also stores each
+observer's clock), :class:`SeatedBackend` (a seal that also stores each
 member's own small record, so that a member of thousands reads O(1)
-bytes). The handler uses each when present and degrades to polling and
+bytes) and :class:`VerdictBackend` (a sealed round's verdict waited for
+together with the state). The handler uses each when present and degrades to polling and
 compare-and-set when not. ``rdzv.testing.conformance`` checks a backend
 against all of it.
 """
@@ -45,6 +46,7 @@ __all__ = [
     "SeatedBackend",
     "Token",
     "TorchBackendAPI",
+    "VerdictBackend",
     "WatchableBackend",
     "MAX_RUN_ID",
     "as_backend",
@@ -356,6 +358,37 @@ class JoinQueueBackend(ABC):
     @abstractmethod
     def drop_queue(self, round_id: int) -> None:
         """Delete the queue of ``round_id`` (idempotent; a round nobody reads)."""
+
+
+class VerdictBackend(ABC):
+    """Capability: a sealed round's verdict kept beside the state, and one wait for both.
+
+    Every member of a sealed round confirms it and then waits for the
+    verdict, which the member that counts the last confirmation writes
+    (:mod:`rdzv.dynamic.confirm`), and meanwhile for a write of the state,
+    which could mean a member was lost. Without this capability the
+    handler keeps the verdict in its store and reads the state between the
+    slices of its wait; a backend that offers it waits for both at once
+    (etcd: one watch of the state's head and the verdict).
+    """
+
+    @abstractmethod
+    def set_verdict(self, round_id: int) -> None:
+        """Record that every member of ``round_id`` confirmed it."""
+
+    @abstractmethod
+    def wait_for_verdict(self, round_id: int, token: Token, timeout: float) -> bool | None:
+        """Wait until the verdict of ``round_id`` exists or the state is written after ``token``.
+
+        Returns True for the verdict (stored before or during the call),
+        False when the state was written after the write that produced
+        ``token`` (the caller reads it), None when ``timeout`` passed with
+        neither.
+        """
+
+    @abstractmethod
+    def drop_verdict(self, round_id: int) -> None:
+        """Delete the verdict of ``round_id`` (idempotent; a round nobody waits on)."""
 
 
 class NamedQueues(JoinQueueBackend):

@@ -23,10 +23,17 @@ state expires on the server.
 Beside the state, a run keeps (all under ``<key_prefix><run_id>/``):
 
 * ``queue/<round>/<unique>`` -- join records; one transaction puts a record
-  and counts the round's records, so the count is the record's position
-  (etcd serialises transactions, so positions are gap-free);
+  and the round's counter ``queue/<round>`` and reads the counter, whose
+  ``version`` (etcd's count of its puts) is the record's position (etcd
+  serialises transactions, so positions are gap-free, and the count costs
+  O(1) whatever the queue's length);
 * ``confirm/<round>/<unique>`` -- the members' confirmations of a sealed
   round, kept the same way (:meth:`EtcdRendezvousBackend.confirmation_queue`);
+* ``head/verdict/<round>`` -- the verdict of a sealed round, once every
+  member confirmed it: under the head, so that one watch of the keys that
+  start with the head's name, from the revision after the member's token,
+  ends at the verdict or at a write of the state, whichever comes first
+  (:class:`~rdzv.backends.base.VerdictBackend`), with no read before it;
 * ``alive/<node>`` -- a node's heartbeat: a put under the node's own lease,
   whose ``mod_revision`` is the heartbeat mark; if the node dies the lease
   expires and the server deletes the key;
@@ -44,21 +51,26 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from rdzv.backends.base import (
     LivenessBackend,
     NamedQueues,
     RendezvousBackend,
+    SeatedBackend,
     Token,
+    VerdictBackend,
     WatchableBackend,
     validate_node_key,
     validate_record,
+    validate_seats,
 )
 from rdzv.backends.etcd_base import EtcdClientBase
 from rdzv.backends.etcd_client import EtcdClient, EtcdCompactedError, KeyValue
 from rdzv.backends.etcd_gateway import LEASE_NOT_FOUND, EtcdRequestError, put_request, range_request
+from rdzv.backends.etcd_seats import group_name, pack_groups, unpack_seat
 from rdzv.backends.etcd_store import EtcdStore
 from rdzv.backends.options import EtcdOptions, check_key_settings, parse_endpoints
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
@@ -81,6 +93,16 @@ _ETCD_FAILED = "The connection to etcd has failed. See inner exception for detai
 
 DEFAULT_KEY_PREFIX = EtcdOptions.DEFAULT_PREFIX
 _MAGIC = b"rdzv-state/1\n"
+MARKS_IN_ONE_READ = 16
+"""From this many nodes on, :meth:`EtcdRendezvousBackend.heartbeat_marks` reads them all at once."""
+
+
+@dataclass
+class _Lease:
+    """The lease a backend's writes carry, and when it is granted anew (half its life)."""
+
+    id: int = 0
+    renew_at: float = 0.0
 
 
 def _valid_token(token: Token | None) -> int | None:
@@ -92,7 +114,9 @@ def _valid_token(token: Token | None) -> int | None:
     return token
 
 
-class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, LivenessBackend):
+class EtcdRendezvousBackend(
+    RendezvousBackend, WatchableBackend, SeatedBackend, NamedQueues, LivenessBackend, VerdictBackend
+):
     """Keeps a run's rendezvous state in etcd v3, with compare-and-set on ``mod_revision``.
 
     Besides the backend contract it offers waiting for a state change
@@ -134,12 +158,14 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         self._last: tuple[bytes, int] | None = None
         self._run_prefix = self._key + b"/"
         self._head = self._run_prefix + b"head"
+        self._seats = self._run_prefix + b"seats/"
         self._ttl = ttl
         self._liveness_ttl = liveness_ttl
         self._lock = threading.Lock()
-        self._state_lease = 0
-        self._state_lease_renew_at = 0.0
-        self._node_leases: dict[str, int] = {}
+        # Shared with the confirmation queue's view (a shallow copy): one lease a run.
+        self._state_lease = _Lease()
+        # node -> (its heartbeat lease, when a beat refreshes it next).
+        self._node_leases: dict[str, tuple[int, float]] = {}
 
     @property
     def name(self) -> str:
@@ -177,13 +203,14 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         return kv.value[len(_MAGIC) :], kv.mod_revision
 
     def _state_lease_id(self) -> int:
+        lease = self._state_lease
         with self._lock:
-            if self._state_lease and time.monotonic() < self._state_lease_renew_at:
-                return self._state_lease
+            if lease.id and time.monotonic() < lease.renew_at:
+                return lease.id
         lease_id, granted = self._client.lease_grant(self._ttl)
         with self._lock:
-            self._state_lease = lease_id
-            self._state_lease_renew_at = time.monotonic() + max(granted, 1) / 2
+            lease.id = lease_id
+            lease.renew_at = time.monotonic() + max(granted, 1) / 2
         return lease_id
 
     def _with_state_lease(self, write: Callable[[int], _T]) -> _T:
@@ -194,7 +221,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
             if exc.code != LEASE_NOT_FOUND:
                 raise
         with self._lock:
-            self._state_lease = 0
+            self._state_lease.id = 0
         return write(self._state_lease_id())
 
     def get_state(self) -> tuple[bytes, Token] | None:
@@ -215,6 +242,10 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         last = self._last
         if last is not None and last[1] == kvs[0].mod_revision:
             return last, revision
+        return self._read_value()
+
+    def _read_value(self) -> tuple[tuple[bytes, Token] | None, int]:
+        """Read the state with its value, and the store revision (no keys-only read first)."""
         kv, revision = self._client.get(self._key)
         if kv is None:
             return None, revision
@@ -225,11 +256,20 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
     def set_state(
         self, state: bytes, token: Token | None = None
     ) -> tuple[bytes, Token, bool] | None:
-        """Write the state if ``token`` is current (see :class:`RendezvousBackend`).
+        """Write the state if ``token`` is current (see :class:`RendezvousBackend`)."""
+        return self.set_state_seated(state, token, {})
+
+    def set_state_seated(
+        self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
+    ) -> tuple[bytes, Token, bool] | None:
+        """Write the state, its head and ``seats`` (:mod:`~rdzv.backends.etcd_seats`) in one txn.
 
         A write whose first reply was lost and that is found stored on the
         retry (same bytes) is reported as written.
         """
+        validate_seats(seats)
+        also = {self._seats + name: group for name, group in pack_groups(seats).items()}
+        also[self._head] = b""
         state = bytes(state)
         expected = _valid_token(token)
         if expected is None:
@@ -238,7 +278,7 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         value = _MAGIC + state
         written, revision, kv, attempts = self._with_state_lease(
             lambda lease: self._client.compare_and_put(
-                self._key, value, expected, lease=lease, also={self._head: b""}
+                self._key, value, expected, lease=lease, also=also
             )
         )
         if written:
@@ -251,44 +291,104 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         current_state, current_token = self._decode(kv)
         return current_state, current_token, False
 
-    def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
-        """Wait until the state's token differs from ``token``, by watching."""
-        current, revision = self._read()
-        if (current is None and token is not None) or (current is not None and current[1] != token):
-            return current
+    def _token_at(self) -> tuple[int | None, int]:
+        """Return the state's token (None when nothing is stored) and the store revision."""
+        kvs, revision = self._client.range(self._key, keys_only=True)
+        return (kvs[0].mod_revision if kvs else None), revision
+
+    def read_token(self) -> Token | None:
+        """Return the state's token, reading its revisions alone."""
+        return self._token_at()[0]
+
+    def wait_for_token(self, token: Token | None, timeout: float) -> Token | None:
+        """Wait as :meth:`wait_for_state`; a write's head event names its token: no read after it."""
+        expected = _valid_token(token)
+        if expected:
+            start = expected + 1
+        else:
+            current, revision = self._token_at()
+            if current != token:
+                return current
+            start = revision + 1
         if timeout > 0:
-            # A compacted revision means something changed after our read: re-read below.
             with contextlib.suppress(EtcdCompactedError):
-                self._client.watch(self._head, revision + 1, timeout)
+                events, _ = self._client.watch(self._head, start, timeout)
+                if events:
+                    return events[-1].kv.mod_revision
+        return self.read_token()
+
+    def read_seat(self, token: Token, node: str) -> bytes | None:
+        """Return ``node``'s seat from its group, if the write of ``token`` put the group."""
+        kv, _ = self._client.get(self._seats + group_name(validate_node_key(node)))
+        if kv is None or _valid_token(token) != kv.mod_revision:
+            return None
+        return unpack_seat(kv.value, node)
+
+    def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
+        """Wait until the state's token differs from ``token``, by watching.
+
+        The token is the revision of the state's last write, which put the
+        head too: a watch of the head from the revision after the token
+        ends at once if the state was written since, so a wait for the
+        token of the state this backend last saw sends no read before its
+        watch. Otherwise the state is read first and the watch starts after
+        that read.
+        """
+        last = self._last
+        if token is not None and last is not None and last[1] == token:
+            start = token + 1
+        else:
+            current, revision = self._read()
+            if (current is None and token is not None) or (
+                current is not None and current[1] != token
+            ):
+                return current
+            start = revision + 1
+        if timeout > 0:
+            # A compacted revision means something changed since: re-read below.
+            with contextlib.suppress(EtcdCompactedError):
+                events, _ = self._client.watch(self._head, start, timeout)
+                if events:
+                    # The head moves with the state: read its value at once.
+                    return self._read_value()[0]
         return self.get_state()
 
     # -- join queue -----------------------------------------------------------
 
     def _queue_prefix(self, round_id: int) -> bytes:
-        return self._run_prefix + f"{self._queue_name}/{round_id}/".encode()
+        return self._queue_counter(round_id) + b"/"
+
+    def _queue_counter(self, round_id: int) -> bytes:
+        """The key every append to the queue of ``round_id`` puts: its version is the length."""
+        return self._run_prefix + f"{self._queue_name}/{round_id}".encode()
 
     def enqueue(self, round_id: int, record: bytes) -> int:
-        """Append a join record to the queue of ``round_id`` in one transaction."""
+        """Append a join record in one transaction that also puts the queue's counter and reads it.
+
+        etcd serialises transactions and counts every put of a key in its
+        ``version``, so the counter's version after the put is the record's
+        position: O(1), where counting the records grew with the queue.
+        """
         validate_record(round_id, record)
-        prefix = self._queue_prefix(round_id)
-        key = prefix + uuid.uuid4().hex.encode()
+        counter = self._queue_counter(round_id)
+        key = self._queue_prefix(round_id) + uuid.uuid4().hex.encode()
         result = self._with_state_lease(
             lambda lease: self._client.txn(
                 [],
                 [
                     {"request_put": put_request(key, record, lease)},
-                    {"request_range": range_request(prefix, prefix=True, count_only=True)},
+                    {"request_put": put_request(counter, b"", lease)},
+                    {"request_range": range_request(counter)},
                 ],
                 [],
             )
         )
-        try:
-            reply = result.responses[1]["response_range"]
-            return int(reply.get("count", 0))
-        except (IndexError, KeyError, TypeError, ValueError):
+        kvs = self._client.txn_kvs(result, 2)
+        if not kvs:
             raise RendezvousStateError(
-                f"etcd answered an enqueue with an unexpected reply: {result.responses!r}"
-            ) from None
+                f"etcd answered an enqueue with no counter: {result.responses!r}"
+            )
+        return kvs[0].version
 
     def queue_records(self, round_id: int) -> list[bytes]:
         """Return the join records of ``round_id``, oldest first."""
@@ -296,28 +396,68 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         return [kv.value for kv in kvs]
 
     def queue_length(self, round_id: int) -> int:
-        """Return how many join records ``round_id`` has."""
-        return self._client.count(self._queue_prefix(round_id))
+        """Return how many join records ``round_id`` has (its counter's version)."""
+        kv, _ = self._client.get(self._queue_counter(round_id))
+        return 0 if kv is None else kv.version
 
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
-        """Wait until the queue length of ``round_id`` differs from ``known``."""
-        prefix = self._queue_prefix(round_id)
+        """Wait until the queue length of ``round_id`` differs from ``known``, watching its counter."""
+        counter = self._queue_counter(round_id)
         deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            kvs, revision = self._client.range(prefix, prefix=True, keys_only=True)
-            if len(kvs) != known:
-                return len(kvs)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return known
+        kv, revision = self._client.get(counter)
+        length = 0 if kv is None else kv.version
+        while length == known and (remaining := deadline - time.monotonic()) > 0:
             try:
-                self._client.watch(prefix, revision + 1, remaining, prefix=True)
+                events, after = self._client.watch(counter, revision + 1, remaining)
             except EtcdCompactedError:
+                kv, revision = self._client.get(counter)
+                length = 0 if kv is None else kv.version
                 continue
+            if events:
+                # The event carries the counter's version: no read after it.
+                last = events[-1]
+                length = 0 if last.kind == "DELETE" else last.kv.version
+                revision = after - 1
+        return length
 
     def drop_queue(self, round_id: int) -> None:
-        """Delete the queue of ``round_id``."""
+        """Delete the queue of ``round_id`` and its counter."""
         self._client.delete(self._queue_prefix(round_id), prefix=True)
+        self._client.delete(self._queue_counter(round_id))
+
+    # -- verdicts -------------------------------------------------------------
+
+    def _verdict_key(self, round_id: int) -> bytes:
+        return self._head + f"/verdict/{round_id}".encode()
+
+    def set_verdict(self, round_id: int) -> None:
+        """Put the verdict of ``round_id`` (under the run's lease)."""
+        key = self._verdict_key(round_id)
+        self._with_state_lease(lambda lease: self._client.put(key, b"confirmed", lease=lease))
+
+    def wait_for_verdict(self, round_id: int, token: Token, timeout: float) -> bool | None:
+        """Watch the head and the verdicts from the revision after ``token``; see :class:`VerdictBackend`."""
+        verdict = self._verdict_key(round_id)
+        start = (_valid_token(token) or 0) + 1
+        deadline = time.monotonic() + max(0.0, timeout)
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                events, start = self._client.watch(self._head, start, remaining, prefix=True)
+            except EtcdCompactedError:
+                # The history since the token is gone: read the verdict, and
+                # let the caller read the state.
+                kv, _ = self._client.get(verdict)
+                return kv is not None or False
+            keys = {(e.kv.key, e.kind) for e in events}
+            if (verdict, "PUT") in keys:
+                return True
+            if any(key == self._head for key, _ in keys):
+                return False
+        return None
+
+    def drop_verdict(self, round_id: int) -> None:
+        """Delete the verdict of ``round_id``."""
+        self._client.delete(self._verdict_key(round_id))
 
     # -- liveness -----------------------------------------------------------
 
@@ -326,18 +466,27 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         return self._run_prefix + f"alive/{node}".encode()
 
     def beat(self, node: str) -> None:
-        """Record a heartbeat: put the node's key under its lease and refresh the lease."""
+        """Record a heartbeat: put the node's key under its lease, refreshed a third into its life.
+
+        The put moves the mark; the lease only lets the server delete the
+        key of a node that stopped beating, so a beat refreshes it only once
+        a third of its TTL passed since it was last granted or refreshed: a
+        beat is one request, not two, when beats come more often than that.
+        """
         key = self._alive_key(node)
         for _ in range(2):
             with self._lock:
-                lease = self._node_leases.get(node, 0)
+                lease, refresh_at = self._node_leases.get(node, (0, 0.0))
+            now = time.monotonic()
+            ttl = None
             if not lease:
-                lease, _ = self._client.lease_grant(self._liveness_ttl)
-                with self._lock:
-                    self._node_leases[node] = lease
-                self._client.put(key, b"alive", lease=lease)
-                return
-            if self._client.lease_keepalive(lease) > 0:
+                lease, ttl = self._client.lease_grant(self._liveness_ttl)
+            elif now >= refresh_at:
+                ttl = self._client.lease_keepalive(lease)
+            if ttl is None or ttl > 0:
+                if ttl is not None:
+                    with self._lock:
+                        self._node_leases[node] = (lease, now + ttl / 3)
                 try:
                     self._client.put(key, b"alive", lease=lease)
                 except EtcdRequestError as exc:
@@ -354,11 +503,27 @@ class EtcdRendezvousBackend(RendezvousBackend, WatchableBackend, NamedQueues, Li
         kv, _ = self._client.get(self._alive_key(node))
         return None if kv is None else str(kv.mod_revision).encode()
 
+    def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
+        """Return the marks of several nodes; of many, from one read of every heartbeat's revision.
+
+        A seal reads the marks of every member it seats (2,048 reads at
+        2,048 members); from :data:`MARKS_IN_ONE_READ` nodes on, one
+        keys-only read of the run's heartbeat keys answers for all.
+        """
+        if len(nodes) < MARKS_IN_ONE_READ:
+            return super().heartbeat_marks(nodes)
+        for node in nodes:
+            validate_node_key(node)
+        prefix = self._run_prefix + b"alive/"
+        kvs, _ = self._client.range(prefix, prefix=True, keys_only=True)
+        marks = {kv.key[len(prefix) :].decode("utf-8", "replace"): kv.mod_revision for kv in kvs}
+        return {node: None if node not in marks else str(marks[node]).encode() for node in nodes}
+
     def forget(self, node: str) -> None:
         """Delete the node's heartbeat key and revoke its lease if this process holds it."""
         key = self._alive_key(node)
         with self._lock:
-            lease = self._node_leases.pop(node, 0)
+            lease, _ = self._node_leases.pop(node, (0, 0.0))
         if lease:
             self._client.lease_revoke(lease)
         self._client.delete(key)

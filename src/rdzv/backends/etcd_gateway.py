@@ -17,7 +17,8 @@ A rejected call answers with a non-200 status and an error body holding the
 gRPC status ``code`` and ``message`` (etcd 3.4 repeats the message as
 ``error``). :func:`decode_reply` turns it into an :class:`EtcdRequestError`
 carrying the code: an :class:`EtcdUnavailableError` (retryable on another
-member) for the codes in :data:`TRANSIENT_CODES` or a gateway/proxy status,
+member) for the codes in :data:`TRANSIENT_CODES`, a gateway/proxy status or
+etcd's "too many requests",
 an :class:`EtcdRejectedError` (final) otherwise.
 
 A watch is a stream: ``POST /v3/watch`` with a ``create_request`` answers
@@ -99,6 +100,12 @@ TRANSIENT_CODES = frozenset({GrpcCode.CANCELLED, GrpcCode.DEADLINE_EXCEEDED, Grp
 LEASE_NOT_FOUND = GrpcCode.NOT_FOUND
 # Bad gateway, service unavailable, gateway timeout: the member behind is unreachable.
 _TRANSIENT_HTTP_STATUSES = frozenset({502, 503, 504})
+# etcd's own backpressure while its applies lag its commits by over 5,000
+# entries: a pass over the members and a backoff ride it out (8,192 joining
+# nodes on two cores drove etcd there). Told by its message: the 3.4 gateway
+# answers it with HTTP 500 and whatever code, and gRPC's RESOURCE_EXHAUSTED also
+# stands for "database space exceeded", which stays final.
+TOO_MANY_REQUESTS = "too many requests"
 
 
 # -- errors -------------------------------------------------------------------
@@ -344,14 +351,16 @@ def _request_error(
 ) -> EtcdRequestError:
     """Classify an error body by its gRPC code (and the HTTP status).
 
-    An :class:`EtcdUnavailableError` for a code in :data:`TRANSIENT_CODES` or
-    a 502, 503 or 504 status, an :class:`EtcdRejectedError` otherwise.
+    An :class:`EtcdUnavailableError` for a code in :data:`TRANSIENT_CODES`, a
+    502, 503 or 504 status or etcd's "too many requests", an
+    :class:`EtcdRejectedError` otherwise.
     """
     message = str(body.get("message") or body.get("error") or data[:200])
     code = body.get("code")
     if not isinstance(code, int) or isinstance(code, bool):
         code = GrpcCode.UNKNOWN
-    if code in TRANSIENT_CODES or status in _TRANSIENT_HTTP_STATUSES:
+    busy = TOO_MANY_REQUESTS in message
+    if code in TRANSIENT_CODES or status in _TRANSIENT_HTTP_STATUSES or busy:
         return EtcdUnavailableError(code, message, endpoint)
     return EtcdRejectedError(code, message, f"etcd at {endpoint} rejected {path} (HTTP {status})")
 

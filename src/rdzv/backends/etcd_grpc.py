@@ -33,7 +33,8 @@ gRPC's errors are mapped as the gateway's are: a connection that could not
 be made is a :class:`~rdzv.backends.etcd_base.ConnectFailedError`, a TLS
 handshake that failed a :class:`~rdzv.errors.RendezvousConnectionError`
 with a hint (not retried), a code in
-:data:`~rdzv.backends.etcd_gateway.TRANSIENT_CODES` an
+:data:`~rdzv.backends.etcd_gateway.TRANSIENT_CODES` or etcd's "too many
+requests" an
 :class:`~rdzv.backends.etcd_gateway.EtcdUnavailableError` (the next member
 is tried), any other code an
 :class:`~rdzv.backends.etcd_gateway.EtcdRejectedError` carrying it.
@@ -51,6 +52,7 @@ import grpc.experimental
 from rdzv.backends.etcd_base import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
 from rdzv.backends.etcd_gateway import (
     LEASE_NOT_FOUND,
+    TOO_MANY_REQUESTS,
     TRANSIENT_CODES,
     EtcdRejectedError,
     EtcdRetryableError,
@@ -188,7 +190,7 @@ class EtcdGrpcClient(EtcdClientBase):
             return tls_failure(endpoint, details, details, verify_failed, self._has_client_cert)
         if code == GrpcCode.UNAVAILABLE and "failed to connect" in details.lower():
             return ConnectFailedError(f"{endpoint}: {details}")
-        if code in TRANSIENT_CODES:
+        if code in TRANSIENT_CODES or TOO_MANY_REQUESTS in details:
             return EtcdUnavailableError(code, details, endpoint)
         return EtcdRejectedError(code, details, f"etcd at {endpoint} rejected {what}")
 

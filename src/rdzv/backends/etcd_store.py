@@ -6,8 +6,9 @@ Keys live under ``<prefix>k/<key>``; queue items under ``<prefix>q/<name>/``
 with a unique suffix and are popped oldest-created first. Reads that must
 wait (``get``, ``wait``, ``watch``, a blocking ``queue_pop``) read once,
 then watch from the revision after that read, so a write in between is
-never missed; they re-read after every batch of events and give up at the
-deadline. Read-modify-write operations (``add``, ``append``,
+never missed, and give up at the deadline. A watch event carries the value
+it put: ``get`` and ``watch`` of one key take it from there, the others
+re-read after every batch of events. Read-modify-write operations (``add``, ``append``,
 ``compare_set``) are compare-and-set loops on the key's ``mod_revision``;
 ``multi_set`` is one transaction; a pop deletes the oldest item in a
 transaction that checks it still exists, so two consumers never get the
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_client import EtcdCompactedError, KeyValue
+from rdzv.backends.etcd_client import EtcdCompactedError, KeyValue, WatchEvent
 from rdzv.backends.etcd_gateway import (
     delete_request,
     mod_revision_compare,
@@ -45,6 +46,13 @@ __all__ = ["EtcdStore"]
 _T = TypeVar("_T")
 # Compare-and-set retries before giving up (each retry means another writer won).
 _MAX_CAS_ATTEMPTS = 10_000
+
+
+def _last_value(events: list[WatchEvent]) -> bytes | None:
+    """Return the value the newest of a key's events put (None if it deleted the key, or none came)."""
+    if not events or events[-1].kind == "DELETE":
+        return None
+    return events[-1].kv.value
 
 
 class EtcdStore(Store):
@@ -96,7 +104,13 @@ class EtcdStore(Store):
         prefix: bool,
         timeout: float,
         what: str,
+        seen: Callable[[list[WatchEvent]], _T | None] = lambda events: None,
     ) -> _T:
+        """Read until ``read`` finds a result, watching for changes in between.
+
+        ``seen`` may find the result in a watch's events (a put's value), which
+        spares the read after the watch.
+        """
         deadline = time.monotonic() + timeout
         while True:
             result, revision = read()
@@ -106,9 +120,12 @@ class EtcdStore(Store):
             if remaining <= 0:
                 raise StoreTimeoutError(f"timed out after {timeout:g} s waiting for {what}")
             try:
-                self._client.watch(watch_key, revision + 1, remaining, prefix=prefix)
+                events, _ = self._client.watch(watch_key, revision + 1, remaining, prefix=prefix)
             except EtcdCompactedError:
                 continue
+            result = seen(events)
+            if result is not None:
+                return result
 
     def set(self, key: str, value: Value) -> None:  # noqa: D102 - documented on Store
         self._client.put(self._k(key), to_bytes(value))
@@ -120,7 +137,9 @@ class EtcdStore(Store):
             kv, revision = self._client.get(full)
             return (None if kv is None else kv.value), revision
 
-        return self._until(read, full, False, self.timeout.total_seconds(), f"key {key!r}")
+        return self._until(
+            read, full, False, self.timeout.total_seconds(), f"key {key!r}", _last_value
+        )
 
     def _cas_loop(self, key: str, change: Callable[[bytes | None], bytes | None]) -> bytes | None:
         """Apply ``change`` to the stored value until a compare-and-set wins.
@@ -271,18 +290,24 @@ class EtcdStore(Store):
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:  # noqa: D102
         full = self._k(key)
         deadline = time.monotonic() + to_seconds(timeout)
-        while True:
-            kv, revision = self._client.get(full)
-            current = None if kv is None else kv.value
-            if current != previous:
-                return current
+        kv, revision = self._client.get(full)
+        current = None if kv is None else kv.value
+        while current == previous:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return previous
             try:
-                self._client.watch(full, revision + 1, remaining)
+                events, after = self._client.watch(full, revision + 1, remaining)
             except EtcdCompactedError:
+                kv, revision = self._client.get(full)
+                current = None if kv is None else kv.value
                 continue
+            if events:
+                # The newest event is the value now: no read after the watch.
+                last = events[-1]
+                current = None if last.kind == "DELETE" else last.kv.value
+                revision = after - 1
+        return current
 
     def close(self) -> None:
         """Close the etcd client if this store owns it."""

@@ -20,7 +20,10 @@ member whose position reaches the world size reads the queue and, when the
 distinct nodes in it are every participant (an append retried after a lost
 reply can count a member twice), writes the verdict key in the store. Every
 member waits for the verdict in short slices (:func:`check_period`) and,
-between them, reads the state: once the round is gone or a member of it was
+between them, reads the state; on a backend that keeps the verdict beside
+the state (:class:`~rdzv.backends.base.VerdictBackend`) one wait ends at the
+verdict or at a write of the state, and the state is read only after such a
+write. Once the round is gone or a member of it was
 evicted (the ring predecessor of a dead member judges and evicts it, as
 after any death; a member's ring judging starts at the verdict, or at its
 first slice that passes without it), it joins the next round instead,
@@ -43,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from rdzv.backends.base import JoinQueueBackend
+from rdzv.backends.base import JoinQueueBackend, Token, VerdictBackend
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import StoreTimeoutError
 from rdzv.retry import REAL_TIME, Clock
@@ -111,22 +114,39 @@ class RoundConfirmation:
         """
         position = self.queue.enqueue(self.round_id, node.encode())
         if position >= self.world_size and len(self._confirmed()) >= self.world_size:
-            self.store.set(self.verdict_key, b"confirmed")
+            if isinstance(self.queue, VerdictBackend):
+                self.queue.set_verdict(self.round_id)
+            else:
+                self.store.set(self.verdict_key, b"confirmed")
 
     def _confirmed(self) -> set[str]:
         return {r.decode("utf-8", "replace") for r in self.queue.queue_records(self.round_id)}
 
-    def wait(self, seconds: float, clock: Clock = REAL_TIME) -> bool:
-        """Wait up to ``seconds`` on ``clock`` for every member to confirm; False if it ran out."""
+    @property
+    def joint(self) -> bool:
+        """Whether one wait ends at the verdict or a write of the state (a :class:`VerdictBackend`)."""
+        return isinstance(self.queue, VerdictBackend)
+
+    def wait(
+        self, seconds: float, clock: Clock = REAL_TIME, token: Token | None = None
+    ) -> bool | None:
+        """Wait up to ``seconds`` on ``clock`` for every member to confirm.
+
+        True once they did; False when the state was written after the
+        write of ``token`` (the state a member read; only a :attr:`joint`
+        wait tells); None when the time ran out.
+        """
         with clock.blocking(seconds):
+            if isinstance(self.queue, VerdictBackend):
+                return self.queue.wait_for_verdict(self.round_id, token, seconds)
             if self.store.supports_watch:
                 # The server ends the wait at the timeout: one request a slice,
                 # where a WAIT cut short by the client is two (its CANCEL_WAIT).
-                return self.store.watch(self.verdict_key, None, seconds) is not None
+                return self.store.watch(self.verdict_key, None, seconds) is not None or None
             try:
                 self.store.wait([self.verdict_key], timedelta(seconds=seconds))
             except StoreTimeoutError:
-                return False
+                return None
             return True
 
     def unconfirmed(self) -> list[str]:
@@ -138,7 +158,10 @@ class RoundConfirmation:
 def drop_confirmation(queue: JoinQueueBackend, store: Store, prefix: str, round_id: int) -> None:
     """Delete the confirmations of ``round_id`` (a round nobody waits on)."""
     queue.drop_queue(round_id)
-    store.delete_key(_verdict_key(prefix, round_id))
+    if isinstance(queue, VerdictBackend):
+        queue.drop_verdict(round_id)
+    else:
+        store.delete_key(_verdict_key(prefix, round_id))
 
 
 def member_lost(round_id: int, world_size: int, stored: RendezvousState | None) -> bool:

@@ -478,7 +478,8 @@ class Join:
         confirmation.confirm(c.node)
         period = check_period(seat.world_size, c.limits.grace)
         ring_judging = False
-        while not confirmation.wait(period, c.clock):
+        token = member.token
+        while (outcome := confirmation.wait(period, c.clock, token)) is not True:
             if not ring_judging:
                 # No verdict within a slice: a member may have died in the
                 # queue, and its ring predecessor must judge it. Until now
@@ -486,10 +487,16 @@ class Join:
                 # the confirmations of a large round.
                 c.members.judge_ring(seat)
                 ring_judging = True
-            # The token alone tells a seated member that nothing changed.
-            changed, current = c.shared.changed_since(member.token)
-            if changed and member_lost(seat.round, seat.world_size, current):
-                return False
+            if outcome is False:
+                # The state was written (a joint wait tells): read it.
+                current, token = c.shared.read()
+                if member_lost(seat.round, seat.world_size, current):
+                    return False
+            elif not confirmation.joint:
+                # The token alone tells a seated member that nothing changed.
+                changed, current = c.shared.changed_since(member.token)
+                if changed and member_lost(seat.round, seat.world_size, current):
+                    return False
             if c.clock() >= join_deadline:
                 missing = confirmation.unconfirmed()
                 size = seat.world_size

@@ -16,6 +16,9 @@ suite imports nothing but the standard library and rdzv: a check that does
 not apply raises :class:`unittest.SkipTest`, which pytest and unittest
 report as a skip. :mod:`rdzv.testing.store_conformance` is its twin for
 stores.
+
+Size: one check per rule of the contract and of each capability, and the
+list that runs them; apart, a capability's checks would leave the list.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rdzv.backends.base import (
     LivenessBackend,
     RendezvousBackend,
     SeatedBackend,
+    VerdictBackend,
     WatchableBackend,
 )
 from rdzv.errors import RendezvousStateError
@@ -501,6 +505,24 @@ def _confirmation_queue(harness: BackendHarness) -> None:
     _expect(backend.queue_records(2) == [b"join"], "dropping confirmations keeps the join queue")
 
 
+def _verdict(harness: BackendHarness) -> None:
+    backend, other = harness.connect(), harness.connect()
+    _need(backend, VerdictBackend)
+    assert isinstance(backend, VerdictBackend)
+    assert isinstance(other, VerdictBackend)
+    token = _some(backend.set_state(b"sealed"))[1]
+    _expect(other.wait_for_verdict(3, token, 0.05) is None, "with neither, the wait times out")
+    backend.set_verdict(3)
+    _expect(other.wait_for_verdict(3, token, 5.0) is True, "a verdict stored before ends the wait")
+    _expect(other.wait_for_verdict(4, token, 0.05) is None, "each round has its own verdict")
+    later = _some(backend.set_state(b"evicted", token))[1]
+    _expect(other.wait_for_verdict(3, token, 5.0) is True, "the verdict comes before a write")
+    _expect(other.wait_for_verdict(4, token, 5.0) is False, "a write after the token ends the wait")
+    _expect(other.wait_for_verdict(4, later, 0.05) is None, "a write up to the token does not")
+    other.drop_verdict(3)
+    _expect(backend.wait_for_verdict(3, later, 0.05) is None, "a dropped verdict is gone")
+
+
 def _liveness(harness: BackendHarness) -> None:
     backend = harness.connect()
     _need(backend, LivenessBackend)
@@ -548,6 +570,7 @@ BACKEND_CHECKS: list[Check] = [
     Check("queue_concurrent", JoinQueueBackend, _queue_concurrent),
     Check("queue_wait_wakes", JoinQueueBackend, _queue_wait_wakes),
     Check("confirmation_queue", JoinQueueBackend, _confirmation_queue),
+    Check("verdict", VerdictBackend, _verdict),
     Check("liveness", LivenessBackend, _liveness),
 ]
 
