@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -193,6 +194,20 @@ def test_unreachable_endpoint_error_names_it(etcd_client_type: type[EtcdClientBa
             client.watch(b"/x", 1, 0.5)
     finally:
         client.close()
+
+
+def test_a_watch_on_a_member_that_never_answers_is_a_connection_error(
+    etcd_client_type: type[EtcdClientBase],
+) -> None:
+    # A listener that never accepts: the kernel completes TCP's handshake, no byte comes back.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        client = etcd_client_type([("127.0.0.1", port)], connect_timeout=0.2)
+        try:
+            with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
+                client.watch(b"/x", 1, 0.5)
+        finally:
+            client.close()
 
 
 def test_failover_skips_a_dead_first_member(

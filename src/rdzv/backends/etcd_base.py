@@ -165,6 +165,16 @@ class EtcdClientBase(abc.ABC):
             )
         return ""
 
+    def _watch_went_quiet(self, answered: bool, retry: Retry) -> bool:
+        """Whether a watch whose time ran out (``retry``'s) just saw no events.
+
+        True when the member acknowledged the watch (``answered``), or the
+        watch had less than the connect timeout: a member silent for longer
+        is as unreachable as one that refuses connections (a retryable
+        error; the caller fails over).
+        """
+        return answered or retry.elapsed() < self._connect_timeout
+
     @abc.abstractmethod
     def close(self) -> None:
         """Close every connection; later calls raise."""

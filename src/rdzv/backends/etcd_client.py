@@ -276,10 +276,12 @@ class EtcdClient(EtcdClientBase):
         endpoint = self._url(index)
         payload = json.dumps(watch_request(key, start_revision, prefix)).encode()
         conn = self._connect(index, retry.attempt_timeout(self._connect_timeout))
+        answered = False
         try:
             try:
                 conn.request("POST", "/v3/watch", payload, {"Content-Type": "application/json"})
                 resp = conn.getresponse()
+                answered = True
                 if resp.status != 200:
                     body = resp.read(4096)
                     raise EtcdRetryableError(
@@ -293,7 +295,8 @@ class EtcdClient(EtcdClientBase):
             except ssl.SSLError as exc:
                 raise _tls_error(endpoint, exc, self._has_client_cert) from exc
             except (OSError, http.client.HTTPException) as exc:
-                if isinstance(exc, TimeoutError) and retry.remaining() <= 0.01:
+                expired = isinstance(exc, TimeoutError) and retry.remaining() <= 0.01
+                if expired and self._watch_went_quiet(answered, retry):
                     return [], start_revision
                 raise EtcdRetryableError(f"{endpoint}: {type(exc).__name__}: {exc}") from exc
         finally:

@@ -328,15 +328,18 @@ class EtcdGrpcClient(EtcdClientBase):
         endpoint = self._url(index)
         request = watch_message(key, start_revision, prefix_range_end(key) if prefix else b"")
         call = self._member(index).watch(request, timeout=retry.remaining())
+        answered = False
         try:
             for message in call:
+                answered = True  # etcd acknowledges a watch before any event
                 events: list[WatchEvent] = self._decode(
                     lambda data: decode_watch(data, endpoint), message, index, "watch"
                 )
                 if events:
                     return events, events[-1].kv.mod_revision + 1
         except grpc.RpcError as exc:
-            if retry.remaining() <= 0.01 and exc.code() != grpc.StatusCode.UNAVAILABLE:
+            expired = retry.remaining() <= 0.01 and exc.code() != grpc.StatusCode.UNAVAILABLE
+            if expired and self._watch_went_quiet(answered, retry):
                 return [], start_revision
             raise self._error(exc, endpoint, "watch") from exc
         finally:
