@@ -109,11 +109,10 @@ def test_garbage_only_ever_raises_the_malformed_message_error(data: bytes) -> No
             decode(data)
 
 
-class _RpcError(grpc.RpcError):
-    """A failed gRPC call as grpcio reports it: a status code and its details."""
+class _RpcError:
+    """A failed gRPC call as grpcio's error reports it: a status code and its details."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
         self._code, self._details = code, details
 
     def code(self) -> grpc.StatusCode:
