@@ -36,13 +36,13 @@ pytestmark = pytest.mark.timeout(90)
 EACH_CHECK = pytest.mark.parametrize("check", BACKEND_CHECKS, ids=lambda c: c.name)
 
 
-def run_all(check: Check, harness: BackendHarness, etcd: bool = False) -> None:
+def run_all(check: Check, harness: BackendHarness, verdict: bool = False) -> None:
     """Run ``check``, which must apply: these backends offer every capability.
 
-    Only etcd keeps a round's verdict beside the state; the others keep it
-    in the handler's store.
+    Only etcd and Redis keep a round's verdict beside the state; the others
+    keep it in the handler's store.
     """
-    if check.capability is VerdictBackend and not etcd:
+    if check.capability is VerdictBackend and not verdict:
         assert not check.applies_to(harness.connect())
         return
     assert check.applies_to(harness.connect()), f"{check.name} must apply"
@@ -181,7 +181,7 @@ class EtcdHarness(BackendHarness):
 def test_etcd(check: Check, etcd: EtcdCluster, etcd_client_type: type[EtcdClientBase]) -> None:
     harness = EtcdHarness(etcd, etcd_client_type)
     try:
-        run_all(check, harness, etcd=True)
+        run_all(check, harness, verdict=True)
     finally:
         harness.close()
 
@@ -219,7 +219,7 @@ class RedisHarness(BackendHarness):
 def test_redis(check: Check, redis_srv: RedisServer) -> None:
     harness = RedisHarness(redis_srv)
     try:
-        run_all(check, harness)
+        run_all(check, harness, verdict=True)
     finally:
         harness.close()
 

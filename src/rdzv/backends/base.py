@@ -369,7 +369,8 @@ class VerdictBackend(ABC):
     which could mean a member was lost. Without this capability the
     handler keeps the verdict in its store and reads the state between the
     slices of its wait; a backend that offers it waits for both at once
-    (etcd: one watch of the state's head and the verdict).
+    (etcd: one watch of the state's head and the verdict; Redis: one
+    ``XREAD`` of the state's change stream, which the verdict also writes).
     """
 
     @abstractmethod

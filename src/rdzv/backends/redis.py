@@ -28,6 +28,12 @@ only when it names the revision it saw. A waiting member reads the
 revision alone (one script: the type, the revision and the stream's last
 id), so a seal costs each member O(1) bytes.
 
+A sealed round's verdict (:class:`~rdzv.backends.base.VerdictBackend`)
+is a key, ``<key>:verdict:<round>``, whose script also appends to the
+state's change stream: a member waiting to confirm blocks on that one
+stream for the verdict and for a write of the state, and reads nothing
+until one of them comes.
+
 Join queues (``<key>:queue:<round>``) and the members' confirmations of a
 sealed round (``<key>:confirm:<round>``) are lists (``RPUSH`` returns the
 position) with a stream each for blocking waits; heartbeats are per-node counters with a ``PX`` TTL
@@ -42,6 +48,7 @@ Redis Cluster is not supported (a run's keys are not hash-tagged together).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +58,7 @@ from rdzv.backends.base import (
     RendezvousBackend,
     SeatedBackend,
     Token,
+    VerdictBackend,
     WatchableBackend,
     validate_node_key,
     validate_record,
@@ -58,8 +66,8 @@ from rdzv.backends.base import (
 )
 from rdzv.backends.options import RedisOptions, check_key_settings
 from rdzv.backends.redis_connection import (
-    MAX_BLOCK_SECONDS,
     as_bytes,
+    block_on_stream,
     create_client,
     endpoint_of,
     redis_errors,
@@ -146,6 +154,21 @@ if #last > 0 then id = last[1][1] end
 return {redis.call('LLEN', KEYS[1]), id}
 """
 
+_VERDICT = """
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local id = '0-0'
+if #last > 0 then id = last[1][1] end
+local rev = ''
+if redis.call('TYPE', KEYS[1]).ok == 'hash' then rev = redis.call('HGET', KEYS[1], 'rev') or '' end
+return {redis.call('EXISTS', KEYS[3]), id, rev}
+"""
+
+_SET_VERDICT = """
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'verdict', ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+"""
+
 _BEAT = """
 local n = redis.pcall('INCR', KEYS[1])
 if type(n) == 'table' and n.err then
@@ -162,13 +185,18 @@ def _token(value: Any) -> int:
 
 
 class RedisRendezvousBackend(
-    RendezvousBackend, WatchableBackend, SeatedBackend, NamedQueues, LivenessBackend
+    RendezvousBackend,
+    WatchableBackend,
+    SeatedBackend,
+    NamedQueues,
+    VerdictBackend,
+    LivenessBackend,
 ):
     """Keeps a run's rendezvous state in Redis, with compare-and-set in one Lua script.
 
     Besides the backend contract it offers waiting for a state change
     (:meth:`wait_for_state`), a join queue per round (:meth:`enqueue` and
-    friends) and heartbeats with server-side expiry (:meth:`beat`,
+    friends), a sealed round's verdict (:meth:`wait_for_verdict`) and heartbeats with server-side expiry (:meth:`beat`,
     :meth:`heartbeat_mark`, :meth:`forget`).
 
     Args:
@@ -214,6 +242,8 @@ class RedisRendezvousBackend(
         self._enqueue = client.register_script(_ENQUEUE)
         self._queue_len = client.register_script(_QUEUE_LEN)
         self._beat = client.register_script(_BEAT)
+        self._verdict = client.register_script(_VERDICT)
+        self._set_verdict = client.register_script(_SET_VERDICT)
 
     @property
     def name(self) -> str:
@@ -337,9 +367,8 @@ class RedisRendezvousBackend(
     def wait_for_token(self, token: Token | None, timeout: float) -> Token | None:
         """Wait as :meth:`wait_for_state`, reading the revision alone."""
         current, last_id = self._read_rev()
-        if current != token or timeout <= 0:
+        if current != token or timeout <= 0 or not self._block(self._events, last_id, timeout):
             return current
-        self._block(self._events, last_id, timeout)
         return self._read_rev()[0]
 
     def read_seat(self, token: Token, node: str) -> bytes | None:
@@ -350,19 +379,17 @@ class RedisRendezvousBackend(
         head, _, seat = value.partition(b":")
         return seat if head == str(token).encode() and seat else None
 
-    def _block(self, stream: str, last_id: bytes, timeout: float) -> None:
-        """Block until ``stream`` has an entry after ``last_id`` or ``timeout`` elapses."""
-        block_ms = max(1, int(min(timeout, MAX_BLOCK_SECONDS) * 1000))
-        with redis_errors(self._endpoint, "waiting for a change"):
-            self._client.xread({stream: last_id}, count=1, block=block_ms)
+    def _block(self, stream: str, last_id: bytes, timeout: float) -> bool:
+        """Block until ``stream`` has an entry after ``last_id``; False once ``timeout`` passed."""
+        return block_on_stream(self._client, self._endpoint, stream, last_id, timeout)
 
     def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
         """Wait until the state's token differs from ``token``, blocking on the change stream."""
         current, last_id = self._read_state()
         if (current is None and token is not None) or (current is not None and current[1] != token):
             return current
-        if timeout > 0:
-            self._block(self._events, last_id, timeout)
+        if timeout <= 0 or not self._block(self._events, last_id, timeout):
+            return current
         return self.get_state()
 
     # -- join queue -----------------------------------------------------------
@@ -397,15 +424,51 @@ class RedisRendezvousBackend(
         keys = self._queue_keys(round_id)
         with redis_errors(self._endpoint, "reading a join queue length"):
             length, last_id = self._queue_len(keys=keys)
-        if int(length) != known or timeout <= 0:
+        if (
+            int(length) != known
+            or timeout <= 0
+            or not self._block(keys[1], as_bytes(last_id), timeout)
+        ):
             return int(length)
-        self._block(keys[1], as_bytes(last_id), timeout)
         return self.queue_length(round_id)
 
     def drop_queue(self, round_id: int) -> None:
         """Delete the queue of ``round_id``."""
         with redis_errors(self._endpoint, "deleting a join queue"):
             self._client.delete(*self._queue_keys(round_id))
+
+    # -- verdicts -------------------------------------------------------------
+
+    def _verdict_key(self, round_id: int) -> str:
+        return f"{self._key}:verdict:{round_id}"
+
+    def set_verdict(self, round_id: int) -> None:
+        """Store the verdict of ``round_id`` and wake the state's waiters (one script)."""
+        with redis_errors(self._endpoint, "writing a round's verdict"):
+            self._set_verdict(
+                keys=[self._verdict_key(round_id), self._events],
+                args=[self._ttl_ms, _STREAM_MAXLEN, round_id],
+            )
+
+    def wait_for_verdict(self, round_id: int, token: Token, timeout: float) -> bool | None:
+        """Block on the state's change stream, which the verdict also writes; see :class:`VerdictBackend`."""
+        keys = [self._key, self._events, self._verdict_key(round_id)]
+        deadline = time.monotonic() + timeout
+        while True:
+            with redis_errors(self._endpoint, "reading a round's verdict"):
+                verdict, last_id, rev = self._verdict(keys=keys)
+            if int(verdict):
+                return True
+            if as_bytes(rev) != str(token).encode():
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._block(self._events, as_bytes(last_id), remaining):
+                return None
+
+    def drop_verdict(self, round_id: int) -> None:
+        """Delete the verdict of ``round_id``."""
+        with redis_errors(self._endpoint, "deleting a round's verdict"):
+            self._client.delete(self._verdict_key(round_id))
 
     # -- liveness ---------------------------------------------------------------
 

@@ -13,6 +13,7 @@ redis-py's retries.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +35,39 @@ from rdzv.retry import caller_deadline, time_left
 if TYPE_CHECKING:
     from rdzv.backends.options import RedisOptions
 
-__all__ = ["MAX_BLOCK_SECONDS", "as_bytes", "create_client", "endpoint_of", "redis_errors"]
+__all__ = [
+    "MAX_BLOCK_SECONDS",
+    "as_bytes",
+    "block_on_stream",
+    "create_client",
+    "endpoint_of",
+    "redis_errors",
+]
 
 # The longest single blocking command (XREAD BLOCK, BLPOP); longer waits loop,
 # so a block never outlasts the socket timeout.
 MAX_BLOCK_SECONDS = 5.0
+
+
+def block_on_stream(
+    client: redis.Redis, endpoint: str, stream: str, last_id: bytes, timeout: float
+) -> bool:
+    """Block until ``stream`` has an entry after ``last_id``; False once ``timeout`` passed without.
+
+    The wait is cut into ``XREAD BLOCK`` slices of at most
+    :data:`MAX_BLOCK_SECONDS`, each from the same id: a slice that ends
+    empty proves nothing was written, so the caller's keys need no read
+    again before the next slice.
+    """
+    deadline = time.monotonic() + timeout
+    remaining = timeout
+    while remaining > 0:
+        block_ms = max(1, int(min(remaining, MAX_BLOCK_SECONDS) * 1000))
+        with redis_errors(endpoint, "waiting for a change"):
+            if client.xread({stream: last_id}, count=1, block=block_ms):
+                return True
+        remaining = deadline - time.monotonic()
+    return False
 
 
 @contextlib.contextmanager

@@ -7,9 +7,10 @@ Keys are Redis strings named ``<prefix>k:<key>``; queues are lists named
 appends the key's name to one change stream, ``<prefix>events``, in the same
 atomic step. A read that must wait (``get``, ``wait``, ``watch``) reads its
 keys and the stream's last entry id in one script, then blocks in ``XREAD``
-from that id and reads again: a write in between cannot be missed. Queue
-pops block in ``BLPOP``. Waits are cut into slices shorter than the socket
-timeout and stop at the deadline.
+from that id and reads again once a write came: a write in between cannot
+be missed. Queue pops block in ``BLPOP``. Waits are cut into slices shorter
+than the socket timeout, each from the same id (a slice that ends empty
+proves nothing was written, so it costs no read), and stop at the deadline.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rdzv.backends.redis_connection import MAX_BLOCK_SECONDS, as_bytes, endpoint_of, redis_errors
+from rdzv.backends.redis_connection import (
+    MAX_BLOCK_SECONDS,
+    as_bytes,
+    block_on_stream,
+    endpoint_of,
+    redis_errors,
+)
 from rdzv.errors import RendezvousStateError, StoreTimeoutError
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
@@ -170,16 +177,13 @@ class RedisStore(Store):
             if result is not None:
                 return result
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or not self._block(last_id, remaining):
                 raise StoreTimeoutError(
                     f"timed out after {timeout:g} s waiting for keys {list(keys)!r}"
                 )
-            self._block(last_id, remaining)
 
-    def _block(self, last_id: bytes, remaining: float) -> None:
-        block_ms = max(1, int(min(remaining, MAX_BLOCK_SECONDS) * 1000))
-        with redis_errors(self._endpoint, "waiting for a change"):
-            self._client.xread({self._events: last_id}, count=1, block=block_ms)
+    def _block(self, last_id: bytes, remaining: float) -> bool:
+        return block_on_stream(self._client, self._endpoint, self._events, last_id, remaining)
 
     def set(self, key: str, value: Value) -> None:  # noqa: D102 - documented on Store
         self._run(self._set, [self._k(key)], [to_bytes(value)], f"setting key {key!r}")
@@ -287,9 +291,8 @@ class RedisStore(Store):
             if values[0] != previous:
                 return values[0]
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or not self._block(last_id, remaining):
                 return previous
-            self._block(last_id, remaining)
 
     def close(self) -> None:
         """Close the client if this store owns it."""

@@ -521,6 +521,28 @@ def _verdict(harness: BackendHarness) -> None:
     _expect(other.wait_for_verdict(4, later, 0.05) is None, "a write up to the token does not")
     other.drop_verdict(3)
     _expect(backend.wait_for_verdict(3, later, 0.05) is None, "a dropped verdict is gone")
+    _expect(
+        _woken(lambda: other.wait_for_verdict(5, later, 30.0), lambda: backend.set_verdict(5)),
+        "a verdict stored during the wait ends it",
+    )
+    _expect(
+        _woken(
+            lambda: other.wait_for_verdict(6, later, 30.0) is False,
+            lambda: backend.set_state(b"closed", later),
+        ),
+        "a write during the wait ends it",
+    )
+
+
+def _woken(wait: Callable[[], object], act: Callable[[], object]) -> bool:
+    """Run ``wait`` on a thread, ``act`` once it blocks; whether ``wait`` returned truthy in time."""
+    seen: list[object] = []
+    thread = threading.Thread(target=lambda: seen.append(wait()), daemon=True)
+    thread.start()
+    thread.join(timeout=0.2)
+    act()
+    thread.join(timeout=30)
+    return not thread.is_alive() and bool(seen[0])
 
 
 def _liveness(harness: BackendHarness) -> None:
