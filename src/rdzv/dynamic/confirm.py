@@ -23,7 +23,9 @@ member waits for the verdict in short slices (:func:`check_period`) and,
 between them, reads the state; on a backend that keeps the verdict beside
 the state (:class:`~rdzv.backends.base.VerdictBackend`) one wait ends at the
 verdict or at a write of the state, and the state is read only after such a
-write. Once the round is gone or a member of it was
+write; once its first slice has passed (and the ring judges), the next wait
+runs to the join deadline, since nothing but those two needs a look. Once
+the round is gone or a member of it was
 evicted (the ring predecessor of a dead member judges and evicts it, as
 after any death; a member's ring judging starts at the verdict, or at its
 first slice that passes without it), it joins the next round instead,
@@ -32,8 +34,8 @@ nobody, and the verdict proves that every member was alive after the seal.
 
 Cost: two requests per member (the append and the wait; the last one also
 reads the queue and writes the verdict) and nothing while all are alive.
-Each slice a member waits beyond the first costs the state check (one
-request) and the next slice's wait: one request on a store that watches
+Without a joint wait, each slice a member waits beyond the first costs the
+state check (one request) and the next slice's wait: one request on a store that watches
 (the server ends the wait at the slice's end), two on one that does not (a
 ``WAIT`` the client cuts short needs its ``CANCEL_WAIT``).
 The queue and the verdict of a round are deleted with its join queue

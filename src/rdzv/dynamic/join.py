@@ -476,10 +476,10 @@ class Join:
             lambda: c.members.participants_of(member),
         )
         confirmation.confirm(c.node)
-        period = check_period(seat.world_size, c.limits.grace)
+        wait = check_period(seat.world_size, c.limits.grace)
         ring_judging = False
         token = member.token
-        while (outcome := confirmation.wait(period, c.clock, token)) is not True:
+        while (outcome := confirmation.wait(wait, c.clock, token)) is not True:
             if not ring_judging:
                 # No verdict within a slice: a member may have died in the
                 # queue, and its ring predecessor must judge it. Until now
@@ -505,6 +505,11 @@ class Join:
                     f"members confirmed it within the join timeout of "
                     f"{c.limits.join_timeout:g} s; not confirmed: " + _some_nodes(missing)
                 )
+            if confirmation.joint:
+                # Once the ring judges, a joint wait needs no slices: it
+                # ends at the verdict or a write of the state, and a lost
+                # member is evicted by a write.
+                wait = join_deadline - c.clock()
         return True
 
 
