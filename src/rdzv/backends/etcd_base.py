@@ -11,7 +11,8 @@ and watches rdzv needs, a transaction's operations in etcd's JSON mapping
 here (:meth:`~EtcdClientBase.get`, :meth:`~EtcdClientBase.compare_and_put`).
 
 A client supplies one attempt on one member; the base turns it into a call
-with failover. Each call has an overall deadline (a
+with failover; each client starts at a member drawn at random, so a run's
+clients spread their load over the cluster. Each call has an overall deadline (a
 :class:`rdzv.retry.Retry`): the read timeout, or the caller's deadline when
 that comes sooner (:func:`rdzv.retry.deadline_within`: the handler bounds a
 join by its join timeout, a heartbeat by the keep-alive interval). When a
@@ -29,6 +30,7 @@ the same way, each attempt bounded by the time left.
 from __future__ import annotations
 
 import abc
+import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -141,7 +143,9 @@ class EtcdClientBase(abc.ABC):
         self._connect_timeout = float(connect_timeout)
         self._has_client_cert = bool(ssl_cert)
         self._lock = threading.Lock()
-        self._current = 0
+        # Each client starts at a member of its own, so a run's clients
+        # spread over the cluster instead of all loading the first member.
+        self._current = random.randrange(len(self._endpoints))
 
     @property
     def endpoints(self) -> list[str]:
