@@ -39,7 +39,8 @@ What runs
   table, each column's figures are printed over its floor's of the same
   run.
 * etcd runs ``--etcd-members`` members (3, as users run it); each node's
-  client starts at the first, and the server CPU is the members' sum.
+  client starts at a member drawn at random, and the server CPU is the
+  members' sum.
 * Dead-node judgements are the handlers' ``dead`` events; a judgement of a
   node that was never killed is a *false death*.
 * Keep-alive: torch's and rdzv's default interval (5 s) x ``--attempts``,
