@@ -171,7 +171,9 @@ class EngineFloor(Floor):
     The head is ``get_state``, a join and a confirmation are ``enqueue`` on
     the join and the confirmation queue, the seal is a ``set_state`` (of the
     world size: no participant list) that ``wait_for_state`` waits for, and
-    the verdict is a store key that one blocking ``get`` waits for.
+    the verdict is the backend's (``set_verdict``, and one
+    ``wait_for_verdict`` from the seal's token), as rdzv's handler keeps it
+    on both engines.
     """
 
     def __init__(self, cfg: dict[str, Any], addr: str, engine: str, confirm: bool) -> None:
@@ -191,6 +193,7 @@ class EngineFloor(Floor):
         self._backend: Any
         self._backend, self._store = open_backend(params)
         self._confirms = self._backend.confirmation_queue()
+        self._sealed_at: Any = None
 
     def head(self) -> None:
         self._backend.get_state()
@@ -209,16 +212,18 @@ class EngineFloor(Floor):
         while (found := self._backend.wait_for_state(None, _TIMEOUT)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no seal within {_TIMEOUT:g} s")
+        self._sealed_at = found[1]
         return int(found[0])
 
     def confirm(self) -> int:
         return int(self._confirms.enqueue(0, self.node.encode()))
 
     def set_verdict(self) -> None:
-        self._store.set("floor/verdict", b"1")
+        self._backend.set_verdict(0)
 
     def await_verdict(self) -> None:
-        self._store.get("floor/verdict")
+        if self._backend.wait_for_verdict(0, self._sealed_at, _TIMEOUT) is not True:
+            raise TimeoutError(f"no verdict within {_TIMEOUT:g} s")
 
 
 def make_floor(
