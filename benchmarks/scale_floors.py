@@ -189,6 +189,8 @@ class EngineFloor(Floor):
             cfg["max"],
             local_addr=addr,
             read_timeout=_TIMEOUT,
+            # The same etcd client as the column it is the floor of.
+            **({"client": cfg["etcd_client"]} if engine == "etcd" and "etcd_client" in cfg else {}),
         )
         self._backend: Any
         self._backend, self._store = open_backend(params)
