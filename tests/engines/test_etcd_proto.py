@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rdzv.backends import etcd_proto as proto
+from rdzv.backends.etcd_base import ConnectFailedError
 from rdzv.backends.etcd_gateway import (
     EtcdCompactedError,
     EtcdRejectedError,
@@ -142,3 +143,21 @@ def test_grpc_errors_are_retried_as_the_gateways_are(
     assert isinstance(error, EtcdRetryableError) is retryable
     assert isinstance(error, EtcdRejectedError) is not retryable
     assert details in str(error)
+
+
+_SHUTDOWN = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:2379: handshaker shutdown"
+
+
+def test_a_handshake_cut_short_over_http_is_a_failed_connection_not_tls() -> None:
+    # A member too loaded to finish HTTP/2's connection setup (8,192 nodes on
+    # two cores): over http there is no TLS to blame, and the next member is tried.
+    client = EtcdGrpcClient([("127.0.0.1", 2379)])
+    try:
+        error = client._error(
+            _RpcError(grpc.StatusCode.UNAVAILABLE, _SHUTDOWN), "http://127.0.0.1:2379", "range"
+        )
+    finally:
+        client.close()
+    assert isinstance(error, ConnectFailedError)
+    assert "TLS" not in str(error)
+    assert "handshaker shutdown" in str(error)

@@ -31,7 +31,8 @@ timeout.
 
 gRPC's errors are mapped as the gateway's are: a connection that could not
 be made is a :class:`~rdzv.backends.etcd_base.ConnectFailedError`, a TLS
-handshake that failed a :class:`~rdzv.errors.RendezvousConnectionError`
+handshake that failed (``https`` only: over ``http`` a handshake is HTTP/2's
+and its failure a connection's) a :class:`~rdzv.errors.RendezvousConnectionError`
 with a hint (not retried), a code in
 :data:`~rdzv.backends.etcd_gateway.TRANSIENT_CODES` or etcd's "too many
 requests" an
@@ -185,10 +186,13 @@ class EtcdGrpcClient(EtcdClientBase):
         status = exc.code()
         code = status.value[0] if status is not None else GrpcCode.UNKNOWN
         details = str(exc.details() or getattr(status, "name", "no details"))
-        if any(word in details.lower() for word in ("handshake", "ssl", "tsi_")):
+        tls = self._protocol == "https"
+        if tls and any(word in details.lower() for word in ("handshake", "ssl", "tsi_")):
             verify_failed = "CERTIFICATE_VERIFY_FAILED" in details
             return tls_failure(endpoint, details, details, verify_failed, self._has_client_cert)
         if code == GrpcCode.UNAVAILABLE and "failed to connect" in details.lower():
+            # Over http a "handshaker shutdown" is HTTP/2's connection setup
+            # cut short (a member too loaded to finish it in time), no TLS.
             return ConnectFailedError(f"{endpoint}: {details}")
         if code in TRANSIENT_CODES or TOO_MANY_REQUESTS in details:
             return EtcdUnavailableError(code, details, endpoint)
