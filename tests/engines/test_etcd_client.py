@@ -276,3 +276,11 @@ def test_failover_skips_a_member_that_hangs(
             assert client.get(f"/c/{unique}".encode())[0] is not None
         finally:
             client.close()
+
+
+def test_clients_spread_their_first_member_over_the_cluster() -> None:
+    # At the first member, every client of a run loaded one member (about
+    # 80% of a formation's requests at 2,048 nodes).
+    members = [("127.0.0.1", 1), ("127.0.0.1", 2), ("127.0.0.1", 3)]
+    firsts = [EtcdClient(members)._current for _ in range(600)]
+    assert all(firsts.count(index) >= 120 for index in range(3)), firsts

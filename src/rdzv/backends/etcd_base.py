@@ -30,7 +30,6 @@ the same way, each attempt bounded by the time left.
 from __future__ import annotations
 
 import abc
-import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -46,7 +45,7 @@ from rdzv.backends.etcd_gateway import (
 )
 from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError
-from rdzv.retry import Retry
+from rdzv.retry import Retry, jitter
 
 __all__ = ["PROBE_KEY", "ConnectFailedError", "EtcdClientBase", "tls_failure"]
 
@@ -145,7 +144,7 @@ class EtcdClientBase(abc.ABC):
         self._lock = threading.Lock()
         # Each client starts at a member of its own, so a run's clients
         # spread over the cluster instead of all loading the first member.
-        self._current = random.randrange(len(self._endpoints))
+        self._current = int(jitter(0.0, len(self._endpoints))) % len(self._endpoints)
 
     @property
     def endpoints(self) -> list[str]:
