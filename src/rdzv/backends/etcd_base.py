@@ -145,6 +145,12 @@ class EtcdClientBase(abc.ABC):
         # Each client starts at a member of its own, so a run's clients
         # spread over the cluster instead of all loading the first member.
         self._current = int(jitter(0.0, len(self._endpoints))) % len(self._endpoints)
+        self._closed = False
+        self._open(ca_cert, ssl_cert, ssl_cert_key)
+
+    @abc.abstractmethod
+    def _open(self, ca_cert: str | None, ssl_cert: str | None, ssl_cert_key: str | None) -> None:
+        """Set up the transport, with these TLS files over ``https`` (the end of ``__init__``)."""
 
     @property
     def endpoints(self) -> list[str]:

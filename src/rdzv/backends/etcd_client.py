@@ -26,7 +26,7 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rdzv.backends.etcd_base import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
@@ -73,26 +73,13 @@ class EtcdClient(EtcdClientBase):
     Takes the arguments of :class:`~rdzv.backends.etcd_base.EtcdClientBase`.
     """
 
-    def __init__(
-        self,
-        endpoints: Sequence[tuple[str, int]],
-        protocol: str = "http",
-        read_timeout: float = 60.0,
-        connect_timeout: float = 5.0,
-        ssl_cert: str | None = None,
-        ssl_cert_key: str | None = None,
-        ca_cert: str | None = None,
-    ) -> None:
-        super().__init__(
-            endpoints, protocol, read_timeout, connect_timeout, ssl_cert, ssl_cert_key, ca_cert
-        )
+    def _open(self, ca_cert: str | None, ssl_cert: str | None, ssl_cert_key: str | None) -> None:
         self._ssl_context: ssl.SSLContext | None = None
         if self._protocol == "https":
             self._ssl_context = ssl.create_default_context(cafile=ca_cert)
             if ssl_cert and ssl_cert_key:
                 self._ssl_context.load_cert_chain(ssl_cert, ssl_cert_key)
         self._idle: list[tuple[int, http.client.HTTPConnection]] = []
-        self._closed = False
 
     # -- endpoints and connections ------------------------------------------
 

@@ -43,7 +43,7 @@ is tried), any other code an
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,19 +126,7 @@ class EtcdGrpcClient(EtcdClientBase):
     Takes the arguments of :class:`~rdzv.backends.etcd_base.EtcdClientBase`.
     """
 
-    def __init__(
-        self,
-        endpoints: Sequence[tuple[str, int]],
-        protocol: str = "http",
-        read_timeout: float = 60.0,
-        connect_timeout: float = 5.0,
-        ssl_cert: str | None = None,
-        ssl_cert_key: str | None = None,
-        ca_cert: str | None = None,
-    ) -> None:
-        super().__init__(
-            endpoints, protocol, read_timeout, connect_timeout, ssl_cert, ssl_cert_key, ca_cert
-        )
+    def _open(self, ca_cert: str | None, ssl_cert: str | None, ssl_cert_key: str | None) -> None:
         options = [
             ("grpc.use_local_subchannel_pool", 1),
             ("grpc.http2.bdp_probe", _BDP_PROBE),
@@ -164,7 +152,6 @@ class EtcdGrpcClient(EtcdClientBase):
                 else grpc.secure_channel(target, credentials, options)
             )
             self._members.append(_Member(channel))
-        self._closed = False
 
     def close(self) -> None:
         """Close every channel; later calls raise."""
