@@ -196,7 +196,8 @@ class RedisRendezvousBackend(
 
     Besides the backend contract it offers waiting for a state change
     (:meth:`wait_for_state`), a join queue per round (:meth:`enqueue` and
-    friends), a sealed round's verdict (:meth:`wait_for_verdict`) and heartbeats with server-side expiry (:meth:`beat`,
+    friends), a sealed round's verdict (:meth:`wait_for_verdict`) and
+    heartbeats with server-side expiry (:meth:`beat`,
     :meth:`heartbeat_mark`, :meth:`forget`).
 
     Args:

@@ -497,7 +497,8 @@ class Join:
                 changed, current = c.shared.changed_since(member.token)
                 if changed and member_lost(seat.round, seat.world_size, current):
                     return False
-            if c.clock() >= join_deadline:
+            left = join_deadline - c.clock()
+            if left <= 0:
                 missing = confirmation.unconfirmed()
                 size = seat.world_size
                 raise RendezvousTimeoutError(
@@ -509,7 +510,7 @@ class Join:
                 # Once the ring judges, a joint wait needs no slices: it
                 # ends at the verdict or a write of the state, and a lost
                 # member is evicted by a write.
-                wait = join_deadline - c.clock()
+                wait = left
         return True
 
 
