@@ -117,11 +117,18 @@ end
 return {1, new}
 """
 
-_READ = """
-local kind = redis.call('TYPE', KEYS[1]).ok
+# Each read script starts by reading the id of the last entry of the change
+# stream KEYS[2]: a caller that then blocks on the stream from it misses no write.
+_LAST_ID = """
 local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 local id = '0-0'
 if #last > 0 then id = last[1][1] end
+"""
+
+_READ = (
+    _LAST_ID
+    + """
+local kind = redis.call('TYPE', KEYS[1]).ok
 if kind == 'none' then return {0, id} end
 if kind ~= 'hash' then return {-1, id, kind} end
 local rev = redis.call('HGET', KEYS[1], 'rev')
@@ -138,6 +145,7 @@ local cur = redis.call('HMGET', KEYS[1], 'v', 'rev')
 if cur[1] == false or cur[2] == false or tonumber(cur[2]) == nil then return {-2, id} end
 return {1, id, cur[1], cur[2]}
 """
+)
 
 _ENQUEUE = """
 local n = redis.call('RPUSH', KEYS[1], ARGV[1])
@@ -147,21 +155,21 @@ redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return n
 """
 
-_QUEUE_LEN = """
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-local id = '0-0'
-if #last > 0 then id = last[1][1] end
+_QUEUE_LEN = (
+    _LAST_ID
+    + """
 return {redis.call('LLEN', KEYS[1]), id}
 """
+)
 
-_VERDICT = """
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-local id = '0-0'
-if #last > 0 then id = last[1][1] end
+_VERDICT = (
+    _LAST_ID
+    + """
 local rev = ''
 if redis.call('TYPE', KEYS[1]).ok == 'hash' then rev = redis.call('HGET', KEYS[1], 'rev') or '' end
 return {redis.call('EXISTS', KEYS[3]), id, rev}
 """
+)
 
 _SET_VERDICT = """
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
