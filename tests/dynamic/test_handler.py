@@ -213,6 +213,50 @@ def test_late_joiner_waits_and_is_admitted_next_round(
     assert again[0].participants[:2] == infos[0].participants  # survivors keep their order
 
 
+def test_members_re_forming_without_a_newcomer_wait_no_last_call(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """Workers failed, every member re-joins: the round seals at once, not after 30 s."""
+    c = cluster_factory(2, 3, last_call=30, join=100)
+    members = [c.handler("r1"), c.handler("r2")]
+    first = [f.result(timeout=40) for f in c.join(members)]
+    assert first[0].world_size == 2
+    began = c.clock()
+    again = [f.result(timeout=40) for f in c.join(members)]
+    _check_round(again)
+    assert again[0].participants == first[0].participants
+    assert c.clock() - began < 30
+
+
+def test_a_lost_member_costs_the_survivors_its_dead_node_timeout_not_a_last_call(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(2, 3, last_call=30, join=100)
+    nodes = [c.handler(f"l{i}") for i in range(3)]
+    [f.result(timeout=40) for f in c.join(nodes)]
+    nodes[1].pre_shutdown()  # stops heart-beating, as a SIGKILLed node would
+    began = c.clock()
+    again = [f.result(timeout=40) for f in c.join([nodes[0], nodes[2]])]
+    _check_round(again)
+    assert again[0].world_size == 2
+    assert c.clock() - began < 30  # the dead-node timeout (0.6 s) and a beat or two
+
+
+def test_a_re_formation_that_admits_a_newcomer_waits_the_last_call(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(2, 4, last_call=30, join=100)
+    members = [c.handler("n1"), c.handler("n2")]
+    [f.result(timeout=40) for f in c.join(members)]
+    began = c.clock()
+    late = c.join([c.handler("n3")])
+    wait_until(lambda: members[0].num_nodes_waiting() > 0)
+    again = [f.result(timeout=40) for f in c.join(members) + late]
+    _check_round(again)
+    assert again[0].world_size == 3
+    assert c.clock() - began >= 30  # a fourth node may be on its way too
+
+
 def test_member_dead_after_completion_is_detected(cluster_factory: Callable[..., Cluster]) -> None:
     c = cluster_factory(2, 3)
     nodes = [c.handler(f"d{i}") for i in range(3)]

@@ -18,6 +18,7 @@ from rdzv.dynamic.machine import (
     Wait,
     backup_delay,
     decide,
+    newcomers,
     nodes_waiting,
     observe,
     plan_seal,
@@ -161,6 +162,63 @@ def test_others_back_up_the_last_call_after_grace() -> None:
     assert decide(progress, None, 3, ME, LIMITS, clock()) == Wait(clock() + 16.0)
     clock.advance(16.0)
     assert decide(progress, None, 3, ME, LIMITS, clock()) == Seal()
+
+
+def test_a_re_formation_whose_live_members_are_all_queued_seals_without_a_last_call() -> None:
+    """Members of round 3 (C evicted) re-join: the min leader seals at once, backups later."""
+    clock = FakeClock()
+    failed = RendezvousState(3, (A, B, C)).evict([C])
+    leader = _joined(2, clock, failed)
+    assert decide(leader, failed, 2, ME, LIMITS, clock()) == Seal(reform=True)
+    backup = observe(_joined(1, clock, failed), failed, 2, LIMITS, clock())
+    assert decide(backup, failed, 2, ME, LIMITS, clock()) == Wait(clock() + 6.0)
+    clock.advance(6.0)
+    assert decide(backup, failed, 2, ME, LIMITS, clock()) == Seal(reform=True)
+    # Once the last call is over it is an ordinary seal, newcomers or not.
+    clock.advance(10.0)
+    assert decide(backup, failed, 2, ME, LIMITS, clock()) == Seal()
+
+
+def test_a_re_formation_waits_the_last_call_while_a_live_member_may_still_come() -> None:
+    clock = FakeClock()
+    failed = RendezvousState(3, (A, B, C))  # three live members, two queued
+    leader = _joined(2, clock, failed)
+    assert decide(leader, failed, 2, ME, LIMITS, clock()) == Wait(clock() + 10.0)
+    # The third re-joins: nothing is missing any more.
+    assert decide(leader, failed, 3, ME, LIMITS, clock()) == Seal(reform=True)
+
+
+@pytest.mark.parametrize(
+    "state", [None, RendezvousState(3, (A, B)).evict([A, B]), StateSummary(3, False, 0)]
+)
+def test_a_first_formation_or_one_after_every_member_died_waits_the_last_call(
+    state: RendezvousState | StateSummary | None,
+) -> None:
+    clock = FakeClock()
+    leader = _joined(2, clock, state if isinstance(state, RendezvousState) else None)
+    if state is not None:
+        leader = replace(leader, round_id=4)
+    assert decide(leader, state, 2, ME, LIMITS, clock()) == Wait(clock() + 10.0)
+
+
+def test_a_re_formation_with_a_newcomer_in_its_queue_waits_the_last_call() -> None:
+    clock = FakeClock()
+    failed = RendezvousState(3, (A, B, C)).evict([C])
+    assert not newcomers(failed, [JoinRecord(B), JoinRecord(A), JoinRecord(C)])
+    assert newcomers(failed, [JoinRecord(A), JoinRecord(D)])
+    # The leader's seal found D in the queue (rdzv.dynamic.join): no seal before the last call.
+    leader = replace(_joined(2, clock, failed), newcomers=True)
+    assert decide(leader, failed, 2, ME, LIMITS, clock()) == Wait(clock() + 10.0)
+    clock.advance(10.0)
+    assert decide(leader, failed, 2, ME, LIMITS, clock()) == Seal()
+
+
+def test_a_summary_decides_a_re_formation_as_its_state() -> None:
+    clock = FakeClock()
+    failed = RendezvousState(3, (A, B, C)).evict([C])
+    leader = _joined(2, clock, failed)
+    summary = StateSummary.of(failed)
+    assert decide(leader, summary, 2, ME, LIMITS, clock()) == Seal(reform=True)
 
 
 def test_last_call_wait_never_passes_the_join_deadline() -> None:

@@ -54,6 +54,7 @@ from rdzv.dynamic.machine import (
     decide,
     judge_marks,
     missing_members,
+    newcomers,
     observe,
     plan_seal,
     start_join,
@@ -204,7 +205,7 @@ class Join:
                     # The seal needs the participants: decide again on the state.
                     self.state, self.token = c.shared.read()
                     continue
-                self.seal()
+                self.seal(action.reform)
             elif isinstance(action, Wait):
                 self.wait(action)
             self.now = c.clock()
@@ -311,12 +312,14 @@ class Join:
             if state is not None and set(dead) & set(state.live_participants()):
                 c.members.evict(dead, state.round)
 
-    def seal(self) -> None:
+    def seal(self, reform: bool = False) -> None:
         """Seal the round, or defer it and judge meanwhile the nodes it waits for.
 
         Those are the members of the last round that have not re-joined, and
         the other queued nodes: one that dies in the queue while the seal
-        waits is judged and left out (``excluded``).
+        waits is judged and left out (``excluded``). A re-formation sealing
+        without a last call (``reform``) that finds a newcomer in the queue
+        does not seal: the round waits its last call.
         """
         c = self._c
         state = self.state
@@ -327,6 +330,10 @@ class Join:
             for r in (decode_record(r) for r in c.queue.queue_records(round_id))
             if r.node not in self.excluded
         ]
+        if reform and newcomers(state, records):
+            self.progress = replace(self.progress, newcomers=True)
+            c.event("last-call", round_id, queued=len(records), seconds=c.limits.last_call)
+            return
         plan = plan_seal(state, round_id, records, c.limits)
         if plan is None:
             missing = missing_members(state, records)

@@ -14,6 +14,13 @@ publishes participants and ranks)?
 * the node at position ``max_nodes``, at once: the round is full;
 * the node at position ``min_nodes`` (the *last-call leader*), when the
   last call expires on ITS monotonic clock, counted from its own arrival;
+  a *re-formation* (the last round had live members, and the queue is at
+  least as long as their number) needs no last call: the leader seals at
+  once if every queued node was a member of the last round (nobody new is
+  arriving, and nobody else is coming: a member that is not queued is dead
+  or about to re-join, and the seal waits for it anyway, below); a queue
+  with a newcomer in it waits the last call as a first formation does
+  (:attr:`Seal.reform`, :func:`newcomers`);
 * any other admitted node, as a backup, later than the leader would have
   (the leader may have died): ``grace`` later for the next position, and one
   more ``grace`` for each doubling of its distance from the leader
@@ -78,6 +85,7 @@ __all__ = [
     "decide",
     "judge_marks",
     "missing_members",
+    "newcomers",
     "nodes_waiting",
     "nodes_waiting_unchanged",
     "observe",
@@ -124,6 +132,8 @@ class JoinProgress:
         max_seen_at: When it first saw ``max_nodes`` records, if it did.
         blocked: ``(queue length, state)`` at which a seal was refused because
             members of the previous round had not re-joined yet.
+        newcomers: A seal without a last call found a node in the queue that
+            was no member of the last round: this round waits the last call.
     """
 
     round_id: int
@@ -132,6 +142,7 @@ class JoinProgress:
     min_seen_at: float | None = None
     max_seen_at: float | None = None
     blocked: tuple[int, RendezvousState | None] | None = None
+    newcomers: bool = False
 
     def deadline(self, limits: Limits) -> float:
         """Return when the join times out: ``join_timeout`` after it began."""
@@ -163,7 +174,14 @@ class Requeue:
 
 @dataclass(frozen=True)
 class Seal:
-    """Read the queue, plan the participants and compare-and-set the state."""
+    """Read the queue, plan the participants and compare-and-set the state.
+
+    Attributes:
+        reform: A re-formation sealing before its last call expired: seal
+            only if every queued node was a member of the last round.
+    """
+
+    reform: bool = False
 
 
 @dataclass(frozen=True)
@@ -298,10 +316,34 @@ def decide(
         )
         return Seal() if now >= backup else Wait(min(backup, join_deadline))
     if queue_length >= limits.min_nodes and progress.min_seen_at is not None:
-        expiry = progress.min_seen_at + limits.last_call
-        expiry += backup_delay(progress.position, limits.min_nodes, limits.grace)
-        return Seal() if now >= expiry else Wait(min(expiry, join_deadline))
+        backup = progress.min_seen_at + backup_delay(
+            progress.position, limits.min_nodes, limits.grace
+        )
+        expiry = backup + limits.last_call
+        if now >= expiry:
+            return Seal()
+        if _reforming(progress, state, queue_length):
+            return Seal(reform=True) if now >= backup else Wait(min(backup, join_deadline))
+        return Wait(min(expiry, join_deadline))
     return Wait(join_deadline)
+
+
+def _reforming(progress: JoinProgress, state: StateView | None, queue_length: int) -> bool:
+    """Tell whether a round may seal without a last call: a re-formation.
+
+    The last round had live members and the queue is at least as long as
+    their number (they may all have re-joined), and no seal found a newcomer
+    in the queue yet. Called once the state is the round before this one.
+    """
+    if state is None or progress.newcomers:
+        return False
+    return 0 < state.live_count <= queue_length
+
+
+def newcomers(state: RendezvousState | None, records: Sequence[JoinRecord]) -> bool:
+    """Tell whether ``records`` hold a node that was no participant of the last round."""
+    previous = set() if state is None else set(state.participants)
+    return any(r.node not in previous for r in records)
 
 
 def backup_delay(position: int, leader: int, grace: float) -> float:
