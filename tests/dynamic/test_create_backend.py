@@ -83,7 +83,7 @@ def test_a_hosted_store_allows_connections_for_the_whole_job() -> None:
     try:
         assert isinstance(store, TCPStore)
         assert store.server is not None
-        assert store.server.max_connections == 4 * 3000 + 64
+        assert store.server.max_connections == 6 * 3000 + 64
     finally:
         backend.close()
         store.close()

@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rdzv.backends.base import GONE_MARK
 from rdzv.dynamic.machine import (
+    GONE_GRACE,
     Complete,
     Enqueue,
     Fail,
@@ -18,6 +20,7 @@ from rdzv.dynamic.machine import (
     Wait,
     backup_delay,
     decide,
+    judge_marks,
     newcomers,
     nodes_waiting,
     observe,
@@ -304,7 +307,6 @@ def test_nodes_waiting(state: RendezvousState | None, queued: int, expected: int
 
 
 def test_judge_marks_uses_only_the_observers_clock() -> None:
-    from rdzv.dynamic.machine import judge_marks
 
     clock = FakeClock(start=-5000.0)  # any origin: only differences matter
     watches, dead = judge_marks({}, {A: b"1", B: None}, clock(), 3.0)
@@ -325,8 +327,30 @@ def test_judge_marks_uses_only_the_observers_clock() -> None:
     assert dead == [A]
 
 
+def test_a_mark_that_says_the_process_died_is_judged_after_a_short_grace() -> None:
+    """A will wrote GONE_MARK: dead after GONE_GRACE, not the 15 s dead-node timeout."""
+    clock = FakeClock()
+    watches, dead = judge_marks({}, {A: b"3", B: b"3"}, clock(), 15.0)
+    watches, dead = judge_marks(watches, {A: GONE_MARK, B: GONE_MARK}, clock(), 15.0)
+    assert dead == []
+    clock.advance(GONE_GRACE / 2)
+    # B's living process wrote a fresh mark within the grace (its connection was reset).
+    watches, dead = judge_marks(watches, {A: GONE_MARK, B: b"1"}, clock(), 15.0)
+    assert dead == []
+    clock.advance(GONE_GRACE / 2)
+    watches, dead = judge_marks(watches, {A: GONE_MARK, B: b"1"}, clock(), 15.0)
+    assert dead == [A]
+    assert set(watches) == {B}
+    # Never later than the dead-node timeout, when that is the shorter.
+    watches, dead = judge_marks({}, {C: GONE_MARK}, clock(), 0.3)
+    clock.advance(0.2)
+    watches, dead = judge_marks(watches, {C: GONE_MARK}, clock(), 0.3)
+    assert dead == []
+    clock.advance(0.2)
+    assert judge_marks(watches, {C: GONE_MARK}, clock(), 0.3)[1] == [C]
+
+
 def test_judge_marks_credits_at_most_max_gap_between_readings() -> None:
-    from rdzv.dynamic.machine import judge_marks
 
     clock = FakeClock()
     watches, _ = judge_marks({}, {A: b"1"}, clock(), 3.0, max_gap=1.0)
@@ -343,7 +367,6 @@ def test_judge_marks_credits_at_most_max_gap_between_readings() -> None:
 
 
 def test_judge_marks_without_a_gap_bound_charges_all_time() -> None:
-    from rdzv.dynamic.machine import judge_marks
 
     clock = FakeClock()
     watches, _ = judge_marks({}, {A: b"1"}, clock(), 3.0)

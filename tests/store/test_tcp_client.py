@@ -421,6 +421,8 @@ def test_every_opcode_the_client_sends_is_what_encode_request_makes(
         store.barrier("bar", 1)
         assert store.watch("a", None, 0.01) == b"3"
         assert store.watch("a", b"3", 0.01) == b"3"
+        store.set_will("a", b"gone")
+        store.set_will("a", None)
         store._link.rdzv_server = False  # get as on torch's server: WAIT, then GET
         assert store.get("a") == b"3"
     stream = b"".join(sent)

@@ -64,6 +64,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.store.serve",
             "rdzv.store.link",
             "rdzv.store.tcp",
+            "rdzv.store.will",
         ),
     ),
     (

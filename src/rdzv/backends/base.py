@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar, Union
 
 __all__ = [
+    "GONE_MARK",
     "MAX_RECORD_SIZE",
     "BackendLike",
     "ForeignBackend",
@@ -411,6 +412,12 @@ class NamedQueues(JoinQueueBackend):
         return view
 
 
+GONE_MARK = b"gone"
+"""The heartbeat mark of a node whose process is known to have died
+(:meth:`LivenessBackend.present`). Observers judge it dead after a short
+grace (:data:`rdzv.dynamic.machine.GONE_GRACE`), not the dead-node timeout."""
+
+
 class LivenessBackend(ABC):
     """Capability: per-node heartbeats that never touch the shared state.
 
@@ -454,6 +461,20 @@ class LivenessBackend(ABC):
     @abstractmethod
     def forget(self, node: str) -> None:
         """Delete the heartbeat record of ``node`` (idempotent)."""
+
+    def present(self, node: str) -> None:
+        """Have ``node``'s mark become :data:`GONE_MARK` as soon as this process dies.
+
+        A backend that can tell (rdzv's TCP store: a will on a connection
+        of its own, written by the server when the kernel closes the
+        connection of a killed process) does so; by default nothing
+        happens, and a death is found by the heartbeats alone. Idempotent.
+        """
+        return
+
+    def absent(self, node: str) -> None:
+        """Stop what :meth:`present` started, cleanly: the mark is left as it is."""
+        return
 
 
 MAX_RUN_ID = 200

@@ -22,11 +22,17 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
-from rdzv.backends.base import JoinQueueBackend, LivenessBackend, validate_node_key, validate_record
+from rdzv.backends.base import (
+    GONE_MARK,
+    JoinQueueBackend,
+    LivenessBackend,
+    validate_node_key,
+    validate_record,
+)
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
 from rdzv.keys import CONFIRM_QUEUE, JOIN_QUEUE, heartbeat_key, queue_keys
 from rdzv.retry import current_clock, poll_backoff
-from rdzv.store.base import Store
+from rdzv.store.base import Stoppable, Store
 from rdzv.store.foreign import StoreLike, as_store
 
 __all__ = ["StoreJoinQueue", "StoreLiveness", "store_call"]
@@ -146,6 +152,7 @@ class StoreLiveness(LivenessBackend):
     def __init__(self, store: StoreLike, prefix: str) -> None:
         self._liveness_store: Store = as_store(store)
         self._liveness_prefix = prefix
+        self._wills: dict[str, Stoppable | None] = {}
 
     def _beat_key(self, node: str) -> str:
         return heartbeat_key(self._liveness_prefix, validate_node_key(node))
@@ -185,3 +192,23 @@ class StoreLiveness(LivenessBackend):
     def forget(self, node: str) -> None:  # noqa: D102
         key = self._beat_key(node)
         store_call("forget", lambda: self._liveness_store.delete_key(key))
+
+    def present(self, node: str) -> None:
+        """Keep a will that sets ``node``'s counter to :data:`GONE_MARK` when this process dies.
+
+        On rdzv's TCP store (:meth:`Store.keep_will
+        <rdzv.store.base.Store.keep_will>`); elsewhere nothing happens.
+        """
+        if node not in self._wills:
+            self._wills[node] = self._liveness_store.keep_will(
+                self._beat_key(node), GONE_MARK, partial(self._restore, node)
+            )
+
+    def absent(self, node: str) -> None:  # noqa: D102 - see LivenessBackend
+        will = self._wills.pop(node, None)
+        if will is not None:
+            will.stop()
+
+    def _restore(self, node: str) -> None:
+        """Beat after a will was made again: the old connection's will may have fired."""
+        self.beat(node)

@@ -449,17 +449,18 @@ P10dRendezvousBackend = C10dRendezvousBackend
 TpRendezvousBackend = C10dRendezvousBackend
 
 
-CONNECTIONS_PER_NODE = 4
+CONNECTIONS_PER_NODE = 6
 """Connections a hosted store allows per node of the job (see :func:`connection_limit`)."""
 
 
 def connection_limit(max_nodes: int | None) -> int | None:
     """Return the connection limit of a store hosted for a job of ``max_nodes``.
 
-    Each node holds two clients (one for its blocking watch, one for
+    Each node holds three clients (one for its blocking watch, one for
     heartbeats and evictions, which must never queue behind that watch on a
-    client that serialises requests); the limit allows twice that, for
-    clones and reconnections, and never less than the server's default.
+    client that serialises requests, and an idle one that holds its will,
+    :mod:`rdzv.store.will`); the limit allows twice that, for clones and
+    reconnections, and never less than the server's default.
     None (the server's default) when ``max_nodes`` is not known.
     """
     if max_nodes is None:

@@ -154,6 +154,7 @@ class KeepAlive:
             # beat, or a wake; one still judging its last round goes on at once.
             self._idle, self._woken = self._watched() is None, False
             stop = self._stop
+            self._liveness.present(self._node)
             self._task = ticker_for(self._clock).schedule(
                 lambda: self._tick(stop), self._next_beat if self._idle else now
             )
@@ -169,6 +170,7 @@ class KeepAlive:
             self._stop.set()
         if task is not None:
             task.cancel(STOP_WAIT)
+        self._liveness.absent(self._node)
 
     def wake(self) -> None:
         """Start judging now: the round is confirmed, or its confirmation late (see the module)."""

@@ -67,9 +67,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from rdzv.backends.base import GONE_MARK
 from rdzv.dynamic.state import JoinRecord, RendezvousState, StateSummary, assign_ranks
 
 __all__ = [
+    "GONE_GRACE",
     "Action",
     "Complete",
     "Enqueue",
@@ -93,6 +95,11 @@ __all__ = [
     "start_join",
     "successor_of",
 ]
+
+GONE_GRACE = 1.0
+"""Seconds a node's mark must say that its process died (:data:`GONE_MARK`)
+before the node is judged dead: a living node whose connection to the store
+was reset writes a fresh mark well within it (:mod:`rdzv.store.will`)."""
 
 StateView = RendezvousState | StateSummary
 """What a join decides on: the state, or its summary while the round it
@@ -436,7 +443,10 @@ def judge_marks(
 
     A node is dead when its mark has not changed for ``dead_after`` seconds
     of the observer's monotonic clock. Nobody's wall clock is involved, so
-    skewed clocks neither kill a living node nor keep a dead one alive.
+    skewed clocks neither kill a living node nor keep a dead one alive. A
+    mark that says the node's process died (:data:`GONE_MARK`) needs only
+    :data:`GONE_GRACE` of it (or ``dead_after``, if shorter): the grace in
+    which a living node whose connection the server lost restores its mark.
 
     The judgement is fair to the judged: only time during which the observer
     itself could read marks counts. Between two readings at most ``max_gap``
@@ -457,7 +467,7 @@ def judge_marks(
             continue
         last = seen.since if seen.seen_at is None else seen.seen_at
         credited = seen.credited + min(max(0.0, now - last), max_gap)
-        if credited >= dead_after:
+        if credited >= (min(dead_after, GONE_GRACE) if mark == GONE_MARK else dead_after):
             dead.append(node)
         else:
             updated[node] = MarkWatch(mark, seen.since, credited, now)

@@ -46,6 +46,7 @@ from rdzv.store.engine import BLOCKING_OPS, Woken
 from rdzv.store.protocol import (
     CLIENT_AUTH_LABEL,
     FEATURE_AUTH_REQUIRED,
+    MAX_WILL_BYTES,
     PROBE_NONCE,
     SERVER_AUTH_LABEL,
     SERVER_HELLO,
@@ -136,6 +137,8 @@ class Connection(asyncio.BufferedProtocol):
         self.inbox = bytearray()
         """Received bytes not fed to the parser yet: a large read is parsed
         :data:`FEED_SLICE` bytes per turn, other connections' turns between."""
+        self.will: tuple[bytes, bytes] | None = None
+        """The key and value set when this connection closes (``WILL``)."""
 
     def _on_count(self, op: Op, count: int) -> None:
         """Count a ``WAIT`` against the waiting budget before its keys arrive."""
@@ -154,6 +157,10 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.engine.drop(self)
         self._stop_waiting()
+        will, self.will = self.will, None
+        if will is not None:
+            for conn, answer in self.engine.set_many((will,)):
+                conn.answer(answer)
         if self.parser.pending and self.is_open:
             self.server.throttled.warning(
                 "partial",
@@ -322,7 +329,8 @@ class Connection(asyncio.BufferedProtocol):
                 " bytes unsent)"
             )
         idle = server.idle_timeout
-        if idle is not None and not self.waiting and now - self.last_activity > idle:
+        held = self.waiting or self.will is not None
+        if idle is not None and not held and now - self.last_activity > idle:
             return f"the connection was idle for {idle:g} s (idle_timeout)"
         return None
 
@@ -419,6 +427,16 @@ class Connection(asyncio.BufferedProtocol):
         proof = auth_tag(secret, SERVER_AUTH_LABEL, server_nonce, client_nonce)
         return bytes([AuthStatus.OK]) + proof
 
+    def h_will(self, request: Request) -> bytes | None:
+        """Hold (or, with an empty key, withdraw) what is set when this connection closes."""
+        key, value = request.keys[0], request.values[0]
+        if len(value) > MAX_WILL_BYTES:
+            raise ProtocolError(
+                f"a will of {len(value)} bytes exceeds the limit of {MAX_WILL_BYTES} bytes"
+            )
+        self.will = (key, value) if key else None
+        return b"\x00"
+
     # -- blocked requests --------------------------------------------------
 
     def h_cancel_wait(self, request: Request) -> bytes | None:
@@ -475,7 +493,11 @@ _BEFORE_AUTH: dict[int, _Handler] = {
     Op.AUTH_CHALLENGE: Connection.h_auth_challenge,
     Op.AUTH_RESPONSE: Connection.h_auth_response,
 }
-_FULL: dict[int, _Handler] = {Op.VALIDATE: Connection.h_validate, Op.PING: Connection.h_ping}
+_FULL: dict[int, _Handler] = {
+    Op.VALIDATE: Connection.h_validate,
+    Op.PING: Connection.h_ping,
+    Op.WILL: Connection.h_will,
+}
 # Dict lookups hash ints faster than IntEnum members: key the tables by int.
 for _table in (_BEFORE_VALIDATE, _WHILE_WAITING, _BEFORE_AUTH, _FULL):
     for _op in list(_table):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Protocol, Union
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_STORE_TIMEOUT",
     "MAX_DURATION",
+    "Stoppable",
     "Store",
     "Timeout",
     "Value",
@@ -36,6 +37,14 @@ Value = Union[str, bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alia
 Timeout = Union[timedelta, float, int]  # noqa: UP007 - a runtime alias on 3.10
 
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)
+
+
+class Stoppable(Protocol):
+    """Something running in the background that ``stop()`` ends (:meth:`Store.keep_will`)."""
+
+    def stop(self) -> None:
+        """End it (idempotent)."""
+
 
 # What Store.try_multi_get's default compares a key with: never stored (a
 # compare_set with it writes nothing new), unknown to other processes.
@@ -125,6 +134,18 @@ class Store(ABC):
     def supports_watch(self) -> bool:
         """Whether :meth:`watch` blocks on the server instead of raising."""
         return False
+
+    def keep_will(
+        self, key: str, value: Value, on_restored: Callable[[], None]
+    ) -> Stoppable | None:
+        """Have the server set ``key`` to ``value`` as soon as this process dies.
+
+        None when this store cannot (the default: only rdzv's TCP server
+        holds wills). Otherwise a handle whose ``stop()`` withdraws it;
+        ``on_restored`` is called when the will had to be made again on a
+        new connection (see :mod:`rdzv.store.will`).
+        """
+        return None
 
     @abstractmethod
     def set(self, key: str, value: Value) -> None:

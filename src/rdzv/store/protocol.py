@@ -85,6 +85,7 @@ __all__ = [
     "MAX_MULTI_KEYS",
     "MAX_REQUEST_BYTES",
     "MAX_VALUE_BYTES",
+    "MAX_WILL_BYTES",
     "PROBE_NONCE",
     "SERVER_AUTH_LABEL",
     "SERVER_HELLO",
@@ -122,6 +123,8 @@ MAX_KEY_BYTES = 8 * 1024
 """Longest key accepted, in bytes (torch's libuv server limit)."""
 MAX_VALUE_BYTES = 8 * 1024 * 1024
 """Longest value accepted, in bytes (torch's libuv server limit)."""
+MAX_WILL_BYTES = 1024
+"""Longest value of a ``WILL``, in bytes: a connection holds it until it closes."""
 MAX_MULTI_KEYS = 128 * 1024
 """Most keys accepted in one multi-key request (torch's libuv server limit)."""
 MAX_REQUEST_BYTES = 256 * 1024 * 1024
@@ -191,6 +194,10 @@ class Op(IntEnum):
     """Key and timeout in ms: get in one round trip; reply: a :class:`GetWaitStatus`."""
     MULTI_TRY_GET = 0x44
     """Keys; reply: per key a presence byte, then the value when present."""
+    WILL = 0x45
+    """Key and value: the server sets the key to the value when this
+    connection closes, unless a later ``WILL`` with an empty key withdrew it
+    (one will a connection; a new one replaces it); reply: one zero byte."""
 
 
 class CheckResult(IntEnum):
@@ -369,6 +376,7 @@ _LAYOUTS: dict[int, _Layout] = {
         (Op.WATCH, (_KEY, _PREVIOUS, _TIMEOUT)),
         (Op.GET_WAIT, (_KEY, _TIMEOUT)),
         (Op.MULTI_TRY_GET, (_KEYS,)),
+        (Op.WILL, (_KEY, _VALUE)),
     )
 }
 

@@ -27,10 +27,11 @@ The encoding lives in :mod:`rdzv.store.protocol`, the connection in
 from __future__ import annotations
 
 import math
+import select
 import ssl
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from rdzv.errors import StoreTimeoutError
@@ -49,6 +50,7 @@ from rdzv.store.protocol import (
     MAX_MULTI_KEYS,
     MAX_REPLY_ITEMS,
     MAX_VALUE_BYTES,
+    MAX_WILL_BYTES,
     CheckResult,
     GetWaitStatus,
     Op,
@@ -66,6 +68,7 @@ from rdzv.store.protocol import (
 
 if TYPE_CHECKING:
     from rdzv.store.server import TCPStoreServer
+    from rdzv.store.will import Will
 
 __all__ = ["HANDSHAKE_TIMEOUT", "RECONNECT_TIMEOUT", "TCPStore"]
 
@@ -465,6 +468,69 @@ class TCPStore(Store):
             raise ProtocolError(f"unexpected WATCH status {status}")
 
         return self._call(watch)
+
+    def set_will(self, key: str, value: Value | None) -> None:
+        """Have the server set ``key`` to ``value`` when this client's connection closes.
+
+        The will belongs to the connection: one that breaks and is made
+        again has none. ``value`` None withdraws it (a clean close sets
+        nothing). See :class:`rdzv.store.will.Will`, which keeps one.
+
+        Raises:
+            NotImplementedError: The server is torch's, which holds no wills.
+            ValueError: ``value`` is longer than the server holds.
+        """
+        wire = _wire_key(key) if value is not None else b""
+        data = b"" if value is None else _value(value)
+        if len(data) > MAX_WILL_BYTES:
+            raise ValueError(f"a will of {len(data)} bytes exceeds {MAX_WILL_BYTES} bytes")
+        request = Request(Op.WILL, (wire,), (data,))
+
+        def will() -> None:
+            if not self._link.rdzv_server:
+                raise NotImplementedError(
+                    f"the store at {self._link.address} is not an rdzv server and holds no will"
+                )
+            self._send(request)
+            self._read(decode_u8)
+
+        self._call(will)
+
+    def keep_will(self, key: str, value: Value, on_restored: Callable[[], None]) -> Will | None:
+        """Keep a will on a connection of its own (:class:`rdzv.store.will.Will`); rdzv servers only.
+
+        See :meth:`Store.keep_will <rdzv.store.base.Store.keep_will>`.
+        """
+        if not self.supports_watch:
+            return None
+        from rdzv.store.will import Will  # noqa: PLC0415 - the will imports no client
+
+        return Will(self.clone, key, value, on_restored)
+
+    def wait_closed(self, wake: int, timeout: float) -> bool:
+        """Block until the server ends this client's connection, ``wake`` is readable, or timeout.
+
+        For a connection that sends nothing but holds a will. Returns True
+        when the connection is gone (closed, reset, or it sent a byte it
+        owed nobody; it is dropped, and the next call connects again).
+        """
+        with self._link.lock:
+            sock = self._link.sock
+            if sock is None:
+                return True
+            readable, _, _ = select.select([sock.fileno(), wake], [], [], max(timeout, 0.0))
+            if sock.fileno() not in readable:
+                return False
+            try:
+                sock.setblocking(False)
+                sock.recv(1)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                sock.setblocking(True)
+                return False
+            except OSError:
+                pass
+            self._link.drop()
+            return True
 
     def try_multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Return the values of several keys without waiting; None for a missing key.
