@@ -8,7 +8,10 @@ the same clock, a standby takes over from a tick stuck in a backend call),
 started when the node first enqueues. Each tick does two independent
 things, and returns when the next is due:
 
-* **beat**: every ``interval`` it bumps this node's heartbeat mark. Only the
+* **beat**: every ``interval`` it bumps this node's heartbeat mark (and
+  from the first beat on, the backend is asked to mark this node gone the
+  moment its process dies: :meth:`~rdzv.backends.base.LivenessBackend.present`,
+  withdrawn by :meth:`KeepAlive.stop`). Only the
   beat's own failures count toward ``max_attempt``; after that many in a row
   the keep-alive stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
@@ -154,7 +157,6 @@ class KeepAlive:
             # beat, or a wake; one still judging its last round goes on at once.
             self._idle, self._woken = self._watched() is None, False
             stop = self._stop
-            self._liveness.present(self._node)
             self._task = ticker_for(self._clock).schedule(
                 lambda: self._tick(stop), self._next_beat if self._idle else now
             )
@@ -244,6 +246,9 @@ class KeepAlive:
         """Beat once; return the number of failed beats in a row."""
         try:
             self._liveness.beat(self._node)
+            # From the first beat on, not at the join: a round that forms
+            # within an interval does not wait behind a connection per node.
+            self._liveness.present(self._node)
         except (RendezvousError, OSError) as exc:
             failures += 1
             self._event("keepalive-failed", -1, attempt=failures, error=str(exc))
