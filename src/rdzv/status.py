@@ -15,7 +15,7 @@ be queued for round 0: they are shown. A run with neither is unknown
 (``--list-runs`` lists them with their rounds). Each agent of ``rdzv run``
 writes its host, worker count and restart count into the round's store;
 the table shows them when present, and a line names the run's last first
-failure (:mod:`rdzv.launch.failures`) when one was recorded.
+failure (:mod:`rdzv.first_failure`) when one was recorded.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from rdzv.dynamic.machine import MarkWatch
 from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError
+from rdzv.first_failure import FailureRecord, FailureRecordError, read_last
 from rdzv.keys import agent_key, round_store_prefix, run_of_backend_key
-from rdzv.launch.failures import FailureRecord, FailureRecordError, read_last
 from rdzv.registry import open_backend as open_registered_backend
 from rdzv.store.base import Store
 from rdzv.store.foreign import StoreLike, as_store

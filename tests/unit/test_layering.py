@@ -120,7 +120,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("assembly", ("rdzv.registry",)),
-    ("status", ("rdzv.status",)),
+    ("status", ("rdzv.status", "rdzv.first_failure")),
     (
         "front-ends",
         (
@@ -128,6 +128,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.launch.agent",
             "rdzv.launch.bootstrap",
             "rdzv.launch.explain",
+            "rdzv.launch.failures",
             "rdzv.launch.metrics",
             "rdzv.launch.options",
             "rdzv.launch.progress",

@@ -693,7 +693,7 @@ class ElasticAgent:
             )
             return None
         if self._grace > 0:
-            self._log(
+            self._failures.say(
                 f"{failure.describe()}; no restart left: waiting up to {self._grace:g} s "
                 "for a change of the group that would make it a re-form"
             )

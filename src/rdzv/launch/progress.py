@@ -140,11 +140,14 @@ class WaitProgress:
             bounds = f"{low}" if low == high else f"min {low} / max {high}"
             text += f"; {self._joined} of {bounds} nodes joined"
             if self._last_call_end is not None and self._joined < high:
+                left = self._last_call_end - now
+                if left <= 0:
+                    return f"{text}; last call: ended at {left + waited:.0f} s, sealing"
                 more = high - self._joined
                 nodes = "1 more node joins" if more == 1 else f"{more} more nodes join"
                 return (
-                    f"{text}; last call: {max(0.0, self._last_call_end - now):.0f} s left "
-                    f"(sealing at {self._last_call_end - now + waited:.0f} s unless {nodes})"
+                    f"{text}; last call: {left:.0f} s left "
+                    f"(sealing at {left + waited:.0f} s unless {nodes})"
                 )
         if self._deadline is not None:
             text += f"; the join timeout ends in {max(0.0, self._deadline - now):.0f} s"
