@@ -7,6 +7,8 @@ One store may hold several runs, each under these roots:
   and departures, and its queues and heartbeats when the backend lacks them;
 * ``rdzv/<run>/round/<r>``: the store of round ``r``'s agents (``rdzv run``
   writes under ``rdzv.launch/`` there, and torch's agent writes there too);
+* ``rdzv.launch/<run>/``: what ``rdzv run`` keeps for the whole run, beside
+  the rounds' stores (the last first failure, which outlives its round);
 * ``rdzv.static/<run>/``: the static rendezvous.
 
 Under the first two, :mod:`rdzv.backends.kv` keeps a queue at
@@ -59,6 +61,23 @@ def heartbeat_key(prefix: str, node: str) -> str:
 def agent_key(group_rank: int) -> str:
     """Return the round-store key of an agent's JSON ``host``, ``workers`` and ``restarts``."""
     return f"{LAUNCH_ROOT}/agent/{group_rank}"
+
+
+def first_failure_key() -> str:
+    """Return the round-store key of the round's first worker failure (created once)."""
+    return f"{LAUNCH_ROOT}/first-failure"
+
+
+def last_failure_key(run_id: str) -> str:
+    """Return the key, outside every round's store, of the run's last first failure."""
+    return f"{LAUNCH_ROOT}/{run_id}/first-failure"
+
+
+def round_of_store(run_id: str, prefix: str) -> int | None:
+    """Return the round whose store has ``prefix`` (see :func:`round_store_prefix`), or None."""
+    head = round_store_prefix(run_id, 0)[:-1]
+    tail = prefix[len(head) :] if prefix.startswith(head) else ""
+    return int(tail) if tail.isascii() and tail.isdigit() else None
 
 
 def run_of_backend_key(key: str) -> str | None:

@@ -14,7 +14,8 @@ be queued for round 0: they are shown. A run with neither is unknown
 (:data:`EXIT_UNKNOWN_RUN`), and the message lists the runs the store holds
 (``--list-runs`` lists them with their rounds). Each agent of ``rdzv run``
 writes its host, worker count and restart count into the round's store;
-the table shows them when present.
+the table shows them when present, and a line names the run's last first
+failure (:mod:`rdzv.first_failure`) when one was recorded.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from rdzv.dynamic.machine import MarkWatch
 from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError
+from rdzv.first_failure import FailureRecord, FailureRecordError, read_last
 from rdzv.keys import agent_key, round_store_prefix, run_of_backend_key
 from rdzv.registry import open_backend as open_registered_backend
 from rdzv.store.base import Store
@@ -110,6 +112,8 @@ class RunStatus:
         time: When it was read (seconds since the epoch).
         known: Whether the backend holds anything of the run (a state or
             a queued node).
+        first_failure: The run's last first failure, when one was recorded.
+        failure_note: Why a stored first-failure record was ignored, if one was.
     """
 
     run_id: str
@@ -120,6 +124,8 @@ class RunStatus:
     observed_for: float = 0.0
     time: float = 0.0
     known: bool = True
+    first_failure: FailureRecord | None = None
+    failure_note: str | None = None
 
     @property
     def complete(self) -> bool:
@@ -310,7 +316,13 @@ def read_status(
         if latest is not None and (latest.round, latest.closed) != (state.round, state.closed):
             state = latest
             break
-    agents = _agents(None if store is None else as_store(store), run_id, state)
+    run_store = None if store is None else as_store(store)
+    agents = _agents(run_store, run_id, state)
+    failure, note = None, None
+    try:
+        failure = None if run_store is None else read_last(run_store, run_id)
+    except FailureRecordError as exc:
+        note = f"the stored record does not decode and was ignored ({exc})"
     members = [
         MemberStatus(
             rank,
@@ -332,6 +344,8 @@ def read_status(
         _queued(backend, state.next_round),
         tracker.observed_for,
         now,
+        first_failure=failure,
+        failure_note=note,
     )
 
 
@@ -382,6 +396,10 @@ def format_status(status: RunStatus) -> str:
             lines.append("  ".join(cells).rstrip())
     waiting = ", ".join(_printable(w) for w in status.waiting) if status.waiting else "none"
     lines.append(f"waiting for round {status.round + 1}: {waiting}")
+    if status.first_failure is not None or status.failure_note is not None:
+        first = status.first_failure
+        shown = first.describe() if first else status.failure_note
+        lines.append(_printable(f"first failure: {shown}"))
     return "\n".join(lines) + "\n"
 
 

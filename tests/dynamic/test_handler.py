@@ -393,6 +393,26 @@ def test_every_transition_is_one_structured_event(
         assert event["round"] == 0
 
 
+def test_waiting_events_give_the_time_left_of_the_last_call(
+    cluster_factory: Callable[..., Cluster], caplog: pytest.LogCaptureFixture
+) -> None:
+    c = cluster_factory(2, 3, last_call=30, join=60)
+    nodes = [c.handler("l1"), c.handler("l2")]
+    started = c.clock()
+    with caplog.at_level(logging.INFO, logger="rdzv.dynamic"):
+        infos = [f.result(timeout=40) for f in c.join(nodes)]
+    assert [i.world_size for i in infos] == [2, 2]
+    assert c.clock() - started >= 30  # the last call was waited out
+    events = [r.rdzv_event for r in caplog.records if hasattr(r, "rdzv_event")]
+    waiting = [e for e in events if e["action"] == "waiting"]
+    assert all(e["last_call_in"] is None for e in waiting if e["joined"] < 2)
+    in_call = [e for e in waiting if e["joined"] == 2]
+    # Each node reports once that 2 of 2..3 joined, with the time left of
+    # the 30 s last call it sees (counted from when it saw them).
+    assert sorted(e["node"] for e in in_call) == sorted(n.node for n in nodes)
+    assert all(25 < e["last_call_in"] <= 30 for e in in_call), in_call
+
+
 def test_round_store_is_prefixed_per_round(cluster_factory: Callable[..., Cluster]) -> None:
     c = cluster_factory(1, 1)
     h = c.handler("r1")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rdzv.launch.progress import EventListener, WaitProgress
+from rdzv.testing import FakeClock
 from tests.launch.procs import HELLO, agents, finish
 from tests.procs import wait_until
 
@@ -30,14 +31,20 @@ class Lines:
             return list(self.lines)
 
 
-def waiting(joined: int, timeout_in: float = 100.0) -> dict[str, object]:
+def waiting(
+    joined: int,
+    timeout_in: float = 100.0,
+    last_call_in: float | None = None,
+    max_nodes: int = 4,
+) -> dict[str, object]:
     return {
         "action": "waiting",
         "round": 3,
         "joined": joined,
         "min_nodes": 2,
-        "max_nodes": 4,
+        "max_nodes": max_nodes,
         "timeout_in": timeout_in,
+        "last_call_in": last_call_in,
     }
 
 
@@ -76,6 +83,63 @@ def test_a_change_is_printed_at_once_after_the_first_line() -> None:
         wait_until(lambda: len(lines.snapshot()) == 2, timeout=30, what="the change line")
     assert "1 of min 2 / max 4" in lines.snapshot()[0]
     assert "3 of min 2 / max 4" in lines.snapshot()[1]
+
+
+def _parked(clock: FakeClock, parks: int) -> None:
+    """Wait (real time, bounded) until the ticker waits on the fake clock for the ``parks``-th time."""
+    wait_until(lambda: clock.parks >= parks and clock.waiting == 1, timeout=30, what="the ticker")
+
+
+def test_a_last_call_line_gives_the_time_left_and_when_the_round_seals() -> None:
+    clock = FakeClock()
+    lines = Lines()
+    progress = WaitProgress("job", lines, first=2.0, every=5.0, clock=clock)
+    with progress.waiting():
+        progress.event({"action": "join", "round": 3})
+        progress.event(waiting(1, timeout_in=100.0, max_nodes=3))
+        _parked(clock, 1)
+        clock.advance(2.0)
+        wait_until(lambda: len(lines.snapshot()) == 1, timeout=30, what="the first line")
+        _parked(clock, 2)
+        clock.advance(4.0)
+        # 6 s into the wait a second node joins: the last call's 30 s begin.
+        progress.event(waiting(2, timeout_in=94.0, last_call_in=24.0, max_nodes=3))
+        wait_until(lambda: len(lines.snapshot()) == 2, timeout=30, what="the change line")
+        _parked(clock, 3)
+        clock.advance(5.0)
+        wait_until(lambda: len(lines.snapshot()) == 3, timeout=30, what="the next line")
+        _parked(clock, 4)
+        clock.advance(25.0)  # past the end of the last call, not sealed yet
+        wait_until(lambda: len(lines.snapshot()) == 4, timeout=30, what="a late line")
+    head = "waiting for the other nodes of run 'job' (round 3): "
+    two = "2 of min 2 / max 3 nodes joined; last call:"
+    assert lines.snapshot() == [
+        f"{head}2 s so far; 1 of min 2 / max 3 nodes joined; the join timeout ends in 98 s",
+        f"{head}6 s so far; {two} 24 s left (sealing at 30 s unless 1 more node joins)",
+        f"{head}11 s so far; {two} 19 s left (sealing at 30 s unless 1 more node joins)",
+        f"{head}36 s so far; {two} ended at 30 s, sealing",
+    ]
+
+
+def test_the_last_call_line_counts_the_nodes_that_would_seal_at_once() -> None:
+    clock = FakeClock()
+    lines = Lines()
+    progress = WaitProgress("job", lines, first=1.0, every=3600.0, clock=clock)
+    with progress.waiting():
+        progress.event(waiting(3, last_call_in=10.0, max_nodes=5))
+        _parked(clock, 1)
+        clock.advance(1.0)
+        wait_until(lambda: len(lines.snapshot()) == 1, timeout=30, what="the first line")
+        # A new join (the round sealed without this node) ends the last call.
+        progress.event({"action": "join", "round": 4})
+        progress.event(waiting(1, timeout_in=50.0, max_nodes=5))
+        wait_until(lambda: len(lines.snapshot()) == 2, timeout=30, what="the change line")
+    first, second = lines.snapshot()
+    assert first.endswith(
+        "3 of min 2 / max 5 nodes joined; last call: 9 s left (sealing at 10 s unless 2 more "
+        "nodes join)"
+    )
+    assert second.endswith("1 of min 2 / max 5 nodes joined; the join timeout ends in 50 s")
 
 
 def test_without_events_the_line_says_how_long() -> None:
@@ -152,4 +216,8 @@ def test_a_waiting_agent_prints_its_first_progress_line_within_5_s(
     assert (when - joined).total_seconds() <= 5.0, lines
     assert line.startswith("waiting for the other nodes of run 'job-progress' (round 0): ")
     assert "1 of min 2 / max 3 nodes joined; the join timeout ends in " in line
-    assert any("2 of min 2 / max 3 nodes joined" in m for _, m in lines), lines
+    # The second node started the 3 s last call: the line says what is left of it.
+    assert any(
+        "2 of min 2 / max 3 nodes joined; last call: " in m and "unless 1 more node joins)" in m
+        for _, m in lines
+    ), lines

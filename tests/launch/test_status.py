@@ -16,7 +16,11 @@ from typing import Any
 
 import pytest
 
-from rdzv.dynamic.state import node_address
+from rdzv import HashStore
+from rdzv.backends.store import C10dRendezvousBackend
+from rdzv.dynamic.state import RendezvousState, encode_state, node_address
+from rdzv.first_failure import FailureRecord
+from rdzv.keys import last_failure_key
 from rdzv.status import (
     EXIT_UNKNOWN_RUN,
     HeartbeatTracker,
@@ -24,6 +28,7 @@ from rdzv.status import (
     RunStatus,
     add_status_arguments,
     format_status,
+    read_status,
     status_command,
 )
 from tests.launch.procs import WORKER, agents, c10d_args, finish, with_world
@@ -186,6 +191,35 @@ def test_format_status_escapes_control_characters_read_from_the_store() -> None:
     assert "\x07" not in text
     assert "\x9b" not in text
     assert "evil\\x1b]0;x\\x07" in text
+
+
+def test_format_status_names_the_first_failure_or_why_it_was_ignored() -> None:
+    when = time.mktime((2030, 1, 31, 12, 3, 4, 0, 0, -1))
+    failure = FailureRecord(
+        "signal", 3, 1, "host-b", when, signal="SIGKILL", log="/l/rank_3.log", round=2, restart=1
+    )
+    run = RunStatus("job", 3, False, first_failure=failure)
+    assert format_status(run).splitlines()[-1] == (
+        "first failure: worker rank 3 on host-b (local rank 1) was killed by signal SIGKILL "
+        "at 12:03:04 (round 2, restart 1); log: /l/rank_3.log"
+    )
+    assert run.to_json()["first_failure"]["signal"] == "SIGKILL"
+    noted = RunStatus("job", 3, False, failure_note="it does not decode (\x1b[2J)")
+    assert format_status(noted).splitlines()[-1] == "first failure: it does not decode (\\x1b[2J)"
+    assert format_status(RunStatus("job", 3, False)).splitlines()[-1].startswith("waiting")
+
+
+def test_a_stored_failure_that_does_not_decode_is_a_note_not_an_error() -> None:
+    store = HashStore()
+    backend = C10dRendezvousBackend(store, "job")
+    backend.set_state(encode_state(RendezvousState(0, ("10.0.0.1#1#a",))))
+    store.set(last_failure_key("job"), b'{"v": 1, "kind": "signal"}')
+    read = read_status(backend, "job", HeartbeatTracker(), store=store)
+    assert read.first_failure is None
+    assert read.failure_note == (
+        "the stored record does not decode and was ignored (rank is missing)"
+    )
+    assert "first failure: the stored record does not decode" in format_status(read)
 
 
 @pytest.mark.slow

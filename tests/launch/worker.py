@@ -8,6 +8,11 @@ Every mode first records the worker's environment in
   file remembers), everyone else exits 0.
 * ``fail RANK CODE``: worker RANK always exits CODE; the others sleep until stopped.
 * ``signal RANK SIGNUM``: worker RANK kills itself with SIGNUM; the others sleep.
+* ``kill-peer RANK SIGNUM``: once every worker of the attempt (same ``MASTER_PORT``)
+  started, worker RANK kills itself with SIGNUM; the others exit 1 two seconds
+  after it died, as a collective that lost a peer would.
+* ``kill-peer-once RANK SIGNUM``: the same in the first attempt (a marker file
+  remembers), then every worker exits 0.
 * ``sleep``: sleep until stopped.
 * ``sleep-once``: sleep until stopped the first time (a marker per rank), then exit 0.
 * ``partial``: print a last line without a newline.
@@ -76,6 +81,36 @@ def wait_for_peers(outdir: Path) -> None:
         time.sleep(0.02)
 
 
+def alive(pid: int) -> bool:
+    """Tell whether a process runs (a zombie does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def kill_peer(outdir: Path, rank: int, target: int, signum: int, once: bool) -> None:
+    marker = outdir / "killed-once"
+    port = os.environ["MASTER_PORT"]
+    if once and marker.exists() and marker.read_text() != port:
+        sys.exit(0)
+    world = int(os.environ["WORLD_SIZE"])
+    deadline = time.monotonic() + 30
+    peers: dict[int, int] = {}
+    while len(peers) < world and time.monotonic() < deadline:
+        records = [json.loads(p.read_text()) for p in outdir.glob("env-*.json")]
+        peers = {int(r["RANK"]): r["pid"] for r in records if r["MASTER_PORT"] == port}
+        time.sleep(0.02)
+    if rank == target:
+        write_atomically(marker, port)
+        os.kill(os.getpid(), signum)
+    while alive(peers.get(target, 0)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(2.0)
+    sys.exit(1)
+
+
 def main() -> None:
     out, mode, *rest = sys.argv[1:]
     outdir = Path(out)
@@ -132,6 +167,8 @@ def main() -> None:
             sleep_forever()
         return
     target = int(rest[0])
+    if mode in ("kill-peer", "kill-peer-once"):
+        kill_peer(outdir, rank, target, int(rest[1]), once=mode == "kill-peer-once")
     if mode == "fail-once":
         marker = outdir / "failed-once"
         if rank == target and not marker.exists():

@@ -121,7 +121,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("assembly", ("rdzv.registry",)),
-    ("status", ("rdzv.status",)),
+    ("status", ("rdzv.status", "rdzv.first_failure")),
     (
         "front-ends",
         (
@@ -129,6 +129,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.launch.agent",
             "rdzv.launch.bootstrap",
             "rdzv.launch.explain",
+            "rdzv.launch.failures",
             "rdzv.launch.metrics",
             "rdzv.launch.options",
             "rdzv.launch.progress",

@@ -283,14 +283,29 @@ class Join:
         if self.queue_length != self.reported:
             # Progress for whoever waits with this node (rdzv run prints it).
             self.reported = self.queue_length
+            now = c.clock()
             c.event(
                 "waiting",
                 round_id,
                 joined=self.queue_length,
                 min_nodes=c.limits.min_nodes,
                 max_nodes=c.limits.max_nodes,
-                timeout_in=round(self.progress.deadline(c.limits) - c.clock(), 3),
+                timeout_in=round(self.progress.deadline(c.limits) - now, 3),
+                last_call_in=self._last_call_in(now),
             )
+
+    def _last_call_in(self, now: float) -> float | None:
+        """Seconds left of the last call this node sees, or None outside one.
+
+        The last call runs while at least ``min_nodes`` and fewer than
+        ``max_nodes`` have joined, from when this node first saw
+        ``min_nodes`` (now, when it sees them only now).
+        """
+        limits = self._c.limits
+        if not limits.min_nodes <= self.queue_length < limits.max_nodes:
+            return None
+        began = self.progress.min_seen_at
+        return round((now if began is None else began) + limits.last_call - now, 3)
 
     def _judge_suspects(self) -> None:
         """Judge the nodes a deferred seal waits for or would admit.

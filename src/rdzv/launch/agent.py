@@ -19,9 +19,12 @@ Theory of operation. One agent runs per node and drives any
      arrive closes the run; every agent leaves the rendezvous and waits at a
      second barrier until all have left (so an agent hosting the rendezvous
      store outlives the others' last writes); exit 0;
-   * a worker failed: stop the others and, while the restart budget lasts,
-     go back to 1 (the restart is counted); when it is spent, close the run
-     and exit :data:`EXIT_WORKER_FAILED` naming the failed rank;
+   * a worker failed: record it as the round's first failure unless another
+     agent did (:mod:`rdzv.launch.failures`: the lines about the restart or
+     re-form name that first failure), stop the others and, while the
+     restart budget lasts, go back to 1 (the restart is counted); when it is
+     spent, close the run and exit :data:`EXIT_WORKER_FAILED` naming the
+     failed rank;
    * nodes are waiting (a newcomer, or a member declared dead): stop the
      workers and go back to 1 without counting a restart.
 
@@ -88,6 +91,7 @@ from rdzv.launch.bootstrap import (
     tcp_store_server,
 )
 from rdzv.launch.explain import describe_change, describe_timeout
+from rdzv.launch.failures import FirstFailure
 from rdzv.launch.progress import FIRST_LINE_AFTER, LINE_EVERY, EventListener, WaitProgress
 from rdzv.launch.ranks import (
     DEFAULT_SIGNALS_TO_HANDLE,
@@ -372,6 +376,7 @@ class ElasticAgent:
         node = handler.node if isinstance(handler, DynamicRendezvousHandler) else None
         self._node = node
         self._events = EventListener(self._on_event, self._run_id, node)
+        self._failures = FirstFailure(self._run_id, node, self._log)
         self._on_round = on_round
         self._grace = reform_grace(handler) if config.reform_grace is None else config.reform_grace
         # The members of the round whose workers failed while restarts were
@@ -461,8 +466,10 @@ class ElasticAgent:
             except RendezvousClosedError as exc:
                 return AgentResult(
                     EXIT_RENDEZVOUS,
-                    f"the rendezvous of run {self._run_id!r} is closed (the job finished or "
-                    f"gave up): {exc}",
+                    self._failures.after(
+                        f"the rendezvous of run {self._run_id!r} is closed "
+                        f"(the job finished or gave up): {exc}"
+                    ),
                     self._restarts,
                 )
             except RendezvousError as exc:
@@ -583,6 +590,7 @@ class ElasticAgent:
             specs, self._sink, log_dir, cfg.duplicate_stdout_filters, cfg.duplicate_stderr_filters
         )
         self._attempt = _Attempt(info, ranks, workers, server)
+        self._failures.round_started(info, ranks.group_rank, self._restarts)
         self._attempts_started += 1
         self._log(
             f"node {ranks.group_rank}/{ranks.group_world_size} starting workers "
@@ -628,7 +636,7 @@ class ElasticAgent:
                 waiting_error = message
                 waiting = 0
             if waiting > 0:
-                self._log(
+                self._failures.say(
                     f"{describe_change(self._handler, waiting)}: stopping the workers to "
                     "re-rendezvous (not counted as a restart)"
                 )
@@ -663,12 +671,13 @@ class ElasticAgent:
             time.sleep(min(_GRACE_POLL, remaining))
 
     def _on_failure(self, failure: WorkerExit, info: RendezvousInfo) -> AgentResult | None:
+        self._failures.report(failure)
         self._end_attempt()
         cfg = self._config
         waiting = self._nodes_waiting()
         if waiting > 0:
             self.stats.reforms += 1
-            self._log(
+            self._failures.say(
                 f"{failure.describe()} as the group changed "
                 f"({describe_change(self._handler, waiting)}): re-rendezvous "
                 "(not counted as a restart)"
@@ -678,20 +687,20 @@ class ElasticAgent:
             self._restarts += 1
             self.stats.restarts = self._restarts
             self._failed_round = _members(info)
-            self._log(
+            self._failures.say(
                 f"{failure.describe()}; restarting the group "
                 f"(restart {self._restarts}/{cfg.max_restarts})"
             )
             return None
         if self._grace > 0:
-            self._log(
+            self._failures.say(
                 f"{failure.describe()}; no restart left: waiting up to {self._grace:g} s "
                 "for a change of the group that would make it a re-form"
             )
             if self._group_changes(self._grace):
                 self.stats.reforms += 1
                 change = describe_change(self._handler, self._nodes_waiting() or 1)
-                self._log(
+                self._failures.say(
                     f"the failure came with a change of the group ({change}): "
                     "re-rendezvous (not counted as a restart)"
                 )
@@ -700,7 +709,7 @@ class ElasticAgent:
         spent = f"after {self._restarts} restart(s)" if cfg.max_restarts else "(no restarts)"
         return AgentResult(
             EXIT_WORKER_FAILED,
-            f"run {self._run_id!r} failed {spent}: {failure.describe()}",
+            self._failures.after(f"run {self._run_id!r} failed {spent}: {failure.describe()}"),
             self._restarts,
             failure,
         )
