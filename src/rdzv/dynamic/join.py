@@ -57,6 +57,7 @@ from rdzv.dynamic.machine import (
     newcomers,
     observe,
     plan_seal,
+    reforming,
     start_join,
 )
 from rdzv.dynamic.member import Member, Membership, round_key
@@ -304,6 +305,8 @@ class Join:
         limits = self._c.limits
         if not limits.min_nodes <= self.queue_length < limits.max_nodes:
             return None
+        if reforming(self.progress, self.state, self.queue_length):
+            return None  # a re-formation seals without a last call
         began = self.progress.min_seen_at
         return round((now if began is None else began) + limits.last_call - now, 3)
 

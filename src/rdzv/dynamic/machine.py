@@ -92,6 +92,7 @@ __all__ = [
     "nodes_waiting_unchanged",
     "observe",
     "plan_seal",
+    "reforming",
     "start_join",
     "successor_of",
 ]
@@ -329,13 +330,13 @@ def decide(
         expiry = backup + limits.last_call
         if now >= expiry:
             return Seal()
-        if _reforming(progress, state, queue_length):
+        if reforming(progress, state, queue_length):
             return Seal(reform=True) if now >= backup else Wait(min(backup, join_deadline))
         return Wait(min(expiry, join_deadline))
     return Wait(join_deadline)
 
 
-def _reforming(progress: JoinProgress, state: StateView | None, queue_length: int) -> bool:
+def reforming(progress: JoinProgress, state: StateView | None, queue_length: int) -> bool:
     """Tell whether a round may seal without a last call: a re-formation.
 
     The last round had live members and the queue is at least as long as
