@@ -23,7 +23,9 @@ Theory of operation. One agent runs per node and drives any
      go back to 1 (the restart is counted); when it is spent, close the run
      and exit :data:`EXIT_WORKER_FAILED` naming the failed rank;
    * nodes are waiting (a newcomer, or a member declared dead): stop the
-     workers and go back to 1 without counting a restart.
+     workers and go back to 1 without counting a restart;
+   * a worker is hung (:mod:`rdzv.launch.watchdog`: torch's expiration
+     timers, ``hang_timeout``): it was ended there; a failure as above.
 
 A worker failure that coincides with a change of the group is a re-form,
 not a restart: when a node dies, the survivors' collective calls usually
