@@ -1,8 +1,9 @@
 """rdzv: elastic rendezvous for distributed jobs.
 
 Every public name of ``torch.distributed.elastic.rendezvous`` and of the
-``tensorplay.distributed.elastic.rendezvous`` spec is importable from here.
-Names are imported lazily, so ``import rdzv`` stays cheap.
+``tensorplay.distributed.elastic.rendezvous`` spec is importable from here,
+and :func:`progress`, which a training loop under ``rdzv run --hang-timeout``
+calls. Names are imported lazily, so ``import rdzv`` stays cheap.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ _EXPORTS: dict[str, str] = {
     "parse_config": "rdzv.endpoint",
     "StaticTCPRendezvous": "rdzv.static",
     "EtcdRendezvousBackend": "rdzv.backends.etcd",
+    "progress": "rdzv.worker",
 }
 
 __all__ = [
@@ -93,6 +95,7 @@ __all__ = [
     "parse_config",
     "parse_endpoint",
     "parse_rendezvous_endpoint",
+    "progress",
     "rendezvous_handler_registry",
     "__version__",
 ]
@@ -139,6 +142,7 @@ if TYPE_CHECKING:
     from rdzv.store.server import TCPStoreServer
     from rdzv.store.tcp import TCPStore
     from rdzv.utils import parse_rendezvous_endpoint
+    from rdzv.worker import progress
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

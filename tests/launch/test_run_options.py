@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from rdzv.cli import main
+from rdzv.launch import AgentConfig
+from rdzv.launch.options import parse_hang_timeout
 from rdzv.launch.run import RunOptionsError, parse_nnodes
 
 WORKER = str(Path(__file__).with_name("worker.py"))
@@ -47,6 +49,10 @@ def test_parse_nnodes_rejects(text: str) -> None:
         (["--standalone", "--no-python", "no-such-command-x"], "'no-such-command-x' is not an"),
         (["--standalone", "--run-path", "no/such.py"], "--run-path: the worker script"),
         (["--standalone", "--stop-grace", "-1", WORKER], "--stop-grace -1 must be non-negative"),
+        (["--standalone", "--hang-timeout", "0", WORKER], "--hang-timeout 0 must be a positive"),
+        (["--standalone", "--hang-timeout", "-2", WORKER], "--hang-timeout -2 must be"),
+        (["--standalone", "--hang-timeout", "nan", WORKER], "--hang-timeout nan must be"),
+        (["--standalone", "--hang-timeout", "inf", WORKER], "--hang-timeout inf must be"),
         (["--standalone", "--shutdown-timeout", "-3", WORKER], "--shutdown-timeout -3 must be"),
         (["--standalone", "no/such/script.py"], "'no/such/script.py' does not exist"),
         (["--standalone", "--max-restarts", "-1", WORKER], "--max-restarts -1"),
@@ -85,3 +91,17 @@ def test_module_mode_takes_the_module_and_its_args() -> None:
     assert args.module
     assert args.training_script == "pkg.mod"
     assert args.training_script_args == ["--lr", "1"]
+
+
+def test_parse_hang_timeout_keeps_a_positive_value_or_none() -> None:
+    assert parse_hang_timeout(None) is None
+    assert parse_hang_timeout(0.5) == 0.5
+    with pytest.raises(RunOptionsError, match="--hang-timeout"):
+        parse_hang_timeout(0.0)
+
+
+def test_agent_config_refuses_a_bad_hang_timeout() -> None:
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="hang_timeout"):
+            AgentConfig(entrypoint=["x.py"], hang_timeout=bad)
+    assert AgentConfig(entrypoint=["x.py"], hang_timeout=30.0).hang_timeout == 30.0

@@ -26,7 +26,9 @@ Theory of operation. One agent runs per node and drives any
      spent, close the run and exit :data:`EXIT_WORKER_FAILED` naming the
      failed rank;
    * nodes are waiting (a newcomer, or a member declared dead): stop the
-     workers and go back to 1 without counting a restart.
+     workers and go back to 1 without counting a restart;
+   * a worker is hung (:mod:`rdzv.launch.watchdog`: torch's expiration
+     timers, ``hang_timeout``): it was ended there; a failure as above.
 
 A worker failure that coincides with a change of the group is a re-form,
 not a restart: when a node dies, the survivors' collective calls usually
@@ -100,6 +102,7 @@ from rdzv.launch.ranks import (
     visible_device,
     worker_environment,
 )
+from rdzv.launch.watchdog import HangWatch
 from rdzv.launch.workers import (
     OutputSink,
     Std,
@@ -181,6 +184,9 @@ class AgentConfig:
             that makes it a re-form; None: the handler's time to find a
             dead member (``keep_alive_interval * (keep_alive_max_attempt +
             1)`` for the dynamic rendezvous, 0 for others).
+        hang_timeout: Seconds after which a worker that called
+            ``rdzv.progress()`` and stopped calling it is hung (its node's
+            stacks written, the group restarted), or None: no watchdog.
 
     Raises:
         ValueError: A value is out of range; the message names it.
@@ -207,6 +213,7 @@ class AgentConfig:
     forwarded: Sequence[signal.Signals] = DEFAULT_FORWARDED
     virtual_local_rank: bool = False
     reform_grace: float | None = None
+    hang_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -223,6 +230,8 @@ class AgentConfig:
             raise ValueError("role must be a non-empty name")
         if self.reform_grace is not None and not self.reform_grace >= 0:
             raise ValueError(f"reform_grace must be non-negative, got {self.reform_grace}")
+        if self.hang_timeout is not None and not 0 < self.hang_timeout < float("inf"):
+            raise ValueError(f"hang_timeout must be positive seconds, got {self.hang_timeout}")
         files = self.redirects or self.tee
         if self.log_dir is None and (
             files or self.duplicate_stdout_filters or self.duplicate_stderr_filters
@@ -383,6 +392,8 @@ class ElasticAgent:
         # left: the restart is given back if the next round differs.
         self._failed_round: tuple[str, ...] | None = None
         self.stats = AgentStats()
+        env = os.environ if config.env is None else config.env
+        self._watch = HangWatch(config.hang_timeout, config.log_dir, env, self._log)
 
     def _on_event(self, event: Mapping[str, Any]) -> None:
         self._progress.event(event)
@@ -393,7 +404,7 @@ class ElasticAgent:
 
     def run(self) -> AgentResult:
         """Run the job on this node until it finishes, fails or is interrupted; say how it ended."""
-        with self._signal_handlers(), self._events.attached():
+        with self._signal_handlers(), self._events.attached(), self._watch.serving():
             try:
                 return self._loop()
             except AgentInterrupted as exc:
@@ -559,6 +570,7 @@ class ElasticAgent:
         attempt_dir = Path(self._run_id, f"attempt_{self._attempts_started}")
         log_dir = None if cfg.log_dir is None else cfg.log_dir / attempt_dir
         error_dir = (log_dir or self._scratch_dir() / attempt_dir).resolve()
+        base_env.update(self._watch.begin(attempt_dir))
         command = [*cfg.entrypoint] if cfg.python is None else [cfg.python, "-u", *cfg.entrypoint]
         specs = []
         for local_rank in range(cfg.nproc_per_node):
@@ -626,6 +638,9 @@ class ElasticAgent:
                 if exits and exits[0].returncode != 0:
                     return self._on_failure(exits[0], attempt.info)
                 return self._on_success(attempt)
+            hung = self._watch.check(attempt.workers)
+            if hung is not None:
+                return self._on_failure(hung, attempt.info)
             try:
                 waiting = self._handler.num_nodes_waiting()
                 waiting_error = ""

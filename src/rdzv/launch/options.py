@@ -7,9 +7,9 @@ option's default comes from the environment variable ``PET_<DEST>`` (how
 Kubeflow's PyTorchJob configures torchrun): ``PET_NPROC_PER_NODE=2`` is
 ``--nproc-per-node 2``, and a flag such as ``--standalone`` is on when
 ``PET_STANDALONE`` is a non-zero integer. The command line wins over the
-environment. ``--stop-grace``, ``--reform-grace``, ``--log-level``, ``--verbose`` and
-the operations options (``--metrics-port``, ``--ready-file``) are rdzv's
-own.
+environment. ``--stop-grace``, ``--reform-grace``, ``--hang-timeout``, ``--log-level``,
+``--verbose`` and the operations options (``--metrics-port``, ``--ready-file``) are
+rdzv's own.
 
 The values are checked and turned into a rendezvous and an agent by
 :mod:`rdzv.launch.run`; the parsing helpers for values with a format of
@@ -43,6 +43,7 @@ __all__ = [
     "from_environment",
     "given",
     "local_world_size",
+    "parse_hang_timeout",
     "parse_local_ranks_filter",
     "parse_nnodes",
     "parse_signals",
@@ -256,6 +257,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the time to find a dead member; rdzv only)",
     )
     work(
+        "hang-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a worker that called rdzv.progress() and then does not call it for SECONDS is "
+        "hung: every worker's Python stacks are written to the log directory and the group "
+        "restarts (off; rdzv only)",
+    )
+    work(
         "virtual-local-rank",
         action=EnvFlag,
         help="LOCAL_RANK=0 for every worker; each sees only its device in CUDA_VISIBLE_DEVICES",
@@ -434,6 +443,17 @@ def local_world_size(text: str) -> int:
         why = "torch is not installed" if torch is None else f"torch finds no {name} device"
         raise RunOptionsError(f"--nproc-per-node {text}: {name} is not available ({why})")
     return int(device.device_count())
+
+
+def parse_hang_timeout(value: float | None) -> float | None:
+    """Check ``--hang-timeout``: None (off) or a positive, finite number of seconds.
+
+    Raises:
+        RunOptionsError: The value is zero, negative, not a number or infinite.
+    """
+    if value is not None and not 0 < value < float("inf"):
+        raise RunOptionsError(f"--hang-timeout {value:g} must be a positive number of seconds")
+    return value
 
 
 def parse_local_ranks_filter(text: str) -> frozenset[int] | None:

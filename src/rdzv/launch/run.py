@@ -49,6 +49,7 @@ from rdzv.launch.options import (
     from_environment,
     given,
     local_world_size,
+    parse_hang_timeout,
     parse_local_ranks_filter,
     parse_nnodes,
     parse_signals,
@@ -231,6 +232,7 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         signals=signals,
         virtual_local_rank=args.virtual_local_rank,
         reform_grace=args.reform_grace,
+        hang_timeout=parse_hang_timeout(args.hang_timeout),
     )
 
 

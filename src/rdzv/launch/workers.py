@@ -19,7 +19,10 @@ carries that root cause.
 
 Stopping sends a signal (SIGTERM unless told otherwise) to every worker's
 process group, waits a grace period, then sends SIGKILL to the groups still
-alive; the pump threads end when the pipes close and are joined. On Linux
+alive; the pump threads end when the pipes close and are joined. To show
+where hung workers are stuck, the agent can instead freeze them all, abort
+them with faulthandler on and keep what each writes on stderr from then on
+(:meth:`WorkerGroup.abort_for_stacks`). On Linux
 each worker also asks the kernel for SIGKILL when the agent dies
 (``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves no orphan workers.
 """
@@ -33,6 +36,7 @@ import enum
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -213,6 +217,9 @@ class WorkerExit:
         log_path: Its log file, when there is one.
         root_cause: The exception torch's ``@record`` recorded, when it failed
             and left one.
+        hang: Why the agent judged the worker hung and ended it (what
+            follows ``rank N hung``), or None; its ``returncode`` is then
+            the signal the agent sent (negative) if it had not ended yet.
     """
 
     rank: int
@@ -221,11 +228,17 @@ class WorkerExit:
     returncode: int
     log_path: Path | None
     root_cause: str | None = None
+    hang: str | None = None
 
     def describe(self) -> str:
-        """Return a one-line account of the exit: rank, code, root cause, log."""
-        text = f"worker rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) "
-        text += describe_returncode(self.returncode)
+        """Return a one-line account of the exit: rank, code (or hang), root cause, log."""
+        if self.hang is not None:
+            text = (
+                f"rank {self.rank} hung{self.hang}; pid {self.pid} (local rank {self.local_rank})"
+            )
+        else:
+            text = f"worker rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) "
+            text += describe_returncode(self.returncode)
         if self.root_cause is not None:
             text += f": {self.root_cause}"
         if self.log_path is not None:
@@ -301,6 +314,10 @@ class _LockedFile:
             self._file.close()
 
 
+_CAPTURE_LIMIT = 1 << 20
+_CAPTURE_JOIN = 2.0
+
+
 class _Worker:
     def __init__(
         self, spec: WorkerSpec, process: subprocess.Popen[bytes], log_file: _LockedFile | None
@@ -309,6 +326,14 @@ class _Worker:
         self.process = process
         self.log_file = log_file
         self.pumps: list[threading.Thread] = []
+        # Its stderr lines from some moment on (see WorkerGroup.abort_for_stacks).
+        self.captured: list[bytes] | None = None
+        self.captured_size = 0
+
+    def capture(self, line: bytes) -> None:
+        if self.captured is not None and self.captured_size < _CAPTURE_LIMIT:
+            self.captured.append(line)
+            self.captured_size += len(line)
 
 
 @dataclass(frozen=True)
@@ -418,6 +443,8 @@ class WorkerGroup:
                     self._sink.write_line(prefix + line, to_stderr)
                 if worker.log_file is not None:
                     worker.log_file.write(line)
+                if to_stderr:
+                    worker.capture(line)
                 if duplicate is not None and any(n in line for n in duplicate.needles):
                     duplicate.file.write(prefix + line)
 
@@ -477,6 +504,64 @@ class WorkerGroup:
             worker.process.wait()
         self.close()
 
+    def running(self) -> dict[int, int]:
+        """Return the pid of every running worker, by global rank."""
+        return {w.spec.rank: w.process.pid for w in self._workers if w.process.poll() is None}
+
+    def hung(self, rank: int, hang: str, signum: int, wait: float) -> WorkerExit:
+        """Return the exit of the worker of ``rank``, judged hung and sent ``signum``.
+
+        Waits up to ``wait`` seconds for it to end; ``returncode`` is
+        ``-signum`` if it has not (stopping the group ends it).
+        """
+        worker = next(w for w in self._workers if w.spec.rank == rank)
+        try:
+            code = worker.process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            code = -signum
+        log_path = None if worker.log_file is None else worker.log_file.path
+        return WorkerExit(
+            rank, worker.spec.local_rank, worker.process.pid, code, log_path, hang=hang
+        )
+
+    def abort_for_stacks(self, wait: float) -> dict[int, bytes]:
+        """Have every running worker print its Python stacks, then kill every worker.
+
+        The running workers are stopped (SIGSTOP), so that every stack is of
+        the same moment; each gets SIGABRT with core dumps turned off (its
+        ``RLIMIT_CORE`` set to 0), then SIGCONT. A Python worker with
+        faulthandler on (``PYTHONFAULTHANDLER``) writes the stack of every
+        thread to its stderr and dies, whatever its main thread is blocked
+        in. Once every one ended, or after ``wait`` seconds, every worker's
+        process group gets SIGKILL.
+
+        Returns:
+            Global rank -> what the worker wrote on stderr from the signal
+            on (read until its pipe closed, or for a few seconds), for the
+            workers that were running.
+        """
+        alive = [w for w in self._workers if w.process.poll() is None]
+        for worker in alive:
+            worker.captured = []
+        for signum in (signal.SIGSTOP, signal.SIGABRT, signal.SIGCONT):
+            for worker in alive:
+                if signum == signal.SIGABRT:
+                    _no_core_dump(worker.process.pid)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(worker.process.pid, signum)
+        deadline = time.monotonic() + wait
+        for worker in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        for worker in alive:
+            _signal_group(worker.process.pid, signal.SIGKILL)
+        for worker in alive:
+            worker.process.wait()
+        deadline = time.monotonic() + _CAPTURE_JOIN
+        for pump in (p for w in alive for p in w.pumps):
+            pump.join(timeout=max(deadline - time.monotonic(), 0.0))
+        return {w.spec.rank: b"".join(w.captured or ()) for w in alive}
+
     def send_signal(self, signum: signal.Signals) -> None:
         """Send ``signum`` to the process group of every running worker (nothing else)."""
         for worker in self._workers:
@@ -496,6 +581,14 @@ class WorkerGroup:
         if all(w.process.poll() is not None for w in self._workers):
             for duplicate in self._filters.values():
                 duplicate.file.close()
+
+
+def _no_core_dump(pid: int) -> None:
+    """Keep an aborted worker from writing a core file (Linux; elsewhere nothing)."""
+    prlimit = getattr(resource, "prlimit", None)
+    if prlimit is not None:
+        with contextlib.suppress(OSError, ValueError):
+            prlimit(pid, resource.RLIMIT_CORE, (0, 0))
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:
