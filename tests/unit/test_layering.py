@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.testing.netns",
             "rdzv.metrics",
             "rdzv.threads",
+            "rdzv.worker",
         ),
     ),
     (
@@ -130,6 +131,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.launch.bootstrap",
             "rdzv.launch.explain",
             "rdzv.launch.failures",
+            "rdzv.launch.timers",
+            "rdzv.launch.watchdog",
             "rdzv.launch.metrics",
             "rdzv.launch.options",
             "rdzv.launch.progress",
