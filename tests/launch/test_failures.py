@@ -80,6 +80,18 @@ def test_an_exit_code_a_root_cause_and_a_hang_are_described() -> None:
     assert decode_failure(encode_failure(hung)) == hung
 
 
+def test_a_worker_the_watchdog_ended_is_recorded_as_hung() -> None:
+    ended = WorkerExit(
+        3, 1, 4242, -9, None, hang=" (no progress for 5 s); stacks in /logs/rank_3.stacks"
+    )
+    hung = record_of(ended, host="h", when=WHEN)
+    assert hung.kind == KIND_HUNG
+    assert hung.describe() == (
+        "worker rank 3 on h (local rank 1) hung at 12:03:04 (restart 0): hung (no progress "
+        "for 5 s); stacks in /logs/rank_3.stacks"
+    )
+
+
 def test_a_record_survives_its_encoding() -> None:
     first = record(detail="RuntimeError: é ✓")
     raw = encode_failure(first)

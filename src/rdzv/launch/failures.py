@@ -38,6 +38,7 @@ from rdzv.api import RendezvousInfo
 from rdzv.errors import RendezvousError
 from rdzv.first_failure import (
     KIND_EXIT,
+    KIND_HUNG,
     KIND_SIGNAL,
     FailureRecord,
     FailureRecordError,
@@ -70,7 +71,9 @@ def record_of(
     """Return the record of a worker's exit (the other arguments are the fields of those names).
 
     ``kind`` and ``detail`` default to what the exit tells: its code or
-    signal, and the root cause ``@record`` left.
+    signal and the root cause ``@record`` left, or for a worker the agent
+    judged hung, :data:`~rdzv.first_failure.KIND_HUNG` and why (which
+    names its stack file).
     """
     code = failure.returncode
     name = None
@@ -79,6 +82,10 @@ def record_of(
             name = signal.Signals(-code).name
         except ValueError:
             name = str(-code)
+    if failure.hang is not None:
+        # Judged hung and ended by this agent: its signal is the agent's.
+        kind = kind or KIND_HUNG
+        detail = detail if detail is not None else f"hung{failure.hang}"
     return FailureRecord(
         kind or (KIND_SIGNAL if name else KIND_EXIT),
         failure.rank,
