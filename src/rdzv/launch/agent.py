@@ -96,6 +96,7 @@ from rdzv.launch.ranks import (
     visible_device,
     worker_environment,
 )
+from rdzv.launch.warm import WarmSpares
 from rdzv.launch.workers import (
     OutputSink,
     Std,
@@ -177,6 +178,8 @@ class AgentConfig:
             that makes it a re-form; None: the handler's time to find a
             dead member (``keep_alive_interval * (keep_alive_max_attempt +
             1)`` for the dynamic rendezvous, 0 for others).
+        warm_restart: Keep a preloaded spare per local rank for the next
+            attempt (:mod:`rdzv.launch.warm`).
 
     Raises:
         ValueError: A value is out of range; the message names it.
@@ -203,6 +206,7 @@ class AgentConfig:
     forwarded: Sequence[signal.Signals] = DEFAULT_FORWARDED
     virtual_local_rank: bool = False
     reform_grace: float | None = None
+    warm_restart: bool = True
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -378,6 +382,7 @@ class ElasticAgent:
         # left: the restart is given back if the next round differs.
         self._failed_round: tuple[str, ...] | None = None
         self.stats = AgentStats()
+        self._warm = WarmSpares(config.python, config.entrypoint, config.warm_restart)
 
     def _on_event(self, event: Mapping[str, Any]) -> None:
         self._progress.event(event)
@@ -402,6 +407,7 @@ class ElasticAgent:
                 )
             finally:
                 self._cleaning_up = True
+                self._warm.close()
                 self._end_attempt()
                 self._shutdown_handler()
                 if self._scratch is not None:
@@ -580,7 +586,12 @@ class ElasticAgent:
                 )
             )
         workers = WorkerGroup(
-            specs, self._sink, log_dir, cfg.duplicate_stdout_filters, cfg.duplicate_stderr_filters
+            specs,
+            self._sink,
+            log_dir,
+            cfg.duplicate_stdout_filters,
+            cfg.duplicate_stderr_filters,
+            self._warm.start,
         )
         self._attempt = _Attempt(info, ranks, workers, server)
         self._attempts_started += 1
@@ -595,6 +606,8 @@ class ElasticAgent:
         except OSError as exc:
             raise RendezvousError(f"could not start the workers: {exc}") from exc
         self._check_signalled()
+        if self._restarts < cfg.max_restarts or self._node is not None:
+            self._warm.prepare(specs)  # another attempt may come
         self.stats.workers = len(specs)
         self._publish(info.store, ranks.group_rank, len(specs))
 
@@ -706,6 +719,7 @@ class ElasticAgent:
         )
 
     def _on_success(self, attempt: _Attempt) -> AgentResult:
+        self._warm.close()
         attempt.workers.close()
         self._exit_barrier(attempt)
         self._end_attempt()

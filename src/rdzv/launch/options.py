@@ -7,9 +7,9 @@ option's default comes from the environment variable ``PET_<DEST>`` (how
 Kubeflow's PyTorchJob configures torchrun): ``PET_NPROC_PER_NODE=2`` is
 ``--nproc-per-node 2``, and a flag such as ``--standalone`` is on when
 ``PET_STANDALONE`` is a non-zero integer. The command line wins over the
-environment. ``--stop-grace``, ``--reform-grace``, ``--log-level``, ``--verbose`` and
-the operations options (``--metrics-port``, ``--ready-file``) are rdzv's
-own.
+environment. ``--stop-grace``, ``--reform-grace``, ``--no-warm-restart``,
+``--log-level``, ``--verbose`` and the operations options (``--metrics-port``,
+``--ready-file``) are rdzv's own.
 
 The values are checked and turned into a rendezvous and an agent by
 :mod:`rdzv.launch.run`; the parsing helpers for values with a format of
@@ -254,6 +254,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="after a worker failure with no restart left, wait this long for a change of "
         "the group (a node waiting, a member found dead) that makes it a re-form instead "
         "(default: the time to find a dead member; rdzv only)",
+    )
+    work(
+        "no-warm-restart",
+        action="store_true",
+        help="start every worker as a new process; by default a preloaded spare per local "
+        "rank waits for the next attempt (rdzv only)",
     )
     work(
         "virtual-local-rank",

@@ -231,6 +231,7 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         signals=signals,
         virtual_local_rank=args.virtual_local_rank,
         reform_grace=args.reform_grace,
+        warm_restart=not args.no_warm_restart,
     )
 
 
