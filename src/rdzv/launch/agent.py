@@ -96,7 +96,7 @@ from rdzv.launch.ranks import (
     visible_device,
     worker_environment,
 )
-from rdzv.launch.warm import WarmSpares
+from rdzv.launch.warm import WarmSpares, check_module_names
 from rdzv.launch.workers import (
     OutputSink,
     Std,
@@ -180,6 +180,8 @@ class AgentConfig:
             1)`` for the dynamic rendezvous, 0 for others).
         warm_restart: Keep a preloaded spare per local rank for the next
             attempt (:mod:`rdzv.launch.warm`).
+        warm_preload: Modules the spares import after the script's leading
+            imports (ones the worker imports later, e.g. ``torch._dynamo``).
 
     Raises:
         ValueError: A value is out of range; the message names it.
@@ -207,6 +209,7 @@ class AgentConfig:
     virtual_local_rank: bool = False
     reform_grace: float | None = None
     warm_restart: bool = True
+    warm_preload: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -230,6 +233,7 @@ class AgentConfig:
             raise ValueError("redirects, tee and duplicate filters write log files: give log_dir")
         if not self.signals:
             raise ValueError("signals must name at least one signal to handle")
+        check_module_names(self.warm_preload)
         if self.virtual_local_rank:
             visible_device(os.environ if self.env is None else self.env, self.nproc_per_node - 1)
 
@@ -382,7 +386,9 @@ class ElasticAgent:
         # left: the restart is given back if the next round differs.
         self._failed_round: tuple[str, ...] | None = None
         self.stats = AgentStats()
-        self._warm = WarmSpares(config.python, config.entrypoint, config.warm_restart)
+        self._warm = WarmSpares(
+            config.python, config.entrypoint, config.warm_restart, config.warm_preload
+        )
 
     def _on_event(self, event: Mapping[str, Any]) -> None:
         self._progress.event(event)

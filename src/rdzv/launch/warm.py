@@ -75,6 +75,7 @@ __all__ = [
     "Plan",
     "Step",
     "WarmSpares",
+    "check_module_names",
     "plan_for",
     "predicted_env",
 ]
@@ -140,12 +141,14 @@ class Plan:
             script's (they then run in ``__main__``), else None.
         steps: The statements, in order.
         digests: SHA-256 of every file read to make the plan, by path.
+        extra: Modules imported after the statements (``--warm-preload``).
     """
 
     path0: str | None = None
     main_file: str | None = None
     steps: tuple[Step, ...] = ()
     digests: tuple[tuple[str, str], ...] = ()
+    extra: tuple[str, ...] = ()
 
 
 def _docstring(node: ast.stmt) -> bool:
@@ -228,14 +231,14 @@ def _module_chain(name: str, cwd: str) -> list[tuple[Path, str]] | None:
     return [*chain, (main, "__main__")] if main.is_file() else None
 
 
-def plan_for(entrypoint: Sequence[str], cwd: str) -> Plan | None:
+def plan_for(entrypoint: Sequence[str], cwd: str, extra: Sequence[str] = ()) -> Plan | None:
     """Decide what a spare of ``python -u *entrypoint`` preloads, run in ``cwd``.
 
     A script: its leading imports, with ``sys.path[0]`` its real directory.
     ``-m name``: the leading imports of the files it runs from ``cwd``, one
     file after the other while a file has nothing else. ``-c``, or a file
-    that is not Python source: nothing (the spare still saves the
-    interpreter's start).
+    that is not Python source: no statements (the spare still saves the
+    interpreter's start). Then the modules ``extra``.
 
     Returns:
         The plan, or None when a spare cannot run the entry point exactly
@@ -245,7 +248,7 @@ def plan_for(entrypoint: Sequence[str], cwd: str) -> Plan | None:
         return None
     first = entrypoint[0]
     if first == "-c":
-        return Plan()
+        return Plan("", extra=tuple(extra)) if extra else Plan()
     if first == "-m":
         chain = _module_chain(entrypoint[1], cwd) if len(entrypoint) > 1 else None
         path0, main_file = cwd, None
@@ -267,9 +270,20 @@ def plan_for(entrypoint: Sequence[str], cwd: str) -> Plan | None:
         steps.extend(found)
         if not whole:
             break
-    if not steps:
+    if not steps and not extra:
         return Plan(digests=tuple(digests))
-    return Plan(path0, main_file, tuple(steps), tuple(digests))
+    return Plan(path0, main_file, tuple(steps), tuple(digests), tuple(extra))
+
+
+def check_module_names(names: Sequence[str]) -> None:
+    """Check that every name is a dotted module name (``torch._dynamo``).
+
+    Raises:
+        ValueError: One is not; the message names it.
+    """
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"{name!r} is not a module name (e.g. torch._dynamo)")
 
 
 def predicted_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -355,6 +369,7 @@ class _Spare:
                         {"code": s.code, "filename": s.filename, "module": s.module, "tops": s.tops}
                         for s in plan.steps
                     ],
+                    "extra": plan.extra,
                 }
             )
 
@@ -462,6 +477,7 @@ class WarmSpares:
         python: The workers' interpreter, or None (``--no-python``: never warm).
         entrypoint: The worker's arguments after ``python -u``.
         enabled: False: every worker starts cold.
+        extra: Modules the spares import after the script's leading imports.
         preload_delay: Seconds between starting the spares and their imports.
     """
 
@@ -470,9 +486,11 @@ class WarmSpares:
         python: str | None,
         entrypoint: Sequence[str],
         enabled: bool = True,
+        extra: Sequence[str] = (),
         preload_delay: float = PRELOAD_DELAY,
     ) -> None:
         self._entrypoint = list(entrypoint)
+        self._extra = tuple(extra)
         self._enabled = enabled and python is not None and _is_binary(python)
         if enabled and python is not None and not self._enabled:
             _LOG.info("workers start cold: %s is not an executable binary", python)
@@ -486,7 +504,7 @@ class WarmSpares:
         if spare is not None:
             try:
                 cwd = _cwd()
-                spare.check(spec, cwd, plan_for(self._entrypoint, cwd))
+                spare.check(spec, cwd, plan_for(self._entrypoint, cwd, self._extra))
                 spare.go(spec.env, cwd)
             except _SpareError as exc:
                 _LOG.info("worker rank %d starts cold: its spare: %s", spec.rank, exc)
@@ -509,7 +527,7 @@ class WarmSpares:
             cwd = _cwd()
         except _SpareError:
             return
-        plan = plan_for(self._entrypoint, cwd)
+        plan = plan_for(self._entrypoint, cwd, self._extra)
         if plan is None:
             return
         for spec in specs:

@@ -17,12 +17,15 @@ imports this module from ``site``, before it runs the script, and this module:
    for a script, removed again afterwards, since Python adds them itself) and
    with ``sys.path[0]`` as the script will have it. It stops before the first
    statement whose module would come from the script's own directory: local
-   code runs only after "go". Reads of ``os.environ`` meanwhile are recorded;
+   code runs only after "go". Then the modules listed with ``--warm-preload``.
+   Reads of ``os.environ`` meanwhile are recorded;
 3. tells the agent it is ready (the variables read, whether the environment
    was listed, the files of the modules it imported), and blocks;
-4. on "go" replaces the whole environment with the attempt's, changes to its
-   working directory, acknowledges, closes both pipes and returns: Python
-   goes on exactly as for a cold start (``sys.argv``, ``sys.path[0]``,
+4. on "go" replaces the whole environment with the attempt's (with the
+   changes the preload itself made to the variables, as a cold start would
+   have them), changes to the attempt's working directory (unless the
+   preload changed directory), acknowledges, closes both pipes and returns:
+   Python goes on exactly as for a cold start (``sys.argv``, ``sys.path[0]``,
    ``__main__``, tracebacks, exit status are all Python's own).
 
 Anything unexpected before "go" ends the process at once with status 86,
@@ -176,10 +179,22 @@ def _run_step(step: "Any", path0: "str | None", main: "dict[str, Any] | None") -
     return True
 
 
+def _import(name: str) -> None:
+    """Import a module the agent was told to preload; one this interpreter lacks is skipped."""
+    try:
+        __import__(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if not missing or not (name == missing or name.startswith(missing + ".")):
+            raise
+
+
 def _preload(plan: "dict[str, Any]") -> None:
-    """Run the leading import statements of the plan, stopping before local code."""
-    steps = plan.get("steps")
-    if not isinstance(steps, list) or not steps:
+    """Run the plan's leading import statements (up to local code), then its extra imports."""
+    steps, extra = plan.get("steps"), plan.get("extra")
+    if not isinstance(steps, list) or not isinstance(extra, list):
+        raise TypeError("a plan without steps")
+    if not steps and not extra:
         return
     path0 = plan.get("path0")
     if getattr(sys.flags, "safe_path", False) or not isinstance(path0, str):
@@ -200,6 +215,8 @@ def _preload(plan: "dict[str, Any]") -> None:
         for step in steps:
             if not _run_step(step, path0, main):
                 break
+        for name in extra:
+            _import(str(name))
     finally:
         if main is not None:
             del main["__file__"], main["__cached__"]
@@ -225,6 +242,18 @@ def _module_files(before: "set[str]") -> "list[list[Any]]":
     return files
 
 
+def _attempt_env(env: "dict[str, str]", start: "dict[str, str]") -> "dict[str, str]":
+    """The attempt's environment with the preload's own changes (``start`` -> now) made to it.
+
+    A cold worker would have made the same changes (its ``sitecustomize`` or
+    imports setting a variable) to the attempt's environment.
+    """
+    now = dict(os.environ)
+    result = {key: value for key, value in env.items() if key in now or key not in start}
+    result.update((key, value) for key, value in now.items() if start.get(key) != value)
+    return result
+
+
 def _spare(fds: str) -> None:
     read_fd, write_fd = (int(fd) for fd in fds.split(","))
     before = set(sys.modules)
@@ -238,9 +267,10 @@ def _spare(fds: str) -> None:
         os.environ["PYTHONPATH"] = pythonpath
     else:
         del os.environ["PYTHONPATH"]
+    start_env, start_cwd = dict(os.environ), os.getcwd()
+    before = set(sys.modules)
     with _Tracker() as tracker:
         _customize()
-        before = set(sys.modules)
         _preload(plan)
     channel.send(
         {
@@ -254,9 +284,12 @@ def _spare(fds: str) -> None:
     env, cwd = go.get("env"), go.get("cwd")
     if not isinstance(env, dict) or not isinstance(cwd, str):
         raise TypeError("a go message without env and cwd")
+    env = _attempt_env(env, start_env)
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(cwd)
+    if os.getcwd() == start_cwd:
+        # (A preloaded module that changed directory did what it would have done cold.)
+        os.chdir(cwd)
     channel.send({"went": True})
     channel.close()
 
