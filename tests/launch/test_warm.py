@@ -31,7 +31,7 @@ from rdzv.launch.warm import (
 )
 from rdzv.launch.workers import WorkerSpec
 from tests.launch.procs import agents, alive, finish, kill_pids
-from tests.procs import free_port, subprocess_env, wait_until
+from tests.procs import ROOT, free_port, subprocess_env, wait_until
 
 PROBE = str(Path(__file__).with_name("warm_probe.py"))
 
@@ -170,8 +170,12 @@ def site_dir(tmp_path: Path) -> Path:
     return site
 
 
+#: The probe as a script, and as a module (run from the checkout, the agents' directory).
+ENTRIES = {"script": [PROBE], "module": ["-m", "tests.launch.warm_probe"]}
+
+
 def run_probe(
-    out: Path, end: str, *options: str, env: dict[str, str] | None = None
+    out: Path, entry: str, end: str, *options: str, env: dict[str, str] | None = None
 ) -> tuple[int, str, str]:
     out.mkdir()
     args = [
@@ -184,7 +188,7 @@ def run_probe(
         f"--log-dir={out / 'logs'}",
         "--log-level=INFO",
         *options,
-        PROBE,
+        *ENTRIES[entry],
         str(out),
         end,
     ]
@@ -229,21 +233,22 @@ def last_line(err: str, out: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("end", "outcome"),
+    ("entry", "end", "outcome"),
     [
-        ("exit:7", "exited with code 7"),
-        ("kill:SIGTERM", "was killed by signal SIGTERM (15)"),
-        ("interrupt", "was killed by signal SIGINT (2)"),
+        ("script", "exit:7", "exited with code 7"),
+        ("script", "kill:SIGTERM", "was killed by signal SIGTERM (15)"),
+        ("script", "interrupt", "was killed by signal SIGINT (2)"),
+        ("module", "exit:7", "exited with code 7"),
     ],
 )
 def test_a_warm_worker_is_started_exactly_as_a_cold_one(
-    tmp_path: Path, end: str, outcome: str
+    tmp_path: Path, entry: str, end: str, outcome: str
 ) -> None:
     env = subprocess_env(PROBE_GONE="removed by sitecustomize")
     env["PYTHONPATH"] = f"{site_dir(tmp_path)}{os.pathsep}{env['PYTHONPATH']}"
     warm, cold = tmp_path / "warm", tmp_path / "cold"
-    code, _, err = run_probe(warm, end, env=env)
-    cold_code, _, cold_err = run_probe(cold, end, "--no-warm-restart", env=env)
+    code, _, err = run_probe(warm, entry, end, env=env)
+    cold_code, _, cold_err = run_probe(cold, entry, end, "--no-warm-restart", env=env)
     assert (code, cold_code) == (1, 1), err
     assert warm_started(warm), err
     assert not warm_started(cold), cold_err
@@ -261,7 +266,7 @@ def test_a_warm_worker_is_started_exactly_as_a_cold_one(
     assert env_seen["PYTHONPATH"] == env["PYTHONPATH"]
     assert data["name"] == "__main__"
     assert data["argv"] == [PROBE, str(warm), end]
-    assert data["path"][0] == str(Path(PROBE).parent)
+    assert data["path"][0] == str(Path(PROBE).parent if entry == "script" else ROOT)
     assert data["death_signal"] == signal.SIGKILL
     assert data["session_leader"]
     assert data["group_leader"]
@@ -426,36 +431,72 @@ def test_no_spare_outlives_its_agent(tmp_path: Path, how: str) -> None:
         kill_pids([*spares, *workers])
 
 
-@pytest.mark.slow
-def test_a_spare_preloads_ahead_of_need_and_becomes_the_worker(tmp_path: Path) -> None:
+def spare_run(
+    tmp_path: Path, script_text: str, extra: tuple[str, ...] = ()
+) -> tuple[list[int], int, int, str, str]:
+    """Prepare a spare with WarmSpares itself, wait until it imported ``marker``, start a worker.
+
+    ``marker`` (on PYTHONPATH) records the pid of each process importing it
+    in ``tmp_path/marks``. Returns those pids (the spare's first), the
+    worker's pid and exit status, and its stdout and stderr.
+    """
     lib = tmp_path / "lib"
     lib.mkdir()
     (lib / "marker.py").write_text(
-        "import os, sys\nopen(os.path.join(os.environ['MARKS'], str(os.getpid())), 'w').close()\n"
+        "import os\nopen(os.path.join(os.environ['MARKS'], str(os.getpid())), 'w').close()\n"
     )
     marks = tmp_path / "marks"
     marks.mkdir()
     script = tmp_path / "main.py"
-    script.write_text(
-        "import marker\nimport os\nprint('worker', os.getpid(), os.environ['RANK'])\n"
-    )
+    script.write_text(script_text)
     env = subprocess_env(MARKS=str(marks))
     env["PYTHONPATH"] = f"{lib}{os.pathsep}{env['PYTHONPATH']}"
     argv = [sys.executable, "-u", str(script)]
-    spares = WarmSpares(sys.executable, [str(script)], preload_delay=0)
+    spares = WarmSpares(sys.executable, [str(script)], extra=extra, preload_delay=0)
     process: subprocess.Popen[bytes] | None = None
     try:
         spares.prepare([WorkerSpec(0, 0, argv, {**env, "RANK": "0"})])
-        [spare_pid] = [s.process.pid for s in spares._spares.values()]
-        wait_until((marks / str(spare_pid)).exists, "the spare to import marker")
+        [spare] = spares._spares.values()
+        wait_until(
+            lambda: (marks / str(spare.process.pid)).exists() or spare.process.poll() is not None,
+            "the spare to import marker, or to fail",
+        )
         process = spares.start(WorkerSpec(5, 0, argv, {**env, "RANK": "5"}))
         out, err = process.communicate(timeout=30)
-        assert process.pid == spare_pid
-        assert process.returncode == 0, err
-        assert out.decode() == f"worker {spare_pid} 5\n"
-        assert sorted(p.name for p in marks.iterdir()) == [str(spare_pid)]
+        others = sorted(int(p.name) for p in marks.iterdir() if p.name != str(spare.process.pid))
+        imported = [spare.process.pid, *others]
+        return imported, process.pid, process.returncode, out.decode(), err.decode()
     finally:
         spares.close()
         if process is not None and process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.slow
+def test_a_spare_preloads_the_leading_imports_ahead_of_need_and_becomes_the_worker(
+    tmp_path: Path,
+) -> None:
+    text = "import marker\nimport os\nprint('worker', os.getpid(), os.environ['RANK'])\n"
+    imported, pid, code, out, err = spare_run(tmp_path, text)
+    assert imported == [pid]
+    assert (code, out) == (0, f"worker {pid} 5\n"), err
+
+
+@pytest.mark.slow
+def test_a_spare_preloads_the_extra_modules_and_skips_missing_ones(tmp_path: Path) -> None:
+    text = "import os\nprint('worker', os.getpid())\nimport marker\n"
+    imported, pid, code, out, err = spare_run(tmp_path, text, ("no_such_module.sub", "marker"))
+    assert imported == [pid]
+    assert (code, out) == (0, f"worker {pid}\n"), err
+
+
+@pytest.mark.slow
+def test_a_spare_whose_imports_fail_makes_a_cold_start_that_fails_the_same(
+    tmp_path: Path,
+) -> None:
+    text = "import marker\nimport no_such_module\n"
+    imported, pid, code, _, err = spare_run(tmp_path, text)
+    assert imported[1:] == [pid]  # the spare imported marker, then a new process did
+    assert code == 1
+    assert "ModuleNotFoundError: No module named 'no_such_module'" in err

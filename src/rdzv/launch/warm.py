@@ -106,7 +106,7 @@ PRELOAD_DELAY = 5.0
 
 _SITE_DIR = str(Path(__file__).resolve().with_name("warm_site"))
 _FDS_VARIABLE = "RDZV_WARM_FDS"
-_READY_TIMEOUT = 120.0
+_READY_TIMEOUT = 60.0
 _WENT_TIMEOUT = 10.0
 _MESSAGE_LIMIT = 64 << 20
 _SCRIPT_LIMIT = 16 << 20
@@ -387,12 +387,15 @@ class _Spare:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _SpareError(f"it did not answer within {timeout:g} s")
-            readable, _, _ = select.select([self._from_spare], [], [], remaining)
-            if not readable:
+            try:
+                readable, _, _ = select.select([self._from_spare], [], [], remaining)
+                chunk = os.read(self._from_spare, 1 << 16) if readable else None
+            except OSError as exc:
+                raise _SpareError(f"its pipe failed ({exc.strerror or exc})") from exc
+            if chunk is None:
                 continue
-            chunk = os.read(self._from_spare, 1 << 16)
             if not chunk:
-                raise _SpareError(f"it exited ({self.process.wait()})")
+                raise _SpareError(f"it closed its pipe (exit status {self.process.poll()})")
             self._buffer += chunk
             if len(self._buffer) > _MESSAGE_LIMIT:
                 raise _SpareError("its message is over the limit")
@@ -502,6 +505,8 @@ class WarmSpares:
         """Start ``spec``'s worker: its local rank's spare when it fits, else a new process."""
         spare = self._spares.pop(spec.local_rank, None)
         if spare is not None:
+            # The others may be needed next: they preload meanwhile, not one after the other.
+            self._preload_now([spare, *self._spares.values()])
             try:
                 cwd = _cwd()
                 spare.check(spec, cwd, plan_for(self._entrypoint, cwd, self._extra))
@@ -509,6 +514,9 @@ class WarmSpares:
             except _SpareError as exc:
                 _LOG.info("worker rank %d starts cold: its spare: %s", spec.rank, exc)
                 spare.kill()
+            except BaseException:
+                spare.kill()
+                raise
             else:
                 _LOG.info("worker rank %d starts warm (pid %d)", spec.rank, spare.process.pid)
                 return spare.process
@@ -546,8 +554,11 @@ class WarmSpares:
         )
 
     def _preload_later(self, spares: list[_Spare], wake: threading.Event) -> None:
-        if wake.wait(self._delay):
-            return
+        if not wake.wait(self._delay):
+            self._preload_now(spares)
+
+    @staticmethod
+    def _preload_now(spares: Sequence[_Spare]) -> None:
         for spare in spares:
             with contextlib.suppress(_SpareError):
                 spare.send_plan()
