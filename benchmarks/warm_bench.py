@@ -13,7 +13,7 @@ imports it when it is built), and cold (``--no-warm-restart``). Also: the first 
 preloading while it runs, cost it), and SIGKILL to the last rank's first
 step.
 
-    python benchmarks/warm_bench.py [--runs 3] [--settle 15]
+    python benchmarks/warm_bench.py [--runs 3] [--settle 20]
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def one_run(tmp: Path, tag: str, options: list[str], settle: float) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--settle", type=float, default=15.0)
+    parser.add_argument("--settle", type=float, default=20.0)
     args = parser.parse_args()
     results: dict[str, dict[str, list[float]]] = {
         mode: {"initial": [], "restarted": [], "recovery": []} for mode in MODES

@@ -4,45 +4,48 @@ Theory of operation. Right after the workers of an attempt start, the agent
 starts one *spare* per local rank for the next attempt: a process started
 exactly as a cold worker is (:func:`~rdzv.launch.workers.start_process`: the
 same command line ``python -u script.py args``, pipes, session and
-``PR_SET_PDEATHSIG``), with :mod:`rdzv/launch/warm_site <sitecustomize>` in
-front of ``PYTHONPATH``. That module runs inside ``site``, before Python runs
-the script: it imports the script's leading import statements (``import
-torch`` and the like, never a module of the script's own directory) and
-blocks. When the next attempt starts a worker, the agent hands the spare
-the attempt's environment and working directory ("go"); the spare puts them
-in place and returns, and Python carries on exactly as it would for a cold
+``PR_SET_PDEATHSIG``), with the directory ``warm_site`` beside this module
+in front of ``PYTHONPATH``. Its ``sitecustomize`` runs inside ``site``,
+before Python runs the script. :data:`PRELOAD_DELAY` seconds later (or at
+once when a spare is needed sooner) the agent sends it the plan: the
+script's leading import statements (``import torch`` and the like, up to the
+first other statement; a module of the script's own directory ends them),
+then the ``--warm-preload`` modules. The spare imports them and blocks. When
+the next attempt starts a worker, the agent hands its local rank's spare the
+attempt's environment and working directory ("go"); the spare puts them in
+place and returns, and Python carries on exactly as it would for a cold
 start, having saved the interpreter's start and the imports. A spare that
 is not used is SIGKILLed with its process group, by pid.
 
 Messages are JSON objects, one per line, over two pipes (never pickle):
 agent -> spare the plan (the real ``PYTHONPATH``, the script's
-``sys.path[0]``, the statements), spare -> agent "ready" (with the
-variables read during the preload, whether the environment was listed, and
-the files and mtimes of the modules imported), agent -> spare "go" (env,
-cwd), spare -> agent "went".
+``sys.path[0]`` and ``__file__``, the statements, the extra modules), spare
+-> agent "ready" (the variables read during the preload, whether the
+environment was listed, the files and mtimes of the modules imported), agent
+-> spare "go" (env, cwd), spare -> agent "went".
 
 The environment. A spare starts with the environment its local rank's
 worker has now, with ``TORCHELASTIC_RESTART_COUNT`` one higher (the next
 attempt after a failure) and ``MASTER_PORT`` 0 (the next attempt's store does
 not exist yet, and a spare must never reach the running attempt's). At "go"
-the environment is replaced by the attempt's. A spare is used only when the
-two differ in no variable but the per-attempt ones of :data:`ATTEMPT_KEYS`
-and Python code read none of those that differ during the preload (nor
-listed the environment). Native libraries read variables with ``getenv``
-unseen; none of :data:`ATTEMPT_KEYS` is read by torch's while ``import
-torch`` runs (checked with an ``LD_PRELOAD`` ``getenv`` tracer on torch
-2.13; docs/launcher.md), and Python's start-up reads only ``PYTHON*``
-variables, which must be equal. Until the spare's module runs, ``PYTHONPATH``
-has the spare's directory in front and ``RDZV_WARM_FDS`` is set: code in
-``.pth`` files sees them.
+the environment becomes the attempt's, with the changes the preload itself
+made. A spare is used only when the two differ in no variable but the
+per-attempt ones of :data:`ATTEMPT_KEYS` and Python code read none of those
+that differ during the preload (nor listed the environment). Native
+libraries read variables with ``getenv`` unseen: torch 2.13's read none of
+:data:`ATTEMPT_KEYS` while ``import torch`` runs
+(``benchmarks/warm_getenv.py`` traces them), and Python's start-up reads
+only ``PYTHON*`` variables, which must be equal. Until the spare's
+``sitecustomize`` runs, ``PYTHONPATH`` has ``warm_site`` in front and
+``RDZV_WARM_FDS`` is set: code in ``.pth`` files sees them.
 
 Anything else makes a cold start of that worker, silently (an INFO record of
-this module's logger says why): no spare, a spare that exited or did not
-become ready in time, another command line or working directory, a
-changed script (its text is compared) or a changed file of a preloaded
-module, an interpreter that is not an executable binary (a wrapper script
-could pass options that skip ``site``), interpreter options in the entry
-point, ``--no-python``.
+this module's logger says why): no spare, a spare that exited or was not
+ready in time, another command line or working directory, a changed script
+(its text is compared) or a changed file of a preloaded module, an
+interpreter that is not an executable binary (a wrapper script could pass
+options that skip ``site``), interpreter options in the entry point,
+``--no-python``.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ ATTEMPT_KEYS = frozenset(
 
 #: Seconds after an attempt's workers start before the spares import
 #: anything, so that the imports do not slow the workers' own start.
-PRELOAD_DELAY = 5.0
+PRELOAD_DELAY = 10.0
 
 _SITE_DIR = str(Path(__file__).resolve().with_name("warm_site"))
 _FDS_VARIABLE = "RDZV_WARM_FDS"

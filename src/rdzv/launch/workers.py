@@ -22,6 +22,10 @@ process group, waits a grace period, then sends SIGKILL to the groups still
 alive; the pump threads end when the pipes close and are joined. On Linux
 each worker also asks the kernel for SIGKILL when the agent dies
 (``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves no orphan workers.
+
+Every worker process is started by :func:`start_process`; a group may be
+given another way to start one (a warm spare that becomes the worker:
+:mod:`rdzv.launch.warm`), which must start it the same way.
 """
 
 from __future__ import annotations
