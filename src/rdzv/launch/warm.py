@@ -497,9 +497,11 @@ class WarmSpares:
     ) -> None:
         self._entrypoint = list(entrypoint)
         self._extra = tuple(extra)
-        self._enabled = enabled and python is not None and _is_binary(python)
+        hook = Path(_SITE_DIR, "sitecustomize.py")
+        self._enabled = enabled and python is not None and hook.is_file() and _is_binary(python)
         if enabled and python is not None and not self._enabled:
-            _LOG.info("workers start cold: %s is not an executable binary", python)
+            why = f"{python} is not an executable binary" if hook.is_file() else f"no {hook}"
+            _LOG.info("workers start cold: %s", why)
         self._delay = preload_delay
         self._spares: dict[int, _Spare] = {}
         self._wake = threading.Event()
