@@ -340,21 +340,20 @@ class _Spare:
         self._buffer = b""
         self._planned = False
         self._lock = threading.Lock()
-        to_child, self._to_spare = os.pipe()
-        self._from_spare, from_child = os.pipe()
-        start_env = dict(env)
-        start_env[_FDS_VARIABLE] = f"{to_child},{from_child}"
-        start_env["PYTHONPATH"] = _SITE_DIR + (os.pathsep + python_env if python_env else "")
-        try:
-            self.process = start_process(self.argv, start_env, pass_fds=(to_child, from_child))
-        except BaseException:
-            os.close(self._to_spare)
-            os.close(self._from_spare)
-            raise
-        finally:
-            os.close(to_child)
-            os.close(from_child)
         self._pythonpath = python_env
+        start_env = dict(env)
+        start_env["PYTHONPATH"] = _SITE_DIR + (os.pathsep + python_env if python_env else "")
+        with contextlib.ExitStack() as stack:
+            to_child, self._to_spare = os.pipe()
+            stack.callback(os.close, to_child)
+            ours = stack.enter_context(contextlib.ExitStack())
+            ours.callback(os.close, self._to_spare)
+            self._from_spare, from_child = os.pipe()
+            stack.callback(os.close, from_child)
+            ours.callback(os.close, self._from_spare)
+            start_env[_FDS_VARIABLE] = f"{to_child},{from_child}"
+            self.process = start_process(self.argv, start_env, pass_fds=(to_child, from_child))
+            ours.pop_all()  # the agent keeps its ends; the child's ends close here
 
     def send_plan(self) -> None:
         """Send the plan (once); the spare starts its imports when it has it."""
