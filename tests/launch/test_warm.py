@@ -334,6 +334,7 @@ def test_a_changed_script_starts_cold_and_runs_the_new_text(tmp_path: Path) -> N
             ["--standalone", "--max-restarts=1", "--log-level=INFO", str(script), str(out)]
         )
         wait_until((out / "version-0").exists, "attempt 0 to run")
+        wait_until(lambda: spares_of(proc.pid), "the spare to start (it read the old text)")
         script.write_text(script.read_text().replace("write_text('1')", "write_text('2')"))
         (out / "edited").write_text("")
         code, _, err = finish(proc, timeout=60)
