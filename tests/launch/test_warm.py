@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from rdzv.cli import build_parser, main
 from rdzv.launch.warm import (
     ATTEMPT_KEYS,
     Plan,
@@ -139,6 +140,16 @@ def test_module_names_are_checked() -> None:
     check_module_names(["torch._dynamo", "numpy"])
     with pytest.raises(ValueError, match="'torch-dynamo' is not a module name"):
         check_module_names(["torch-dynamo"])
+
+
+def test_a_bad_warm_preload_is_one_line_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--standalone", "--warm-preload", "torch,torch-dynamo", PROBE]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "rdzv run: error: --warm-preload: 'torch-dynamo' is not a module name (e.g. torch._dynamo)\n"
+    )
+    parsed = build_parser().parse_args(["run", "--warm-preload", "a.b,c", "--no-warm-restart", "s"])
+    assert (parsed.warm_preload, parsed.no_warm_restart) == (["a.b", "c"], True)
 
 
 def test_no_spares_without_an_interpreter_binary(tmp_path: Path) -> None:
