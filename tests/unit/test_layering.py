@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.metrics",
             "rdzv.threads",
             "rdzv.worker",
+            "rdzv.launch.warm_site.sitecustomize",
         ),
     ),
     (
@@ -132,6 +133,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.launch.explain",
             "rdzv.launch.failures",
             "rdzv.launch.timers",
+            "rdzv.launch.warm",
             "rdzv.launch.watchdog",
             "rdzv.launch.metrics",
             "rdzv.launch.options",

@@ -102,6 +102,7 @@ from rdzv.launch.ranks import (
     visible_device,
     worker_environment,
 )
+from rdzv.launch.warm import WarmSpares, check_module_names
 from rdzv.launch.watchdog import HangWatch
 from rdzv.launch.workers import (
     OutputSink,
@@ -187,6 +188,10 @@ class AgentConfig:
         hang_timeout: Seconds after which a worker that called
             ``rdzv.progress()`` and stopped calling it is hung (its node's
             stacks written, the group restarted), or None: no watchdog.
+        warm_restart: Keep a preloaded spare per local rank for the next
+            attempt (:mod:`rdzv.launch.warm`).
+        warm_preload: Modules the spares import after the script's leading
+            imports (ones the worker imports later, e.g. ``torch._dynamo``).
 
     Raises:
         ValueError: A value is out of range; the message names it.
@@ -214,6 +219,8 @@ class AgentConfig:
     virtual_local_rank: bool = False
     reform_grace: float | None = None
     hang_timeout: float | None = None
+    warm_restart: bool = True
+    warm_preload: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -239,6 +246,7 @@ class AgentConfig:
             raise ValueError("redirects, tee and duplicate filters write log files: give log_dir")
         if not self.signals:
             raise ValueError("signals must name at least one signal to handle")
+        check_module_names(self.warm_preload)
         if self.virtual_local_rank:
             visible_device(os.environ if self.env is None else self.env, self.nproc_per_node - 1)
 
@@ -394,6 +402,9 @@ class ElasticAgent:
         self.stats = AgentStats()
         env = os.environ if config.env is None else config.env
         self._watch = HangWatch(config.hang_timeout, config.log_dir, env, self._log)
+        self._warm = WarmSpares(
+            config.python, config.entrypoint, config.warm_restart, config.warm_preload
+        )
 
     def _on_event(self, event: Mapping[str, Any]) -> None:
         self._progress.event(event)
@@ -418,6 +429,7 @@ class ElasticAgent:
                 )
             finally:
                 self._cleaning_up = True
+                self._warm.close()
                 self._end_attempt()
                 self._shutdown_handler()
                 if self._scratch is not None:
@@ -599,7 +611,12 @@ class ElasticAgent:
                 )
             )
         workers = WorkerGroup(
-            specs, self._sink, log_dir, cfg.duplicate_stdout_filters, cfg.duplicate_stderr_filters
+            specs,
+            self._sink,
+            log_dir,
+            cfg.duplicate_stdout_filters,
+            cfg.duplicate_stderr_filters,
+            self._warm.start,
         )
         self._attempt = _Attempt(info, ranks, workers, server)
         self._failures.round_started(info, ranks.group_rank, self._restarts)
@@ -615,6 +632,8 @@ class ElasticAgent:
         except OSError as exc:
             raise RendezvousError(f"could not start the workers: {exc}") from exc
         self._check_signalled()
+        if self._restarts < cfg.max_restarts or self._node is not None:
+            self._warm.prepare(specs)  # another attempt may come
         self.stats.workers = len(specs)
         self._publish(info.store, ranks.group_rank, len(specs))
 
@@ -730,6 +749,7 @@ class ElasticAgent:
         )
 
     def _on_success(self, attempt: _Attempt) -> AgentResult:
+        self._warm.close()
         attempt.workers.close()
         self._exit_barrier(attempt)
         self._end_attempt()

@@ -7,9 +7,9 @@ option's default comes from the environment variable ``PET_<DEST>`` (how
 Kubeflow's PyTorchJob configures torchrun): ``PET_NPROC_PER_NODE=2`` is
 ``--nproc-per-node 2``, and a flag such as ``--standalone`` is on when
 ``PET_STANDALONE`` is a non-zero integer. The command line wins over the
-environment. ``--stop-grace``, ``--reform-grace``, ``--hang-timeout``, ``--log-level``,
-``--verbose`` and the operations options (``--metrics-port``, ``--ready-file``) are
-rdzv's own.
+environment. ``--stop-grace``, ``--reform-grace``, ``--hang-timeout``,
+``--no-warm-restart``, ``--warm-preload``, ``--log-level``, ``--verbose`` and
+the operations options (``--metrics-port``, ``--ready-file``) are rdzv's own.
 
 The values are checked and turned into a rendezvous and an agent by
 :mod:`rdzv.launch.run`; the parsing helpers for values with a format of
@@ -263,6 +263,20 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="a worker that called rdzv.progress() and then does not call it for SECONDS is "
         "hung: every worker's Python stacks are written to the log directory and the group "
         "restarts (off; rdzv only)",
+    )
+    work(
+        "no-warm-restart",
+        action="store_true",
+        help="start every worker as a new process; by default a preloaded spare per local "
+        "rank waits for the next attempt (rdzv only)",
+    )
+    work(
+        "warm-preload",
+        type=comma_separated_list,
+        default=[],
+        metavar="MODULES",
+        help="modules the spares also import, after the script's leading imports: ones the "
+        "worker imports later, e.g. torch._dynamo (comma-separated; rdzv only)",
     )
     work(
         "virtual-local-rank",

@@ -57,6 +57,7 @@ from rdzv.launch.options import (
 from rdzv.launch.progress import EventListener
 from rdzv.launch.ranks import visible_device
 from rdzv.launch.slurm import slurm_settings
+from rdzv.launch.warm import check_module_names
 from rdzv.launch.workers import OutputSink, StdChoice, agent_line
 from rdzv.metrics import MetricsServer
 from rdzv.net import advertised_address
@@ -202,6 +203,11 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
     stdout_filters = [f for f in args.duplicate_stdout_filters if f]
     stderr_filters = [f for f in args.duplicate_stderr_filters if f]
     signals = parse_signals(args.signals_to_handle)
+    warm_preload = [name.strip() for name in args.warm_preload if name.strip()]
+    try:
+        check_module_names(warm_preload)
+    except ValueError as exc:
+        raise RunOptionsError(f"--warm-preload: {exc}") from None
     if args.virtual_local_rank:
         try:
             visible_device(os.environ, nproc - 1)
@@ -233,6 +239,8 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         virtual_local_rank=args.virtual_local_rank,
         reform_grace=args.reform_grace,
         hang_timeout=parse_hang_timeout(args.hang_timeout),
+        warm_restart=not args.no_warm_restart,
+        warm_preload=warm_preload,
     )
 
 

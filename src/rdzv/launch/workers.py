@@ -25,6 +25,10 @@ them with faulthandler on and keep what each writes on stderr from then on
 (:meth:`WorkerGroup.abort_for_stacks`). On Linux
 each worker also asks the kernel for SIGKILL when the agent dies
 (``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves no orphan workers.
+
+Every worker process is started by :func:`start_process`; a group may be
+given another way to start one (a warm spare that becomes the worker:
+:mod:`rdzv.launch.warm`), which must start it the same way.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from rdzv.threads import start_thread
 
 __all__ = [
     "OutputSink",
+    "StartProcess",
     "Std",
     "StdChoice",
     "WorkerExit",
@@ -59,6 +64,7 @@ __all__ = [
     "agent_line",
     "describe_returncode",
     "read_root_cause",
+    "start_process",
 ]
 
 
@@ -269,6 +275,33 @@ def _death_signal_setter() -> Callable[[], None] | None:
 _SET_DEATH_SIGNAL = _death_signal_setter()
 
 
+def start_process(
+    argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = ()
+) -> subprocess.Popen[bytes]:
+    """Start one worker process as every worker starts (a warm spare too).
+
+    stdout and stderr on pipes, the agent's stdin, a session of its own, and
+    SIGKILL when the agent's thread that called this ends (``PR_SET_PDEATHSIG``:
+    call it from the agent's main thread). ``pass_fds`` stay open in the child.
+
+    Raises:
+        OSError: The process could not be started.
+    """
+    return subprocess.Popen(
+        list(argv),
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        pass_fds=tuple(pass_fds),
+        preexec_fn=_SET_DEATH_SIGNAL,  # noqa: PLW1509 - only calls prctl
+    )
+
+
+#: How a worker group starts one worker's process (cold: :func:`start_process`).
+StartProcess = Callable[[WorkerSpec], "subprocess.Popen[bytes]"]
+
+
 class OutputSink:
     """Where workers' prefixed output lines go: the agent's stdout and stderr.
 
@@ -352,6 +385,8 @@ class WorkerGroup:
         duplicate_stdout_filters: Copy every stdout line containing one of
             these strings, prefixed, to ``log_dir/filtered_stdout.log``.
         duplicate_stderr_filters: The same for stderr (``filtered_stderr.log``).
+        start: Starts one worker's process (a new one by default; see
+            :mod:`rdzv.launch.warm` for warm spares).
 
     Raises:
         ValueError: Duplicate filters without a log directory.
@@ -364,10 +399,12 @@ class WorkerGroup:
         log_dir: Path | None = None,
         duplicate_stdout_filters: Sequence[str] = (),
         duplicate_stderr_filters: Sequence[str] = (),
+        start: StartProcess | None = None,
     ) -> None:
         if log_dir is None and (duplicate_stdout_filters or duplicate_stderr_filters):
             raise ValueError("duplicate filters write filtered_*.log files: they need a log_dir")
         self._specs = list(specs)
+        self._start = start or _start_cold
         self._sink = sink
         self._log_dir = log_dir
         self._needles = {
@@ -408,14 +445,7 @@ class WorkerGroup:
             spec.error_file.parent.mkdir(parents=True, exist_ok=True)
             spec.error_file.unlink(missing_ok=True)
         try:
-            process = subprocess.Popen(
-                list(spec.argv),
-                env=dict(spec.env),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=_SET_DEATH_SIGNAL,  # noqa: PLW1509 - only calls prctl
-            )
+            process = self._start(spec)
         except BaseException:
             if log_file is not None:
                 log_file.close()
@@ -589,6 +619,10 @@ def _no_core_dump(pid: int) -> None:
     if prlimit is not None:
         with contextlib.suppress(OSError, ValueError):
             prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+
+
+def _start_cold(spec: WorkerSpec) -> subprocess.Popen[bytes]:
+    return start_process(spec.argv, spec.env)
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:
