@@ -129,6 +129,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "rdzv.launch",
             "rdzv.launch.agent",
+            "rdzv.launch.barriers",
+            "rdzv.launch.config",
+            "rdzv.launch.exits",
             "rdzv.launch.bootstrap",
             "rdzv.launch.explain",
             "rdzv.launch.failures",

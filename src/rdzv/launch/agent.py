@@ -52,8 +52,9 @@ Each worker gets an error file (``TORCHELASTIC_ERROR_FILE``) next to its log
 directory); a failed worker's ``@record`` root cause is part of the line that
 reports the failure.
 
-Size: over the project's ~600-line guide: one loop whose steps share an
-attempt's state; ranks, bootstrap, workers and progress have their own modules.
+The agent's configuration and results are :mod:`rdzv.launch.config`'s;
+ranks, bootstrap, workers, warm spares, hangs, first failures, progress
+and the end-of-job barriers have their own modules.
 """
 
 from __future__ import annotations
@@ -64,13 +65,11 @@ import os
 import shutil
 import signal
 import socket
-import string
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -79,38 +78,43 @@ from rdzv.api import RendezvousHandler, RendezvousInfo
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.errors import (
     RendezvousClosedError,
-    RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
-from rdzv.keys import LAUNCH_ROOT, agent_key
+from rdzv.keys import agent_key
+from rdzv.launch.barriers import exit_barrier, leave_barrier
 from rdzv.launch.bootstrap import (
     BootstrapFactory,
     BootstrapServer,
     exchange_bootstrap,
     tcp_store_server,
 )
+from rdzv.launch.config import (
+    DEFAULT_FORWARDED,
+    DEFAULT_SIGNALS,
+    EXIT_OK,
+    EXIT_RENDEZVOUS,
+    EXIT_WORKER_FAILED,
+    AgentConfig,
+    AgentInterrupted,
+    AgentResult,
+    AgentStats,
+)
 from rdzv.launch.explain import describe_change, describe_timeout
 from rdzv.launch.failures import FirstFailure
 from rdzv.launch.progress import FIRST_LINE_AFTER, LINE_EVERY, EventListener, WaitProgress
 from rdzv.launch.ranks import (
-    DEFAULT_SIGNALS_TO_HANDLE,
     NodeRanks,
     assign_ranks,
-    visible_device,
-    worker_environment,
 )
-from rdzv.launch.warm import WarmSpares, check_module_names
+from rdzv.launch.warm import WarmSpares
 from rdzv.launch.watchdog import HangWatch
 from rdzv.launch.workers import (
     OutputSink,
-    Std,
-    StdChoice,
     WorkerExit,
     WorkerGroup,
-    WorkerSpec,
     agent_line,
 )
 from rdzv.store.base import Store
@@ -128,198 +132,8 @@ __all__ = [
     "ElasticAgent",
 ]
 
-EXIT_OK = 0
-EXIT_WORKER_FAILED = 1
-EXIT_RENDEZVOUS = 3
-
-#: The signals torchrun's agent handles by default.
-DEFAULT_SIGNALS = tuple(signal.Signals[name] for name in DEFAULT_SIGNALS_TO_HANDLE.split(","))
-
-#: Signals passed on to the workers without stopping anything (SLURM's
-#: pre-emption warning, ``#SBATCH --signal=USR1@90``, is SIGUSR1).
-DEFAULT_FORWARDED = (signal.SIGUSR1, signal.SIGUSR2)
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """What the agent runs and how.
-
-    Args:
-        entrypoint: The worker's arguments after the interpreter:
-            ``["script.py", *args]`` or ``["-m", "module", *args]``; with
-            ``python=None`` the whole command line.
-        nproc_per_node: Workers on this node.
-        max_restarts: Restarts allowed after worker failures.
-        monitor_interval: Seconds between checks of the workers.
-        role: The role name of this node's workers.
-        log_dir: A directory for per-worker, per-attempt log files, or None.
-        local_addr: The address group rank 0 publishes for the bootstrap store.
-        stop_grace: Seconds between SIGTERM and SIGKILL when stopping workers.
-        exit_barrier_timeout: Seconds to wait for the other agents after success.
-        python: The interpreter that runs the workers unbuffered (``-u``, as
-            torchrun does), or None to run ``entrypoint`` as the command
-            (torchrun's ``--no-python``).
-        env: The environment workers start from (the agent's when None).
-        redirects: Streams that go only to the log file, not the console
-            (torchrun's ``--redirects``).
-        tee: Streams that go to the log file and the console (torchrun's
-            ``--tee``; every stream does when there is a log directory, so
-            this undoes ``redirects``).
-        local_ranks_filter: The local ranks whose output reaches the
-            console (all when None); the log files keep everything.
-        duplicate_stdout_filters: Copy stdout lines containing one of these
-            to ``filtered_stdout.log`` in the attempt's log directory.
-        duplicate_stderr_filters: The same for stderr (``filtered_stderr.log``).
-        log_line_prefix_template: A ``string.Template`` for the prefix of
-            workers' lines (``${role_name}``, ``${rank}``, ``${local_rank}``;
-            torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``), or None
-            for ``[rank N]: ``.
-        signals: The signals that stop the agent and are forwarded to the workers.
-        forwarded: Signals passed on to the running workers' process groups
-            while the agent and the workers go on (a signal also in
-            ``signals`` stops the agent instead).
-        virtual_local_rank: ``LOCAL_RANK=0`` for every worker, which sees
-            only its own device in ``CUDA_VISIBLE_DEVICES``.
-        reform_grace: Seconds a worker failure with no restart left waits
-            for a change of the group (a node waiting, a member evicted)
-            that makes it a re-form; None: the handler's time to find a
-            dead member (``keep_alive_interval * (keep_alive_max_attempt +
-            1)`` for the dynamic rendezvous, 0 for others).
-        hang_timeout: Seconds after which a worker that called
-            ``rdzv.progress()`` and stopped calling it is hung (its node's
-            stacks written, the group restarted), or None: no watchdog.
-        warm_restart: Keep a preloaded spare per local rank for the next
-            attempt (:mod:`rdzv.launch.warm`).
-        warm_preload: Modules the spares import after the script's leading
-            imports (ones the worker imports later, e.g. ``torch._dynamo``).
-
-    Raises:
-        ValueError: A value is out of range; the message names it.
-    """
-
-    entrypoint: Sequence[str]
-    nproc_per_node: int = 1
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    role: str = "default"
-    log_dir: Path | None = None
-    local_addr: str | None = None
-    stop_grace: float = 10.0
-    exit_barrier_timeout: float = 300.0
-    python: str | None = sys.executable
-    env: Mapping[str, str] | None = field(default=None)
-    redirects: StdChoice = field(default_factory=StdChoice)
-    tee: StdChoice = field(default_factory=StdChoice)
-    local_ranks_filter: frozenset[int] | None = None
-    duplicate_stdout_filters: Sequence[str] = ()
-    duplicate_stderr_filters: Sequence[str] = ()
-    log_line_prefix_template: str | None = None
-    signals: Sequence[signal.Signals] = DEFAULT_SIGNALS
-    forwarded: Sequence[signal.Signals] = DEFAULT_FORWARDED
-    virtual_local_rank: bool = False
-    reform_grace: float | None = None
-    hang_timeout: float | None = None
-    warm_restart: bool = True
-    warm_preload: Sequence[str] = ()
-
-    def __post_init__(self) -> None:
-        if not self.entrypoint:
-            raise ValueError("the worker entry point is empty; give a script or -m module")
-        if self.nproc_per_node < 1:
-            raise ValueError(f"nproc_per_node must be at least 1, got {self.nproc_per_node}")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be non-negative, got {self.max_restarts}")
-        if not self.monitor_interval > 0:
-            raise ValueError(f"monitor_interval must be positive, got {self.monitor_interval}")
-        if self.stop_grace < 0:
-            raise ValueError(f"stop_grace must be non-negative, got {self.stop_grace}")
-        if not self.role:
-            raise ValueError("role must be a non-empty name")
-        if self.reform_grace is not None and not self.reform_grace >= 0:
-            raise ValueError(f"reform_grace must be non-negative, got {self.reform_grace}")
-        if self.hang_timeout is not None and not 0 < self.hang_timeout < float("inf"):
-            raise ValueError(f"hang_timeout must be positive seconds, got {self.hang_timeout}")
-        files = self.redirects or self.tee
-        if self.log_dir is None and (
-            files or self.duplicate_stdout_filters or self.duplicate_stderr_filters
-        ):
-            raise ValueError("redirects, tee and duplicate filters write log files: give log_dir")
-        if not self.signals:
-            raise ValueError("signals must name at least one signal to handle")
-        check_module_names(self.warm_preload)
-        if self.virtual_local_rank:
-            visible_device(os.environ if self.env is None else self.env, self.nproc_per_node - 1)
-
-    def console(self, local_rank: int) -> Std:
-        """Return the streams of a worker that reach the agent's console.
-
-        Every stream, less the redirected ones that are not teed; none for a
-        local rank outside ``local_ranks_filter``.
-        """
-        if self.local_ranks_filter is not None and local_rank not in self.local_ranks_filter:
-            return Std.NONE
-        return Std.ALL & ~(self.redirects.of(local_rank) & ~self.tee.of(local_rank))
-
-
-@dataclass(frozen=True)
-class AgentResult:
-    """How the agent ended.
-
-    Args:
-        exit_code: The process exit status to use.
-        reason: One line saying what happened.
-        restarts: Restarts after failures that happened.
-        failure: The worker failure that ended the run, if any.
-    """
-
-    exit_code: int
-    reason: str
-    restarts: int = 0
-    failure: WorkerExit | None = None
-
-
-@dataclass
-class AgentStats:
-    """What an agent has done so far, for metrics (read from any thread).
-
-    Args:
-        rounds: Rendezvous rounds this node completed.
-        reforms: Times the workers stopped for a change of the group
-            (not counted as restarts).
-        restarts: Restarts counted after worker failures.
-        evictions: Members this node evicted after missed heartbeats.
-        join_seconds_sum: Seconds spent in completed rendezvous calls.
-        join_seconds_last: Seconds the last completed rendezvous took.
-        workers: Workers running now.
-        world_size: Nodes in the current round (0 before the first).
-        first_round: Whether a round has completed.
-    """
-
-    rounds: int = 0
-    reforms: int = 0
-    restarts: int = 0
-    evictions: int = 0
-    join_seconds_sum: float = 0.0
-    join_seconds_last: float = 0.0
-    workers: int = 0
-    world_size: int = 0
-    first_round: bool = False
-
-
-class AgentInterrupted(Exception):  # noqa: N818 - a signal, not an error
-    """Raised in the agent's main thread when it receives SIGINT or SIGTERM.
-
-    Args:
-        signum: The signal number.
-    """
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
 
 _PEER_WAIT_SLICE = 1.0
-_LEAVE_BARRIER_TIMEOUT = 30.0
 _GRACE_POLL = 0.2
 
 
@@ -583,33 +397,7 @@ class ElasticAgent:
         log_dir = None if cfg.log_dir is None else cfg.log_dir / attempt_dir
         error_dir = (log_dir or self._scratch_dir() / attempt_dir).resolve()
         base_env.update(self._watch.begin(attempt_dir))
-        command = [*cfg.entrypoint] if cfg.python is None else [cfg.python, "-u", *cfg.entrypoint]
-        specs = []
-        for local_rank in range(cfg.nproc_per_node):
-            rank = ranks.base_rank + local_rank
-            error_file = error_dir / f"rank_{rank}.error.json"
-            prefix = None
-            if cfg.log_line_prefix_template is not None:
-                prefix = string.Template(cfg.log_line_prefix_template).safe_substitute(
-                    role_name=cfg.role, rank=rank, local_rank=local_rank
-                )
-            env = worker_environment(
-                base_env,
-                ranks,
-                local_rank,
-                master,
-                self._restarts,
-                cfg.max_restarts,
-                self._run_id,
-                error_file=str(error_file),
-                signals_to_handle=",".join(s.name for s in cfg.signals),
-                virtual_local_rank=cfg.virtual_local_rank,
-            )
-            specs.append(
-                WorkerSpec(
-                    rank, local_rank, command, env, cfg.console(local_rank), prefix, error_file
-                )
-            )
+        specs = cfg.worker_specs(ranks, master, base_env, error_dir, self._restarts, self._run_id)
         workers = WorkerGroup(
             specs,
             self._sink,
@@ -751,30 +539,17 @@ class ElasticAgent:
     def _on_success(self, attempt: _Attempt) -> AgentResult:
         self._warm.close()
         attempt.workers.close()
-        self._exit_barrier(attempt)
+        store, total = attempt.info.store, attempt.ranks.group_world_size
+        exit_barrier(store, total, self._config.exit_barrier_timeout, self._close_run, self._log)
         self._end_attempt()
         self._shutdown_handler()
-        self._leave_barrier(attempt)
+        leave_barrier(store, total, self._log)
         return AgentResult(
             EXIT_OK,
             f"all {attempt.ranks.local_world_size} worker(s) of node "
             f"{attempt.ranks.group_rank} finished; run {self._run_id!r} succeeded",
             self._restarts,
         )
-
-    def _exit_barrier(self, attempt: _Attempt) -> None:
-        # The last agent to arrive knows that every node of the group
-        # succeeded: it alone closes the run, before releasing the others, so
-        # nobody writes to a store whose host may already be gone.
-        store = attempt.info.store
-        total = attempt.ranks.group_world_size
-        try:
-            if store.add(f"{LAUNCH_ROOT}/exit/count", 1) >= total:
-                self._close_run()
-                store.set(f"{LAUNCH_ROOT}/exit/done", "1")
-            store.wait([f"{LAUNCH_ROOT}/exit/done"], timeout=self._config.exit_barrier_timeout)
-        except RendezvousError as exc:
-            self._log(f"not every node reached the exit barrier: {type(exc).__name__}: {exc}")
 
     def _close_run(self) -> None:
         try:
@@ -801,24 +576,6 @@ class ElasticAgent:
     def _log_to_stderr(self, message: str) -> None:
         # Through the sink, so that it never splits a worker's line.
         self._sink.write_line(agent_line(message), to_stderr=True)
-
-    def _leave_barrier(self, attempt: _Attempt) -> None:
-        # Whichever agent hosts the rendezvous store must outlive the others'
-        # shutdown writes: every agent counts itself out after leaving and
-        # waits (briefly) for the rest before its process, and maybe the
-        # store, goes away.
-        store = attempt.info.store
-        total = attempt.ranks.group_world_size
-        try:
-            if store.add(f"{LAUNCH_ROOT}/left/count", 1) >= total:
-                store.set(f"{LAUNCH_ROOT}/left/done", "1")
-            store.wait([f"{LAUNCH_ROOT}/left/done"], timeout=_LEAVE_BARRIER_TIMEOUT)
-        except RendezvousConnectionError:
-            # The store went away after this node counted itself out: its
-            # host left as the barrier completed. Nothing is lost.
-            pass
-        except RendezvousError as exc:
-            self._log(f"not every node confirmed leaving: {type(exc).__name__}: {exc}")
 
     def _shutdown_handler(self) -> None:
         if self._left:
