@@ -6,7 +6,9 @@ processes run on one machine, so their stamps compare)::
 
     @recovery 1733480000.123456 start rank=0 world=3 restart=0 pid=4242 step=0
 
-``start`` is its first statement (before torch is imported), ``ready`` once
+``start`` is its first statement after its imports (torch's among them,
+at the top as in most training scripts, so that ``rdzv run``'s warm spares
+preload them), ``ready`` once
 ``init_process_group`` returned, ``step`` after each training step (one
 every ``STEP_SECONDS``, 0.1 s by default) and ``done`` when it ends
 cleanly. ``restart`` is ``TORCHELASTIC_RESTART_COUNT``. It stops once the
@@ -22,9 +24,24 @@ each step runs under torch's ``expires(after=RECOVERY_STEP_EXPIRY)``, so the
 agent's timer server kills a rank that hangs inside a step.
 """
 
+import contextlib
 import os
 import sys
 import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from rdzv import progress
+except ImportError:  # torchrun without rdzv installed: nothing watches progress
+
+    def progress() -> None:
+        """Nothing to tell."""
+
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -40,14 +57,6 @@ def say(event: str, step: int = 0) -> None:
 
 
 say("start")
-
-import contextlib  # noqa: E402 - after the first stamp, on purpose
-from datetime import timedelta  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 _timer_client: list[bool] = []
 
@@ -90,6 +99,7 @@ def main() -> int:
             stop = torch.tensor([1.0 if stop_file.exists() else 0.0])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         step += 1
+        progress()  # rdzv run --hang-timeout watches it; elsewhere a no-op
         say("step", step)
         if stop.item() > 0:
             break
