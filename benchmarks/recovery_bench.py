@@ -117,6 +117,8 @@ class Settings:
     step_expiry: float | None
     rdzv_conf: str | None
     tmp: Path
+    settle: float = 0.0
+    """Seconds of training before the fault, once every rank stepped STEADY_STEPS times."""
 
 
 def load1() -> float:
@@ -271,8 +273,14 @@ class Job:
         )
 
     def workers(self, agent: int | None = None) -> set[int]:
+        """The agents' running workers: descendants that printed an event.
+
+        A warm spare of ``rdzv run`` (a preloaded process waiting to become
+        the next attempt's worker) has printed nothing: it is no old worker.
+        """
         chosen = self.agents if agent is None else [self.agents[agent]]
-        return procs.descendants(a.pid for a in chosen if a.poll() is None)
+        printed = {e.pid for e in self.events}
+        return procs.descendants(a.pid for a in chosen if a.poll() is None) & printed
 
     def end(self, recovered: bool, skip: set[int]) -> None:
         """Let the job end (the stop file), or SIGTERM agents that do not; SIGKILL last."""
@@ -360,7 +368,7 @@ def make_fault(job: Job, fault: str, old: set[int], cut: Callable[[int], None] |
         return Fault(t, set(range(NODES)), set(), old, None)
     if fault == "agent-kill":
         agent = job.agents[victim].pid
-        node = job.workers(victim)
+        node = procs.descendants([agent])  # its workers and any warm spare: the node is lost
         t = time.time()
         procs.kill([agent, *node])
         return Fault(t, others, {victim}, old, smaller)
@@ -413,6 +421,7 @@ def one_run(job: Job, fault: str, result: Result, cut: Callable[[int], None] | N
             result.note = f"setup failed: {str(exc).splitlines()[0]}"
             print(str(exc), file=sys.stderr, flush=True)
             return
+        time.sleep(job.settings.settle)
         old = job.workers()
         result.load = load1()
         made = make_fault(job, fault, old, cut)
@@ -507,6 +516,13 @@ def main() -> None:
         "(TORCHELASTIC_ENABLE_FILE_TIMER=1)",
     )
     parser.add_argument("--rdzv-conf", help="--rdzv-conf for every launcher (default: none)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=12.0,
+        help="seconds of training before the fault: a job fails in its steady state, when "
+        "rdzv run's warm spares (preloaded 10 s after the workers start) are ready",
+    )
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--logs", type=Path, help="keep each run's agent logs under this directory")
     args = parser.parse_args()
@@ -534,6 +550,7 @@ def main() -> None:
             args.step_expiry,
             args.rdzv_conf,
             tmp,
+            args.settle,
         )
         print(f"rdzv run --hang-timeout: {'supported' if hang else 'not supported'}")
         stamp("start")
