@@ -15,7 +15,7 @@ import pytest
 
 from rdzv import PrefixStore, RendezvousInfo
 from rdzv.launch import AgentConfig, AgentResult, ElasticAgent, OutputSink
-from rdzv.launch.agent import EXIT_OK, EXIT_RENDEZVOUS, EXIT_WORKER_FAILED
+from rdzv.launch.config import EXIT_OK, EXIT_RENDEZVOUS, EXIT_WORKER_FAILED
 from tests.launch.fakes import FakeGroup, FakeHandler, ServerFactory
 from tests.launch.procs import envs
 

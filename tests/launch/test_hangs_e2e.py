@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rdzv.launch import AgentConfig, ElasticAgent, OutputSink
-from rdzv.launch.agent import EXIT_OK, EXIT_WORKER_FAILED
+from rdzv.launch.config import EXIT_OK, EXIT_WORKER_FAILED
 from rdzv.launch.timers import ENABLE_VARIABLE
 from tests.launch.fakes import FakeGroup, ServerFactory
 from tests.launch.procs import agents, finish

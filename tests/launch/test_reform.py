@@ -17,7 +17,8 @@ import pytest
 from rdzv import HashStore
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.launch import AgentConfig
-from rdzv.launch.agent import EXIT_OK, EXIT_WORKER_FAILED, reform_grace
+from rdzv.launch.agent import reform_grace
+from rdzv.launch.config import EXIT_OK, EXIT_WORKER_FAILED
 from rdzv.testing.memory import InMemoryBackend
 from tests.launch.fakes import FakeGroup, FakeHandler
 from tests.launch.procs import envs

@@ -10,7 +10,7 @@ import pytest
 
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.state import decode_state
-from rdzv.launch.agent import AgentStats
+from rdzv.launch.config import AgentStats
 from rdzv.launch.metrics import agent_metrics
 from rdzv.metrics import CONTENT_TYPE, Family, MetricsServer, Sample, counter, gauge, render
 from rdzv.store.memory import HashStore

@@ -1,6 +1,7 @@
 """The elastic launcher behind ``rdzv run``: agent, worker supervision, options."""
 
-from rdzv.launch.agent import AgentConfig, AgentResult, ElasticAgent
+from rdzv.launch.agent import ElasticAgent
+from rdzv.launch.config import AgentConfig, AgentResult
 from rdzv.launch.workers import OutputSink, WorkerExit, WorkerGroup, WorkerSpec
 
 __all__ = [

@@ -92,8 +92,6 @@ from rdzv.launch.bootstrap import (
     tcp_store_server,
 )
 from rdzv.launch.config import (
-    DEFAULT_FORWARDED,
-    DEFAULT_SIGNALS,
     EXIT_OK,
     EXIT_RENDEZVOUS,
     EXIT_WORKER_FAILED,
@@ -119,18 +117,7 @@ from rdzv.launch.workers import (
 )
 from rdzv.store.base import Store
 
-__all__ = [
-    "DEFAULT_FORWARDED",
-    "DEFAULT_SIGNALS",
-    "EXIT_OK",
-    "EXIT_RENDEZVOUS",
-    "EXIT_WORKER_FAILED",
-    "AgentConfig",
-    "AgentInterrupted",
-    "AgentResult",
-    "AgentStats",
-    "ElasticAgent",
-]
+__all__ = ["ElasticAgent", "reform_grace"]
 
 
 _PEER_WAIT_SLICE = 1.0

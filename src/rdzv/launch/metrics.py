@@ -17,7 +17,7 @@ from rdzv.backends.base import LivenessBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.state import decode_state
 from rdzv.errors import RendezvousError
-from rdzv.launch.agent import AgentStats
+from rdzv.launch.config import AgentStats
 from rdzv.metrics import Family, Sample, counter, gauge
 from rdzv.status import HeartbeatTracker
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from rdzv.launch.agent import DEFAULT_SIGNALS
+from rdzv.launch.config import DEFAULT_SIGNALS
 from rdzv.launch.ranks import DEFAULT_SIGNALS_TO_HANDLE
 
 __all__ = [

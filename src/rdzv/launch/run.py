@@ -39,7 +39,8 @@ from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters, Re
 from rdzv.backends.options import EtcdOptions, RedisOptions, StoreBackendOptions
 from rdzv.endpoint import format_endpoint, parse_config, parse_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousError
-from rdzv.launch.agent import EXIT_RENDEZVOUS, AgentConfig, AgentResult, ElasticAgent
+from rdzv.launch.agent import ElasticAgent
+from rdzv.launch.config import EXIT_RENDEZVOUS, AgentConfig, AgentResult
 from rdzv.launch.metrics import agent_metrics
 from rdzv.launch.options import (
     LOG_LEVELS,
