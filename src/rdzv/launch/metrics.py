@@ -1,6 +1,6 @@
 """The metrics of ``rdzv run --metrics-port``: one agent's rounds, restarts and heartbeats.
 
-Every scrape reads the agent's :class:`~rdzv.launch.agent.AgentStats` and,
+Every scrape reads the agent's :class:`~rdzv.launch.config.AgentStats` and,
 for the dynamic rendezvous, the heartbeat marks of the current round's
 members (one backend read per member, only when scraped). Heartbeats are
 counters, not timestamps, so an age is the time on this machine's clock
