@@ -93,6 +93,11 @@ LAUNCHERS = {
     for launcher in (
         Launcher("rdzv", "rdzv run", (PY, "-m", "rdzv", "run", "--log-level", "INFO")),
         Launcher(
+            "rdzv-dynamo",
+            "rdzv run --warm-preload torch._dynamo",
+            (PY, "-m", "rdzv", "run", "--log-level", "INFO", "--warm-preload", "torch._dynamo"),
+        ),
+        Launcher(
             "torchrun", "torchrun", (PY, "-m", "torch.distributed.run"), (("LOGLEVEL", "INFO"),)
         ),
         Launcher(
@@ -103,6 +108,8 @@ LAUNCHERS = {
         ),
     )
 }
+
+DEFAULT_LAUNCHERS = ("rdzv", "torchrun", "torchrun-unshared")
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,7 @@ class Job:
         ]
         if settings.rdzv_conf:
             args.append(f"--rdzv-conf={settings.rdzv_conf}")
-        if fault == "worker-stop" and launcher.key == "rdzv" and settings.hang_timeout:
+        if fault == "worker-stop" and launcher.key.startswith("rdzv") and settings.hang_timeout:
             args.append(f"--hang-timeout={settings.hang_timeout:g}")
         self.args = [*args, str(WORKER), str(self.out), f"{settings.step_interval:g}"]
         extra = {"OMP_NUM_THREADS": "1", **dict(launcher.env), **(env or {})}
@@ -456,7 +463,7 @@ def netns_bed() -> Iterator[Any]:
 def run_one(launcher: Launcher, fault: str, rep: int, settings: Settings, bed: Any) -> Result:
     """One run of ``fault`` under ``launcher`` (``bed``: the network namespaces of ``link-cut``)."""
     result = Result(fault, launcher.title, rep)
-    if fault == "worker-stop" and launcher.key == "rdzv" and settings.hang_timeout is None:
+    if fault == "worker-stop" and launcher.key.startswith("rdzv") and settings.hang_timeout is None:
         result.note = "not supported"
         return result
     if fault == "link-cut" and (launcher.key != "rdzv" or bed is None):
@@ -499,7 +506,7 @@ def main() -> None:
         "--faults", default=",".join(DEFAULT_FAULTS), help=f"of {', '.join(FAULTS)}"
     )
     parser.add_argument(
-        "--launchers", default=",".join(LAUNCHERS), help=f"of {', '.join(LAUNCHERS)}"
+        "--launchers", default=",".join(DEFAULT_LAUNCHERS), help=f"of {', '.join(LAUNCHERS)}"
     )
     parser.add_argument("--nproc", type=int, default=1, choices=(1, 2))
     parser.add_argument(
