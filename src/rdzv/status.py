@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from rdzv.api import RendezvousParameters
-from rdzv.backends.base import JoinQueueBackend, LivenessBackend, RendezvousBackend
+from rdzv.backends.base import GONE_MARK, JoinQueueBackend, LivenessBackend, RendezvousBackend
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.machine import MarkWatch
 from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
@@ -86,6 +86,7 @@ class MemberStatus:
         host: The host name its agent reported (``rdzv run``), or None.
         workers: The workers its agent started, or None when not reported.
         restarts: Its agent's restarts after worker failures, or None.
+        gone: Its mark says its process died (the store wrote its will).
     """
 
     rank: int
@@ -96,6 +97,7 @@ class MemberStatus:
     host: str | None = None
     workers: int | None = None
     restarts: int | None = None
+    gone: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,11 @@ class HeartbeatTracker:
         self._watches[node] = MarkWatch(mark, self._clock())
         if seen is not None:
             self._changed.add(node)
+
+    def gone(self, node: str) -> bool:
+        """Tell whether the node's last mark says its process died (:data:`GONE_MARK`)."""
+        seen = self._watches.get(node)
+        return seen is not None and seen.mark == GONE_MARK
 
     def age(self, node: str) -> float | None:
         """Return seconds since the node's mark was seen to change, or None."""
@@ -333,6 +340,7 @@ def read_status(
             agent.get("host") if isinstance(agent.get("host"), str) else None,
             _int_or_none(agent.get("workers")),
             _int_or_none(agent.get("restarts")),
+            tracker.gone(node),
         )
         for (rank, node), agent in zip(enumerate(state.participants), agents, strict=True)
     ]
@@ -369,7 +377,9 @@ def format_status(status: RunStatus) -> str:
     if status.members:
         rows = []
         for m in status.members:
-            if m.heartbeat_age is not None:
+            if m.gone:
+                beat = "process gone"
+            elif m.heartbeat_age is not None:
                 beat = f"{m.heartbeat_age:.1f} s ago"
             else:
                 beat = f"none seen in {status.observed_for:.1f} s"

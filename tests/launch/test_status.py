@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from rdzv import HashStore
+from rdzv.backends.base import GONE_MARK
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.state import RendezvousState, encode_state, node_address
 from rdzv.first_failure import FailureRecord
@@ -133,6 +134,9 @@ def test_heartbeat_age_is_measured_on_the_local_clock() -> None:
     assert tracker.age("a") == pytest.approx(0.5)
     assert tracker.age("b") is None
     assert tracker.observed_for == pytest.approx(1.5)
+    assert not tracker.gone("a")
+    tracker.observe("a", GONE_MARK)  # the store wrote a's will: its process died
+    assert tracker.gone("a")
 
 
 def test_format_status_table() -> None:
@@ -143,6 +147,7 @@ def test_format_status_table() -> None:
         [
             MemberStatus(0, "10.0.0.1#1#a", "10.0.0.1", False, 0.25),
             MemberStatus(1, "10.0.0.2#1#b", "10.0.0.2", True, None),
+            MemberStatus(2, "10.0.0.4#1#d", "10.0.0.4", False, 3.0, gone=True),
         ],
         ["10.0.0.3#7#c"],
         2.0,
@@ -153,6 +158,7 @@ def test_format_status_table() -> None:
         "rank  node          state    heartbeat",
         "   0  10.0.0.1#1#a  member   0.2 s ago",
         "   1  10.0.0.2#1#b  evicted  none seen in 2.0 s",
+        "   2  10.0.0.4#1#d  member   process gone",
         "waiting for round 4: 10.0.0.3#7#c",
     ]
     assert run.to_json()["complete"] is True
