@@ -147,6 +147,44 @@ def test_sigkill_after_completion_triggers_a_new_round(
     _same_round([next_round_of_two(nodes[i], of_three[i]) for i in (0, 2)])
 
 
+def test_a_sigkilled_node_is_found_by_its_will_long_before_its_heartbeats_run_out(
+    agents: Callable[..., Agent], store_endpoint: str
+) -> None:
+    """The kernel closes a killed node's connections and the store writes its will.
+
+    The dead-node timeout is 1 s x 30 = 30 s; the survivors re-form within
+    the 20 s this test allows only because the killed node's heartbeat
+    counter says ``gone`` (judged after a 1 s grace).
+    """
+    common = (
+        "--endpoint",
+        store_endpoint,
+        "--min",
+        "2",
+        "--max",
+        "3",
+        "--last-call",
+        "0.5",
+        "--interval",
+        "1",
+        "--attempts",
+        "30",
+        "--join",
+        "120",
+        *CLIENT,
+    )
+    nodes = [
+        agents(*common, "--rounds", "2", "--wait-go", "--addr", f"127.0.0.{i}") for i in (1, 2, 3)
+    ]
+    for a in nodes:
+        a.go()
+    of_three = [_round(a, 3) for a in nodes]
+    _same_round(of_three)
+    time.sleep(2.5)  # past the first beat (1 s), which makes each node's will
+    nodes[1].kill()
+    _same_round([_round(nodes[i], 2, timeout=20) for i in (0, 2)])
+
+
 def test_skewed_clocks_do_not_evict_the_living_nor_keep_the_dead(
     agents: Callable[..., Agent], store_endpoint: str
 ) -> None:

@@ -18,6 +18,7 @@ torch's (:func:`~rdzv.store.foreign.as_store`). Store failures become
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
@@ -153,6 +154,7 @@ class StoreLiveness(LivenessBackend):
         self._liveness_store: Store = as_store(store)
         self._liveness_prefix = prefix
         self._wills: dict[str, Stoppable | None] = {}
+        self._wills_lock = threading.Lock()
 
     def _beat_key(self, node: str) -> str:
         return heartbeat_key(self._liveness_prefix, validate_node_key(node))
@@ -199,13 +201,15 @@ class StoreLiveness(LivenessBackend):
         On rdzv's TCP store (:meth:`Store.keep_will
         <rdzv.store.base.Store.keep_will>`); elsewhere nothing happens.
         """
-        if node not in self._wills:
-            self._wills[node] = self._liveness_store.keep_will(
-                self._beat_key(node), GONE_MARK, partial(self._restore, node)
-            )
+        with self._wills_lock:
+            if node not in self._wills:
+                self._wills[node] = self._liveness_store.keep_will(
+                    self._beat_key(node), GONE_MARK, partial(self._restore, node)
+                )
 
     def absent(self, node: str) -> None:  # noqa: D102 - see LivenessBackend
-        will = self._wills.pop(node, None)
+        with self._wills_lock:
+            will = self._wills.pop(node, None)
         if will is not None:
             will.stop()
 

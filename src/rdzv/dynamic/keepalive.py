@@ -248,7 +248,8 @@ class KeepAlive:
             self._liveness.beat(self._node)
             # From the first beat on, not at the join: a round that forms
             # within an interval does not wait behind a connection per node.
-            self._liveness.present(self._node)
+            if not stop.is_set():
+                self._liveness.present(self._node)
         except (RendezvousError, OSError) as exc:
             failures += 1
             self._event("keepalive-failed", -1, attempt=failures, error=str(exc))
