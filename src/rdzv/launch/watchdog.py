@@ -234,7 +234,7 @@ class HangWatch:
                     f"rank {rank}'s expiration timer {expiry.scope!r} expired: sent "
                     f"{_signal_name(expiry.signum)} to pid {expiry.pid}"
                 )
-                hang = f": expiration timer {expiry.scope!r} expired after {expiry.after:.3g} s"
+                hang = f": expiration timer {expiry.scope!r} expired after {expiry.after:.2g} s"
                 return workers.hung(rank, hang, expiry.signum, _TIMER_EXIT_WAIT)
         if self._judge is None or self._private is None:
             return None
