@@ -164,7 +164,7 @@ def test_one_worker_kill_run_of_rdzv_run_recovers_and_leaves_nothing(tmp_path: P
             sys.executable,
             str(BENCHMARKS / "recovery_bench.py"),
             *("--reps", "1", "--faults", "worker-kill", "--launchers", "rdzv"),
-            *("--timeout", "150", "--logs", str(logs), "--json", str(raw)),
+            *("--timeout", "150", "--settle", "0", "--logs", str(logs), "--json", str(raw)),
         ],
         env=subprocess_env(),
         capture_output=True,
