@@ -21,6 +21,7 @@ from rdzv.dynamic.machine import (
     backup_delay,
     decide,
     judge_marks,
+    last_call_left,
     newcomers,
     nodes_waiting,
     observe,
@@ -222,6 +223,17 @@ def test_a_summary_decides_a_re_formation_as_its_state() -> None:
     leader = _joined(2, clock, failed)
     summary = StateSummary.of(failed)
     assert decide(leader, summary, 2, ME, LIMITS, clock()) == Seal(reform=True)
+
+
+def test_the_last_call_left_is_the_leaders_countdown_and_none_outside_one() -> None:
+    clock = FakeClock()
+    leader = _joined(2, clock)
+    assert last_call_left(leader, None, 1, LIMITS, clock()) is None  # below min
+    assert last_call_left(leader, None, 4, LIMITS, clock()) is None  # full: sealed at once
+    clock.advance(4.0)
+    assert last_call_left(leader, None, 2, LIMITS, clock()) == pytest.approx(6.0)
+    failed = RendezvousState(3, (A, B, C)).evict([C])
+    assert last_call_left(_joined(2, clock, failed), failed, 2, LIMITS, clock()) is None
 
 
 def test_last_call_wait_never_passes_the_join_deadline() -> None:

@@ -24,8 +24,8 @@ from rdzv.first_failure import (
     record_first,
 )
 from rdzv.keys import first_failure_key, last_failure_key, round_store_prefix
+from rdzv.launch.exits import WorkerExit
 from rdzv.launch.failures import FirstFailure, record_of
-from rdzv.launch.workers import WorkerExit
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
 

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from rdzv.launch import AgentConfig
+from rdzv.launch.exits import read_root_cause
 from rdzv.launch.options import comma_separated_list, parse_local_ranks_filter, parse_signals
-from rdzv.launch.workers import Std, StdChoice, read_root_cause
+from rdzv.launch.workers import Std, StdChoice
 
 
 @pytest.mark.parametrize(

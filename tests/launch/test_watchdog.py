@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from rdzv.launch.exits import WorkerExit
 from rdzv.launch.timers import ENABLE_VARIABLE, FILE_VARIABLE
 from rdzv.launch.watchdog import HangWatch, ProgressJudge, progress_every, stack_report
-from rdzv.launch.workers import OutputSink, WorkerExit, WorkerGroup, WorkerSpec
+from rdzv.launch.workers import OutputSink, WorkerGroup, WorkerSpec
 from rdzv.testing.clock import FakeClock
 from rdzv.worker import (
     PROGRESS_DIR_VARIABLE,

@@ -53,11 +53,11 @@ from rdzv.dynamic.machine import (
     Wait,
     decide,
     judge_marks,
+    last_call_left,
     missing_members,
     newcomers,
     observe,
     plan_seal,
-    reforming,
     start_join,
 )
 from rdzv.dynamic.member import Member, Membership, round_key
@@ -285,6 +285,7 @@ class Join:
             # Progress for whoever waits with this node (rdzv run prints it).
             self.reported = self.queue_length
             now = c.clock()
+            left = last_call_left(self.progress, self.state, self.queue_length, c.limits, now)
             c.event(
                 "waiting",
                 round_id,
@@ -292,23 +293,8 @@ class Join:
                 min_nodes=c.limits.min_nodes,
                 max_nodes=c.limits.max_nodes,
                 timeout_in=round(self.progress.deadline(c.limits) - now, 3),
-                last_call_in=self._last_call_in(now),
+                last_call_in=None if left is None else round(left, 3),
             )
-
-    def _last_call_in(self, now: float) -> float | None:
-        """Seconds left of the last call this node sees, or None outside one.
-
-        The last call runs while at least ``min_nodes`` and fewer than
-        ``max_nodes`` have joined, from when this node first saw
-        ``min_nodes`` (now, when it sees them only now).
-        """
-        limits = self._c.limits
-        if not limits.min_nodes <= self.queue_length < limits.max_nodes:
-            return None
-        if reforming(self.progress, self.state, self.queue_length):
-            return None  # a re-formation seals without a last call
-        began = self.progress.min_seen_at
-        return round((now if began is None else began) + limits.last_call - now, 3)
 
     def _judge_suspects(self) -> None:
         """Judge the nodes a deferred seal waits for or would admit.

@@ -86,6 +86,7 @@ __all__ = [
     "backup_delay",
     "decide",
     "judge_marks",
+    "last_call_left",
     "missing_members",
     "newcomers",
     "nodes_waiting",
@@ -346,6 +347,23 @@ def reforming(progress: JoinProgress, state: StateView | None, queue_length: int
     if state is None or progress.newcomers:
         return False
     return 0 < state.live_count <= queue_length
+
+
+def last_call_left(
+    progress: JoinProgress, state: StateView | None, queue_length: int, limits: Limits, now: float
+) -> float | None:
+    """Return the seconds left of the last call this node runs or sees, or None outside one.
+
+    A last call runs while at least ``min_nodes`` and fewer than ``max_nodes``
+    joined, from when this node first saw ``min_nodes`` (now, when it sees
+    them only now); a re-formation (:func:`reforming`) has none.
+    """
+    if not limits.min_nodes <= queue_length < limits.max_nodes:
+        return None
+    if reforming(progress, state, queue_length):
+        return None
+    began = now if progress.min_seen_at is None else progress.min_seen_at
+    return began + limits.last_call - now
 
 
 def newcomers(state: RendezvousState | None, records: Sequence[JoinRecord]) -> bool:

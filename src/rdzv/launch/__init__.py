@@ -2,7 +2,8 @@
 
 from rdzv.launch.agent import ElasticAgent
 from rdzv.launch.config import AgentConfig, AgentResult
-from rdzv.launch.workers import OutputSink, WorkerExit, WorkerGroup, WorkerSpec
+from rdzv.launch.exits import WorkerExit
+from rdzv.launch.workers import OutputSink, WorkerGroup, WorkerSpec
 
 __all__ = [
     "AgentConfig",

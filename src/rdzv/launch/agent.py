@@ -100,6 +100,7 @@ from rdzv.launch.config import (
     AgentResult,
     AgentStats,
 )
+from rdzv.launch.exits import WorkerExit
 from rdzv.launch.explain import describe_change, describe_timeout
 from rdzv.launch.failures import FirstFailure
 from rdzv.launch.progress import FIRST_LINE_AFTER, LINE_EVERY, EventListener, WaitProgress
@@ -109,12 +110,7 @@ from rdzv.launch.ranks import (
 )
 from rdzv.launch.warm import WarmSpares
 from rdzv.launch.watchdog import HangWatch
-from rdzv.launch.workers import (
-    OutputSink,
-    WorkerExit,
-    WorkerGroup,
-    agent_line,
-)
+from rdzv.launch.workers import OutputSink, WorkerGroup, agent_line
 from rdzv.store.base import Store
 
 __all__ = ["ElasticAgent", "reform_grace"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rdzv.api import RendezvousStoreInfo
+from rdzv.launch.exits import WorkerExit
 from rdzv.launch.ranks import (
     DEFAULT_SIGNALS_TO_HANDLE,
     NodeRanks,
@@ -23,7 +24,7 @@ from rdzv.launch.ranks import (
     worker_environment,
 )
 from rdzv.launch.warm import check_module_names
-from rdzv.launch.workers import Std, StdChoice, WorkerExit, WorkerSpec
+from rdzv.launch.workers import Std, StdChoice, WorkerSpec
 
 __all__ = [
     "DEFAULT_FORWARDED",

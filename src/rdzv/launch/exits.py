@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WorkerExit", "describe_returncode", "read_root_cause"]
+__all__ = ["WorkerExit", "describe_returncode", "read_root_cause", "signal_name"]
+
+
+def signal_name(signum: int) -> str | None:
+    """Return the name of signal ``signum`` (``SIGKILL``), or None when no signal has it."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return None
 
 
 def describe_returncode(returncode: int) -> str:
@@ -24,10 +32,7 @@ def describe_returncode(returncode: int) -> str:
     if returncode >= 0:
         return f"exited with code {returncode}"
     signum = -returncode
-    try:
-        name = signal.Signals(signum).name
-    except ValueError:
-        name = "an unknown signal"
+    name = signal_name(signum) or "an unknown signal"
     return f"was killed by signal {name} ({signum})"
 
 

@@ -29,7 +29,6 @@ note in the agent's log, never the agent.
 
 from __future__ import annotations
 
-import signal
 import socket
 import time
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from rdzv.first_failure import (
     record_first,
 )
 from rdzv.keys import first_failure_key, round_of_store
-from rdzv.launch.workers import WorkerExit
+from rdzv.launch.exits import WorkerExit, signal_name
 from rdzv.store.base import Store
 from rdzv.store.memory import PrefixStore
 
@@ -78,10 +77,7 @@ def record_of(
     code = failure.returncode
     name = None
     if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = str(-code)
+        name = signal_name(-code) or str(-code)
     if failure.hang is not None:
         # Judged hung and ended by this agent: its signal is the agent's.
         kind = kind or KIND_HUNG

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rdzv.launch.workers import WorkerSpec, start_process
+from rdzv.launch.workers import WorkerSpec, signal_group, start_process
 from rdzv.threads import start_thread
 from rdzv.worker import PROGRESS_DIR_VARIABLE
 
@@ -449,8 +449,7 @@ class _Spare:
 
     def kill(self) -> None:
         """SIGKILL the spare's process group, reap it, close its pipes."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        signal_group(self.process.pid, signal.SIGKILL)
         self.process.wait()
         for stream in (self.process.stdout, self.process.stderr):
             if stream is not None:

@@ -47,8 +47,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
+from rdzv.launch.exits import WorkerExit, signal_name
 from rdzv.launch.timers import ENABLE_VARIABLE, FILE_VARIABLE, FileTimerServer, owner_of
-from rdzv.launch.workers import WorkerExit, WorkerGroup
+from rdzv.launch.workers import WorkerGroup
 from rdzv.worker import PROGRESS_DIR_VARIABLE, PROGRESS_EVERY_VARIABLE, progress_file
 
 __all__ = ["DUMP_WAIT", "HangWatch", "ProgressJudge", "progress_every", "stack_report"]
@@ -232,7 +233,7 @@ class HangWatch:
                 rank, expiry = found
                 self._log(
                     f"rank {rank}'s expiration timer {expiry.scope!r} expired: sent "
-                    f"{_signal_name(expiry.signum)} to pid {expiry.pid}"
+                    f"{signal_name(expiry.signum) or f'signal {expiry.signum}'} to pid {expiry.pid}"
                 )
                 hang = f": expiration timer {expiry.scope!r} expired after {expiry.after:.2g} s"
                 return workers.hung(rank, hang, expiry.signum, _TIMER_EXIT_WAIT)
@@ -302,10 +303,3 @@ class HangWatch:
             except OSError:
                 return Path(tempfile.gettempdir(), "rdzv-stacks") / self._attempt_dir
         return self._kept / self._attempt_dir
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"

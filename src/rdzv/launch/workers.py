@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from rdzv.launch.exits import WorkerExit, describe_returncode, read_root_cause
+from rdzv.launch.exits import WorkerExit, read_root_cause
 from rdzv.threads import start_thread
 
 __all__ = [
@@ -58,12 +58,10 @@ __all__ = [
     "StartProcess",
     "Std",
     "StdChoice",
-    "WorkerExit",
     "WorkerGroup",
     "WorkerSpec",
     "agent_line",
-    "describe_returncode",
-    "read_root_cause",
+    "signal_group",
     "start_process",
 ]
 
@@ -427,14 +425,14 @@ class WorkerGroup:
         """
         alive = [w for w in self._workers if w.process.poll() is None]
         for worker in alive:
-            _signal_group(worker.process.pid, signum)
+            signal_group(worker.process.pid, signum)
         deadline = time.monotonic() + grace
         for worker in alive:
             remaining = deadline - time.monotonic()
             try:
                 worker.process.wait(timeout=max(remaining, 0.0))
             except subprocess.TimeoutExpired:
-                _signal_group(worker.process.pid, signal.SIGKILL)
+                signal_group(worker.process.pid, signal.SIGKILL)
         for worker in alive:
             worker.process.wait()
         self.close()
@@ -489,7 +487,7 @@ class WorkerGroup:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(timeout=max(deadline - time.monotonic(), 0.0))
         for worker in alive:
-            _signal_group(worker.process.pid, signal.SIGKILL)
+            signal_group(worker.process.pid, signal.SIGKILL)
         for worker in alive:
             worker.process.wait()
         deadline = time.monotonic() + _CAPTURE_JOIN
@@ -501,7 +499,7 @@ class WorkerGroup:
         """Send ``signum`` to the process group of every running worker (nothing else)."""
         for worker in self._workers:
             if worker.process.poll() is None:
-                _signal_group(worker.process.pid, signum)
+                signal_group(worker.process.pid, signum)
 
     def close(self) -> None:
         """Join the output threads and close the log files of ended workers."""
@@ -530,6 +528,7 @@ def _start_cold(spec: WorkerSpec) -> subprocess.Popen[bytes]:
     return start_process(spec.argv, spec.env)
 
 
-def _signal_group(pgid: int, signum: signal.Signals) -> None:
+def signal_group(pgid: int, signum: signal.Signals) -> None:
+    """Send ``signum`` to process group ``pgid``; one that is gone already is no error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signum)

@@ -521,11 +521,14 @@ class TCPStore(Store):
             readable, _, _ = select.select([sock.fileno(), wake], [], [], max(timeout, 0.0))
             if sock.fileno() not in readable:
                 return False
+            previous = sock.gettimeout()
             try:
                 sock.setblocking(False)
                 sock.recv(1)
             except (BlockingIOError, ssl.SSLWantReadError):
-                sock.setblocking(True)
+                # Nothing for the caller (a TLS record such as a session
+                # ticket): the connection stays, with its timeout as it was.
+                sock.settimeout(previous)
                 return False
             except OSError:
                 pass
