@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Union, cast
 from rdzv.backends.base import validate_run_id
 from rdzv.errors import RendezvousStateError, RendezvousTimeoutError
 from rdzv.net import primary_address
-from rdzv.store.base import MAX_DURATION, Store
+from rdzv.store.base import MAX_DURATION, Store, StoreLike
 
 __all__ = [
     "DEFAULT_KEEP_ALIVE_INTERVAL",
@@ -587,7 +587,9 @@ class RendezvousInfo:
     """What a completed rendezvous round gives this node.
 
     Args:
-        store: The round's key-value store (prefixed per run and round).
+        store: The round's key-value store (prefixed per run and round): an
+            rdzv store, or, when the handler was given a torch store, torch's
+            ``PrefixStore`` over that store, as torch gives it.
         rank: This node's rank, in ``0..world_size-1``.
         world_size: The number of nodes in the round.
         bootstrap_store_info: Where workers find their bootstrap store.
@@ -604,7 +606,7 @@ class RendezvousInfo:
 
     def __init__(
         self,
-        store: Store,
+        store: StoreLike,
         rank: int,
         world_size: int,
         bootstrap_store_info: RendezvousStoreInfo | None = None,
@@ -623,7 +625,7 @@ class RendezvousInfo:
         )
 
     @property
-    def store(self) -> Store:
+    def store(self) -> StoreLike:
         """The round's store."""
         return self._store
 

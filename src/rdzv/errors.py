@@ -23,6 +23,8 @@ __all__ = [
     "RendezvousTimeoutError",
     "StoreAuthenticationError",
     "StoreTimeoutError",
+    "explained",
+    "with_detail",
 ]
 
 
@@ -85,3 +87,22 @@ class StoreAuthenticationError(RendezvousError):
     It is final, not retryable: the shared secret (``auth_token``) is missing,
     wrong, or the server cannot authenticate at all (torch's server).
     """
+
+
+def with_detail(exc: BaseException, detail: str) -> BaseException:
+    """Attach rdzv's ``detail`` to ``exc`` as a note and return ``exc``.
+
+    The message stays torch's text, which callers and torch's tests match
+    exactly; the detail shows in tracebacks and in :func:`explained`.
+    """
+    notes = getattr(exc, "__notes__", None)
+    if notes is None:
+        notes = []
+        exc.__notes__ = notes  # type: ignore[attr-defined]  # add_note() is 3.11+
+    notes.append(detail)
+    return exc
+
+
+def explained(exc: BaseException) -> str:
+    """Return ``exc``'s message followed by its notes, on one line (for a CLI)."""
+    return " ".join([str(exc), *getattr(exc, "__notes__", ())])

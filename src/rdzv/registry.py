@@ -39,6 +39,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING
 
 from rdzv.api import RendezvousHandler, RendezvousParameters
+from rdzv.errors import with_detail
 
 if TYPE_CHECKING:
     from rdzv.backends.base import RendezvousBackend
@@ -179,10 +180,12 @@ class RendezvousHandlerRegistry:
             if current is not None:
                 if current is creator:
                     return
-                raise ValueError(
-                    f"The rendezvous backend '{backend}' cannot be registered with '{creator}' "
-                    f"as it is already registered with '{current}'. It came from "
-                    f"{self._origins[backend]}."
+                raise with_detail(
+                    ValueError(
+                        f"The rendezvous backend '{backend}' cannot be registered with "
+                        f"'{creator}' as it is already registered with '{current}'."
+                    ),
+                    f"It came from {self._origins[backend]}.",
                 )
             self._creators[backend] = creator
             self._origins[backend] = origin or getattr(creator, "__module__", "?") or "?"
@@ -229,19 +232,25 @@ class RendezvousHandlerRegistry:
             creator = self._creators.get(params.backend)
             known = sorted(self._creators)
         if creator is None:
-            raise ValueError(
-                f"The rendezvous backend '{params.backend}' is not registered. Did you forget "
-                f"to call `register`? Known backends: {', '.join(known) or '(none)'}; a "
-                "backend from another package is registered when that package is installed."
+            raise with_detail(
+                ValueError(
+                    f"The rendezvous backend '{params.backend}' is not registered. Did you "
+                    "forget to call `register`?"
+                ),
+                f"Known backends: {', '.join(known) or '(none)'}; a backend from another "
+                "package is registered when that package is installed.",
             )
         handler = creator(params)
         built = handler.get_backend()
         if canonical_backend_name(built) != canonical_backend_name(params.backend):
             _close_built(handler)
-            raise RuntimeError(
-                f"The rendezvous backend '{built}' does not match the requested backend "
-                f"'{params.backend}'. The creator registered under '{params.backend}' is "
-                f"{creator!r}; it built a {type(handler).__name__}, which was closed."
+            raise with_detail(
+                RuntimeError(
+                    f"The rendezvous backend '{built}' does not match the requested backend "
+                    f"'{params.backend}'."
+                ),
+                f"The creator registered under '{params.backend}' is {creator!r}; it built "
+                f"a {type(handler).__name__}, which was closed.",
             )
         return handler
 

@@ -36,7 +36,7 @@ from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.machine import MarkWatch
 from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
 from rdzv.endpoint import parse_config
-from rdzv.errors import RendezvousError
+from rdzv.errors import RendezvousError, explained
 from rdzv.first_failure import FailureRecord, FailureRecordError, read_last
 from rdzv.keys import agent_key, round_store_prefix, run_of_backend_key
 from rdzv.registry import open_backend as open_registered_backend
@@ -462,7 +462,7 @@ def _list_runs(args: argparse.Namespace, out: TextIO) -> int:
             args.rdzv_backend, args.rdzv_endpoint, "rdzv-status", parse_config(args.rdzv_conf)
         )
     except ValueError as exc:
-        _error(f"error: {exc}")
+        _error(f"error: {explained(exc)}")
         return EXIT_USAGE
     except RendezvousError as exc:
         _error(f"cannot reach the backend: {exc}")
@@ -548,7 +548,7 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, parse_config(args.rdzv_conf)
         )
     except ValueError as exc:
-        _error(f"error: {exc}")
+        _error(f"error: {explained(exc)}")
         return EXIT_USAGE
     except RendezvousError as exc:
         _error(f"cannot reach the backend: {exc}")

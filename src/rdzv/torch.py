@@ -30,7 +30,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from rdzv import errors
-from rdzv.store.base import Store, Value
+from rdzv.store.base import Store, StoreLike, Value
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store as TorchStore
@@ -57,22 +57,28 @@ def dist_errors() -> Iterator[None]:
         raise dist.DistError(str(exc)) from exc
 
 
-def as_torch_store(store: Store) -> TorchStore:
-    """Return ``store`` (any rdzv store) as a ``torch.distributed.Store``.
+def as_torch_store(store: StoreLike) -> TorchStore:
+    """Return ``store`` as a ``torch.distributed.Store``.
 
-    Its calls go to ``store``, and its ``rdzv_store`` attribute is ``store``.
+    An rdzv store gets an adapter: its calls go to ``store``, and its
+    ``rdzv_store`` attribute is ``store``. A torch store (``info.store`` of
+    a handler given one) is returned as it is, so
+    ``as_torch_store(info.store)`` works whichever store the handler got.
 
     Raises:
-        TypeError: ``store`` is not an rdzv store (a torch store needs no
-            adapter).
+        TypeError: ``store`` is neither an rdzv store nor a torch store.
         ModuleNotFoundError: torch is not installed (``pip install 'rdzv[torch]'``).
     """
-    if not isinstance(store, Store):
-        raise TypeError(
-            f"as_torch_store takes an rdzv Store, got {type(store).__name__}; "
-            "a torch.distributed.Store is used as it is"
-        )
-    return _adapter_class()(store)
+    if isinstance(store, Store):
+        return _adapter_class()(store)
+    from torch._C._distributed_c10d import Store as TorchStoreBase  # noqa: PLC0415
+
+    if isinstance(store, TorchStoreBase):
+        return store
+    raise TypeError(
+        f"as_torch_store takes an rdzv Store or a torch.distributed.Store, "
+        f"got {type(store).__name__}"
+    )
 
 
 @functools.cache

@@ -242,6 +242,7 @@ def test_a_record_that_does_not_decode_is_ignored_with_a_note() -> None:
     agent = FirstFailure("job", None, notes.append)
     info = _round(store, 0)
     agent.round_started(info, 0, restart=0)
+    assert isinstance(info.store, PrefixStore)
     info.store.set(first_failure_key(), b"\x00garbage")
     assert agent.report(killed()) is None
     assert agent.after("restarting") == "restarting"

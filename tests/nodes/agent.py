@@ -61,6 +61,7 @@ from rdzv.errors import (
 )
 from rdzv.registry import open_backend
 from rdzv.store.base import Store
+from rdzv.store.foreign import as_store
 
 CLOSING = (RendezvousClosedError, RendezvousGracefulExitError)
 
@@ -152,7 +153,7 @@ def _rounds(handler: DynamicRendezvousHandler, args: argparse.Namespace) -> int:
         emit(event="closed")
     for number in range(args.rounds):
         info = handler.next_rendezvous()
-        info.store.set(f"rank{info.rank}", b"here")
+        as_store(info.store).set(f"rank{info.rank}", b"here")
         boot = info.bootstrap_store_info
         emit(
             event="round",
@@ -292,19 +293,20 @@ def static(args: argparse.Namespace) -> int:
         except RendezvousTimeoutError as exc:
             print(f"timeout: {exc}", flush=True)
             return 3
-        info.store.set(f"from/{info.rank}", str(info.rank))
-        seen = [int(v) for v in info.store.multi_get([f"from/{r}" for r in range(info.world_size)])]
+        store = as_store(info.store)
+        store.set(f"from/{info.rank}", str(info.rank))
+        seen = [int(v) for v in store.multi_get([f"from/{r}" for r in range(info.world_size)])]
         # do not leave before everyone read: rank 0 hosts the store
-        if info.store.add("done", 1) == info.world_size:
-            info.store.set("all-done", "1")
-        info.store.wait(["all-done"])
+        if store.add("done", 1) == info.world_size:
+            store.set("all-done", "1")
+        store.wait(["all-done"])
         # rank 0 hosts the store: it stays until the others got their reply
         if info.rank == 0:
-            info.store.wait(["bye"], timeout=20)
-            while int(info.store.get("bye")) < info.world_size - 1:
+            store.wait(["bye"], timeout=20)
+            while int(store.get("bye")) < info.world_size - 1:
                 time.sleep(0.01)
         else:
-            info.store.add("bye", 1)
+            store.add("bye", 1)
         boot = info.bootstrap_store_info
         print(
             json.dumps(

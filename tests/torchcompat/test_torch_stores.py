@@ -23,10 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as torch_dist
 
-from rdzv import DynamicRendezvousHandler, RendezvousTimeout
+from rdzv import (
+    DynamicRendezvousHandler,
+    HashStore,
+    RendezvousParameters,
+    RendezvousTimeout,
+)
 from rdzv.backends.store import RETAIN_REPLACED, C10dRendezvousBackend
+from rdzv.dynamic.handler import create_handler
 from rdzv.keys import agent_key
 from rdzv.status import HeartbeatTracker, list_runs, read_status
 from rdzv.store.foreign import ForeignStore, StoreLike, as_store
@@ -318,3 +325,90 @@ def test_three_processes_rendezvous_over_torchs_tcp_store_with_torchs_client_onl
     assert {r["world_size"] for r in results} == {3}
     # Each saw every rank's key in the round's store.
     assert all(r["ranks_seen"] == [0, 1, 2] for r in results), results
+
+
+# -- the store a caller passes comes back (issue 51, item 1) ----------------
+
+
+def _one_node_info(store: Any, run_id: str) -> tuple[Any, Any]:
+    params = RendezvousParameters(
+        "c10d", "unused:0", run_id, 1, 1, local_addr="127.0.0.1", last_call_timeout="0.1"
+    )
+    handler = create_handler(store, C10dRendezvousBackend(store, run_id), params)
+    return handler, handler.next_rendezvous()
+
+
+def _train_one_step(store: Any) -> float:
+    """init_process_group over ``store`` as torch takes it; one all_reduce."""
+    torch_dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        tensor = torch.ones(2)
+        torch_dist.all_reduce(tensor)
+        return float(tensor.sum())
+    finally:
+        torch_dist.destroy_process_group()
+
+
+@pytest.mark.torch
+def test_a_torch_hash_store_comes_back_under_torchs_prefix_store() -> None:
+    store = torch_hash_store()
+    handler, info = _one_node_info(store, "back-hash")
+    try:
+        assert type(info.store) is torch_dist.PrefixStore  # type: ignore[attr-defined]
+        assert info.store.underlying_store is store
+        # The same keys as rdzv's view: the round's prefix, then the key.
+        info.store.set("probe", "1")
+        assert store.get("rdzv/back-hash/round/0/probe") == b"1"
+        assert _train_one_step(info.store) == 2.0
+    finally:
+        handler.shutdown()
+        handler.close()
+
+
+@pytest.mark.torch
+def test_a_torch_tcp_store_comes_back_under_torchs_prefix_store(
+    torch_clients: list[Any],
+) -> None:
+    client = torch_clients[0]
+    handler, info = _one_node_info(client, f"back-tcp-{uuid.uuid4().hex[:6]}")
+    try:
+        assert type(info.store) is torch_dist.PrefixStore  # type: ignore[attr-defined]
+        assert info.store.underlying_store is client
+        assert _train_one_step(info.store) == 2.0
+    finally:
+        handler.shutdown()
+        handler.close()
+
+
+def test_an_rdzv_store_comes_back_under_rdzvs_prefix_store() -> None:
+    store = HashStore()
+    handler, info = _one_node_info(store, "back-rdzv")
+    try:
+        assert isinstance(info.store, PrefixStore)
+        assert info.store.underlying_store is store
+    finally:
+        handler.shutdown()
+        handler.close()
+
+
+def test_create_handler_builds_through_from_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As torch's does: a patched ``from_backend`` is the one called, with torch's arguments."""
+    calls: list[tuple[Any, ...]] = []
+    original = DynamicRendezvousHandler.from_backend.__func__  # type: ignore[attr-defined]
+
+    def recording(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(DynamicRendezvousHandler, "from_backend", classmethod(recording))
+    store = HashStore()
+    params = RendezvousParameters(
+        "c10d", "unused:0", "patched", 2, 3, local_addr="10.0.0.1", keep_alive_interval="7"
+    )
+    handler = create_handler(store, C10dRendezvousBackend(store, "patched"), params)
+    try:
+        (args,) = calls
+        assert args[:6] == ("patched", store, handler.backend, 2, 3, "10.0.0.1")
+        assert args[7] == timedelta(seconds=7)
+    finally:
+        handler.close()

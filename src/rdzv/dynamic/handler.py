@@ -82,7 +82,7 @@ from rdzv.keys import handler_prefix
 from rdzv.net import advertised_address, primary_address
 from rdzv.retry import Clock, as_clock, call_within, deadline_within
 from rdzv.store.base import Store
-from rdzv.store.foreign import StoreLike, as_store
+from rdzv.store.foreign import StoreLike, as_store, caller_view
 
 __all__ = ["DynamicRendezvousHandler", "HandlerStatistics", "create_handler", "recorded_creation"]
 
@@ -200,6 +200,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._port,
             self._keepalive,
             self._event,
+            caller_view(store),
         )
 
     # -- construction -------------------------------------------------------
@@ -515,6 +516,9 @@ def create_handler(
 ) -> DynamicRendezvousHandler:
     """Build a :class:`DynamicRendezvousHandler` from rendezvous parameters.
 
+    Like torch's, it builds through :meth:`DynamicRendezvousHandler.from_backend`
+    (a patched ``from_backend`` is the one called).
+
     The settings come from :meth:`RendezvousSettings.from_params
     <rdzv.api.RendezvousSettings.from_params>` (``join_timeout``,
     ``last_call_timeout``, ``close_timeout``, ``heartbeat``,
@@ -540,11 +544,17 @@ def create_handler(
         TypeError: ``store`` or ``backend`` is of neither kind.
     """
     with recorded_creation(params.run_id):
-        return DynamicRendezvousHandler.from_settings(
-            RendezvousSettings.from_params(params),
+        settings = RendezvousSettings.from_params(params)
+        return DynamicRendezvousHandler.from_backend(
+            settings.run_id,
             store,
             backend,
+            settings.min_nodes,
+            settings.max_nodes,
             params.local_addr or advertised_address(params.endpoint),
+            settings.timeout,
+            settings.keep_alive_interval,
+            settings.keep_alive_max_attempt,
             node_rank=given_node_rank(params),
         )
 

@@ -82,7 +82,7 @@ from rdzv.errors import (
 )
 from rdzv.keys import round_store_prefix
 from rdzv.retry import Clock, jitter
-from rdzv.store.base import Store
+from rdzv.store.base import Store, StoreLike
 from rdzv.store.memory import PrefixStore
 
 __all__ = ["Join", "JoinContext", "wait_state"]
@@ -110,6 +110,8 @@ class JoinContext:
         port: The port it holds for the bootstrap store.
         keepalive: Its keep-alive.
         event: Logs one structured event: ``event(action, round, **fields)``.
+        caller_store: The round's store as the caller gets it, from its prefix
+            (:func:`~rdzv.store.foreign.caller_view`).
     """
 
     node: str
@@ -129,6 +131,7 @@ class JoinContext:
     port: HeldPort
     keepalive: KeepAlive
     event: Callable[..., None]
+    caller_store: Callable[[str], StoreLike]
 
     def config(self) -> str:
         """Name the run and its size, for messages."""
@@ -424,7 +427,8 @@ class Join:
         # it joins no round (nor completes one it confirmed meanwhile, below).
         c.keepalive.check()
         c.members.become(member)
-        store = PrefixStore(round_store_prefix(c.settings.run_id, seat.round), c.store)
+        round_prefix = round_store_prefix(c.settings.run_id, seat.round)
+        store = PrefixStore(round_prefix, c.store)
         c.port.release()
         confirmed = seat.world_size == 1 or self._confirm(member, join_deadline)
         # The ring judging starts at the verdict, or at the confirmation's
@@ -457,7 +461,7 @@ class Join:
                 server_port=bootstrap.master_port if bootstrap else None,
             )
         return RendezvousInfo(
-            store,
+            c.caller_store(round_prefix),
             seat.rank,
             seat.world_size,
             bootstrap,

@@ -112,6 +112,7 @@ from rdzv.launch.warm import WarmSpares
 from rdzv.launch.watchdog import HangWatch
 from rdzv.launch.workers import OutputSink, WorkerGroup, agent_line
 from rdzv.store.base import Store
+from rdzv.store.foreign import as_store
 
 __all__ = ["ElasticAgent", "reform_grace"]
 
@@ -364,8 +365,9 @@ class ElasticAgent:
 
     def _start_attempt(self, info: RendezvousInfo) -> None:
         cfg = self._config
+        round_store = as_store(info.store)
         ranks = assign_ranks(
-            info.store,
+            round_store,
             info.rank,
             info.world_size,
             cfg.nproc_per_node,
@@ -373,7 +375,7 @@ class ElasticAgent:
             self._wait_for_peers,
         )
         master, server = exchange_bootstrap(
-            info.store, info.rank, self._bootstrap_factory, cfg.local_addr, self._wait_for_peers
+            round_store, info.rank, self._bootstrap_factory, cfg.local_addr, self._wait_for_peers
         )
         base_env = dict(os.environ if cfg.env is None else cfg.env)
         attempt_dir = Path(self._run_id, f"attempt_{self._attempts_started}")
@@ -406,7 +408,7 @@ class ElasticAgent:
         if self._restarts < cfg.max_restarts or self._node is not None:
             self._warm.prepare(specs)  # another attempt may come
         self.stats.workers = len(specs)
-        self._publish(info.store, ranks.group_rank, len(specs))
+        self._publish(round_store, ranks.group_rank, len(specs))
 
     def _publish(self, store: Store, group_rank: int, workers: int) -> None:
         """Say in the round's store how this node runs, for ``rdzv status``."""
@@ -522,7 +524,7 @@ class ElasticAgent:
     def _on_success(self, attempt: _Attempt) -> AgentResult:
         self._warm.close()
         attempt.workers.close()
-        store, total = attempt.info.store, attempt.ranks.group_world_size
+        store, total = as_store(attempt.info.store), attempt.ranks.group_world_size
         exit_barrier(store, total, self._config.exit_barrier_timeout, self._close_run, self._log)
         self._end_attempt()
         self._shutdown_handler()

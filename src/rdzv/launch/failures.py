@@ -49,6 +49,7 @@ from rdzv.first_failure import (
 from rdzv.keys import first_failure_key, round_of_store
 from rdzv.launch.exits import WorkerExit, signal_name
 from rdzv.store.base import Store
+from rdzv.store.foreign import as_store
 from rdzv.store.memory import PrefixStore
 
 __all__ = ["FirstFailure", "record_of"]
@@ -133,8 +134,8 @@ class FirstFailure:
 
     def round_started(self, info: RendezvousInfo, group_rank: int, restart: int) -> None:
         """Follow the round whose workers this agent starts now."""
-        self._store = info.store
-        prefix = info.store.prefix if isinstance(info.store, PrefixStore) else ""
+        self._store = store = as_store(info.store)
+        prefix = store.prefix if isinstance(store, PrefixStore) else ""
         self._where = (group_rank, round_of_store(self._run_id, prefix), restart)
         self._first, self._found, self._own = None, False, False
 

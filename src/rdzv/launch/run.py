@@ -38,7 +38,7 @@ from pathlib import Path
 from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousSettings
 from rdzv.backends.options import EtcdOptions, RedisOptions, StoreBackendOptions
 from rdzv.endpoint import format_endpoint, parse_config, parse_endpoint
-from rdzv.errors import RendezvousConnectionError, RendezvousError
+from rdzv.errors import RendezvousConnectionError, RendezvousError, explained
 from rdzv.launch.agent import ElasticAgent
 from rdzv.launch.config import EXIT_RENDEZVOUS, AgentConfig, AgentResult
 from rdzv.launch.metrics import agent_metrics
@@ -354,7 +354,7 @@ def _build_handler(args: argparse.Namespace, nproc: int, notes: _Notices) -> Ren
         )
         return create_handler(params)
     except ValueError as exc:
-        raise RunOptionsError(str(exc)) from None
+        raise RunOptionsError(explained(exc)) from None
 
 
 _PROBE_TIMEOUT = 2.0

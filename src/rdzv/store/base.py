@@ -26,7 +26,9 @@ __all__ = [
     "MAX_DURATION",
     "Stoppable",
     "Store",
+    "StoreLike",
     "Timeout",
+    "TorchStoreAPI",
     "Value",
     "check_multi_set",
     "to_bytes",
@@ -285,3 +287,22 @@ class Store(ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class TorchStoreAPI(Protocol):
+    """The part of ``torch.distributed.Store`` that torch's type stubs declare and rdzv calls."""
+
+    def set(self, key: str, value: str, /) -> None: ...  # noqa: D102
+    def get(self, key: str, /) -> bytes: ...  # noqa: D102
+    def add(self, key: str, value: int, /) -> int: ...  # noqa: D102
+    def check(self, keys: list[str], /) -> bool: ...  # noqa: D102
+    def compare_set(self, key: str, expected: str, desired: str, /) -> bytes: ...  # noqa: D102
+    def delete_key(self, key: str, /) -> bool: ...  # noqa: D102
+    def multi_get(self, keys: list[str], /) -> list[bytes]: ...  # noqa: D102
+    def num_keys(self) -> int: ...  # noqa: D102
+    def set_timeout(self, timeout: timedelta, /) -> None: ...  # noqa: D102
+    def list_keys(self) -> list[str]: ...  # noqa: D102
+
+
+StoreLike = Union[Store, TorchStoreAPI]  # noqa: UP007 - a runtime alias on 3.10
+"""What rdzv takes as a store: an rdzv store, or one with torch's ``Store`` API."""

@@ -36,14 +36,25 @@ needs none.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol, TypeVar, Union
+from typing import Any, TypeVar
 
 from rdzv.errors import RendezvousConnectionError, StoreTimeoutError
-from rdzv.store.base import Store, Timeout, Value, check_multi_set, to_bytes, to_seconds
+from rdzv.store.base import (
+    Store,
+    StoreLike,
+    Timeout,
+    TorchStoreAPI,
+    Value,
+    check_multi_set,
+    to_bytes,
+    to_seconds,
+)
+from rdzv.store.memory import PrefixStore
 
-__all__ = ["ForeignStore", "StoreLike", "TorchStoreAPI", "as_store"]
+__all__ = ["ForeignStore", "StoreLike", "TorchStoreAPI", "as_store", "caller_view"]
 
 _T = TypeVar("_T")
 
@@ -66,25 +77,6 @@ _REQUIRED = (
 )
 
 
-class TorchStoreAPI(Protocol):
-    """The part of ``torch.distributed.Store`` that torch's type stubs declare and rdzv calls."""
-
-    def set(self, key: str, value: str, /) -> None: ...  # noqa: D102
-    def get(self, key: str, /) -> bytes: ...  # noqa: D102
-    def add(self, key: str, value: int, /) -> int: ...  # noqa: D102
-    def check(self, keys: list[str], /) -> bool: ...  # noqa: D102
-    def compare_set(self, key: str, expected: str, desired: str, /) -> bytes: ...  # noqa: D102
-    def delete_key(self, key: str, /) -> bool: ...  # noqa: D102
-    def multi_get(self, keys: list[str], /) -> list[bytes]: ...  # noqa: D102
-    def num_keys(self) -> int: ...  # noqa: D102
-    def set_timeout(self, timeout: timedelta, /) -> None: ...  # noqa: D102
-    def list_keys(self) -> list[str]: ...  # noqa: D102
-
-
-StoreLike = Union[Store, TorchStoreAPI]  # noqa: UP007 - a runtime alias on 3.10
-"""What rdzv takes as a store: an rdzv store, or one with torch's ``Store`` API."""
-
-
 def as_store(store: StoreLike) -> Store:
     """Return ``store`` as an rdzv store: itself, or a :class:`ForeignStore` around it.
 
@@ -101,6 +93,25 @@ def as_store(store: StoreLike) -> Store:
             f"Store API: it lacks {', '.join(missing)}"
         )
     return ForeignStore(store)
+
+
+def caller_view(store: Store) -> Callable[[str], StoreLike]:
+    """Return how a round's store is handed to the caller who gave ``store``.
+
+    A caller who gave a ``torch.distributed.Store`` gets back what torch
+    gives: a torch ``PrefixStore`` over that very store, which torch's APIs
+    (``init_process_group(store=...)``) take as they are. Any other caller
+    gets rdzv's :class:`~rdzv.store.memory.PrefixStore` over ``store``. Both
+    prefix a key as ``<prefix>/<key>``, so the two views hold the same keys.
+    The kind is decided here, once; torch is found among the modules already
+    imported (a torch store implies it), never imported.
+    """
+    inner = store.inner if isinstance(store, ForeignStore) else None
+    torch_distributed = sys.modules.get("torch.distributed")
+    if torch_distributed is not None and isinstance(inner, torch_distributed.Store):
+        make: Callable[[str, Any], StoreLike] = torch_distributed.PrefixStore
+        return lambda prefix: make(prefix, inner)
+    return lambda prefix: PrefixStore(prefix, store)
 
 
 def _translated(exc: Exception, waited_for: Sequence[str] | None) -> Exception | None:
@@ -133,6 +144,11 @@ class ForeignStore(Store):
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         super().__init__(inner.timeout)
+
+    @property
+    def inner(self) -> Any:
+        """The store wrapped (the caller's)."""
+        return self._inner
 
     @property
     def timeout(self) -> timedelta:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from rdzv import errors
 from rdzv.api import RendezvousInfo
 from rdzv.endpoint import format_endpoint, parse_endpoint
+from rdzv.store.foreign import as_store
 from rdzv.store.memory import PrefixStore
 from rdzv.torch import as_torch_store
 
@@ -84,7 +85,7 @@ class _AdapterStores(_RoundStores):
     """rdzv's own round store (authenticated, TLS, a file), as a torch ``Store``."""
 
     def round_store(self, info: RendezvousInfo) -> TorchStore:
-        return as_torch_store(info.store)
+        return as_torch_store(as_store(info.store))
 
 
 class _RankZeroStores(_RoundStores):
