@@ -54,6 +54,7 @@ __all__ = [
     "decode_record",
     "encode_record",
     "read_record",
+    "read_current",
     "read_records",
     "write_record",
 ]
@@ -303,3 +304,13 @@ def read_records(store: Store, run_id: str) -> tuple[list[ExclusionRecord], list
         except ExclusionRecordError as exc:
             notes.append(f"the exclusion record of {node} does not decode and was ignored ({exc})")
     return records, notes
+
+
+def read_current(store: Store, run_id: str, now: float) -> tuple[list[ExclusionRecord], list[str]]:
+    """Read the records of the nodes excluded at ``now`` or failing now, and notes on bad ones.
+
+    Raises:
+        RendezvousError: The store cannot be read.
+    """
+    records, notes = read_records(store, run_id)
+    return [r for r in records if r.excluded(now) or r.failures], notes

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import replace
 
 import pytest
 
+from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.exclusion import (
     KIND_HEALTH,
     KIND_WORKERS,
@@ -21,6 +24,7 @@ from rdzv.exclusion import (
     write_record,
 )
 from rdzv.keys import exclusion_index_key, exclusion_key
+from rdzv.status import HeartbeatTracker, format_status, read_status
 from rdzv.store.memory import HashStore
 from rdzv.testing import FakeClock
 
@@ -183,3 +187,24 @@ def test_the_store_lists_each_node_once() -> None:
     assert len(notes) == 1
     assert "exclusion record of n3 does not decode" in notes[0]
     assert read_records(store, "other") == ([], [])
+
+
+def test_status_lists_the_excluded_and_failing_nodes_even_before_a_round() -> None:
+    store = HashStore()
+    backend = C10dRendezvousBackend(store, "job")
+    now = time.time()
+    excluded = ExclusionRecord("10.0.0.7", 0, 1, KIND_HEALTH, "health check 'x' failed", 60.0)
+    write_record(store, "job", replace(excluded, until=now + 60.0), first=True)
+    write_record(store, "job", ExclusionRecord("10.0.0.8", 2, 0, KIND_WORKERS, "w"), first=True)
+    write_record(store, "job", ExclusionRecord("10.0.0.9", 0, 3), first=True)  # healthy again
+    store.set(exclusion_index_key("job"), store.get(exclusion_index_key("job")) + b"bad\n")
+    store.set(exclusion_key("job", "bad"), b"{}")
+    read = read_status(backend, "job", HeartbeatTracker(), store=store)
+    assert read.known  # nothing else of the run is in the store yet
+    assert [r.node for r in read.excluded] == ["10.0.0.7", "10.0.0.8"]
+    lines = format_status(read).splitlines()
+    assert lines[-3].startswith("node 10.0.0.7 excluded until ")
+    assert lines[-3].endswith("s left of 60 s, exclusion 1): health check 'x' failed")
+    assert lines[-2] == "node 10.0.0.8 failed 2 time(s) in a row, not excluded: w"
+    assert lines[-1].startswith("the exclusion record of bad does not decode")
+    assert read.to_json()["excluded"][1]["failures"] == 2

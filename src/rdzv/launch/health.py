@@ -29,14 +29,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO
 
+from rdzv.api import RendezvousHandler
+from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.errors import RendezvousError
 from rdzv.exclusion import (
     KIND_HEALTH,
@@ -48,21 +52,18 @@ from rdzv.exclusion import (
     read_record,
     write_record,
 )
+from rdzv.launch.config import DEFAULT_HEALTH_CHECK_TIMEOUT, AgentConfig
 from rdzv.launch.exits import describe_returncode
 from rdzv.retry import Clock
 from rdzv.store.base import Store
 
 __all__ = [
     "CLOSED_POLL",
-    "DEFAULT_HEALTH_CHECK_TIMEOUT",
     "WALL_CLOCK",
     "HealthCheck",
     "HealthCheckResult",
     "NodeHealth",
 ]
-
-#: Seconds a health check may run by default.
-DEFAULT_HEALTH_CHECK_TIMEOUT = 60.0
 
 #: The longest slice of a wait between two questions "is the run closed?".
 CLOSED_POLL = 5.0
@@ -70,6 +71,7 @@ CLOSED_POLL = 5.0
 #: The clock of exclusion records: wall time, so that people and later agents can read it.
 WALL_CLOCK = Clock(time.time)
 
+_UNNAMEABLE = re.compile(r"[^A-Za-z0-9._:%\[\]-]")
 _RETRY_FIRST = 1.0
 _RETRY_CAP = 30.0
 _STDERR_TAIL = 300
@@ -121,7 +123,7 @@ class HealthCheck:
         self,
         command: str,
         timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.command = command
         self.timeout = timeout
@@ -202,6 +204,28 @@ class NodeHealth:
         self._record = ExclusionRecord(node)
         self._stored = False
         self._loaded = not self.active
+
+    @classmethod
+    def for_agent(
+        cls,
+        handler: RendezvousHandler,
+        config: AgentConfig,
+        log: Callable[[str], None],
+    ) -> NodeHealth:
+        """Build an agent's gate: its record lives in the dynamic handler's store (else here only).
+
+        The node's name is the address it publishes (``config.local_addr``),
+        else its host name, with any character a record's name cannot hold
+        made ``_``.
+        """
+        store = handler.store if isinstance(handler, DynamicRendezvousHandler) else None
+        name = _UNNAMEABLE.sub("_", config.local_addr or socket.gethostname())[:200] or "node"
+        command = config.health_check
+        check = None
+        if command is not None:
+            check = HealthCheck(command, config.health_check_timeout, config.env)
+        run_id = handler.get_run_id()
+        return cls(name, run_id, config.exclusion, check, store, log, handler.is_closed)
 
     @property
     def active(self) -> bool:
