@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,32 @@ def test_a_check_that_fails_then_passes_lets_the_node_in(endpoint: str, tmp_path
     ) in err
     assert f"health check {check!r} exited with code 0: this node may join again" in err
     assert len(with_world(tmp_path, 1)) == 1
+
+
+def test_a_node_whose_workers_fail_is_excluded_when_asked(endpoint: str, tmp_path: Path) -> None:
+    args = [
+        *c10d_args(endpoint, "1", "workers"),
+        "--max-restarts=1",
+        "--exclude-after=1",
+        "--exclude-cooldown=2",
+    ]
+    with agents() as group:
+        node = group.start([*args, WORKER, str(tmp_path), "fail-once", "0", "7"])
+        code, _, err = finish(node)
+    assert code == 0, err
+    assert re.search(
+        r"node 127\.0\.0\.1 is excluded from run 'workers' for 2 s after 1 failure\(s\) in a row "
+        r"\(exclusion 1; the next is twice as long\): worker rank 0 .*exited with code 7",
+        err,
+    ), err
+    # it sat out the cool-down, then joined again and the restarted worker succeeded
+    assert "restarting the group (restart 1/1)" in err
+    assert len(with_world(tmp_path, 1)) == 2
+    excluded_at = stamp(err, "is excluded from run")
+    assert stamp(err, "starting workers 0-0 of 1 (restart 1/1") - excluded_at >= 2.0
+
+
+def stamp(log: str, text: str) -> float:
+    """Return the time stamp of the agent's line containing ``text``, in seconds."""
+    line = next(line for line in log.splitlines() if text in line)
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
