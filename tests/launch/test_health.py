@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from rdzv.cli import main
 from rdzv.errors import RendezvousConnectionError
 from rdzv.exclusion import KIND_WORKERS, ExclusionPolicy, ExclusionRecord, read_record
+from rdzv.launch import AgentConfig
 from rdzv.launch.health import HealthCheck, HealthCheckResult, NodeHealth
 from rdzv.store.base import Value
 from rdzv.store.memory import HashStore
 from rdzv.testing import FakeClock
-from tests.launch.procs import alive
+from tests.launch.procs import WORKER, alive
 from tests.procs import wait_until
 
 FAIL = HealthCheckResult("probe", 3, "gpu 0 lost")
@@ -181,3 +183,31 @@ def test_a_check_that_times_out_is_killed_with_its_children(tmp_path: Path) -> N
     assert time.monotonic() - started < 20  # a generous bound that only catches a hang
     child = int(pid_file.read_text())
     wait_until(lambda: not alive(child), what="the check's background child killed", timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--health-check", " "], "--health-check is empty; give a command"),
+        (["--health-check", "true", "--health-check-timeout", "0"], "--health-check-timeout 0"),
+        (["--health-check-timeout", "inf"], "--health-check-timeout inf must be positive"),
+        (["--exclude-after", "-1"], "--exclude-after -1 must be 0 (off) or more"),
+        (["--exclude-cooldown", "0"], "--exclude-cooldown 0 must be positive seconds"),
+        (["--exclude-cooldown", "1e9"], "--exclude-cooldown 1e+09 must be positive seconds up to"),
+    ],
+)
+def test_bad_health_options_exit_2_naming_the_option(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "--standalone", *argv, WORKER]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rdzv run: error:")
+    assert message in err
+    assert len(err.splitlines()) == 1
+
+
+def test_agent_config_refuses_bad_health_settings() -> None:
+    with pytest.raises(ValueError, match="health_check is an empty command"):
+        AgentConfig(entrypoint=["x.py"], health_check="")
+    with pytest.raises(ValueError, match="health_check_timeout"):
+        AgentConfig(entrypoint=["x.py"], health_check_timeout=-1.0)
