@@ -8,7 +8,8 @@ One store may hold several runs, each under these roots:
 * ``rdzv/<run>/round/<r>``: the store of round ``r``'s agents (``rdzv run``
   writes under ``rdzv.launch/`` there, and torch's agent writes there too);
 * ``rdzv.launch/<run>/``: what ``rdzv run`` keeps for the whole run, beside
-  the rounds' stores (the last first failure, which outlives its round);
+  the rounds' stores (the last first failure, which outlives its round, and
+  the nodes' exclusion records);
 * ``rdzv.static/<run>/``: the static rendezvous.
 
 Under the first two, :mod:`rdzv.backends.kv` keeps a queue at
@@ -71,6 +72,16 @@ def first_failure_key() -> str:
 def last_failure_key(run_id: str) -> str:
     """Return the key, outside every round's store, of the run's last first failure."""
     return f"{LAUNCH_ROOT}/{run_id}/first-failure"
+
+
+def exclusion_key(run_id: str, node: str) -> str:
+    """Return the key, outside every round's store, of a node's exclusion record."""
+    return f"{LAUNCH_ROOT}/{run_id}/exclusion/{node}"
+
+
+def exclusion_index_key(run_id: str) -> str:
+    """Return the key of the run's list of nodes with an exclusion record (one per line)."""
+    return f"{LAUNCH_ROOT}/{run_id}/exclusions"
 
 
 def round_of_store(run_id: str, prefix: str) -> int | None:

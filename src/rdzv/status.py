@@ -37,6 +37,7 @@ from rdzv.dynamic.machine import MarkWatch
 from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError, explained
+from rdzv.exclusion import ExclusionRecord, read_current
 from rdzv.first_failure import FailureRecord, FailureRecordError, read_last
 from rdzv.keys import agent_key, round_store_prefix, run_of_backend_key
 from rdzv.registry import open_backend as open_registered_backend
@@ -116,6 +117,8 @@ class RunStatus:
             a queued node).
         first_failure: The run's last first failure, when one was recorded.
         failure_note: Why a stored first-failure record was ignored, if one was.
+        excluded: The nodes excluded now, or failing now (:mod:`rdzv.exclusion`).
+        exclusion_notes: Why stored exclusion records were ignored.
     """
 
     run_id: str
@@ -128,6 +131,8 @@ class RunStatus:
     known: bool = True
     first_failure: FailureRecord | None = None
     failure_note: str | None = None
+    excluded: list[ExclusionRecord] = field(default_factory=list)
+    exclusion_notes: list[str] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -302,6 +307,8 @@ def read_status(
     """
     state = _state_of(backend)
     now = time.time()
+    run_store = None if store is None else as_store(store)
+    excluded, notes = ([], []) if run_store is None else read_current(run_store, run_id, now)
     if state is None:
         queued = _queued(backend, 0)
         return RunStatus(
@@ -311,7 +318,9 @@ def read_status(
             waiting=queued,
             observed_for=tracker.observed_for,
             time=now,
-            known=bool(queued),
+            known=bool(queued or excluded),
+            excluded=excluded,
+            exclusion_notes=notes,
         )
     nodes = list(state.participants)
     _sample(backend, nodes, tracker)
@@ -323,7 +332,6 @@ def read_status(
         if latest is not None and (latest.round, latest.closed) != (state.round, state.closed):
             state = latest
             break
-    run_store = None if store is None else as_store(store)
     agents = _agents(run_store, run_id, state)
     failure, note = None, None
     try:
@@ -354,6 +362,8 @@ def read_status(
         now,
         first_failure=failure,
         failure_note=note,
+        excluded=excluded,
+        exclusion_notes=notes,
     )
 
 
@@ -410,6 +420,8 @@ def format_status(status: RunStatus) -> str:
         first = status.first_failure
         shown = first.describe() if first else status.failure_note
         lines.append(_printable(f"first failure: {shown}"))
+    lines.extend(f"node {record.describe(status.time)}" for record in status.excluded)
+    lines.extend(_printable(note) for note in status.exclusion_notes)
     return "\n".join(lines) + "\n"
 
 

@@ -123,7 +123,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("assembly", ("rdzv.registry",)),
-    ("status", ("rdzv.status", "rdzv.first_failure")),
+    ("status", ("rdzv.status", "rdzv.first_failure", "rdzv.exclusion")),
     (
         "front-ends",
         (
@@ -135,6 +135,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.launch.bootstrap",
             "rdzv.launch.explain",
             "rdzv.launch.failures",
+            "rdzv.launch.health",
             "rdzv.launch.timers",
             "rdzv.launch.warm",
             "rdzv.launch.watchdog",

@@ -103,6 +103,7 @@ from rdzv.launch.config import (
 from rdzv.launch.exits import WorkerExit
 from rdzv.launch.explain import describe_change, describe_timeout
 from rdzv.launch.failures import FirstFailure
+from rdzv.launch.health import NodeHealth
 from rdzv.launch.progress import FIRST_LINE_AFTER, LINE_EVERY, EventListener, WaitProgress
 from rdzv.launch.ranks import (
     NodeRanks,
@@ -192,6 +193,7 @@ class ElasticAgent:
         self._node = node
         self._events = EventListener(self._on_event, self._run_id, node)
         self._failures = FirstFailure(self._run_id, node, self._log)
+        self._health = NodeHealth.for_agent(handler, config, self._log)
         self._on_round = on_round
         self._grace = reform_grace(handler) if config.reform_grace is None else config.reform_grace
         # The members of the round whose workers failed while restarts were
@@ -272,6 +274,7 @@ class ElasticAgent:
     def _loop(self) -> AgentResult:
         while True:
             self._check_signalled()
+            self._health.before_join()
             try:
                 started = time.monotonic()
                 with self._progress.waiting():
@@ -449,6 +452,7 @@ class ElasticAgent:
                 )
                 self.stats.reforms += 1
                 self._end_attempt()
+                self._health.attempt_ended(None)
                 return None
             time.sleep(cfg.monitor_interval)
 
@@ -478,7 +482,9 @@ class ElasticAgent:
             time.sleep(min(_GRACE_POLL, remaining))
 
     def _on_failure(self, failure: WorkerExit, info: RendezvousInfo) -> AgentResult | None:
-        self._failures.report(failure)
+        first = self._failures.report(failure)
+        own = first is not None and first.node == self._node
+        self._health.attempt_ended(failure.describe() if own else None)
         self._end_attempt()
         cfg = self._config
         waiting = self._nodes_waiting()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rdzv.api import RendezvousStoreInfo
+from rdzv.exclusion import ExclusionPolicy
 from rdzv.launch.exits import WorkerExit
 from rdzv.launch.ranks import (
     DEFAULT_SIGNALS_TO_HANDLE,
@@ -28,6 +29,7 @@ from rdzv.launch.workers import Std, StdChoice, WorkerSpec
 
 __all__ = [
     "DEFAULT_FORWARDED",
+    "DEFAULT_HEALTH_CHECK_TIMEOUT",
     "DEFAULT_SIGNALS",
     "EXIT_OK",
     "EXIT_RENDEZVOUS",
@@ -37,6 +39,9 @@ __all__ = [
     "AgentResult",
     "AgentStats",
 ]
+
+#: Seconds a health check may run by default (``--health-check-timeout``).
+DEFAULT_HEALTH_CHECK_TIMEOUT = 60.0
 
 EXIT_OK = 0
 EXIT_WORKER_FAILED = 1
@@ -102,6 +107,11 @@ class AgentConfig:
             attempt (:mod:`rdzv.launch.warm`).
         warm_preload: Modules the spares import after the script's leading
             imports (ones the worker imports later, e.g. ``torch._dynamo``).
+        health_check: A shell command run before each join; while it fails
+            the node stays out (:mod:`rdzv.launch.health`), or None.
+        health_check_timeout: Seconds the health check may run.
+        exclusion: When this node's failures in a row exclude it, and for
+            how long (off by default).
 
     Raises:
         ValueError: A value is out of range; the message names it.
@@ -131,6 +141,9 @@ class AgentConfig:
     hang_timeout: float | None = None
     warm_restart: bool = True
     warm_preload: Sequence[str] = ()
+    health_check: str | None = None
+    health_check_timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT
+    exclusion: ExclusionPolicy = field(default_factory=ExclusionPolicy)
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -157,6 +170,12 @@ class AgentConfig:
         if not self.signals:
             raise ValueError("signals must name at least one signal to handle")
         check_module_names(self.warm_preload)
+        if self.health_check is not None and not self.health_check.strip():
+            raise ValueError("health_check is an empty command")
+        if not 0 < self.health_check_timeout < float("inf"):
+            raise ValueError(
+                f"health_check_timeout must be positive seconds, got {self.health_check_timeout}"
+            )
         if self.virtual_local_rank:
             visible_device(os.environ if self.env is None else self.env, self.nproc_per_node - 1)
 

@@ -8,8 +8,10 @@ Kubeflow's PyTorchJob configures torchrun): ``PET_NPROC_PER_NODE=2`` is
 ``--nproc-per-node 2``, and a flag such as ``--standalone`` is on when
 ``PET_STANDALONE`` is a non-zero integer. The command line wins over the
 environment. ``--stop-grace``, ``--reform-grace``, ``--hang-timeout``,
-``--no-warm-restart``, ``--warm-preload``, ``--log-level``, ``--verbose`` and
-the operations options (``--metrics-port``, ``--ready-file``) are rdzv's own.
+``--no-warm-restart``, ``--warm-preload``, ``--log-level``, ``--verbose``, the
+health options (``--health-check``, ``--health-check-timeout``,
+``--exclude-after``, ``--exclude-cooldown``) and the operations options
+(``--metrics-port``, ``--ready-file``) are rdzv's own.
 
 The values are checked and turned into a rendezvous and an agent by
 :mod:`rdzv.launch.run`; the parsing helpers for values with a format of
@@ -27,7 +29,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from rdzv.launch.config import DEFAULT_SIGNALS
+from rdzv.exclusion import MAX_COOLDOWN, ExclusionPolicy
+from rdzv.launch.config import DEFAULT_HEALTH_CHECK_TIMEOUT, DEFAULT_SIGNALS
 from rdzv.launch.ranks import DEFAULT_SIGNALS_TO_HANDLE
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "given",
     "local_world_size",
     "parse_hang_timeout",
+    "parse_health_options",
     "parse_local_ranks_filter",
     "parse_nnodes",
     "parse_signals",
@@ -212,6 +216,35 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         action=EnvDefault,
         type=int,
         help="the static rendezvous' port when there is no --rdzv-endpoint (29500)",
+    )
+    rdzv(
+        "health-check",
+        metavar="CMD",
+        help="run CMD (/bin/sh -c) before each join; a non-zero exit or a timeout keeps this "
+        "node out of the round, and it checks again after a back-off (off; rdzv only)",
+    )
+    rdzv(
+        "health-check-timeout",
+        type=float,
+        default=DEFAULT_HEALTH_CHECK_TIMEOUT,
+        metavar="SECONDS",
+        help=f"a health check running longer fails (its process group is killed) "
+        f"({DEFAULT_HEALTH_CHECK_TIMEOUT:g}; rdzv only)",
+    )
+    rdzv(
+        "exclude-after",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K failures in a row of this node (failed health checks, or attempts in which "
+        "its workers failed first) exclude it from the run for a cool-down (0: off; rdzv only)",
+    )
+    rdzv(
+        "exclude-cooldown",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="the first exclusion's length; each next one is twice as long (60; rdzv only)",
     )
     work("max-restarts", action=EnvDefault, type=int, default=0, help="restarts (0)")
     work(
@@ -468,6 +501,29 @@ def parse_hang_timeout(value: float | None) -> float | None:
     if value is not None and not 0 < value < float("inf"):
         raise RunOptionsError(f"--hang-timeout {value:g} must be a positive number of seconds")
     return value
+
+
+def parse_health_options(args: argparse.Namespace) -> tuple[str | None, float, ExclusionPolicy]:
+    """Check the health options: the command (None: none), its timeout, the exclusion policy.
+
+    Raises:
+        RunOptionsError: An empty command, a timeout or cool-down that is not
+            a positive number of seconds, or a negative ``--exclude-after``.
+    """
+    command = args.health_check
+    if command is not None and not command.strip():
+        raise RunOptionsError("--health-check is empty; give a command, e.g. 'nvidia-smi -L'")
+    timeout = args.health_check_timeout
+    if not 0 < timeout < float("inf"):
+        raise RunOptionsError(f"--health-check-timeout {timeout:g} must be positive seconds")
+    if args.exclude_after < 0:
+        raise RunOptionsError(f"--exclude-after {args.exclude_after} must be 0 (off) or more")
+    if not 0 < args.exclude_cooldown <= MAX_COOLDOWN:
+        raise RunOptionsError(
+            f"--exclude-cooldown {args.exclude_cooldown:g} must be positive seconds up to "
+            f"{MAX_COOLDOWN:g}"
+        )
+    return command, timeout, ExclusionPolicy(args.exclude_after, args.exclude_cooldown)
 
 
 def parse_local_ranks_filter(text: str) -> frozenset[int] | None:

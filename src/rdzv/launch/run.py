@@ -51,6 +51,7 @@ from rdzv.launch.options import (
     given,
     local_world_size,
     parse_hang_timeout,
+    parse_health_options,
     parse_local_ranks_filter,
     parse_nnodes,
     parse_signals,
@@ -204,6 +205,7 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
     stdout_filters = [f for f in args.duplicate_stdout_filters if f]
     stderr_filters = [f for f in args.duplicate_stderr_filters if f]
     signals = parse_signals(args.signals_to_handle)
+    health_check, health_check_timeout, exclusion = parse_health_options(args)
     warm_preload = [name.strip() for name in args.warm_preload if name.strip()]
     try:
         check_module_names(warm_preload)
@@ -242,6 +244,9 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         hang_timeout=parse_hang_timeout(args.hang_timeout),
         warm_restart=not args.no_warm_restart,
         warm_preload=warm_preload,
+        health_check=health_check,
+        health_check_timeout=health_check_timeout,
+        exclusion=exclusion,
     )
 
 
