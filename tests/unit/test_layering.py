@@ -131,6 +131,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.launch.agent",
             "rdzv.launch.barriers",
             "rdzv.launch.config",
+            "rdzv.launch.deathsig",
             "rdzv.launch.exits",
             "rdzv.launch.bootstrap",
             "rdzv.launch.explain",
