@@ -140,6 +140,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.launch.warm",
             "rdzv.launch.watchdog",
             "rdzv.launch.metrics",
+            "rdzv.launch.nproc",
             "rdzv.launch.options",
             "rdzv.launch.progress",
             "rdzv.launch.ranks",
