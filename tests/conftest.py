@@ -17,12 +17,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-
-# grpcio 1.80-1.85's fork handlers abort a fork+exec'd child while a channel is
-# busy (grpc/grpc#43055): 5 of 200 children died with them, 0 of
-# 200 without. The gRPC client's tests share worker processes with tests that
-# start workers with a preexec_fn, so the handlers are off before grpc loads.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 from hypothesis import settings
 
 from rdzv.dynamic.handler import DynamicRendezvousHandler

@@ -83,16 +83,16 @@ def test_etcd_create_backend_rejects_bad_options(config: dict[str, Any], message
         create_backend(params)
 
 
-def test_etcd_client_is_the_gateway_unless_grpc_is_asked_for(
+def test_etcd_client_is_grpc_where_grpcio_is_installed_else_the_gateway(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def options(**config: Any) -> EtcdOptions:
         return EtcdOptions.from_params(RendezvousParameters("etcd", "h:1", "run", **config))
 
-    # The dev extra installs grpcio, as the etcd extra does; the default stays the
-    # gateway (grpc/grpc#43055: a live channel aborts a fork+exec'd worker).
-    assert options().client == "gateway"
+    # The dev extra installs grpcio, as the etcd extra does.
+    assert options().client == "grpc"
     assert options(client="auto").client == "grpc"
+    assert options(client="gateway").client == "gateway"
     assert options(client="grpc").client == "grpc"
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -14,8 +15,9 @@ from typing import Any
 import pytest
 
 from rdzv import PrefixStore, RendezvousInfo
-from rdzv.launch import AgentConfig, AgentResult, ElasticAgent, OutputSink
+from rdzv.launch import AgentConfig, AgentResult, ElasticAgent, OutputSink, warm
 from rdzv.launch.config import EXIT_OK, EXIT_RENDEZVOUS, EXIT_WORKER_FAILED
+from rdzv.launch.workers import start_process
 from tests.launch.fakes import FakeGroup, FakeHandler, ServerFactory
 from tests.launch.procs import envs
 
@@ -277,10 +279,12 @@ def test_member_lost_during_setup_sends_everyone_back_uncounted(tmp_path: Path) 
     assert [e["WORLD_SIZE"] for e in envs(tmp_path)] == ["1"]
 
 
-def test_a_signal_whose_exception_is_swallowed_still_stops_the_agent(tmp_path: Path) -> None:
-    # SIGTERM lands while the first worker is forked, in logging's after-fork
-    # hook, which ignores what it raises ("Exception ignored in ...
-    # _releaseLock"). The agent must stop all the same, not run on.
+def test_a_signal_whose_exception_is_swallowed_still_stops_the_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGTERM lands while the first worker starts, in code that ignores what
+    # it raises ("Exception ignored in ...": a __del__, an after-fork hook).
+    # The agent must stop all the same, not run on.
     node = Node(FakeGroup().handler(0), tmp_path, ["sleep"], nproc=2, stop_grace=1.0)
     fired: list[bool] = []
 
@@ -290,7 +294,12 @@ def test_a_signal_whose_exception_is_swallowed_still_stops_the_agent(tmp_path: P
             os.kill(os.getpid(), signal.SIGTERM)
             sys.stdout.flush()  # a bytecode boundary: the handler runs here
 
-    os.register_at_fork(after_in_parent=lambda: _swallowing(term_once))
+    def start(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        process = start_process(*args, **kwargs)
+        _swallowing(term_once)
+        return process
+
+    monkeypatch.setattr(warm, "start_process", start)
     result = node.run()
     assert fired
     assert result.exit_code == 128 + signal.SIGTERM, result.reason

@@ -14,6 +14,7 @@ import pytest
 from rdzv.api import RendezvousParameters, RendezvousSettings
 from rdzv.backends.options import EtcdOptions, RedisOptions, StoreBackendOptions
 from rdzv.cli import build_parser, main
+from rdzv.launch import nproc as rdzv_nproc
 from rdzv.launch import options as rdzv_options
 from rdzv.launch.run import known_conf_keys
 from rdzv.registry import BACKEND_FACTORIES
@@ -136,9 +137,9 @@ def test_nproc_per_node_is_decided_as_torchrun_decides(value: str) -> None:
         expected = torch_run.determine_local_world_size(value)
     except ValueError:
         with pytest.raises(rdzv_options.RunOptionsError, match=f"--nproc-per-node {value}: "):
-            rdzv_options.local_world_size(value)
+            rdzv_nproc.local_world_size(value)
         return
-    assert rdzv_options.local_world_size(value) == expected
+    assert rdzv_nproc.local_world_size(value) == expected
 
 
 def test_an_unrecognised_option_prints_the_usage_of_rdzv_run(

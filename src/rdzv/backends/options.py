@@ -469,9 +469,9 @@ class EtcdOptions:
         Keys: ``read_timeout`` (60 s), ``protocol`` (``http`` or ``https``),
         ``ssl_cert``, ``ssl_cert_key``, ``ca_cert`` (or ``cacert``, the name
         torch's etcd handler reads), ``key_prefix`` (``/rdzv/``), ``ttl`` (7200 s),
-        ``client`` (``gateway``, the standard-library client; ``grpc`` with the
-        ``etcd`` extra, grpcio; ``auto``: ``grpc`` where grpcio is installed,
-        else ``gateway``). The ``endpoint`` lists the members.
+        ``client`` (``auto``, the default: ``grpc`` where grpcio is installed,
+        else ``gateway``; ``gateway``, the standard-library client; ``grpc``
+        with the ``etcd`` extra, grpcio). The ``endpoint`` lists the members.
 
         Raises:
             ValueError: A bad value, naming its key; ``client=grpc`` without grpcio.
@@ -481,7 +481,7 @@ class EtcdOptions:
         )
         cert, key, ca = _tls_files(params, ("ca_cert", "cacert"), protocol == "https", "https")
         client = _choice(
-            params, "client", ("gateway", "grpc", "auto"), "The etcd client must be one of these."
+            params, "client", ("auto", "gateway", "grpc"), "The etcd client must be one of these."
         )
         has_grpc = importlib.util.find_spec("grpc") is not None
         if client == "grpc" and not has_grpc:

@@ -34,10 +34,12 @@ __all__ = [
     "EXIT_OK",
     "EXIT_RENDEZVOUS",
     "EXIT_WORKER_FAILED",
+    "MAX_SECONDS",
     "AgentConfig",
     "AgentInterrupted",
     "AgentResult",
     "AgentStats",
+    "seconds_in_range",
 ]
 
 #: Seconds a health check may run by default (``--health-check-timeout``).
@@ -53,6 +55,25 @@ DEFAULT_SIGNALS = tuple(signal.Signals[name] for name in DEFAULT_SIGNALS_TO_HAND
 #: Signals passed on to the workers without stopping anything (SLURM's
 #: pre-emption warning, ``#SBATCH --signal=USR1@90``, is SIGUSR1).
 DEFAULT_FORWARDED = (signal.SIGUSR1, signal.SIGUSR2)
+
+#: The longest duration in seconds the agent takes: a billion seconds (about
+#: 31 years); Python's sleeps and lock timeouts overflow about ten times above it.
+MAX_SECONDS = 1e9
+
+
+def seconds_in_range(value: float, positive: bool = False) -> bool:
+    """Tell whether ``value`` is a duration the agent takes (a number up to :data:`MAX_SECONDS`).
+
+    It must be non-negative, or positive when ``positive``.
+    """
+    return (value > 0 if positive else value >= 0) and value <= MAX_SECONDS
+
+
+def _check_seconds(name: str, value: float, positive: bool = False) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is a duration the agent takes."""
+    if not seconds_in_range(value, positive):
+        kind = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be {kind} seconds up to {MAX_SECONDS:g}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -152,16 +173,14 @@ class AgentConfig:
             raise ValueError(f"nproc_per_node must be at least 1, got {self.nproc_per_node}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be non-negative, got {self.max_restarts}")
-        if not self.monitor_interval > 0:
-            raise ValueError(f"monitor_interval must be positive, got {self.monitor_interval}")
-        if self.stop_grace < 0:
-            raise ValueError(f"stop_grace must be non-negative, got {self.stop_grace}")
+        _check_seconds("monitor_interval", self.monitor_interval, positive=True)
+        _check_seconds("stop_grace", self.stop_grace)
         if not self.role:
             raise ValueError("role must be a non-empty name")
-        if self.reform_grace is not None and not self.reform_grace >= 0:
-            raise ValueError(f"reform_grace must be non-negative, got {self.reform_grace}")
-        if self.hang_timeout is not None and not 0 < self.hang_timeout < float("inf"):
-            raise ValueError(f"hang_timeout must be positive seconds, got {self.hang_timeout}")
+        if self.reform_grace is not None:
+            _check_seconds("reform_grace", self.reform_grace)
+        if self.hang_timeout is not None:
+            _check_seconds("hang_timeout", self.hang_timeout, positive=True)
         files = self.redirects or self.tee
         if self.log_dir is None and (
             files or self.duplicate_stdout_filters or self.duplicate_stderr_filters

@@ -15,22 +15,26 @@ health options (``--health-check``, ``--health-check-timeout``,
 
 The values are checked and turned into a rendezvous and an agent by
 :mod:`rdzv.launch.run`; the parsing helpers for values with a format of
-their own (``--nnodes``, ``--nproc-per-node``, ``--redirects``, ...) are here.
+their own (``--nnodes``, ``--redirects``, ...) are here;
+``--nproc-per-node``'s in :mod:`rdzv.launch.nproc`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import signal
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
+from rdzv.dynamic.state import MAX_PARTICIPANTS
 from rdzv.exclusion import MAX_COOLDOWN, ExclusionPolicy
-from rdzv.launch.config import DEFAULT_HEALTH_CHECK_TIMEOUT, DEFAULT_SIGNALS
+from rdzv.launch.config import (
+    DEFAULT_HEALTH_CHECK_TIMEOUT,
+    DEFAULT_SIGNALS,
+    MAX_SECONDS,
+    seconds_in_range,
+)
 from rdzv.launch.ranks import DEFAULT_SIGNALS_TO_HANDLE
 
 __all__ = [
@@ -42,10 +46,10 @@ __all__ = [
     "START_METHODS",
     "RunOptionsError",
     "add_run_arguments",
+    "check_seconds",
     "comma_separated_list",
     "from_environment",
     "given",
-    "local_world_size",
     "parse_hang_timeout",
     "parse_health_options",
     "parse_local_ranks_filter",
@@ -436,70 +440,41 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     low, high = numbers[0], numbers[-1]
     if low < 1 or high < low:
         raise RunOptionsError(f"--nnodes {text!r} needs 1 <= MIN <= MAX")
+    if high > MAX_PARTICIPANTS:
+        raise RunOptionsError(
+            f"--nnodes {text!r} asks for more than {MAX_PARTICIPANTS:,} nodes, "
+            "the most a round holds"
+        )
     return low, high
 
 
-def _usable_cpus() -> int:
-    # torch._utils.cpu_count: the CPUs this process may run on (cgroups, taskset).
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+def check_seconds(option: str, value: float, positive: bool = False) -> float:
+    """Check a duration: positive (or non-negative), finite, at most :data:`MAX_SECONDS`.
 
-
-def _torch() -> ModuleType | None:
-    if importlib.util.find_spec("torch") is None:
-        return None
-    return importlib.import_module("torch")
-
-
-def local_world_size(text: str) -> int:
-    """Decide ``--nproc-per-node`` as torchrun does.
-
-    ``cpu``: the CPUs this process may use. ``gpu``: the CUDA devices (an
-    error without CUDA). ``xpu``: the XPU devices (an error without them).
-    ``auto``: the devices of torch's current accelerator when there is one,
-    else the CPUs. Devices are counted by torch, imported only for these
-    values; without torch there is no accelerator.
+    Args:
+        option: The option and its value as the message names them
+            (``--stop-grace -1``).
+        value: The seconds.
+        positive: Refuse 0 too.
 
     Raises:
-        RunOptionsError: Not a positive integer or one of the names, or the
-            named device is not available.
+        RunOptionsError: The value is out of range, infinite or not a number.
     """
-    try:
-        value = int(text)
-    except ValueError:
-        pass
-    else:
-        if value < 1:
-            raise RunOptionsError(f"--nproc-per-node {text!r} must be at least 1")
+    if seconds_in_range(value, positive):
         return value
-    if text == "cpu":
-        return _usable_cpus()
-    if text not in ("gpu", "xpu", "auto"):
-        raise RunOptionsError(
-            f"--nproc-per-node {text!r} is not a positive integer, 'cpu', 'gpu', 'xpu' or 'auto'"
-        )
-    torch = _torch()
-    if text == "auto":
-        if torch is not None and torch.accelerator.is_available():
-            return int(torch.accelerator.device_count())
-        return _usable_cpus()
-    device = torch and (torch.cuda if text == "gpu" else torch.xpu)
-    if device is None or not device.is_available():
-        name = "CUDA" if text == "gpu" else "XPU"
-        why = "torch is not installed" if torch is None else f"torch finds no {name} device"
-        raise RunOptionsError(f"--nproc-per-node {text}: {name} is not available ({why})")
-    return int(device.device_count())
+    kind = "positive" if positive else "non-negative"
+    raise RunOptionsError(f"{option} must be {kind}: a number of seconds up to {MAX_SECONDS:,.0f}")
 
 
 def parse_hang_timeout(value: float | None) -> float | None:
     """Check ``--hang-timeout``: None (off) or a positive, finite number of seconds.
 
     Raises:
-        RunOptionsError: The value is zero, negative, not a number or infinite.
+        RunOptionsError: The value is zero, negative, not a number, or over
+            :data:`MAX_SECONDS`.
     """
-    if value is not None and not 0 < value < float("inf"):
-        raise RunOptionsError(f"--hang-timeout {value:g} must be a positive number of seconds")
+    if value is not None:
+        check_seconds(f"--hang-timeout {value:g}", value, positive=True)
     return value
 
 

@@ -42,14 +42,15 @@ from rdzv.errors import RendezvousConnectionError, RendezvousError, explained
 from rdzv.launch.agent import ElasticAgent
 from rdzv.launch.config import EXIT_RENDEZVOUS, AgentConfig, AgentResult
 from rdzv.launch.metrics import agent_metrics
+from rdzv.launch.nproc import local_world_size
 from rdzv.launch.options import (
     LOG_LEVELS,
     BadEnvironment,
     RunOptionsError,
     add_run_arguments,
+    check_seconds,
     from_environment,
     given,
-    local_world_size,
     parse_hang_timeout,
     parse_health_options,
     parse_local_ranks_filter,
@@ -153,9 +154,7 @@ def _stop_grace(args: argparse.Namespace) -> float:
             raise RunOptionsError(f"{option} is not a number of seconds") from None
     else:
         return DEFAULT_STOP_GRACE
-    if not grace >= 0:
-        raise RunOptionsError(f"{option} must be non-negative")
-    return grace
+    return check_seconds(option, grace)
 
 
 def _entrypoint(args: argparse.Namespace) -> tuple[list[str], str | None]:
@@ -193,12 +192,11 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
     entrypoint, python = _entrypoint(args)
     if args.max_restarts < 0:
         raise RunOptionsError(f"--max-restarts {args.max_restarts} must be non-negative")
-    if not args.monitor_interval > 0:
-        raise RunOptionsError(f"--monitor-interval {args.monitor_interval} must be positive")
+    check_seconds(f"--monitor-interval {args.monitor_interval:g}", args.monitor_interval, True)
     if not args.role:
         raise RunOptionsError("--role must be a non-empty name")
-    if args.reform_grace is not None and not args.reform_grace >= 0:
-        raise RunOptionsError(f"--reform-grace {args.reform_grace:g} must be non-negative")
+    if args.reform_grace is not None:
+        check_seconds(f"--reform-grace {args.reform_grace:g}", args.reform_grace)
     redirects = _std_choice(args.redirects, "-r/--redirects")
     tee = _std_choice(args.tee, "-t/--tee")
     filters = parse_local_ranks_filter(args.local_ranks_filter)

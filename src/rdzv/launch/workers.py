@@ -24,7 +24,8 @@ where hung workers are stuck, the agent can instead freeze them all, abort
 them with faulthandler on and keep what each writes on stderr from then on
 (:meth:`WorkerGroup.abort_for_stacks`). On Linux
 each worker also asks the kernel for SIGKILL when the agent dies
-(``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves no orphan workers.
+(``PR_SET_PDEATHSIG``, through a small program that execs the worker:
+:mod:`rdzv.launch.deathsig`), so a SIGKILLed agent leaves no orphan workers.
 
 Every worker process is started by :func:`start_process`; a group may be
 given another way to start one (a warm spare that becomes the worker:
@@ -34,8 +35,6 @@ given another way to start one (a warm spare that becomes the worker:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import enum
 import os
 import re
@@ -48,8 +47,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
+from rdzv.launch.deathsig import check_program, trampoline
 from rdzv.launch.exits import WorkerExit, read_root_cause
 from rdzv.threads import start_thread
 
@@ -155,49 +155,28 @@ class WorkerSpec:
     error_file: Path | None = None
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _death_signal_setter() -> Callable[[], None] | None:
-    """Return a ``preexec_fn`` that makes the child die with its parent, if the OS can."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc: Any = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-
-    def set_death_signal() -> None:
-        # Runs in the child between fork and exec: no allocation-heavy work here.
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-
-    return set_death_signal
-
-
-_SET_DEATH_SIGNAL = _death_signal_setter()
-
-
 def start_process(
     argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = ()
 ) -> subprocess.Popen[bytes]:
     """Start one worker process as every worker starts (a warm spare too).
 
     stdout and stderr on pipes, the agent's stdin, a session of its own, and
-    SIGKILL when the agent's thread that called this ends (``PR_SET_PDEATHSIG``:
-    call it from the agent's main thread). ``pass_fds`` stay open in the child.
+    SIGKILL when the agent's thread that called this ends (``PR_SET_PDEATHSIG``,
+    asked for by :func:`~rdzv.launch.deathsig.trampoline`, no Python between
+    fork and exec: call it from the agent's main thread). ``pass_fds`` stay
+    open in the child.
 
     Raises:
-        OSError: The process could not be started.
+        OSError: The process could not be started (its program is missing).
     """
+    check_program(argv, env)
     return subprocess.Popen(
-        list(argv),
+        [*trampoline(), *argv],
         env=dict(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
         pass_fds=tuple(pass_fds),
-        preexec_fn=_SET_DEATH_SIGNAL,  # noqa: PLW1509 - only calls prctl
     )
 
 
