@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from rdzv.backends.etcd import EtcdRendezvousBackend
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_store import EtcdStore
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.store import EtcdStore
 from rdzv.dynamic.confirm import RoundConfirmation, drop_confirmation
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from rdzv.backends import redis_connection
 from rdzv.backends.base import Token
 from rdzv.backends.redis import RedisRendezvousBackend
+from rdzv.backends.redis import connection as redis_connection
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.store.memory import HashStore
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rdzv.backends.redis_connection import (
+from rdzv.backends.redis.connection import (
     MAX_BLOCK_SECONDS,
     as_bytes,
     block_on_stream,

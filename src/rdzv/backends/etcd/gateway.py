@@ -5,13 +5,13 @@ Theory of operation
 This module is the transport: connections and timeouts. What goes
 over the wire (base64 keys and values, int64 fields as strings, error bodies
 with gRPC codes, watch-stream lines) is built and parsed by
-:mod:`rdzv.backends.etcd_gateway`.
+:mod:`rdzv.backends.etcd.gateway_codec`.
 
 Unary calls (range, put, txn, leases) share a small pool of keep-alive
 ``http.client`` connections, one per call at a time, so the client is
 thread-safe. Each attempt has a socket timeout; the deadline of a whole
 call and the failover between members are
-:class:`~rdzv.backends.etcd_base.EtcdClientBase`'s.
+:class:`~rdzv.backends.etcd.client.EtcdClientBase`'s.
 
 A watch runs on its own connection: ``POST /v3/watch`` answers with a stream
 of newline-delimited JSON objects. A watch from a compacted revision raises
@@ -29,10 +29,9 @@ import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rdzv.backends.etcd_base import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
-from rdzv.backends.etcd_gateway import (
+from rdzv.backends.etcd.client import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
+from rdzv.backends.etcd.gateway_codec import (
     LEASE_NOT_FOUND,
-    EtcdCompactedError,
     EtcdRequestError,
     EtcdRetryableError,
     KeyValue,
@@ -50,7 +49,6 @@ from rdzv.backends.etcd_gateway import (
     parse_range,
     parse_revision,
     parse_txn,
-    prefix_range_end,
     put_request,
     range_request,
     txn_range_kvs,
@@ -60,7 +58,7 @@ from rdzv.backends.etcd_gateway import (
 from rdzv.errors import RendezvousConnectionError
 from rdzv.retry import Retry
 
-__all__ = ["EtcdClient", "EtcdCompactedError", "KeyValue", "WatchEvent", "prefix_range_end"]
+__all__ = ["EtcdClient"]
 
 
 # The most bytes one line of a watch stream may take (a guard against garbage).
@@ -70,7 +68,7 @@ _MAX_WATCH_LINE = 64 * 1024 * 1024
 class EtcdClient(EtcdClientBase):
     """A thread-safe etcd v3 client over the JSON gateway.
 
-    Takes the arguments of :class:`~rdzv.backends.etcd_base.EtcdClientBase`.
+    Takes the arguments of :class:`~rdzv.backends.etcd.client.EtcdClientBase`.
     """
 
     def _open(self, ca_cert: str | None, ssl_cert: str | None, ssl_cert_key: str | None) -> None:

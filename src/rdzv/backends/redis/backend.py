@@ -65,14 +65,14 @@ from rdzv.backends.base import (
     validate_seats,
 )
 from rdzv.backends.options import RedisOptions, check_key_settings
-from rdzv.backends.redis_connection import (
+from rdzv.backends.redis.connection import (
     as_bytes,
     block_on_stream,
     create_client,
     endpoint_of,
     redis_errors,
 )
-from rdzv.backends.redis_store import RedisStore
+from rdzv.backends.redis.store import RedisStore
 from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 

@@ -38,7 +38,7 @@ Beside the state, a run keeps (all under ``<key_prefix><run_id>/``):
   whose ``mod_revision`` is the heartbeat mark; if the node dies the lease
   expires and the server deletes the key;
 * ``store/`` -- the key-value store handed to a completed round
-  (:class:`rdzv.backends.etcd_store.EtcdStore`).
+  (:class:`rdzv.backends.etcd.store.EtcdStore`).
 
 Changes are waited for with watches starting at the revision after the one
 last read, so no write in between can be missed; a compacted revision just
@@ -67,11 +67,18 @@ from rdzv.backends.base import (
     validate_record,
     validate_seats,
 )
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_client import EtcdClient, EtcdCompactedError, KeyValue
-from rdzv.backends.etcd_gateway import LEASE_NOT_FOUND, EtcdRequestError, put_request, range_request
-from rdzv.backends.etcd_seats import group_name, pack_groups, unpack_seat
-from rdzv.backends.etcd_store import EtcdStore
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.gateway import EtcdClient
+from rdzv.backends.etcd.gateway_codec import (
+    LEASE_NOT_FOUND,
+    EtcdCompactedError,
+    EtcdRequestError,
+    KeyValue,
+    put_request,
+    range_request,
+)
+from rdzv.backends.etcd.seats import group_name, pack_groups, unpack_seat
+from rdzv.backends.etcd.store import EtcdStore
 from rdzv.backends.options import EtcdOptions, check_key_settings, parse_endpoints
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 
@@ -125,7 +132,7 @@ class EtcdRendezvousBackend(
     (:meth:`beat`, :meth:`heartbeat_mark`, :meth:`forget`).
 
     Args:
-        client: The etcd client (either: :class:`~rdzv.backends.etcd_base.EtcdClientBase`).
+        client: The etcd client (either: :class:`~rdzv.backends.etcd.client.EtcdClientBase`).
         run_id: The run identifier.
         key_prefix: Prefix of every key of this backend (``/rdzv/``).
         ttl: Seconds an unwritten state survives on the server (two hours).
@@ -262,7 +269,7 @@ class EtcdRendezvousBackend(
     def set_state_seated(
         self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
     ) -> tuple[bytes, Token, bool] | None:
-        """Write the state, its head and ``seats`` (:mod:`~rdzv.backends.etcd_seats`) in one txn.
+        """Write the state, its head and ``seats`` (:mod:`~rdzv.backends.etcd.seats`) in one txn.
 
         A write whose first reply was lost and that is found stored on the
         retry (same bytes) is reported as written.
@@ -545,7 +552,7 @@ def create_client(options: EtcdOptions) -> EtcdClientBase:
     """
     kind: type[EtcdClientBase] = EtcdClient
     if options.client == "grpc":
-        from rdzv.backends.etcd_grpc import EtcdGrpcClient  # noqa: PLC0415 - grpcio is optional
+        from rdzv.backends.etcd.grpc import EtcdGrpcClient  # noqa: PLC0415 - grpcio is optional
 
         kind = EtcdGrpcClient
     return kind(
@@ -563,7 +570,7 @@ def open_etcd(options: EtcdOptions) -> tuple[EtcdRendezvousBackend, EtcdStore]:
 
     Raises:
         RendezvousConnectionError: No member answered one bounded request
-            (:meth:`~rdzv.backends.etcd_client.EtcdClient.check_reachable`);
+            (:meth:`~rdzv.backends.etcd.gateway.EtcdClient.check_reachable`);
             torch's message first.
     """
     client = create_client(options)

@@ -3,11 +3,11 @@
 Theory of operation
 -------------------
 rdzv has two etcd v3 clients: the standard-library one over etcd's JSON
-gateway (:mod:`rdzv.backends.etcd_client`, the default) and one over gRPC
-(:mod:`rdzv.backends.etcd_grpc`, with the ``etcd`` extra). The backend and
+gateway (:mod:`rdzv.backends.etcd.gateway`, the default) and one over gRPC
+(:mod:`rdzv.backends.etcd.grpc`, with the ``etcd`` extra). The backend and
 the store use either through :class:`EtcdClientBase`: the KV calls, leases
 and watches rdzv needs, a transaction's operations in etcd's JSON mapping
-(built by :mod:`rdzv.backends.etcd_gateway`), and what is built on them once
+(built by :mod:`rdzv.backends.etcd.gateway_codec`), and what is built on them once
 here (:meth:`~EtcdClientBase.get`, :meth:`~EtcdClientBase.compare_and_put`).
 
 A client supplies one attempt on one member; the base turns it into a call
@@ -17,7 +17,7 @@ clients spread their load over the cluster. Each call has an overall deadline (a
 that comes sooner (:func:`rdzv.retry.deadline_within`: the handler bounds a
 join by its join timeout, a heartbeat by the keep-alive interval). When a
 member is unreachable, or answers with a transient error (no leader, leader
-changed, ...: an :class:`~rdzv.backends.etcd_gateway.EtcdRetryableError`),
+changed, ...: an :class:`~rdzv.backends.etcd.gateway_codec.EtcdRetryableError`),
 the call moves on to the next member, with capped backoff between full
 passes over the list, until the deadline; while no member accepts a
 connection at all (an attempt raises :class:`ConnectFailedError`), it gives
@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from rdzv.backends.etcd_gateway import (
+from rdzv.backends.etcd.gateway_codec import (
     EtcdRetryableError,
     KeyValue,
     TxnResult,
@@ -339,7 +339,7 @@ class EtcdClientBase(abc.ABC):
         """Run a transaction: the ``success`` ops when every ``compare`` holds, else ``failure``.
 
         The compares and operations are etcd's JSON mapping, as the builders
-        of :mod:`rdzv.backends.etcd_gateway` make them; a range's reply is
+        of :mod:`rdzv.backends.etcd.gateway_codec` make them; a range's reply is
         ``{"response_range": {..., "count": n}}``, its keys read with
         :meth:`txn_kvs`.
         """

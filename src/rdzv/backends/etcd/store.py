@@ -22,9 +22,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_client import EtcdCompactedError, KeyValue, WatchEvent
-from rdzv.backends.etcd_gateway import (
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.gateway_codec import (
+    EtcdCompactedError,
+    KeyValue,
+    WatchEvent,
     delete_request,
     mod_revision_compare,
     put_request,

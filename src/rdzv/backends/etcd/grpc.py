@@ -2,12 +2,12 @@
 
 Theory of operation
 -------------------
-The same client as :mod:`rdzv.backends.etcd_client`, over etcd's native
+The same client as :mod:`rdzv.backends.etcd.gateway`, over etcd's native
 API instead of its JSON gateway: each call is one gRPC method of etcd's
 ``etcdserverpb`` services, its messages written and read by
-:mod:`rdzv.backends.etcd_proto` (grpcio carries bytes; no protobuf runtime,
+:mod:`rdzv.backends.etcd.grpc_proto` (grpcio carries bytes; no protobuf runtime,
 no generated code). The deadline of a call and the failover between members
-are :class:`~rdzv.backends.etcd_base.EtcdClientBase`'s; an attempt is one
+are :class:`~rdzv.backends.etcd.client.EtcdClientBase`'s; an attempt is one
 call with the attempt's timeout as its gRPC deadline.
 
 Each member has one channel (one HTTP/2 connection, which every call of the
@@ -30,15 +30,15 @@ any end at the deadline but a member's being unavailable is the watch's
 timeout.
 
 gRPC's errors are mapped as the gateway's are: a connection that could not
-be made is a :class:`~rdzv.backends.etcd_base.ConnectFailedError`, a TLS
+be made is a :class:`~rdzv.backends.etcd.client.ConnectFailedError`, a TLS
 handshake that failed (``https`` only: over ``http`` a handshake is HTTP/2's
 and its failure a connection's) a :class:`~rdzv.errors.RendezvousConnectionError`
 with a hint (not retried), a code in
-:data:`~rdzv.backends.etcd_gateway.TRANSIENT_CODES` or etcd's "too many
+:data:`~rdzv.backends.etcd.gateway_codec.TRANSIENT_CODES` or etcd's "too many
 requests" an
-:class:`~rdzv.backends.etcd_gateway.EtcdUnavailableError` (the next member
+:class:`~rdzv.backends.etcd.gateway_codec.EtcdUnavailableError` (the next member
 is tried), any other code an
-:class:`~rdzv.backends.etcd_gateway.EtcdRejectedError` carrying it.
+:class:`~rdzv.backends.etcd.gateway_codec.EtcdRejectedError` carrying it.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from typing import Any
 import grpc
 import grpc.experimental
 
-from rdzv.backends.etcd_base import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
-from rdzv.backends.etcd_gateway import (
+from rdzv.backends.etcd.client import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
+from rdzv.backends.etcd.gateway_codec import (
     LEASE_NOT_FOUND,
     TOO_MANY_REQUESTS,
     TRANSIENT_CODES,
@@ -64,7 +64,7 @@ from rdzv.backends.etcd_gateway import (
     WatchEvent,
     prefix_range_end,
 )
-from rdzv.backends.etcd_proto import (
+from rdzv.backends.etcd.grpc_proto import (
     MalformedMessageError,
     decode_deleted,
     decode_keepalive,
@@ -123,7 +123,7 @@ class _Member:
 class EtcdGrpcClient(EtcdClientBase):
     """A thread-safe etcd v3 client over gRPC.
 
-    Takes the arguments of :class:`~rdzv.backends.etcd_base.EtcdClientBase`.
+    Takes the arguments of :class:`~rdzv.backends.etcd.client.EtcdClientBase`.
     """
 
     def _open(self, ca_cert: str | None, ssl_cert: str | None, ssl_cert_key: str | None) -> None:
