@@ -18,6 +18,7 @@ from rdzv.backends.etcd import EtcdRendezvousBackend
 from rdzv.backends.etcd.client import EtcdClientBase
 from rdzv.backends.etcd.store import EtcdStore
 from rdzv.dynamic.confirm import RoundConfirmation, drop_confirmation
+from rdzv.testing.clock import AutojumpClock
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -119,25 +120,32 @@ def test_a_store_get_of_a_key_yet_to_come_takes_its_value_from_the_event(
 def test_a_beat_refreshes_the_lease_only_a_third_into_its_life(
     etcd_client: EtcdClientBase, unique: str, calls: list[str]
 ) -> None:
-    backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/", liveness_ttl=3)
-    backend.beat("n1")
-    marks = [backend.heartbeat_mark("n1")]
-    assert calls == ["lease_grant", "put", "range"]
-    calls.clear()
-    backend.beat("n1")
-    marks.append(backend.heartbeat_mark("n1"))
-    assert calls == ["put", "range"]  # within a third of 3 s: the put alone
-    time.sleep(1.1)
-    calls.clear()
-    backend.beat("n1")
-    marks.append(backend.heartbeat_mark("n1"))
-    assert calls == ["lease_keepalive", "put", "range"]
-    assert len(set(marks)) == 3  # every beat moved the mark
-    # Refreshed in time, the lease outlives its first TTL while beats go on.
-    for _ in range(4):
-        time.sleep(0.6)
+    # On the backend's clock: the refresh is its decision, so no real time passes.
+    with AutojumpClock() as clock, clock.running():
+        backend = EtcdRendezvousBackend(
+            etcd_client, unique, key_prefix="/test/", liveness_ttl=3, clock=clock
+        )
         backend.beat("n1")
-    assert backend.heartbeat_mark("n1") is not None
+        marks = [backend.heartbeat_mark("n1")]
+        assert calls == ["lease_grant", "put", "range"]
+        calls.clear()
+        backend.beat("n1")
+        marks.append(backend.heartbeat_mark("n1"))
+        assert calls == ["put", "range"]  # within a third of 3 s: the put alone
+        clock.sleep(1.1)
+        calls.clear()
+        backend.beat("n1")
+        marks.append(backend.heartbeat_mark("n1"))
+        assert calls == ["lease_keepalive", "put", "range"]
+        assert len(set(marks)) == 3  # every beat moved the mark
+        # Beats 0.6 s apart refresh the lease once a third of it passed
+        # (at 2.3 s and 3.5 s), so it never reaches its TTL while they go on.
+        calls.clear()
+        for _ in range(4):
+            clock.sleep(0.6)
+            backend.beat("n1")
+        assert calls == ["put", "lease_keepalive", "put", "put", "lease_keepalive", "put"]
+        assert backend.heartbeat_mark("n1") is not None
 
 
 def test_a_beat_after_the_lease_was_revoked_grants_a_new_one(

@@ -43,7 +43,6 @@ import socket
 import ssl
 import struct
 import threading
-import time
 from collections.abc import Callable
 from typing import TypeVar, overload
 
@@ -53,7 +52,7 @@ from rdzv.errors import (
     StoreAuthenticationError,
     StoreTimeoutError,
 )
-from rdzv.retry import LAST_ATTEMPT, jitter, time_left
+from rdzv.retry import LAST_ATTEMPT, Deadline, current_clock, jitter, time_left
 from rdzv.store.protocol import (
     AUTH_MAC_BYTES,
     AUTH_NONCE_BYTES,
@@ -284,10 +283,11 @@ class StoreLink:
         if self._was_connected:
             budget = min(budget, RECONNECT_TIMEOUT)
         budget = capped(budget)
-        deadline = time.monotonic() + budget
+        clock = current_clock()
+        deadline = Deadline.after(budget, clock)
         backoff = _BACKOFF_FIRST
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = deadline.left()
             try:
                 sock = self._connect_once(max(remaining, 0.001))
                 self._was_connected = True
@@ -301,14 +301,13 @@ class StoreLink:
                     ) from exc
                 raise
             except (OSError, ProtocolError, EOFError) as exc:
-                remaining = deadline - time.monotonic()
+                remaining = deadline.left()
                 if remaining <= 0:
                     raise RendezvousConnectionError(
                         f"could not connect to the store at {self.address} within "
                         f"{budget:g} s: {exc}"
                     ) from exc
-                pause = min(remaining, jitter(backoff / 2, backoff))
-                time.sleep(pause)
+                clock.sleep(min(remaining, jitter(backoff / 2, backoff)))
                 backoff = min(backoff * 2, _BACKOFF_MAX)
 
     def drop(self) -> None:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -81,6 +80,7 @@ from rdzv.backends.etcd.seats import group_name, pack_groups, unpack_seat
 from rdzv.backends.etcd.store import EtcdStore
 from rdzv.backends.options import EtcdOptions, check_key_settings, parse_endpoints
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+from rdzv.retry import Clock, Deadline, as_clock, current_clock
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
@@ -139,6 +139,8 @@ class EtcdRendezvousBackend(
         liveness_ttl: Seconds a node's heartbeat key survives without a beat
             (60); observers judge death on their own clocks well before.
         owns_client: Close ``client`` in :meth:`close`.
+        clock: The clock of its waits when the caller names none, and of its
+            leases' refreshes; real time when None.
 
     Raises:
         ValueError: An empty run id or prefix, or a TTL below 1 second.
@@ -153,12 +155,14 @@ class EtcdRendezvousBackend(
         liveness_ttl: int | None = None,
         *,
         owns_client: bool = False,
+        clock: Clock | Callable[[], float] | None = None,
     ) -> None:
         prefix, ttl, liveness_ttl = check_key_settings(
             "etcd", run_id, key_prefix, DEFAULT_KEY_PREFIX, ttl, liveness_ttl
         )
         self._client = client
         self._owns_client = owns_client
+        self._clock = as_clock(clock)
         self._run_id = run_id
         self._key = f"{prefix}{run_id}".encode()
         # The last state read or written, with its modification revision.
@@ -212,12 +216,12 @@ class EtcdRendezvousBackend(
     def _state_lease_id(self) -> int:
         lease = self._state_lease
         with self._lock:
-            if lease.id and time.monotonic() < lease.renew_at:
+            if lease.id and self._clock() < lease.renew_at:
                 return lease.id
         lease_id, granted = self._client.lease_grant(self._ttl)
         with self._lock:
             lease.id = lease_id
-            lease.renew_at = time.monotonic() + max(granted, 1) / 2
+            lease.renew_at = self._clock() + max(granted, 1) / 2
         return lease_id
 
     def _with_state_lease(self, write: Callable[[int], _T]) -> _T:
@@ -410,10 +414,10 @@ class EtcdRendezvousBackend(
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
         """Wait until the queue length of ``round_id`` differs from ``known``, watching its counter."""
         counter = self._queue_counter(round_id)
-        deadline = time.monotonic() + max(0.0, timeout)
+        deadline = Deadline.after(timeout, current_clock(self._clock))
         kv, revision = self._client.get(counter)
         length = 0 if kv is None else kv.version
-        while length == known and (remaining := deadline - time.monotonic()) > 0:
+        while length == known and (remaining := deadline.left()) > 0:
             try:
                 events, after = self._client.watch(counter, revision + 1, remaining)
             except EtcdCompactedError:
@@ -446,8 +450,8 @@ class EtcdRendezvousBackend(
         """Watch the head and the verdicts from the revision after ``token``; see :class:`VerdictBackend`."""
         verdict = self._verdict_key(round_id)
         start = (_valid_token(token) or 0) + 1
-        deadline = time.monotonic() + max(0.0, timeout)
-        while (remaining := deadline - time.monotonic()) > 0:
+        deadline = Deadline.after(timeout, current_clock(self._clock))
+        while (remaining := deadline.left()) > 0:
             try:
                 events, start = self._client.watch(self._head, start, remaining, prefix=True)
             except EtcdCompactedError:
@@ -484,7 +488,7 @@ class EtcdRendezvousBackend(
         for _ in range(2):
             with self._lock:
                 lease, refresh_at = self._node_leases.get(node, (0, 0.0))
-            now = time.monotonic()
+            now = self._clock()
             ttl = None
             if not lease:
                 lease, ttl = self._client.lease_grant(self._liveness_ttl)

@@ -17,7 +17,6 @@ same item.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -33,6 +32,7 @@ from rdzv.backends.etcd.gateway_codec import (
     range_request,
 )
 from rdzv.errors import RendezvousConnectionError, StoreTimeoutError
+from rdzv.retry import Deadline, current_clock
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -113,12 +113,12 @@ class EtcdStore(Store):
         ``seen`` may find the result in a watch's events (a put's value), which
         spares the read after the watch.
         """
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout, current_clock())
         while True:
             result, revision = read()
             if result is not None:
                 return result
-            remaining = deadline - time.monotonic()
+            remaining = deadline.left()
             if remaining <= 0:
                 raise StoreTimeoutError(f"timed out after {timeout:g} s waiting for {what}")
             try:
@@ -291,11 +291,11 @@ class EtcdStore(Store):
 
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:  # noqa: D102
         full = self._k(key)
-        deadline = time.monotonic() + to_seconds(timeout)
+        deadline = Deadline.after(to_seconds(timeout), current_clock())
         kv, revision = self._client.get(full)
         current = None if kv is None else kv.value
         while current == previous:
-            remaining = deadline - time.monotonic()
+            remaining = deadline.left()
             if remaining <= 0:
                 return previous
             try:
