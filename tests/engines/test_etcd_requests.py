@@ -211,3 +211,16 @@ def test_joins_and_confirmations_share_one_lease_and_count_on_a_counter(
     assert backend.queue_length(1) == 0
     assert backend.enqueue(1, b"c") == 1  # a dropped queue counts from 1 again
     assert confirms.queue_length(1) == 1
+
+
+def test_a_wait_ends_on_the_backends_clock(etcd_client: EtcdClientBase, unique: str) -> None:
+    # The watch's socket timeout is the time left; that it is over is the
+    # clock's, which jumps to the wait's end (a real clock would not have moved).
+    with AutojumpClock() as clock:
+        backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/", clock=clock)
+        written = backend.set_state(b"one")
+        assert written is not None
+        begin = clock()
+        assert backend.wait_for_verdict(1, written[1], 0.2) is None
+        assert backend.wait_queue_length(1, 0, 0.2) == 0
+        assert clock() - begin >= 0.4

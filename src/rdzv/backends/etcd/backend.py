@@ -112,6 +112,11 @@ class _Lease:
     renew_at: float = 0.0
 
 
+def _version(kv: KeyValue | None) -> int:
+    """Return a counter's version (how many times it was put), 0 for no counter."""
+    return 0 if kv is None else kv.version
+
+
 def _valid_token(token: Token | None) -> int | None:
     """Return the revision a token stands for, 0 for None, or None if it is not ours."""
     if token is None:
@@ -177,6 +182,10 @@ class EtcdRendezvousBackend(
         self._state_lease = _Lease()
         # node -> (its heartbeat lease, when a beat refreshes it next).
         self._node_leases: dict[str, tuple[int, float]] = {}
+
+    def _within(self, timeout: float) -> Deadline:
+        """Return ``timeout`` from now on the caller's clock (this backend's when it names none)."""
+        return Deadline.after(timeout, current_clock(self._clock))
 
     @property
     def name(self) -> str:
@@ -413,23 +422,9 @@ class EtcdRendezvousBackend(
 
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
         """Wait until the queue length of ``round_id`` differs from ``known``, watching its counter."""
-        counter = self._queue_counter(round_id)
-        deadline = Deadline.after(timeout, current_clock(self._clock))
-        kv, revision = self._client.get(counter)
-        length = 0 if kv is None else kv.version
-        while length == known and (remaining := deadline.left()) > 0:
-            try:
-                events, after = self._client.watch(counter, revision + 1, remaining)
-            except EtcdCompactedError:
-                kv, revision = self._client.get(counter)
-                length = 0 if kv is None else kv.version
-                continue
-            if events:
-                # The event carries the counter's version: no read after it.
-                last = events[-1]
-                length = 0 if last.kind == "DELETE" else last.kv.version
-                revision = after - 1
-        return length
+        return self._client.watch_value(
+            self._queue_counter(round_id), known, _version, self._within(timeout)
+        )
 
     def drop_queue(self, round_id: int) -> None:
         """Delete the queue of ``round_id`` and its counter."""
@@ -450,21 +445,23 @@ class EtcdRendezvousBackend(
         """Watch the head and the verdicts from the revision after ``token``; see :class:`VerdictBackend`."""
         verdict = self._verdict_key(round_id)
         start = (_valid_token(token) or 0) + 1
-        deadline = Deadline.after(timeout, current_clock(self._clock))
-        while (remaining := deadline.left()) > 0:
+        deadline = self._within(timeout)
+        while True:
             try:
-                events, start = self._client.watch(self._head, start, remaining, prefix=True)
+                watched = self._client.watch_within(self._head, start, deadline, prefix=True)
             except EtcdCompactedError:
                 # The history since the token is gone: read the verdict, and
                 # let the caller read the state.
                 kv, _ = self._client.get(verdict)
                 return kv is not None or False
+            if watched is None:
+                return None
+            events, start = watched
             keys = {(e.kv.key, e.kind) for e in events}
             if (verdict, "PUT") in keys:
                 return True
             if any(key == self._head for key, _ in keys):
                 return False
-        return None
 
     def drop_verdict(self, round_id: int) -> None:
         """Delete the verdict of ``round_id``."""

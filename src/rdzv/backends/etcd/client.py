@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from rdzv.backends.etcd.gateway_codec import (
+    EtcdCompactedError,
     EtcdRetryableError,
     KeyValue,
     TxnResult,
@@ -45,12 +46,13 @@ from rdzv.backends.etcd.gateway_codec import (
 )
 from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError
-from rdzv.retry import Retry, jitter
+from rdzv.retry import Deadline, Retry, jitter
 
 __all__ = ["PROBE_KEY", "ConnectFailedError", "EtcdClientBase", "tls_failure"]
 
 _T = TypeVar("_T")
 _C = TypeVar("_C", bound="EtcdClientBase")
+_V = TypeVar("_V")
 
 PROBE_KEY = b"\0rdzv-probe"
 """The key :meth:`EtcdClientBase.check_reachable` counts (none is there)."""
@@ -452,3 +454,44 @@ class EtcdClientBase(abc.ABC):
                     f"could not watch etcd ({', '.join(self.endpoints)}): "
                     f"{'; '.join(errors[-count:])}" + self._tls_hint()
                 )
+
+    def watch_within(
+        self, key: bytes, start_revision: int, deadline: Deadline, prefix: bool = False
+    ) -> tuple[list[WatchEvent], int] | None:
+        """:meth:`watch` for the time left on ``deadline``'s clock; None once none is left.
+
+        The watch's socket timeout is that time left; whether to watch again
+        is the clock's, which may move meanwhile (a test's autojump clock).
+        """
+        remaining = deadline.left()
+        if remaining <= 0:
+            return None
+        with deadline.clock.blocking(remaining):
+            return self.watch(key, start_revision, remaining, prefix)
+
+    def watch_value(
+        self, key: bytes, known: _V, value: Callable[[KeyValue | None], _V], deadline: Deadline
+    ) -> _V:
+        """Return ``value`` of ``key`` once it differs from ``known``, or ``known`` at ``deadline``.
+
+        One read, then watches from the revision after it; each event
+        carries the key, so no read follows a watch (a compacted history
+        reads again).
+        """
+        kv, revision = self.get(key)
+        current = value(kv)
+        while current == known:
+            try:
+                watched = self.watch_within(key, revision + 1, deadline)
+            except EtcdCompactedError:
+                kv, revision = self.get(key)
+                current = value(kv)
+                continue
+            if watched is None:
+                break
+            events, after = watched
+            if events:
+                last = events[-1]
+                current = value(None if last.kind == "DELETE" else last.kv)
+                revision = after - 1
+        return current

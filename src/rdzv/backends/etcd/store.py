@@ -50,6 +50,10 @@ _T = TypeVar("_T")
 _MAX_CAS_ATTEMPTS = 10_000
 
 
+def _value(kv: KeyValue | None) -> bytes | None:
+    return None if kv is None else kv.value
+
+
 def _last_value(events: list[WatchEvent]) -> bytes | None:
     """Return the value the newest of a key's events put (None if it deleted the key, or none came)."""
     if not events or events[-1].kind == "DELETE":
@@ -118,14 +122,13 @@ class EtcdStore(Store):
             result, revision = read()
             if result is not None:
                 return result
-            remaining = deadline.left()
-            if remaining <= 0:
-                raise StoreTimeoutError(f"timed out after {timeout:g} s waiting for {what}")
             try:
-                events, _ = self._client.watch(watch_key, revision + 1, remaining, prefix=prefix)
+                watched = self._client.watch_within(watch_key, revision + 1, deadline, prefix)
             except EtcdCompactedError:
                 continue
-            result = seen(events)
+            if watched is None:
+                raise StoreTimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+            result = seen(watched[0])
             if result is not None:
                 return result
 
@@ -290,26 +293,8 @@ class EtcdStore(Store):
         return self._client.count(self._q(key))
 
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:  # noqa: D102
-        full = self._k(key)
         deadline = Deadline.after(to_seconds(timeout), current_clock())
-        kv, revision = self._client.get(full)
-        current = None if kv is None else kv.value
-        while current == previous:
-            remaining = deadline.left()
-            if remaining <= 0:
-                return previous
-            try:
-                events, after = self._client.watch(full, revision + 1, remaining)
-            except EtcdCompactedError:
-                kv, revision = self._client.get(full)
-                current = None if kv is None else kv.value
-                continue
-            if events:
-                # The newest event is the value now: no read after the watch.
-                last = events[-1]
-                current = None if last.kind == "DELETE" else last.kv.value
-                revision = after - 1
-        return current
+        return self._client.watch_value(self._k(key), previous, _value, deadline)
 
     def close(self) -> None:
         """Close the etcd client if this store owns it."""

@@ -57,11 +57,12 @@ def block_on_stream(
     :data:`MAX_BLOCK_SECONDS`, each from the same id: a slice that ends
     empty proves nothing was written, so the caller's keys need no read
     again before the next slice. Whether to block again is the deadline's
-    clock's; a slice's length is the time left on it.
+    clock's, which may move meanwhile (a test's autojump clock); a slice's
+    length is the time left on it.
     """
     while (remaining := deadline.left()) > 0:
         block_ms = max(1, int(min(remaining, MAX_BLOCK_SECONDS) * 1000))
-        with redis_errors(endpoint, "waiting for a change"):
+        with deadline.clock.blocking(remaining), redis_errors(endpoint, "waiting for a change"):
             if client.xread({stream: last_id}, count=1, block=block_ms):
                 return True
     return False

@@ -274,7 +274,7 @@ class RedisStore(Store):
                     f"timed out after {timeout:g} s waiting for an item in queue {key!r}"
                 )
             wait = max(0.001, min(remaining, MAX_BLOCK_SECONDS))
-            with redis_errors(self._endpoint, f"popping queue {key!r}"):
+            with deadline.clock.blocking(wait), redis_errors(self._endpoint, f"popping {key!r}"):
                 popped = self._client.blpop([name], timeout=wait)
             if popped is not None:
                 return as_bytes(popped[1])
