@@ -73,6 +73,7 @@ from rdzv.backends.etcd.gateway_codec import (
     EtcdCompactedError,
     EtcdRequestError,
     KeyValue,
+    WatchEvent,
     put_request,
     range_request,
 )
@@ -330,12 +331,15 @@ class EtcdRendezvousBackend(
             if current != token:
                 return current
             start = revision + 1
-        if timeout > 0:
-            with contextlib.suppress(EtcdCompactedError):
-                events, _ = self._client.watch(self._head, start, timeout)
-                if events:
-                    return events[-1].kv.mod_revision
-        return self.read_token()
+        events = self._watch_head(start, timeout)
+        return events[-1].kv.mod_revision if events else self.read_token()
+
+    def _watch_head(self, start: int, timeout: float) -> list[WatchEvent]:
+        """Watch the head from revision ``start``; no events also when that history is compacted."""
+        with contextlib.suppress(EtcdCompactedError):
+            watched = self._client.watch_within(self._head, start, self._within(timeout))
+            return [] if watched is None else watched[0]
+        return []
 
     def read_seat(self, token: Token, node: str) -> bytes | None:
         """Return ``node``'s seat from its group, if the write of ``token`` put the group."""
@@ -364,14 +368,8 @@ class EtcdRendezvousBackend(
             ):
                 return current
             start = revision + 1
-        if timeout > 0:
-            # A compacted revision means something changed since: re-read below.
-            with contextlib.suppress(EtcdCompactedError):
-                events, _ = self._client.watch(self._head, start, timeout)
-                if events:
-                    # The head moves with the state: read its value at once.
-                    return self._read_value()[0]
-        return self.get_state()
+        # The head moves with the state: after an event, read its value at once.
+        return self._read_value()[0] if self._watch_head(start, timeout) else self.get_state()
 
     # -- join queue -----------------------------------------------------------
 

@@ -35,7 +35,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from rdzv.backends.etcd.gateway_codec import (
+    LEASE_NOT_FOUND,
     EtcdCompactedError,
+    EtcdRequestError,
     EtcdRetryableError,
     KeyValue,
     TxnResult,
@@ -400,8 +402,16 @@ class EtcdClientBase(abc.ABC):
         """Refresh a lease once; return its TTL in seconds (0 or less: expired or absent)."""
 
     @abc.abstractmethod
+    def _revoke(self, lease_id: int) -> None:
+        """Revoke a lease (one request, with failover)."""
+
     def lease_revoke(self, lease_id: int) -> None:
         """Revoke a lease, deleting every key attached to it (a missing lease is ignored)."""
+        try:
+            self._revoke(lease_id)
+        except EtcdRequestError as exc:
+            if exc.code != LEASE_NOT_FOUND:
+                raise
 
     # -- watch ------------------------------------------------------------------
 

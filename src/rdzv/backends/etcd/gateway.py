@@ -31,8 +31,6 @@ from typing import Any
 
 from rdzv.backends.etcd.client import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
 from rdzv.backends.etcd.gateway_codec import (
-    LEASE_NOT_FOUND,
-    EtcdRequestError,
     EtcdRetryableError,
     KeyValue,
     TxnResult,
@@ -182,7 +180,7 @@ class EtcdClient(EtcdClientBase):
 
     # -- KV ---------------------------------------------------------------------
 
-    def range(
+    def range(  # noqa: D102 - see EtcdClientBase
         self,
         key: bytes,
         prefix: bool = False,
@@ -191,67 +189,50 @@ class EtcdClient(EtcdClientBase):
         keys_only: bool = False,
         serializable: bool = False,
     ) -> tuple[list[KeyValue], int]:
-        """Read a key or every key under a prefix (see :class:`EtcdClientBase`)."""
         body = range_request(
             key, prefix, limit, sort_by_create, keys_only, serializable=serializable
         )
         response, _, endpoint = self.call("/v3/kv/range", body)
         return parse_range(response, endpoint)
 
-    def count(self, prefix: bytes) -> int:
-        """Count the keys under ``prefix``."""
+    def count(self, prefix: bytes) -> int:  # noqa: D102 - see EtcdClientBase
         body = range_request(prefix, prefix=True, count_only=True)
         response, _, endpoint = self.call("/v3/kv/range", body)
         return parse_count(response, endpoint)
 
-    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        """Write a key under ``lease`` (0: none); return the store revision of the write."""
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:  # noqa: D102 - see EtcdClientBase
         response, _, endpoint = self.call("/v3/kv/put", put_request(key, value, lease))
         return parse_revision(response, endpoint)
 
-    def delete(self, key: bytes, prefix: bool = False) -> int:
-        """Delete a key or every key under a prefix."""
+    def delete(self, key: bytes, prefix: bool = False) -> int:  # noqa: D102 - see EtcdClientBase
         response, _, endpoint = self.call("/v3/kv/deleterange", delete_request(key, prefix))
         return parse_deleted(response, endpoint)
 
-    def txn(
+    def txn(  # noqa: D102 - see EtcdClientBase
         self,
         compare: list[dict[str, Any]],
         success: list[dict[str, Any]],
         failure: list[dict[str, Any]],
     ) -> TxnResult:
-        """Run a transaction: the ``success`` ops when every ``compare`` holds, else ``failure``."""
         body = {"compare": compare, "success": success, "failure": failure}
         response, attempts, endpoint = self.call("/v3/kv/txn", body)
         return parse_txn(response, attempts, endpoint)
 
-    def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:
-        """Return the keys of the ``index``-th range response of a txn."""
+    def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:  # noqa: D102 - see EtcdClientBase
         return txn_range_kvs(result, index, self.endpoints[self._current])
 
     # -- leases ---------------------------------------------------------------
 
-    def lease_grant(self, ttl: int) -> tuple[int, int]:
-        """Grant a lease of ``ttl`` whole seconds; return ``(lease_id, granted_ttl)``.
-
-        Raises:
-            ValueError: ``ttl`` is below 1.
-        """
+    def lease_grant(self, ttl: int) -> tuple[int, int]:  # noqa: D102 - see EtcdClientBase
         response, _, endpoint = self.call("/v3/lease/grant", lease_grant_request(ttl))
         return parse_lease_grant(response, endpoint)
 
-    def lease_keepalive(self, lease_id: int) -> int:
-        """Refresh a lease once; return its TTL in seconds (0 or less: expired or absent)."""
+    def lease_keepalive(self, lease_id: int) -> int:  # noqa: D102 - see EtcdClientBase
         response, _, endpoint = self.call("/v3/lease/keepalive", lease_id_request(lease_id))
         return parse_keepalive(response, endpoint)
 
-    def lease_revoke(self, lease_id: int) -> None:
-        """Revoke a lease, deleting every key attached to it (a missing lease is ignored)."""
-        try:
-            self.call("/v3/kv/lease/revoke", lease_id_request(lease_id))
-        except EtcdRequestError as exc:
-            if exc.code != LEASE_NOT_FOUND:
-                raise
+    def _revoke(self, lease_id: int) -> None:
+        self.call("/v3/kv/lease/revoke", lease_id_request(lease_id))
 
     # -- watch ------------------------------------------------------------------
 

@@ -52,7 +52,6 @@ import grpc.experimental
 
 from rdzv.backends.etcd.client import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
 from rdzv.backends.etcd.gateway_codec import (
-    LEASE_NOT_FOUND,
     TOO_MANY_REQUESTS,
     TRANSIENT_CODES,
     EtcdRejectedError,
@@ -217,7 +216,7 @@ class EtcdGrpcClient(EtcdClientBase):
         found: tuple[list[KeyValue], int, int] = self._decode(decode_range, reply, index, "range")
         return found
 
-    def range(
+    def range(  # noqa: D102 - see EtcdClientBase
         self,
         key: bytes,
         prefix: bool = False,
@@ -226,7 +225,6 @@ class EtcdGrpcClient(EtcdClientBase):
         keys_only: bool = False,
         serializable: bool = False,
     ) -> tuple[list[KeyValue], int]:
-        """Read a key or every key under a prefix (see :class:`EtcdClientBase`)."""
         range_end = prefix_range_end(key) if prefix else b""
         request = range_message(
             key, range_end, limit, sort_by_create, keys_only, serializable=serializable
@@ -234,37 +232,32 @@ class EtcdGrpcClient(EtcdClientBase):
         kvs, _, revision = self._range(request)
         return kvs, revision
 
-    def count(self, prefix: bytes) -> int:
-        """Count the keys under ``prefix``."""
+    def count(self, prefix: bytes) -> int:  # noqa: D102 - see EtcdClientBase
         _, count, _ = self._range(range_message(prefix, prefix_range_end(prefix), count_only=True))
         return count
 
-    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        """Write a key under ``lease`` (0: none); return the store revision of the write."""
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:  # noqa: D102 - see EtcdClientBase
         reply, _, index = self._call("put", put_message(key, value, lease))
         revision: int = self._decode(decode_revision, reply, index, "put")
         return revision
 
-    def delete(self, key: bytes, prefix: bool = False) -> int:
-        """Delete a key or every key under a prefix; return how many were deleted."""
+    def delete(self, key: bytes, prefix: bool = False) -> int:  # noqa: D102 - see EtcdClientBase
         request = delete_message(key, prefix_range_end(key) if prefix else b"")
         reply, _, index = self._call("delete", request)
         deleted: int = self._decode(decode_deleted, reply, index, "delete")
         return deleted
 
-    def txn(
+    def txn(  # noqa: D102 - see EtcdClientBase
         self,
         compare: list[dict[str, Any]],
         success: list[dict[str, Any]],
         failure: list[dict[str, Any]],
     ) -> TxnResult:
-        """Run a transaction (see :class:`EtcdClientBase`)."""
         reply, attempts, index = self._call("txn", txn_message(compare, success, failure))
         succeeded, revision, responses = self._decode(decode_txn, reply, index, "txn")
         return TxnResult(succeeded, revision, responses, attempts)
 
-    def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:
-        """Return the keys of the ``index``-th range response of a txn."""
+    def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:  # noqa: D102 - see EtcdClientBase
         try:
             kvs: list[KeyValue] = result.responses[index]["response_range"]["kvs"]
         except (IndexError, KeyError):
@@ -275,8 +268,7 @@ class EtcdGrpcClient(EtcdClientBase):
 
     # -- leases ---------------------------------------------------------------
 
-    def lease_grant(self, ttl: int) -> tuple[int, int]:
-        """Grant a lease of ``ttl`` whole seconds; return ``(lease_id, granted_ttl)``."""
+    def lease_grant(self, ttl: int) -> tuple[int, int]:  # noqa: D102 - see EtcdClientBase
         reply, _, index = self._call("grant", lease_grant_message(ttl))
         lease_id, granted, error = self._decode(decode_lease_grant, reply, index, "lease grant")
         if error:
@@ -294,8 +286,7 @@ class EtcdGrpcClient(EtcdClientBase):
             call.cancel()
         raise EtcdRetryableError(f"{self._url(index)}: the keep-alive stream ended unanswered")
 
-    def lease_keepalive(self, lease_id: int) -> int:
-        """Refresh a lease once; return its TTL in seconds (0 or less: expired or absent)."""
+    def lease_keepalive(self, lease_id: int) -> int:  # noqa: D102 - see EtcdClientBase
         reply, _, index = self._failover(
             "lease keep-alive",
             lambda index, timeout: self._keepalive_once(index, lease_id, timeout),
@@ -303,13 +294,8 @@ class EtcdGrpcClient(EtcdClientBase):
         ttl: int = self._decode(decode_keepalive, reply, index, "lease keep-alive")
         return ttl
 
-    def lease_revoke(self, lease_id: int) -> None:
-        """Revoke a lease, deleting every key attached to it (a missing lease is ignored)."""
-        try:
-            self._call("revoke", lease_id_message(lease_id))
-        except EtcdRejectedError as exc:
-            if exc.code != LEASE_NOT_FOUND:
-                raise
+    def _revoke(self, lease_id: int) -> None:
+        self._call("revoke", lease_id_message(lease_id))
 
     # -- watch ------------------------------------------------------------------
 
