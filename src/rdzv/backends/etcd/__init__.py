@@ -16,8 +16,8 @@ from rdzv.backends.etcd.backend import (
     create_backend,
     create_client,
     open_etcd,
-    parse_endpoints,
 )
+from rdzv.backends.options import parse_endpoints
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",

@@ -79,21 +79,13 @@ from rdzv.backends.etcd.gateway_codec import (
 )
 from rdzv.backends.etcd.seats import group_name, pack_groups, unpack_seat
 from rdzv.backends.etcd.store import EtcdStore
-from rdzv.backends.options import EtcdOptions, check_key_settings, parse_endpoints
+from rdzv.backends.options import EtcdOptions, check_key_settings
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 from rdzv.retry import Clock, Deadline, as_clock, current_clock
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
 
-__all__ = [
-    "DEFAULT_KEY_PREFIX",
-    "EtcdRendezvousBackend",
-    "create_backend",
-    "create_client",
-    "open_etcd",
-    "parse_endpoints",
-]
 
 _T = TypeVar("_T")
 

@@ -81,7 +81,6 @@ if TYPE_CHECKING:
 
     from rdzv.api import RendezvousParameters
 
-__all__ = ["DEFAULT_KEY_PREFIX", "RedisRendezvousBackend", "create_backend", "open_redis"]
 
 DEFAULT_KEY_PREFIX = RedisOptions.DEFAULT_PREFIX
 _REDIS_FAILED = "The connection to Redis has failed. See inner exception for details."
