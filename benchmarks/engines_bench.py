@@ -23,10 +23,10 @@ from tests.engines.servers import etcd_cluster, redis_server
 
 from _common import stamp
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
-from rdzv.backends.etcd_client import EtcdClient
-from rdzv.backends.etcd_store import EtcdStore
+from rdzv.backends.etcd.gateway import EtcdClient
+from rdzv.backends.etcd.store import EtcdStore
 from rdzv.backends.redis import RedisRendezvousBackend
-from rdzv.backends.redis_store import RedisStore
+from rdzv.backends.redis.store import RedisStore
 
 
 def timed(action: Callable[[], Any], rounds: int) -> list[float]:

@@ -24,9 +24,9 @@ from tests.engines.servers import etcd_cluster
 
 from _common import cpu_seconds, stamp
 from rdzv.backends.etcd import parse_endpoints
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_client import EtcdClient
-from rdzv.backends.etcd_grpc import EtcdGrpcClient
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.gateway import EtcdClient
+from rdzv.backends.etcd.grpc import EtcdGrpcClient
 
 CLIENTS: dict[str, type[EtcdClientBase]] = {"gateway": EtcdClient, "grpc": EtcdGrpcClient}
 

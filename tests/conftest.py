@@ -27,7 +27,7 @@ wherever a test does not fix its own count (tests/dynamic/test_interleavings.py)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 if TYPE_CHECKING:
-    from rdzv.backends.etcd_base import EtcdClientBase
+    from rdzv.backends.etcd.client import EtcdClientBase
     from rdzv.store.server import TCPStoreServer
     from tests.certs import TLSFiles
     from tests.engines.servers import EtcdCluster, RedisServer
@@ -104,8 +104,8 @@ def etcd() -> Iterator[EtcdCluster]:
 @pytest.fixture(params=["gateway", "grpc"])
 def etcd_client_type(request: pytest.FixtureRequest) -> type[EtcdClientBase]:
     """Each etcd client in turn: the gateway's (standard library) and gRPC's (the etcd extra)."""
-    from rdzv.backends.etcd_client import EtcdClient
-    from rdzv.backends.etcd_grpc import EtcdGrpcClient
+    from rdzv.backends.etcd.gateway import EtcdClient
+    from rdzv.backends.etcd.grpc import EtcdGrpcClient
 
     return EtcdClient if request.param == "gateway" else EtcdGrpcClient
 

@@ -106,7 +106,8 @@ _FROM_BACKEND = (
 )
 _STORE_BACKEND = "(store, run_id, liveness_store=None, clock=None)"
 _ETCD_BACKEND = (
-    "(client, run_id, key_prefix=None, ttl=None, liveness_ttl=None, *, owns_client=False)"
+    "(client, run_id, key_prefix=None, ttl=None, liveness_ttl=None, *, owns_client=False, "
+    "clock=None)"
 )
 _STATIC = "(params_or_endpoint, master_port=None, rank=None, world_size=1, run_id='', timeout=600)"
 

@@ -143,6 +143,11 @@ class Deadline:
     clock: Clock
     at: float
 
+    @classmethod
+    def after(cls, seconds: float, clock: Clock) -> Deadline:
+        """Return the deadline ``seconds`` (none when negative) from now on ``clock``."""
+        return cls(clock, clock() + max(0.0, seconds))
+
     def left(self) -> float:
         """Return the seconds left on the clock (negative once past)."""
         return self.at - self.clock()
@@ -173,10 +178,10 @@ def caller_deadline() -> Deadline | None:
     return _DEADLINE.get()
 
 
-def current_clock() -> Clock:
-    """Return the caller's clock: its deadline's, or real time."""
+def current_clock(default: Clock = REAL_TIME) -> Clock:
+    """Return the caller's clock: its deadline's, or ``default`` (real time)."""
     deadline = _DEADLINE.get()
-    return REAL_TIME if deadline is None else deadline.clock
+    return default if deadline is None else deadline.clock
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import pytest
 
 from rdzv.backends.base import RendezvousBackend, VerdictBackend
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
-from rdzv.backends.etcd_base import EtcdClientBase
+from rdzv.backends.etcd.client import EtcdClientBase
 from rdzv.backends.redis import RedisRendezvousBackend
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.errors import RendezvousConnectionError

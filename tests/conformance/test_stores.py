@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from rdzv.backends.etcd import parse_endpoints
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_store import EtcdStore
-from rdzv.backends.redis_store import RedisStore
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.store import EtcdStore
+from rdzv.backends.redis.store import RedisStore
 from rdzv.store.base import Store, Timeout, Value
 from rdzv.store.file import FileStore
 from rdzv.store.memory import HashStore, PrefixStore

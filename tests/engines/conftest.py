@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rdzv.backends.etcd import parse_endpoints
-from rdzv.backends.etcd_base import EtcdClientBase
+from rdzv.backends.etcd.client import EtcdClientBase
 from tests.engines.servers import EtcdCluster, RedisServer
 
 

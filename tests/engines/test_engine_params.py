@@ -10,10 +10,10 @@ import pytest
 import rdzv
 from rdzv.api import RendezvousParameters
 from rdzv.backends.etcd import EtcdRendezvousBackend, create_backend, parse_endpoints
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_client import EtcdClient
-from rdzv.backends.etcd_grpc import EtcdGrpcClient
-from rdzv.backends.etcd_store import EtcdStore
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.gateway import EtcdClient
+from rdzv.backends.etcd.grpc import EtcdGrpcClient
+from rdzv.backends.etcd.store import EtcdStore
 from rdzv.backends.options import EtcdOptions
 from rdzv.errors import RendezvousConnectionError
 from tests.engines.servers import EtcdCluster, RedisServer
@@ -146,7 +146,7 @@ def test_redis_heartbeat_expires_on_the_server(redis_client: Any, unique: str) -
 @pytest.mark.redis
 def test_redis_create_backend_and_state_ttl(redis_srv: RedisServer, unique: str) -> None:
     from rdzv.backends.redis import RedisRendezvousBackend, create_backend
-    from rdzv.backends.redis_store import RedisStore
+    from rdzv.backends.redis.store import RedisStore
 
     params = RendezvousParameters("redis", redis_srv.endpoint, unique, ttl=30, read_timeout=5)
     backend, store = create_backend(params)
@@ -178,7 +178,7 @@ def test_redis_unreachable_error_names_the_endpoint() -> None:
     from redis.retry import Retry
 
     from rdzv.backends.redis import RedisRendezvousBackend
-    from rdzv.backends.redis_store import RedisStore
+    from rdzv.backends.redis.store import RedisStore
 
     port = free_port()
     client = redis.Redis(

@@ -9,14 +9,10 @@ import time
 import pytest
 
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_client import (
-    EtcdClient,
-    EtcdCompactedError,
-    WatchEvent,
-    prefix_range_end,
-)
-from rdzv.backends.etcd_store import EtcdStore
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.gateway import EtcdClient
+from rdzv.backends.etcd.gateway_codec import EtcdCompactedError, WatchEvent, prefix_range_end
+from rdzv.backends.etcd.store import EtcdStore
 from rdzv.errors import RendezvousConnectionError
 from tests.engines.servers import EtcdCluster, etcd_cluster, kill_process
 from tests.procs import free_port

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_client import EtcdClient
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.gateway import EtcdClient
 from tests.engines.servers import etcd_cluster, kill_process
 from tests.procs import wait_until
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rdzv.backends.etcd_gateway import (
+from rdzv.backends.etcd.gateway_codec import (
     LEASE_NOT_FOUND,
     EtcdCompactedError,
     EtcdRejectedError,

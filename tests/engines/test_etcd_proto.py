@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rdzv.backends import etcd_proto as proto
-from rdzv.backends.etcd_base import ConnectFailedError
-from rdzv.backends.etcd_gateway import (
+from rdzv.backends.etcd import grpc_proto as proto
+from rdzv.backends.etcd.client import ConnectFailedError
+from rdzv.backends.etcd.gateway_codec import (
     EtcdCompactedError,
     EtcdRejectedError,
     EtcdRetryableError,
@@ -20,7 +20,7 @@ from rdzv.backends.etcd_gateway import (
     put_request,
     range_request,
 )
-from rdzv.backends.etcd_grpc import EtcdGrpcClient
+from rdzv.backends.etcd.grpc import EtcdGrpcClient
 
 
 def _kv(kv: KeyValue) -> bytes:

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from rdzv.backends.etcd import EtcdRendezvousBackend
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_store import EtcdStore
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.store import EtcdStore
 from rdzv.dynamic.confirm import RoundConfirmation, drop_confirmation
+from rdzv.testing.clock import AutojumpClock
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
@@ -119,25 +120,32 @@ def test_a_store_get_of_a_key_yet_to_come_takes_its_value_from_the_event(
 def test_a_beat_refreshes_the_lease_only_a_third_into_its_life(
     etcd_client: EtcdClientBase, unique: str, calls: list[str]
 ) -> None:
-    backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/", liveness_ttl=3)
-    backend.beat("n1")
-    marks = [backend.heartbeat_mark("n1")]
-    assert calls == ["lease_grant", "put", "range"]
-    calls.clear()
-    backend.beat("n1")
-    marks.append(backend.heartbeat_mark("n1"))
-    assert calls == ["put", "range"]  # within a third of 3 s: the put alone
-    time.sleep(1.1)
-    calls.clear()
-    backend.beat("n1")
-    marks.append(backend.heartbeat_mark("n1"))
-    assert calls == ["lease_keepalive", "put", "range"]
-    assert len(set(marks)) == 3  # every beat moved the mark
-    # Refreshed in time, the lease outlives its first TTL while beats go on.
-    for _ in range(4):
-        time.sleep(0.6)
+    # On the backend's clock: the refresh is its decision, so no real time passes.
+    with AutojumpClock() as clock, clock.running():
+        backend = EtcdRendezvousBackend(
+            etcd_client, unique, key_prefix="/test/", liveness_ttl=3, clock=clock
+        )
         backend.beat("n1")
-    assert backend.heartbeat_mark("n1") is not None
+        marks = [backend.heartbeat_mark("n1")]
+        assert calls == ["lease_grant", "put", "range"]
+        calls.clear()
+        backend.beat("n1")
+        marks.append(backend.heartbeat_mark("n1"))
+        assert calls == ["put", "range"]  # within a third of 3 s: the put alone
+        clock.sleep(1.1)
+        calls.clear()
+        backend.beat("n1")
+        marks.append(backend.heartbeat_mark("n1"))
+        assert calls == ["lease_keepalive", "put", "range"]
+        assert len(set(marks)) == 3  # every beat moved the mark
+        # Beats 0.6 s apart refresh the lease once a third of it passed
+        # (at 2.3 s and 3.5 s), so it never reaches its TTL while they go on.
+        calls.clear()
+        for _ in range(4):
+            clock.sleep(0.6)
+            backend.beat("n1")
+        assert calls == ["put", "lease_keepalive", "put", "put", "lease_keepalive", "put"]
+        assert backend.heartbeat_mark("n1") is not None
 
 
 def test_a_beat_after_the_lease_was_revoked_grants_a_new_one(
@@ -203,3 +211,16 @@ def test_joins_and_confirmations_share_one_lease_and_count_on_a_counter(
     assert backend.queue_length(1) == 0
     assert backend.enqueue(1, b"c") == 1  # a dropped queue counts from 1 again
     assert confirms.queue_length(1) == 1
+
+
+def test_a_wait_ends_on_the_backends_clock(etcd_client: EtcdClientBase, unique: str) -> None:
+    # The watch's socket timeout is the time left; that it is over is the
+    # clock's, which jumps to the wait's end (a real clock would not have moved).
+    with AutojumpClock() as clock:
+        backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/", clock=clock)
+        written = backend.set_state(b"one")
+        assert written is not None
+        begin = clock()
+        assert backend.wait_for_verdict(1, written[1], 0.2) is None
+        assert backend.wait_queue_length(1, 0, 0.2) == 0
+        assert clock() - begin >= 0.4

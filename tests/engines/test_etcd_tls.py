@@ -8,7 +8,7 @@ import pytest
 
 from rdzv.api import RendezvousParameters
 from rdzv.backends.etcd import create_backend, parse_endpoints
-from rdzv.backends.etcd_base import EtcdClientBase
+from rdzv.backends.etcd.client import EtcdClientBase
 from rdzv.errors import RendezvousConnectionError
 from tests.certs import TLSFiles
 from tests.engines.servers import EtcdCluster, etcd_cluster

@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from rdzv.backends import redis_connection
 from rdzv.backends.base import Token
 from rdzv.backends.redis import RedisRendezvousBackend
+from rdzv.backends.redis import connection as redis_connection
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.store.memory import HashStore
+from rdzv.testing.clock import AutojumpClock
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
@@ -93,3 +94,16 @@ def test_a_member_waits_for_a_late_verdict_in_two_waits_not_in_slices(
     assert len(early) == 2, early
     assert early[0] == pytest.approx(0.75)
     assert early[1] > 10  # the rest of the join timeout
+
+
+def test_a_wait_ends_on_the_backends_clock(redis_client: Any, unique: str) -> None:
+    # Each XREAD slice blocks for the time left; that it is over is the
+    # clock's, which jumps to the wait's end (a real clock would not have moved).
+    with AutojumpClock() as clock:
+        backend = RedisRendezvousBackend(redis_client, unique, clock=clock)
+        written = backend.set_state(b"one")
+        assert written is not None
+        begin = clock()
+        assert backend.wait_for_verdict(1, written[1], 0.2) is None
+        assert backend.wait_queue_length(1, 0, 0.2) == 0
+        assert clock() - begin >= 0.4

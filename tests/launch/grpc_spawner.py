@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 
-from rdzv.backends.etcd_grpc import EtcdGrpcClient
+from rdzv.backends.etcd.grpc import EtcdGrpcClient
 from rdzv.errors import RendezvousError
 from rdzv.launch.workers import start_process
 

@@ -27,7 +27,7 @@ import pytest
 from rdzv.api import RendezvousParameters, RendezvousTimeout
 from rdzv.backends.base import RendezvousBackend
 from rdzv.backends.etcd import EtcdRendezvousBackend, create_client
-from rdzv.backends.etcd_store import EtcdStore
+from rdzv.backends.etcd.store import EtcdStore
 from rdzv.backends.options import EtcdOptions, RedisOptions
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
@@ -65,8 +65,8 @@ def _backend(kind: str, endpoint: str) -> tuple[RendezvousBackend, Store]:
         backend = EtcdRendezvousBackend(create_client(etcd), etcd.run_id, owns_client=True)
         return backend, EtcdStore(backend.client, backend.run_prefix + b"store/")
     from rdzv.backends.redis import RedisRendezvousBackend
-    from rdzv.backends.redis_connection import create_client as redis_client
-    from rdzv.backends.redis_store import RedisStore
+    from rdzv.backends.redis.connection import create_client as redis_client
+    from rdzv.backends.redis.store import RedisStore
 
     options = RedisOptions.from_params(params)
     client = redis_client(options)

@@ -30,6 +30,7 @@ from rdzv.store.protocol import (
 )
 from rdzv.store.server import TCPStoreServer
 from rdzv.store.tcp import TCPStore
+from rdzv.testing.clock import AutojumpClock
 from tests.certs import TLSFiles, make_tls_files
 from tests.procs import free_port
 from tests.store.helpers import serve_process
@@ -148,6 +149,19 @@ def test_connect_gives_up_after_the_timeout() -> None:
     with pytest.raises(RendezvousConnectionError, match="could not connect"):
         TCPStore("127.0.0.1", port, timeout=0.5)
     assert time.monotonic() - started < 10
+
+
+def test_connect_retries_and_gives_up_on_the_callers_clock() -> None:
+    # A minute of backoff between refused connects passes on the autojump
+    # clock; the real time it takes is only the connects' (the bound catches hangs).
+    port = free_port()
+    started = time.monotonic()
+    with AutojumpClock() as clock, clock.running(), deadline_within(3600, clock):
+        begin = clock()
+        with pytest.raises(RendezvousConnectionError, match=r"could not connect .* within 60 s"):
+            TCPStore("127.0.0.1", port, timeout=60)
+        assert clock() - begin >= 60
+    assert time.monotonic() - started < 30
 
 
 def test_broken_connection_raises_then_the_next_call_reconnects() -> None:

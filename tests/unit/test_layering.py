@@ -82,16 +82,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.backends",
             "rdzv.backends.store",
             "rdzv.backends.etcd",
-            "rdzv.backends.etcd_base",
-            "rdzv.backends.etcd_client",
-            "rdzv.backends.etcd_gateway",
-            "rdzv.backends.etcd_grpc",
-            "rdzv.backends.etcd_proto",
-            "rdzv.backends.etcd_seats",
-            "rdzv.backends.etcd_store",
+            "rdzv.backends.etcd.backend",
+            "rdzv.backends.etcd.client",
+            "rdzv.backends.etcd.gateway",
+            "rdzv.backends.etcd.gateway_codec",
+            "rdzv.backends.etcd.grpc",
+            "rdzv.backends.etcd.grpc_proto",
+            "rdzv.backends.etcd.seats",
+            "rdzv.backends.etcd.store",
             "rdzv.backends.redis",
-            "rdzv.backends.redis_connection",
-            "rdzv.backends.redis_store",
+            "rdzv.backends.redis.backend",
+            "rdzv.backends.redis.connection",
+            "rdzv.backends.redis.store",
             "rdzv.testing",
             "rdzv.testing.conformance",
             "rdzv.testing.memory",
@@ -166,9 +168,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 PURE: frozenset[str] = frozenset(
     {
         "rdzv.backends.base",
-        "rdzv.backends.etcd_gateway",
-        "rdzv.backends.etcd_proto",
-        "rdzv.backends.etcd_seats",
+        "rdzv.backends.etcd.gateway_codec",
+        "rdzv.backends.etcd.grpc_proto",
+        "rdzv.backends.etcd.seats",
         "rdzv.dynamic.machine",
         "rdzv.dynamic.pacing",
         "rdzv.dynamic.seat",
@@ -331,8 +333,8 @@ def test_imports_follow_the_layers() -> None:
     "edge",
     [
         # The backward edges of 756ab93, each of which must stay caught.
-        ("rdzv.backends.etcd", "rdzv.dynamic.handler"),
-        ("rdzv.backends.redis", "rdzv.dynamic.handler"),
+        ("rdzv.backends.etcd.backend", "rdzv.dynamic.handler"),
+        ("rdzv.backends.redis.backend", "rdzv.dynamic.handler"),
         ("rdzv.dynamic.handler", "rdzv.backends.store"),
         ("rdzv.backends.base", "rdzv.api"),
         ("rdzv.dynamic.state", "rdzv.status"),
@@ -360,7 +362,7 @@ def test_a_backward_edge_is_caught(edge: tuple[str, str]) -> None:
     [
         ("rdzv.dynamic.machine", "time"),
         ("rdzv.store.protocol", "socket"),
-        ("rdzv.backends.etcd_gateway", "os.path"),
+        ("rdzv.backends.etcd.gateway_codec", "os.path"),
         ("rdzv.dynamic.seat", "threading"),
         # rdzv modules of a lower layer that are not sans-I/O themselves
         ("rdzv.store.engine", "rdzv.threads"),
@@ -380,15 +382,15 @@ def test_relative_imports_are_resolved() -> None:
 
 def test_grpc_is_imported_only_by_the_grpc_client() -> None:
     # The core stays standard library: grpcio is the etcd extra's, and its one
-    # module (rdzv.backends.etcd_grpc) is imported only by create_client, lazily.
+    # module (rdzv.backends.etcd.grpc) is imported only by create_client, lazily.
     importers = {a for a, b in all_imports() if _matches(b, "grpc")}
-    assert importers == {"rdzv.backends.etcd_grpc"}
-    lazy = {a for a, b in all_imports() if b == "rdzv.backends.etcd_grpc"}
-    assert lazy == {"rdzv.backends.etcd"}
-    source = (SRC / "rdzv" / "backends" / "etcd.py").read_text()
+    assert importers == {"rdzv.backends.etcd.grpc"}
+    lazy = {a for a, b in all_imports() if b == "rdzv.backends.etcd.grpc"}
+    assert lazy == {"rdzv.backends.etcd.backend"}
+    source = (SRC / "rdzv" / "backends" / "etcd" / "backend.py").read_text()
     top_level = [
         node
         for node in ast.parse(source).body
-        if isinstance(node, ast.ImportFrom) and node.module == "rdzv.backends.etcd_grpc"
+        if isinstance(node, ast.ImportFrom) and node.module == "rdzv.backends.etcd.grpc"
     ]
     assert top_level == []

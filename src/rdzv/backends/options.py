@@ -443,8 +443,8 @@ class EtcdOptions:
         ssl_cert_key: Its key, or None.
         ca_cert: The CA bundle the members are verified with, or None.
         keys: Where the run's keys live and how long they survive.
-        client: ``grpc`` (:mod:`rdzv.backends.etcd_grpc`) or ``gateway``
-            (:mod:`rdzv.backends.etcd_client`).
+        client: ``grpc`` (:mod:`rdzv.backends.etcd.grpc`) or ``gateway``
+            (:mod:`rdzv.backends.etcd.gateway`).
     """
 
     DEFAULT_PREFIX: ClassVar[str] = "/rdzv/"

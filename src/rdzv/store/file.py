@@ -44,11 +44,11 @@ import fcntl
 import os
 import struct
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError, StoreTimeoutError
+from rdzv.retry import Deadline, current_clock
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -159,16 +159,17 @@ class FileStore(Store):
     def _lock(self, fd: int, exclusive: bool) -> None:
         operation = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
         budget = self.timeout.total_seconds()
-        deadline = time.monotonic() + budget
+        clock = current_clock()
+        deadline = Deadline.after(budget, clock)
         pause = POLL_FIRST
         while not self._try_lock(fd, operation):
-            remaining = deadline - time.monotonic()
+            remaining = deadline.left()
             if remaining <= 0:
                 raise RendezvousConnectionError(
                     f"the file store {self._path!r} stayed locked by another process "
                     f"for {budget:g} s"
                 )
-            time.sleep(min(pause, remaining))
+            clock.sleep(min(pause, remaining))
             pause = min(pause * 2, POLL_MAX)
 
     @staticmethod
@@ -274,17 +275,18 @@ class FileStore(Store):
         self, exclusive: bool, ready: Callable[[int], _T | None], timeout: float
     ) -> _T | None:
         """Run ``ready`` on fresh contents until it returns a value or ``timeout`` passes."""
-        deadline = time.monotonic() + timeout
+        clock = current_clock()
+        deadline = Deadline.after(timeout, clock)
         pause = POLL_FIRST
         while True:
             result = self._visit(exclusive, ready)
             if result is not None:
                 return result
             while True:
-                remaining = deadline - time.monotonic()
+                remaining = deadline.left()
                 if remaining <= 0:
                     return None
-                time.sleep(min(pause, remaining))
+                clock.sleep(min(pause, remaining))
                 pause = min(pause * 2, POLL_MAX)
                 if self._changed():
                     break

@@ -14,7 +14,7 @@ bits. That is how the client learns, on the same connection and without
 upsetting a torch server, whether it may use rdzv's extensions (one-round-trip
 ``get``, ``watch``, ``try_multi_get``) and whether it must authenticate.
 Connecting is retried with capped exponential backoff and jitter until the
-store timeout; an authentication or certificate failure is final, and so is
+store timeout, on the caller's clock (:class:`rdzv.retry.Retry`); an authentication or certificate failure is final, and so is
 a peer that is not a store: one that answers the handshake with bytes no
 store sends, or, on a first connection, stays silent for
 :data:`HANDSHAKE_TIMEOUT` (a program holding the port that is not a store).
@@ -43,7 +43,6 @@ import socket
 import ssl
 import struct
 import threading
-import time
 from collections.abc import Callable
 from typing import TypeVar, overload
 
@@ -53,7 +52,7 @@ from rdzv.errors import (
     StoreAuthenticationError,
     StoreTimeoutError,
 )
-from rdzv.retry import LAST_ATTEMPT, jitter, time_left
+from rdzv.retry import LAST_ATTEMPT, Retry, time_left
 from rdzv.store.protocol import (
     AUTH_MAC_BYTES,
     AUTH_NONCE_BYTES,
@@ -284,12 +283,11 @@ class StoreLink:
         if self._was_connected:
             budget = min(budget, RECONNECT_TIMEOUT)
         budget = capped(budget)
-        deadline = time.monotonic() + budget
-        backoff = _BACKOFF_FIRST
+        retry = Retry(budget, first=_BACKOFF_FIRST, cap=_BACKOFF_MAX)
         while True:
-            remaining = deadline - time.monotonic()
+            timeout = max(retry.remaining(), 0.001)
             try:
-                sock = self._connect_once(max(remaining, 0.001))
+                sock = self._connect_once(timeout)
                 self._was_connected = True
                 return sock
             except _NotAStoreError as exc:
@@ -301,15 +299,11 @@ class StoreLink:
                     ) from exc
                 raise
             except (OSError, ProtocolError, EOFError) as exc:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if not retry.pause():
                     raise RendezvousConnectionError(
                         f"could not connect to the store at {self.address} within "
                         f"{budget:g} s: {exc}"
                     ) from exc
-                pause = min(remaining, jitter(backoff / 2, backoff))
-                time.sleep(pause)
-                backoff = min(backoff * 2, _BACKOFF_MAX)
 
     def drop(self) -> None:
         """Close the socket, if any, and forget what was received on it."""

@@ -30,11 +30,11 @@ import math
 import select
 import ssl
 import struct
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from rdzv.errors import StoreTimeoutError
+from rdzv.retry import Deadline, current_clock
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -250,15 +250,16 @@ class TCPStore(Store):
         if not is_master:
             return
         budget = self.timeout.total_seconds()
-        deadline = time.monotonic() + budget
+        clock = current_clock()
+        deadline = Deadline.after(budget, clock)
         pause = 0.01
         while (joined := self._add_wire(_INIT_KEY, 0)) < world_size:
-            if time.monotonic() >= deadline:
+            if deadline.left() <= 0:
                 raise StoreTimeoutError(
                     f"only {joined} of {world_size} workers connected to the store at "
                     f"{self._link.address} within {budget:g} s"
                 )
-            time.sleep(pause)
+            clock.sleep(pause)
             pause = min(pause * 2, 0.1)
 
     # -- encoding helpers ----------------------------------------------------
@@ -418,18 +419,17 @@ class TCPStore(Store):
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:  # noqa: D102
         wire = _wire_key(key)
-        seconds = self.timeout.total_seconds()
-        deadline = time.monotonic() + seconds
+        deadline = Deadline.after(self.timeout.total_seconds(), current_clock())
 
         def queue_pop() -> bytes:
             while True:
                 if block:
-                    remaining = max(deadline - time.monotonic(), 0.0)
+                    remaining = max(deadline.left(), 0.0)
                     self._wait_raw(Request(Op.WAIT, (wire,)), remaining, f"queue {key!r}")
                 self._send(Request(Op.QUEUE_POP, (wire,)))
                 if self._read(decode_i64) > 0:
                     return self._read_value(decode_bytes)
-                if not block or time.monotonic() >= deadline:
+                if not block or deadline.left() <= 0:
                     raise StoreTimeoutError(f"queue {key!r} is empty")
 
         return self._call(queue_pop)

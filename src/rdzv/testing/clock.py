@@ -173,15 +173,23 @@ class AutojumpClock(FakeClock):
 
     @contextlib.contextmanager
     def blocking(self, seconds: float) -> Iterator[None]:
-        """Count the calling thread as waiting until ``seconds`` from now, while the block runs."""
+        """Count the calling thread as waiting until ``seconds`` from now, while the block runs.
+
+        A block inside another (a backend's wait inside the driver's) counts
+        until its own end, then the outer one's again.
+        """
         me = threading.get_ident()
         with self._moved:
+            outer = self._parked.get(me)
             self._parked[me] = (self._now + max(0.0, seconds), None)
         try:
             yield
         finally:
             with self._moved:
-                self._parked.pop(me, None)
+                if outer is None:
+                    self._parked.pop(me, None)
+                else:
+                    self._parked[me] = outer
 
     def sleep(self, seconds: float) -> None:
         """Wait until the clock moved ``seconds`` on (nothing happens when not positive)."""

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-The gRPC client (:mod:`rdzv.backends.etcd_grpc`) sends etcd's own messages,
+The gRPC client (:mod:`rdzv.backends.etcd.grpc`) sends etcd's own messages,
 ``etcdserverpb`` and ``mvccpb``, as protobuf bytes. rdzv uses a dozen of
 them and a few fields of each, so they are written and read here by field
 number (the numbers of etcd's ``rpc.proto`` and ``kv.proto``), with no
@@ -15,10 +15,10 @@ even when zero. int64 fields travel as 64-bit two's complement varints.
 
 A transaction's operations reach this module in the form the backend and
 the store build them for either client: etcd's JSON mapping of
-``RequestOp`` and ``Compare`` (:mod:`rdzv.backends.etcd_gateway`'s
+``RequestOp`` and ``Compare`` (:mod:`rdzv.backends.etcd.gateway_codec`'s
 builders, base64 keys). :func:`txn_message` turns them into protobuf; a
 reply's operations come back as the JSON mapping's shape, with
-:class:`~rdzv.backends.etcd_gateway.KeyValue` objects in place of raw keys
+:class:`~rdzv.backends.etcd.gateway_codec.KeyValue` objects in place of raw keys
 (``{"response_range": {"kvs": [...], "count": n}}``).
 
 A malformed reply raises :class:`MalformedMessageError`; the client names
@@ -31,7 +31,7 @@ import base64
 from collections.abc import Iterator
 from typing import Any
 
-from rdzv.backends.etcd_gateway import (
+from rdzv.backends.etcd.gateway_codec import (
     EtcdCompactedError,
     EtcdRetryableError,
     KeyValue,

@@ -28,7 +28,7 @@ events. A watch from a compacted revision is cancelled with
 ``compact_revision`` (:class:`EtcdCompactedError`).
 
 Everything here builds or parses plain objects; the connections, timeouts
-and failover live in :mod:`rdzv.backends.etcd_client`. The ``endpoint``
+and failover live in :mod:`rdzv.backends.etcd.gateway`. The ``endpoint``
 arguments only name the member in error messages.
 """
 

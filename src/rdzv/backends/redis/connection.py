@@ -13,7 +13,6 @@ redis-py's retries.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
-from rdzv.retry import caller_deadline, time_left
+from rdzv.retry import Deadline, caller_deadline, time_left
 
 if TYPE_CHECKING:
     from rdzv.backends.options import RedisOptions
@@ -50,23 +49,22 @@ MAX_BLOCK_SECONDS = 5.0
 
 
 def block_on_stream(
-    client: redis.Redis, endpoint: str, stream: str, last_id: bytes, timeout: float
+    client: redis.Redis, endpoint: str, stream: str, last_id: bytes, deadline: Deadline
 ) -> bool:
-    """Block until ``stream`` has an entry after ``last_id``; False once ``timeout`` passed without.
+    """Block until ``stream`` has an entry after ``last_id``; False once ``deadline`` passed without.
 
     The wait is cut into ``XREAD BLOCK`` slices of at most
     :data:`MAX_BLOCK_SECONDS`, each from the same id: a slice that ends
     empty proves nothing was written, so the caller's keys need no read
-    again before the next slice.
+    again before the next slice. Whether to block again is the deadline's
+    clock's, which may move meanwhile (a test's autojump clock); a slice's
+    length is the time left on it.
     """
-    deadline = time.monotonic() + timeout
-    remaining = timeout
-    while remaining > 0:
+    while (remaining := deadline.left()) > 0:
         block_ms = max(1, int(min(remaining, MAX_BLOCK_SECONDS) * 1000))
-        with redis_errors(endpoint, "waiting for a change"):
+        with deadline.clock.blocking(remaining), redis_errors(endpoint, "waiting for a change"):
             if client.xread({stream: last_id}, count=1, block=block_ms):
                 return True
-        remaining = deadline - time.monotonic()
     return False
 
 

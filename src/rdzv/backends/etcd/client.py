@@ -3,11 +3,11 @@
 Theory of operation
 -------------------
 rdzv has two etcd v3 clients: the standard-library one over etcd's JSON
-gateway (:mod:`rdzv.backends.etcd_client`, the default) and one over gRPC
-(:mod:`rdzv.backends.etcd_grpc`, with the ``etcd`` extra). The backend and
+gateway (:mod:`rdzv.backends.etcd.gateway`, the default) and one over gRPC
+(:mod:`rdzv.backends.etcd.grpc`, with the ``etcd`` extra). The backend and
 the store use either through :class:`EtcdClientBase`: the KV calls, leases
 and watches rdzv needs, a transaction's operations in etcd's JSON mapping
-(built by :mod:`rdzv.backends.etcd_gateway`), and what is built on them once
+(built by :mod:`rdzv.backends.etcd.gateway_codec`), and what is built on them once
 here (:meth:`~EtcdClientBase.get`, :meth:`~EtcdClientBase.compare_and_put`).
 
 A client supplies one attempt on one member; the base turns it into a call
@@ -17,7 +17,7 @@ clients spread their load over the cluster. Each call has an overall deadline (a
 that comes sooner (:func:`rdzv.retry.deadline_within`: the handler bounds a
 join by its join timeout, a heartbeat by the keep-alive interval). When a
 member is unreachable, or answers with a transient error (no leader, leader
-changed, ...: an :class:`~rdzv.backends.etcd_gateway.EtcdRetryableError`),
+changed, ...: an :class:`~rdzv.backends.etcd.gateway_codec.EtcdRetryableError`),
 the call moves on to the next member, with capped backoff between full
 passes over the list, until the deadline; while no member accepts a
 connection at all (an attempt raises :class:`ConnectFailedError`), it gives
@@ -34,7 +34,10 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from rdzv.backends.etcd_gateway import (
+from rdzv.backends.etcd.gateway_codec import (
+    LEASE_NOT_FOUND,
+    EtcdCompactedError,
+    EtcdRequestError,
     EtcdRetryableError,
     KeyValue,
     TxnResult,
@@ -45,12 +48,13 @@ from rdzv.backends.etcd_gateway import (
 )
 from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError
-from rdzv.retry import Retry, jitter
+from rdzv.retry import Deadline, Retry, jitter
 
 __all__ = ["PROBE_KEY", "ConnectFailedError", "EtcdClientBase", "tls_failure"]
 
 _T = TypeVar("_T")
 _C = TypeVar("_C", bound="EtcdClientBase")
+_V = TypeVar("_V")
 
 PROBE_KEY = b"\0rdzv-probe"
 """The key :meth:`EtcdClientBase.check_reachable` counts (none is there)."""
@@ -339,7 +343,7 @@ class EtcdClientBase(abc.ABC):
         """Run a transaction: the ``success`` ops when every ``compare`` holds, else ``failure``.
 
         The compares and operations are etcd's JSON mapping, as the builders
-        of :mod:`rdzv.backends.etcd_gateway` make them; a range's reply is
+        of :mod:`rdzv.backends.etcd.gateway_codec` make them; a range's reply is
         ``{"response_range": {..., "count": n}}``, its keys read with
         :meth:`txn_kvs`.
         """
@@ -398,8 +402,16 @@ class EtcdClientBase(abc.ABC):
         """Refresh a lease once; return its TTL in seconds (0 or less: expired or absent)."""
 
     @abc.abstractmethod
+    def _revoke(self, lease_id: int) -> None:
+        """Revoke a lease (one request, with failover)."""
+
     def lease_revoke(self, lease_id: int) -> None:
         """Revoke a lease, deleting every key attached to it (a missing lease is ignored)."""
+        try:
+            self._revoke(lease_id)
+        except EtcdRequestError as exc:
+            if exc.code != LEASE_NOT_FOUND:
+                raise
 
     # -- watch ------------------------------------------------------------------
 
@@ -452,3 +464,44 @@ class EtcdClientBase(abc.ABC):
                     f"could not watch etcd ({', '.join(self.endpoints)}): "
                     f"{'; '.join(errors[-count:])}" + self._tls_hint()
                 )
+
+    def watch_within(
+        self, key: bytes, start_revision: int, deadline: Deadline, prefix: bool = False
+    ) -> tuple[list[WatchEvent], int] | None:
+        """:meth:`watch` for the time left on ``deadline``'s clock; None once none is left.
+
+        The watch's socket timeout is that time left; whether to watch again
+        is the clock's, which may move meanwhile (a test's autojump clock).
+        """
+        remaining = deadline.left()
+        if remaining <= 0:
+            return None
+        with deadline.clock.blocking(remaining):
+            return self.watch(key, start_revision, remaining, prefix)
+
+    def watch_value(
+        self, key: bytes, known: _V, value: Callable[[KeyValue | None], _V], deadline: Deadline
+    ) -> _V:
+        """Return ``value`` of ``key`` once it differs from ``known``, or ``known`` at ``deadline``.
+
+        One read, then watches from the revision after it; each event
+        carries the key, so no read follows a watch (a compacted history
+        reads again).
+        """
+        kv, revision = self.get(key)
+        current = value(kv)
+        while current == known:
+            try:
+                watched = self.watch_within(key, revision + 1, deadline)
+            except EtcdCompactedError:
+                kv, revision = self.get(key)
+                current = value(kv)
+                continue
+            if watched is None:
+                break
+            events, after = watched
+            if events:
+                last = events[-1]
+                current = value(None if last.kind == "DELETE" else last.kv)
+                revision = after - 1
+        return current

@@ -5,13 +5,13 @@ Theory of operation
 This module is the transport: connections and timeouts. What goes
 over the wire (base64 keys and values, int64 fields as strings, error bodies
 with gRPC codes, watch-stream lines) is built and parsed by
-:mod:`rdzv.backends.etcd_gateway`.
+:mod:`rdzv.backends.etcd.gateway_codec`.
 
 Unary calls (range, put, txn, leases) share a small pool of keep-alive
 ``http.client`` connections, one per call at a time, so the client is
 thread-safe. Each attempt has a socket timeout; the deadline of a whole
 call and the failover between members are
-:class:`~rdzv.backends.etcd_base.EtcdClientBase`'s.
+:class:`~rdzv.backends.etcd.client.EtcdClientBase`'s.
 
 A watch runs on its own connection: ``POST /v3/watch`` answers with a stream
 of newline-delimited JSON objects. A watch from a compacted revision raises
@@ -29,11 +29,8 @@ import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rdzv.backends.etcd_base import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
-from rdzv.backends.etcd_gateway import (
-    LEASE_NOT_FOUND,
-    EtcdCompactedError,
-    EtcdRequestError,
+from rdzv.backends.etcd.client import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
+from rdzv.backends.etcd.gateway_codec import (
     EtcdRetryableError,
     KeyValue,
     TxnResult,
@@ -50,7 +47,6 @@ from rdzv.backends.etcd_gateway import (
     parse_range,
     parse_revision,
     parse_txn,
-    prefix_range_end,
     put_request,
     range_request,
     txn_range_kvs,
@@ -60,7 +56,7 @@ from rdzv.backends.etcd_gateway import (
 from rdzv.errors import RendezvousConnectionError
 from rdzv.retry import Retry
 
-__all__ = ["EtcdClient", "EtcdCompactedError", "KeyValue", "WatchEvent", "prefix_range_end"]
+__all__ = ["EtcdClient"]
 
 
 # The most bytes one line of a watch stream may take (a guard against garbage).
@@ -70,7 +66,7 @@ _MAX_WATCH_LINE = 64 * 1024 * 1024
 class EtcdClient(EtcdClientBase):
     """A thread-safe etcd v3 client over the JSON gateway.
 
-    Takes the arguments of :class:`~rdzv.backends.etcd_base.EtcdClientBase`.
+    Takes the arguments of :class:`~rdzv.backends.etcd.client.EtcdClientBase`.
     """
 
     def _open(self, ca_cert: str | None, ssl_cert: str | None, ssl_cert_key: str | None) -> None:
@@ -184,7 +180,7 @@ class EtcdClient(EtcdClientBase):
 
     # -- KV ---------------------------------------------------------------------
 
-    def range(
+    def range(  # noqa: D102 - see EtcdClientBase
         self,
         key: bytes,
         prefix: bool = False,
@@ -193,67 +189,50 @@ class EtcdClient(EtcdClientBase):
         keys_only: bool = False,
         serializable: bool = False,
     ) -> tuple[list[KeyValue], int]:
-        """Read a key or every key under a prefix (see :class:`EtcdClientBase`)."""
         body = range_request(
             key, prefix, limit, sort_by_create, keys_only, serializable=serializable
         )
         response, _, endpoint = self.call("/v3/kv/range", body)
         return parse_range(response, endpoint)
 
-    def count(self, prefix: bytes) -> int:
-        """Count the keys under ``prefix``."""
+    def count(self, prefix: bytes) -> int:  # noqa: D102 - see EtcdClientBase
         body = range_request(prefix, prefix=True, count_only=True)
         response, _, endpoint = self.call("/v3/kv/range", body)
         return parse_count(response, endpoint)
 
-    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        """Write a key under ``lease`` (0: none); return the store revision of the write."""
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:  # noqa: D102 - see EtcdClientBase
         response, _, endpoint = self.call("/v3/kv/put", put_request(key, value, lease))
         return parse_revision(response, endpoint)
 
-    def delete(self, key: bytes, prefix: bool = False) -> int:
-        """Delete a key or every key under a prefix."""
+    def delete(self, key: bytes, prefix: bool = False) -> int:  # noqa: D102 - see EtcdClientBase
         response, _, endpoint = self.call("/v3/kv/deleterange", delete_request(key, prefix))
         return parse_deleted(response, endpoint)
 
-    def txn(
+    def txn(  # noqa: D102 - see EtcdClientBase
         self,
         compare: list[dict[str, Any]],
         success: list[dict[str, Any]],
         failure: list[dict[str, Any]],
     ) -> TxnResult:
-        """Run a transaction: the ``success`` ops when every ``compare`` holds, else ``failure``."""
         body = {"compare": compare, "success": success, "failure": failure}
         response, attempts, endpoint = self.call("/v3/kv/txn", body)
         return parse_txn(response, attempts, endpoint)
 
-    def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:
-        """Return the keys of the ``index``-th range response of a txn."""
+    def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:  # noqa: D102 - see EtcdClientBase
         return txn_range_kvs(result, index, self.endpoints[self._current])
 
     # -- leases ---------------------------------------------------------------
 
-    def lease_grant(self, ttl: int) -> tuple[int, int]:
-        """Grant a lease of ``ttl`` whole seconds; return ``(lease_id, granted_ttl)``.
-
-        Raises:
-            ValueError: ``ttl`` is below 1.
-        """
+    def lease_grant(self, ttl: int) -> tuple[int, int]:  # noqa: D102 - see EtcdClientBase
         response, _, endpoint = self.call("/v3/lease/grant", lease_grant_request(ttl))
         return parse_lease_grant(response, endpoint)
 
-    def lease_keepalive(self, lease_id: int) -> int:
-        """Refresh a lease once; return its TTL in seconds (0 or less: expired or absent)."""
+    def lease_keepalive(self, lease_id: int) -> int:  # noqa: D102 - see EtcdClientBase
         response, _, endpoint = self.call("/v3/lease/keepalive", lease_id_request(lease_id))
         return parse_keepalive(response, endpoint)
 
-    def lease_revoke(self, lease_id: int) -> None:
-        """Revoke a lease, deleting every key attached to it (a missing lease is ignored)."""
-        try:
-            self.call("/v3/kv/lease/revoke", lease_id_request(lease_id))
-        except EtcdRequestError as exc:
-            if exc.code != LEASE_NOT_FOUND:
-                raise
+    def _revoke(self, lease_id: int) -> None:
+        self.call("/v3/kv/lease/revoke", lease_id_request(lease_id))
 
     # -- watch ------------------------------------------------------------------
 

@@ -48,8 +48,7 @@ Redis Cluster is not supported (a run's keys are not hash-tagged together).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rdzv.backends.base import (
@@ -65,23 +64,23 @@ from rdzv.backends.base import (
     validate_seats,
 )
 from rdzv.backends.options import RedisOptions, check_key_settings
-from rdzv.backends.redis_connection import (
+from rdzv.backends.redis.connection import (
     as_bytes,
     block_on_stream,
     create_client,
     endpoint_of,
     redis_errors,
 )
-from rdzv.backends.redis_store import RedisStore
+from rdzv.backends.redis.store import RedisStore
 from rdzv.endpoint import format_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+from rdzv.retry import Clock, Deadline, as_clock, current_clock
 
 if TYPE_CHECKING:
     import redis
 
     from rdzv.api import RendezvousParameters
 
-__all__ = ["DEFAULT_KEY_PREFIX", "RedisRendezvousBackend", "create_backend", "open_redis"]
 
 DEFAULT_KEY_PREFIX = RedisOptions.DEFAULT_PREFIX
 _REDIS_FAILED = "The connection to Redis has failed. See inner exception for details."
@@ -215,6 +214,8 @@ class RedisRendezvousBackend(
         ttl: Seconds an unwritten state survives on the server (two hours).
         liveness_ttl: Seconds a heartbeat key survives without a beat (60).
         owns_client: Close ``client`` in :meth:`close`.
+        clock: The clock of its waits when the caller names none; real time
+            when None.
 
     Raises:
         ValueError: An empty run id or prefix, a TTL below 1 second, or a
@@ -230,6 +231,7 @@ class RedisRendezvousBackend(
         liveness_ttl: int | None = None,
         *,
         owns_client: bool = False,
+        clock: Clock | Callable[[], float] | None = None,
     ) -> None:
         prefix, ttl, liveness_ttl = check_key_settings(
             "Redis", run_id, key_prefix, DEFAULT_KEY_PREFIX, ttl, liveness_ttl
@@ -238,6 +240,7 @@ class RedisRendezvousBackend(
             raise ValueError("the Redis client must not decode responses (decode_responses=False)")
         self._client = client
         self._owns_client = owns_client
+        self._clock = as_clock(clock)
         self._endpoint = endpoint_of(client)
         self._key = f"{prefix}{run_id}"
         self._events = f"{self._key}:events"
@@ -376,7 +379,7 @@ class RedisRendezvousBackend(
     def wait_for_token(self, token: Token | None, timeout: float) -> Token | None:
         """Wait as :meth:`wait_for_state`, reading the revision alone."""
         current, last_id = self._read_rev()
-        if current != token or timeout <= 0 or not self._block(self._events, last_id, timeout):
+        if current != token or not self._block(self._events, last_id, timeout):
             return current
         return self._read_rev()[0]
 
@@ -390,14 +393,18 @@ class RedisRendezvousBackend(
 
     def _block(self, stream: str, last_id: bytes, timeout: float) -> bool:
         """Block until ``stream`` has an entry after ``last_id``; False once ``timeout`` passed."""
-        return block_on_stream(self._client, self._endpoint, stream, last_id, timeout)
+        return block_on_stream(self._client, self._endpoint, stream, last_id, self._within(timeout))
+
+    def _within(self, timeout: float) -> Deadline:
+        """Return ``timeout`` from now on the caller's clock (this backend's when it names none)."""
+        return Deadline.after(timeout, current_clock(self._clock))
 
     def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
         """Wait until the state's token differs from ``token``, blocking on the change stream."""
         current, last_id = self._read_state()
         if (current is None and token is not None) or (current is not None and current[1] != token):
             return current
-        if timeout <= 0 or not self._block(self._events, last_id, timeout):
+        if not self._block(self._events, last_id, timeout):
             return current
         return self.get_state()
 
@@ -433,11 +440,7 @@ class RedisRendezvousBackend(
         keys = self._queue_keys(round_id)
         with redis_errors(self._endpoint, "reading a join queue length"):
             length, last_id = self._queue_len(keys=keys)
-        if (
-            int(length) != known
-            or timeout <= 0
-            or not self._block(keys[1], as_bytes(last_id), timeout)
-        ):
+        if int(length) != known or not self._block(keys[1], as_bytes(last_id), timeout):
             return int(length)
         return self.queue_length(round_id)
 
@@ -462,7 +465,8 @@ class RedisRendezvousBackend(
     def wait_for_verdict(self, round_id: int, token: Token, timeout: float) -> bool | None:
         """Block on the state's change stream, which the verdict also writes; see :class:`VerdictBackend`."""
         keys = [self._key, self._events, self._verdict_key(round_id)]
-        deadline = time.monotonic() + timeout
+        deadline = self._within(timeout)
+        events = self._events
         while True:
             with redis_errors(self._endpoint, "reading a round's verdict"):
                 verdict, last_id, rev = self._verdict(keys=keys)
@@ -470,8 +474,9 @@ class RedisRendezvousBackend(
                 return True
             if as_bytes(rev) != str(token).encode():
                 return False
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._block(self._events, as_bytes(last_id), remaining):
+            if not block_on_stream(
+                self._client, self._endpoint, events, as_bytes(last_id), deadline
+            ):
                 return None
 
     def drop_verdict(self, round_id: int) -> None:

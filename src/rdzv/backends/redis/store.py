@@ -15,11 +15,10 @@ proves nothing was written, so it costs no read), and stop at the deadline.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rdzv.backends.redis_connection import (
+from rdzv.backends.redis.connection import (
     MAX_BLOCK_SECONDS,
     as_bytes,
     block_on_stream,
@@ -27,6 +26,7 @@ from rdzv.backends.redis_connection import (
     redis_errors,
 )
 from rdzv.errors import RendezvousStateError, StoreTimeoutError
+from rdzv.retry import Deadline, current_clock
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -170,20 +170,19 @@ class RedisStore(Store):
     def _until(
         self, ready: Callable[[list[bytes | None]], _T | None], keys: Sequence[str], timeout: float
     ) -> _T:
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout, current_clock())
         while True:
             last_id, values = self._read_keys(keys)
             result = ready(values)
             if result is not None:
                 return result
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._block(last_id, remaining):
+            if not self._block(last_id, deadline):
                 raise StoreTimeoutError(
                     f"timed out after {timeout:g} s waiting for keys {list(keys)!r}"
                 )
 
-    def _block(self, last_id: bytes, remaining: float) -> bool:
-        return block_on_stream(self._client, self._endpoint, self._events, last_id, remaining)
+    def _block(self, last_id: bytes, deadline: Deadline) -> bool:
+        return block_on_stream(self._client, self._endpoint, self._events, last_id, deadline)
 
     def set(self, key: str, value: Value) -> None:  # noqa: D102 - documented on Store
         self._run(self._set, [self._k(key)], [to_bytes(value)], f"setting key {key!r}")
@@ -263,19 +262,19 @@ class RedisStore(Store):
     def queue_pop(self, key: str, block: bool = True) -> bytes:  # noqa: D102
         name = self._q(key)
         timeout = self.timeout.total_seconds() if block else 0.0
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout, current_clock())
         while True:
             with redis_errors(self._endpoint, f"popping queue {key!r}"):
                 item = self._client.lpop(name)
             if item is not None:
                 return as_bytes(item)
-            remaining = deadline - time.monotonic()
+            remaining = deadline.left()
             if remaining <= 0:
                 raise StoreTimeoutError(
                     f"timed out after {timeout:g} s waiting for an item in queue {key!r}"
                 )
             wait = max(0.001, min(remaining, MAX_BLOCK_SECONDS))
-            with redis_errors(self._endpoint, f"popping queue {key!r}"):
+            with deadline.clock.blocking(wait), redis_errors(self._endpoint, f"popping {key!r}"):
                 popped = self._client.blpop([name], timeout=wait)
             if popped is not None:
                 return as_bytes(popped[1])
@@ -285,13 +284,12 @@ class RedisStore(Store):
             return int(self._client.llen(self._q(key)))
 
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:  # noqa: D102
-        deadline = time.monotonic() + to_seconds(timeout)
+        deadline = Deadline.after(to_seconds(timeout), current_clock())
         while True:
             last_id, values = self._read_keys([key])
             if values[0] != previous:
                 return values[0]
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._block(last_id, remaining):
+            if not self._block(last_id, deadline):
                 return previous
 
     def close(self) -> None:

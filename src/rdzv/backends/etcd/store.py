@@ -17,20 +17,22 @@ same item.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_client import EtcdCompactedError, KeyValue, WatchEvent
-from rdzv.backends.etcd_gateway import (
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.gateway_codec import (
+    EtcdCompactedError,
+    KeyValue,
+    WatchEvent,
     delete_request,
     mod_revision_compare,
     put_request,
     range_request,
 )
 from rdzv.errors import RendezvousConnectionError, StoreTimeoutError
+from rdzv.retry import Deadline, current_clock
 from rdzv.store.base import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -46,6 +48,10 @@ __all__ = ["EtcdStore"]
 _T = TypeVar("_T")
 # Compare-and-set retries before giving up (each retry means another writer won).
 _MAX_CAS_ATTEMPTS = 10_000
+
+
+def _value(kv: KeyValue | None) -> bytes | None:
+    return None if kv is None else kv.value
 
 
 def _last_value(events: list[WatchEvent]) -> bytes | None:
@@ -111,19 +117,18 @@ class EtcdStore(Store):
         ``seen`` may find the result in a watch's events (a put's value), which
         spares the read after the watch.
         """
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout, current_clock())
         while True:
             result, revision = read()
             if result is not None:
                 return result
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise StoreTimeoutError(f"timed out after {timeout:g} s waiting for {what}")
             try:
-                events, _ = self._client.watch(watch_key, revision + 1, remaining, prefix=prefix)
+                watched = self._client.watch_within(watch_key, revision + 1, deadline, prefix)
             except EtcdCompactedError:
                 continue
-            result = seen(events)
+            if watched is None:
+                raise StoreTimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+            result = seen(watched[0])
             if result is not None:
                 return result
 
@@ -288,26 +293,8 @@ class EtcdStore(Store):
         return self._client.count(self._q(key))
 
     def watch(self, key: str, previous: bytes | None, timeout: Timeout) -> bytes | None:  # noqa: D102
-        full = self._k(key)
-        deadline = time.monotonic() + to_seconds(timeout)
-        kv, revision = self._client.get(full)
-        current = None if kv is None else kv.value
-        while current == previous:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return previous
-            try:
-                events, after = self._client.watch(full, revision + 1, remaining)
-            except EtcdCompactedError:
-                kv, revision = self._client.get(full)
-                current = None if kv is None else kv.value
-                continue
-            if events:
-                # The newest event is the value now: no read after the watch.
-                last = events[-1]
-                current = None if last.kind == "DELETE" else last.kv.value
-                revision = after - 1
-        return current
+        deadline = Deadline.after(to_seconds(timeout), current_clock())
+        return self._client.watch_value(self._k(key), previous, _value, deadline)
 
     def close(self) -> None:
         """Close the etcd client if this store owns it."""

@@ -2,12 +2,12 @@
 
 Theory of operation
 -------------------
-The same client as :mod:`rdzv.backends.etcd_client`, over etcd's native
+The same client as :mod:`rdzv.backends.etcd.gateway`, over etcd's native
 API instead of its JSON gateway: each call is one gRPC method of etcd's
 ``etcdserverpb`` services, its messages written and read by
-:mod:`rdzv.backends.etcd_proto` (grpcio carries bytes; no protobuf runtime,
+:mod:`rdzv.backends.etcd.grpc_proto` (grpcio carries bytes; no protobuf runtime,
 no generated code). The deadline of a call and the failover between members
-are :class:`~rdzv.backends.etcd_base.EtcdClientBase`'s; an attempt is one
+are :class:`~rdzv.backends.etcd.client.EtcdClientBase`'s; an attempt is one
 call with the attempt's timeout as its gRPC deadline.
 
 Each member has one channel (one HTTP/2 connection, which every call of the
@@ -30,15 +30,15 @@ any end at the deadline but a member's being unavailable is the watch's
 timeout.
 
 gRPC's errors are mapped as the gateway's are: a connection that could not
-be made is a :class:`~rdzv.backends.etcd_base.ConnectFailedError`, a TLS
+be made is a :class:`~rdzv.backends.etcd.client.ConnectFailedError`, a TLS
 handshake that failed (``https`` only: over ``http`` a handshake is HTTP/2's
 and its failure a connection's) a :class:`~rdzv.errors.RendezvousConnectionError`
 with a hint (not retried), a code in
-:data:`~rdzv.backends.etcd_gateway.TRANSIENT_CODES` or etcd's "too many
+:data:`~rdzv.backends.etcd.gateway_codec.TRANSIENT_CODES` or etcd's "too many
 requests" an
-:class:`~rdzv.backends.etcd_gateway.EtcdUnavailableError` (the next member
+:class:`~rdzv.backends.etcd.gateway_codec.EtcdUnavailableError` (the next member
 is tried), any other code an
-:class:`~rdzv.backends.etcd_gateway.EtcdRejectedError` carrying it.
+:class:`~rdzv.backends.etcd.gateway_codec.EtcdRejectedError` carrying it.
 """
 
 from __future__ import annotations
@@ -50,9 +50,8 @@ from typing import Any
 import grpc
 import grpc.experimental
 
-from rdzv.backends.etcd_base import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
-from rdzv.backends.etcd_gateway import (
-    LEASE_NOT_FOUND,
+from rdzv.backends.etcd.client import PROBE_KEY, ConnectFailedError, EtcdClientBase, tls_failure
+from rdzv.backends.etcd.gateway_codec import (
     TOO_MANY_REQUESTS,
     TRANSIENT_CODES,
     EtcdRejectedError,
@@ -64,7 +63,7 @@ from rdzv.backends.etcd_gateway import (
     WatchEvent,
     prefix_range_end,
 )
-from rdzv.backends.etcd_proto import (
+from rdzv.backends.etcd.grpc_proto import (
     MalformedMessageError,
     decode_deleted,
     decode_keepalive,
@@ -123,7 +122,7 @@ class _Member:
 class EtcdGrpcClient(EtcdClientBase):
     """A thread-safe etcd v3 client over gRPC.
 
-    Takes the arguments of :class:`~rdzv.backends.etcd_base.EtcdClientBase`.
+    Takes the arguments of :class:`~rdzv.backends.etcd.client.EtcdClientBase`.
     """
 
     def _open(self, ca_cert: str | None, ssl_cert: str | None, ssl_cert_key: str | None) -> None:
@@ -217,7 +216,7 @@ class EtcdGrpcClient(EtcdClientBase):
         found: tuple[list[KeyValue], int, int] = self._decode(decode_range, reply, index, "range")
         return found
 
-    def range(
+    def range(  # noqa: D102 - see EtcdClientBase
         self,
         key: bytes,
         prefix: bool = False,
@@ -226,7 +225,6 @@ class EtcdGrpcClient(EtcdClientBase):
         keys_only: bool = False,
         serializable: bool = False,
     ) -> tuple[list[KeyValue], int]:
-        """Read a key or every key under a prefix (see :class:`EtcdClientBase`)."""
         range_end = prefix_range_end(key) if prefix else b""
         request = range_message(
             key, range_end, limit, sort_by_create, keys_only, serializable=serializable
@@ -234,37 +232,32 @@ class EtcdGrpcClient(EtcdClientBase):
         kvs, _, revision = self._range(request)
         return kvs, revision
 
-    def count(self, prefix: bytes) -> int:
-        """Count the keys under ``prefix``."""
+    def count(self, prefix: bytes) -> int:  # noqa: D102 - see EtcdClientBase
         _, count, _ = self._range(range_message(prefix, prefix_range_end(prefix), count_only=True))
         return count
 
-    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        """Write a key under ``lease`` (0: none); return the store revision of the write."""
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:  # noqa: D102 - see EtcdClientBase
         reply, _, index = self._call("put", put_message(key, value, lease))
         revision: int = self._decode(decode_revision, reply, index, "put")
         return revision
 
-    def delete(self, key: bytes, prefix: bool = False) -> int:
-        """Delete a key or every key under a prefix; return how many were deleted."""
+    def delete(self, key: bytes, prefix: bool = False) -> int:  # noqa: D102 - see EtcdClientBase
         request = delete_message(key, prefix_range_end(key) if prefix else b"")
         reply, _, index = self._call("delete", request)
         deleted: int = self._decode(decode_deleted, reply, index, "delete")
         return deleted
 
-    def txn(
+    def txn(  # noqa: D102 - see EtcdClientBase
         self,
         compare: list[dict[str, Any]],
         success: list[dict[str, Any]],
         failure: list[dict[str, Any]],
     ) -> TxnResult:
-        """Run a transaction (see :class:`EtcdClientBase`)."""
         reply, attempts, index = self._call("txn", txn_message(compare, success, failure))
         succeeded, revision, responses = self._decode(decode_txn, reply, index, "txn")
         return TxnResult(succeeded, revision, responses, attempts)
 
-    def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:
-        """Return the keys of the ``index``-th range response of a txn."""
+    def txn_kvs(self, result: TxnResult, index: int) -> list[KeyValue]:  # noqa: D102 - see EtcdClientBase
         try:
             kvs: list[KeyValue] = result.responses[index]["response_range"]["kvs"]
         except (IndexError, KeyError):
@@ -275,8 +268,7 @@ class EtcdGrpcClient(EtcdClientBase):
 
     # -- leases ---------------------------------------------------------------
 
-    def lease_grant(self, ttl: int) -> tuple[int, int]:
-        """Grant a lease of ``ttl`` whole seconds; return ``(lease_id, granted_ttl)``."""
+    def lease_grant(self, ttl: int) -> tuple[int, int]:  # noqa: D102 - see EtcdClientBase
         reply, _, index = self._call("grant", lease_grant_message(ttl))
         lease_id, granted, error = self._decode(decode_lease_grant, reply, index, "lease grant")
         if error:
@@ -294,8 +286,7 @@ class EtcdGrpcClient(EtcdClientBase):
             call.cancel()
         raise EtcdRetryableError(f"{self._url(index)}: the keep-alive stream ended unanswered")
 
-    def lease_keepalive(self, lease_id: int) -> int:
-        """Refresh a lease once; return its TTL in seconds (0 or less: expired or absent)."""
+    def lease_keepalive(self, lease_id: int) -> int:  # noqa: D102 - see EtcdClientBase
         reply, _, index = self._failover(
             "lease keep-alive",
             lambda index, timeout: self._keepalive_once(index, lease_id, timeout),
@@ -303,13 +294,8 @@ class EtcdGrpcClient(EtcdClientBase):
         ttl: int = self._decode(decode_keepalive, reply, index, "lease keep-alive")
         return ttl
 
-    def lease_revoke(self, lease_id: int) -> None:
-        """Revoke a lease, deleting every key attached to it (a missing lease is ignored)."""
-        try:
-            self._call("revoke", lease_id_message(lease_id))
-        except EtcdRejectedError as exc:
-            if exc.code != LEASE_NOT_FOUND:
-                raise
+    def _revoke(self, lease_id: int) -> None:
+        self._call("revoke", lease_id_message(lease_id))
 
     # -- watch ------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ Beside the state, a run keeps (all under ``<key_prefix><run_id>/``):
   whose ``mod_revision`` is the heartbeat mark; if the node dies the lease
   expires and the server deletes the key;
 * ``store/`` -- the key-value store handed to a completed round
-  (:class:`rdzv.backends.etcd_store.EtcdStore`).
+  (:class:`rdzv.backends.etcd.store.EtcdStore`).
 
 Changes are waited for with watches starting at the revision after the one
 last read, so no write in between can be missed; a compacted revision just
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,25 +66,26 @@ from rdzv.backends.base import (
     validate_record,
     validate_seats,
 )
-from rdzv.backends.etcd_base import EtcdClientBase
-from rdzv.backends.etcd_client import EtcdClient, EtcdCompactedError, KeyValue
-from rdzv.backends.etcd_gateway import LEASE_NOT_FOUND, EtcdRequestError, put_request, range_request
-from rdzv.backends.etcd_seats import group_name, pack_groups, unpack_seat
-from rdzv.backends.etcd_store import EtcdStore
-from rdzv.backends.options import EtcdOptions, check_key_settings, parse_endpoints
+from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.etcd.gateway import EtcdClient
+from rdzv.backends.etcd.gateway_codec import (
+    LEASE_NOT_FOUND,
+    EtcdCompactedError,
+    EtcdRequestError,
+    KeyValue,
+    WatchEvent,
+    put_request,
+    range_request,
+)
+from rdzv.backends.etcd.seats import group_name, pack_groups, unpack_seat
+from rdzv.backends.etcd.store import EtcdStore
+from rdzv.backends.options import EtcdOptions, check_key_settings
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+from rdzv.retry import Clock, Deadline, as_clock, current_clock
 
 if TYPE_CHECKING:
     from rdzv.api import RendezvousParameters
 
-__all__ = [
-    "DEFAULT_KEY_PREFIX",
-    "EtcdRendezvousBackend",
-    "create_backend",
-    "create_client",
-    "open_etcd",
-    "parse_endpoints",
-]
 
 _T = TypeVar("_T")
 
@@ -103,6 +103,11 @@ class _Lease:
 
     id: int = 0
     renew_at: float = 0.0
+
+
+def _version(kv: KeyValue | None) -> int:
+    """Return a counter's version (how many times it was put), 0 for no counter."""
+    return 0 if kv is None else kv.version
 
 
 def _valid_token(token: Token | None) -> int | None:
@@ -125,13 +130,15 @@ class EtcdRendezvousBackend(
     (:meth:`beat`, :meth:`heartbeat_mark`, :meth:`forget`).
 
     Args:
-        client: The etcd client (either: :class:`~rdzv.backends.etcd_base.EtcdClientBase`).
+        client: The etcd client (either: :class:`~rdzv.backends.etcd.client.EtcdClientBase`).
         run_id: The run identifier.
         key_prefix: Prefix of every key of this backend (``/rdzv/``).
         ttl: Seconds an unwritten state survives on the server (two hours).
         liveness_ttl: Seconds a node's heartbeat key survives without a beat
             (60); observers judge death on their own clocks well before.
         owns_client: Close ``client`` in :meth:`close`.
+        clock: The clock of its waits when the caller names none, and of its
+            leases' refreshes; real time when None.
 
     Raises:
         ValueError: An empty run id or prefix, or a TTL below 1 second.
@@ -146,12 +153,14 @@ class EtcdRendezvousBackend(
         liveness_ttl: int | None = None,
         *,
         owns_client: bool = False,
+        clock: Clock | Callable[[], float] | None = None,
     ) -> None:
         prefix, ttl, liveness_ttl = check_key_settings(
             "etcd", run_id, key_prefix, DEFAULT_KEY_PREFIX, ttl, liveness_ttl
         )
         self._client = client
         self._owns_client = owns_client
+        self._clock = as_clock(clock)
         self._run_id = run_id
         self._key = f"{prefix}{run_id}".encode()
         # The last state read or written, with its modification revision.
@@ -166,6 +175,10 @@ class EtcdRendezvousBackend(
         self._state_lease = _Lease()
         # node -> (its heartbeat lease, when a beat refreshes it next).
         self._node_leases: dict[str, tuple[int, float]] = {}
+
+    def _within(self, timeout: float) -> Deadline:
+        """Return ``timeout`` from now on the caller's clock (this backend's when it names none)."""
+        return Deadline.after(timeout, current_clock(self._clock))
 
     @property
     def name(self) -> str:
@@ -205,12 +218,12 @@ class EtcdRendezvousBackend(
     def _state_lease_id(self) -> int:
         lease = self._state_lease
         with self._lock:
-            if lease.id and time.monotonic() < lease.renew_at:
+            if lease.id and self._clock() < lease.renew_at:
                 return lease.id
         lease_id, granted = self._client.lease_grant(self._ttl)
         with self._lock:
             lease.id = lease_id
-            lease.renew_at = time.monotonic() + max(granted, 1) / 2
+            lease.renew_at = self._clock() + max(granted, 1) / 2
         return lease_id
 
     def _with_state_lease(self, write: Callable[[int], _T]) -> _T:
@@ -262,7 +275,7 @@ class EtcdRendezvousBackend(
     def set_state_seated(
         self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
     ) -> tuple[bytes, Token, bool] | None:
-        """Write the state, its head and ``seats`` (:mod:`~rdzv.backends.etcd_seats`) in one txn.
+        """Write the state, its head and ``seats`` (:mod:`~rdzv.backends.etcd.seats`) in one txn.
 
         A write whose first reply was lost and that is found stored on the
         retry (same bytes) is reported as written.
@@ -310,12 +323,15 @@ class EtcdRendezvousBackend(
             if current != token:
                 return current
             start = revision + 1
-        if timeout > 0:
-            with contextlib.suppress(EtcdCompactedError):
-                events, _ = self._client.watch(self._head, start, timeout)
-                if events:
-                    return events[-1].kv.mod_revision
-        return self.read_token()
+        events = self._watch_head(start, timeout)
+        return events[-1].kv.mod_revision if events else self.read_token()
+
+    def _watch_head(self, start: int, timeout: float) -> list[WatchEvent]:
+        """Watch the head from revision ``start``; no events also when that history is compacted."""
+        with contextlib.suppress(EtcdCompactedError):
+            watched = self._client.watch_within(self._head, start, self._within(timeout))
+            return [] if watched is None else watched[0]
+        return []
 
     def read_seat(self, token: Token, node: str) -> bytes | None:
         """Return ``node``'s seat from its group, if the write of ``token`` put the group."""
@@ -344,14 +360,8 @@ class EtcdRendezvousBackend(
             ):
                 return current
             start = revision + 1
-        if timeout > 0:
-            # A compacted revision means something changed since: re-read below.
-            with contextlib.suppress(EtcdCompactedError):
-                events, _ = self._client.watch(self._head, start, timeout)
-                if events:
-                    # The head moves with the state: read its value at once.
-                    return self._read_value()[0]
-        return self.get_state()
+        # The head moves with the state: after an event, read its value at once.
+        return self._read_value()[0] if self._watch_head(start, timeout) else self.get_state()
 
     # -- join queue -----------------------------------------------------------
 
@@ -402,23 +412,9 @@ class EtcdRendezvousBackend(
 
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:
         """Wait until the queue length of ``round_id`` differs from ``known``, watching its counter."""
-        counter = self._queue_counter(round_id)
-        deadline = time.monotonic() + max(0.0, timeout)
-        kv, revision = self._client.get(counter)
-        length = 0 if kv is None else kv.version
-        while length == known and (remaining := deadline - time.monotonic()) > 0:
-            try:
-                events, after = self._client.watch(counter, revision + 1, remaining)
-            except EtcdCompactedError:
-                kv, revision = self._client.get(counter)
-                length = 0 if kv is None else kv.version
-                continue
-            if events:
-                # The event carries the counter's version: no read after it.
-                last = events[-1]
-                length = 0 if last.kind == "DELETE" else last.kv.version
-                revision = after - 1
-        return length
+        return self._client.watch_value(
+            self._queue_counter(round_id), known, _version, self._within(timeout)
+        )
 
     def drop_queue(self, round_id: int) -> None:
         """Delete the queue of ``round_id`` and its counter."""
@@ -439,21 +435,23 @@ class EtcdRendezvousBackend(
         """Watch the head and the verdicts from the revision after ``token``; see :class:`VerdictBackend`."""
         verdict = self._verdict_key(round_id)
         start = (_valid_token(token) or 0) + 1
-        deadline = time.monotonic() + max(0.0, timeout)
-        while (remaining := deadline - time.monotonic()) > 0:
+        deadline = self._within(timeout)
+        while True:
             try:
-                events, start = self._client.watch(self._head, start, remaining, prefix=True)
+                watched = self._client.watch_within(self._head, start, deadline, prefix=True)
             except EtcdCompactedError:
                 # The history since the token is gone: read the verdict, and
                 # let the caller read the state.
                 kv, _ = self._client.get(verdict)
                 return kv is not None or False
+            if watched is None:
+                return None
+            events, start = watched
             keys = {(e.kv.key, e.kind) for e in events}
             if (verdict, "PUT") in keys:
                 return True
             if any(key == self._head for key, _ in keys):
                 return False
-        return None
 
     def drop_verdict(self, round_id: int) -> None:
         """Delete the verdict of ``round_id``."""
@@ -477,7 +475,7 @@ class EtcdRendezvousBackend(
         for _ in range(2):
             with self._lock:
                 lease, refresh_at = self._node_leases.get(node, (0, 0.0))
-            now = time.monotonic()
+            now = self._clock()
             ttl = None
             if not lease:
                 lease, ttl = self._client.lease_grant(self._liveness_ttl)
@@ -545,7 +543,7 @@ def create_client(options: EtcdOptions) -> EtcdClientBase:
     """
     kind: type[EtcdClientBase] = EtcdClient
     if options.client == "grpc":
-        from rdzv.backends.etcd_grpc import EtcdGrpcClient  # noqa: PLC0415 - grpcio is optional
+        from rdzv.backends.etcd.grpc import EtcdGrpcClient  # noqa: PLC0415 - grpcio is optional
 
         kind = EtcdGrpcClient
     return kind(
@@ -563,7 +561,7 @@ def open_etcd(options: EtcdOptions) -> tuple[EtcdRendezvousBackend, EtcdStore]:
 
     Raises:
         RendezvousConnectionError: No member answered one bounded request
-            (:meth:`~rdzv.backends.etcd_client.EtcdClient.check_reachable`);
+            (:meth:`~rdzv.backends.etcd.gateway.EtcdClient.check_reachable`);
             torch's message first.
     """
     client = create_client(options)
