@@ -28,12 +28,12 @@ print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "signal": value.valu
 """
 
 
-def _trampoline(kind: str) -> tuple[str, ...]:
+def _trampoline(kind: str, parent: int) -> tuple[str, ...]:
     if kind == "setpriv":
         setpriv = deathsig._setpriv()
         assert setpriv is not None, "no setpriv with --pdeathsig (util-linux 2.33+)"
-        return deathsig.trampoline_of(setpriv, None)
-    return deathsig.trampoline_of(None, sys.executable)
+        return deathsig.trampoline_of(setpriv, None, parent)
+    return deathsig.trampoline_of(None, sys.executable, parent)
 
 
 @pytest.mark.parametrize("kind", ["setpriv", "python"])
@@ -42,7 +42,7 @@ def test_each_trampoline_asks_for_sigkill_and_execs_the_worker_in_its_own_proces
 ) -> None:
     env = {**os.environ, "RDZV_MARKER": "through"}
     process = subprocess.Popen(
-        [*_trampoline(kind), sys.executable, "-c", _PROBE],
+        [*_trampoline(kind, os.getpid()), sys.executable, "-c", _PROBE],
         env=env,
         stdout=subprocess.PIPE,
         start_new_session=True,
@@ -59,8 +59,23 @@ def test_each_trampoline_asks_for_sigkill_and_execs_the_worker_in_its_own_proces
     }
 
 
+@pytest.mark.parametrize("kind", ["setpriv", "python"])
+def test_a_trampoline_whose_parent_is_gone_does_not_start_the_worker(
+    kind: str, tmp_path: Path
+) -> None:
+    """The agent died before the signal was asked for: no orphan worker."""
+    marker = tmp_path / "ran"
+    not_the_parent = os.getppid()
+    process = subprocess.Popen(
+        [*_trampoline(kind, not_the_parent), "touch", str(marker)], start_new_session=True
+    )
+    assert process.wait(timeout=60) == 1
+    assert not marker.exists()
+
+
 def test_the_default_trampoline_is_setpriv_here() -> None:
-    assert deathsig.trampoline()[1:] == ("--pdeathsig", "KILL", "--")
+    assert deathsig.trampoline()[1:4] == ("--pdeathsig", "KILL", "--")
+    assert deathsig.trampoline()[-1] == str(os.getpid())
 
 
 def test_a_started_worker_asks_for_sigkill() -> None:

@@ -15,6 +15,13 @@ the option, else the agent's own interpreter in isolated mode without
 ``site`` (``python -I -S -c``) making the one ``prctl`` call. Elsewhere than
 Linux there is no such signal and the worker starts directly.
 
+The signal is asked for after the fork, so an agent that dies before the
+trampoline asked would leave an orphan (``Popen`` returns once the
+trampoline is exec'd, not once it asked). The trampoline therefore checks,
+after asking, that its parent is still the agent (its pid is passed along)
+and exits with status 1 otherwise: ``setpriv`` execs ``/bin/sh``, whose
+``$PPID`` is read after the signal was set, and which execs the worker.
+
 The trampoline looks the worker's program up in the worker's ``PATH`` (as
 subprocess does when it execs the program itself). The agent looks it up
 first (:func:`check_program`), so that a missing program is still an
@@ -35,31 +42,37 @@ __all__ = ["check_program", "trampoline", "trampoline_of"]
 
 _PR_SET_PDEATHSIG = 1
 
-#: The Python trampoline: ask for SIGKILL at the parent's death, exec the worker.
+#: The Python trampoline: ask for SIGKILL at the parent's death; if the parent
+#: (argv[1]) is still there, exec the worker.
 _PYTHON_TRAMPOLINE = (
     "import ctypes,os,sys;"
     f"ctypes.CDLL(None,use_errno=True).prctl({_PR_SET_PDEATHSIG},9);"
-    "os.execvp(sys.argv[1],sys.argv[1:])"
+    "os.getppid()==int(sys.argv[1]) or os._exit(1);"
+    "os.execvp(sys.argv[2],sys.argv[2:])"
 )
+
+#: After setpriv asked for the signal: if the parent ($0) is still there, exec the worker.
+_SHELL_CHECK = '[ "$PPID" = "$0" ] || exit 1; exec "$@"'
 
 _PROBE_TIMEOUT = 10.0
 
 
-def trampoline_of(setpriv: str | None, python: str | None) -> tuple[str, ...]:
+def trampoline_of(setpriv: str | None, python: str | None, parent: int) -> tuple[str, ...]:
     """The trampoline's command line (before the worker's), from what is available.
 
     Args:
         setpriv: A ``setpriv`` that knows ``--pdeathsig``, or None.
         python: A Python interpreter, or None.
+        parent: The pid of the process that starts it (the agent).
 
     Returns:
         ``setpriv``'s, else the interpreter's, else nothing (the worker then
         starts directly, without the signal).
     """
     if setpriv is not None:
-        return (setpriv, "--pdeathsig", "KILL", "--")
+        return (setpriv, "--pdeathsig", "KILL", "--", "/bin/sh", "-c", _SHELL_CHECK, str(parent))
     if python is not None:
-        return (python, "-I", "-S", "-c", _PYTHON_TRAMPOLINE)
+        return (python, "-I", "-S", "-c", _PYTHON_TRAMPOLINE, str(parent))
     return ()
 
 
@@ -82,12 +95,17 @@ def _setpriv() -> str | None:
 
 
 @functools.cache
+def _programs() -> tuple[str | None, str | None]:
+    """The ``setpriv`` and the interpreter a trampoline can use (found once, on first use)."""
+    python = sys.executable if sys.executable and os.path.isfile(sys.executable) else None
+    return _setpriv(), python
+
+
 def trampoline() -> tuple[str, ...]:
-    """The trampoline this agent starts workers through (found once, on first use)."""
+    """The trampoline this process starts workers through."""
     if not sys.platform.startswith("linux"):
         return ()
-    python = sys.executable if sys.executable and os.path.isfile(sys.executable) else None
-    return trampoline_of(_setpriv(), python)
+    return trampoline_of(*_programs(), os.getpid())
 
 
 def check_program(argv: Sequence[str], env: Mapping[str, str]) -> None:
