@@ -54,6 +54,11 @@ def queue_keys(prefix: str, kind: str, round_id: int) -> tuple[str, str]:
     return base, f"{base}/n"
 
 
+def verdict_key(prefix: str, round_id: int) -> str:
+    """Return the key that exists once every member of a round confirmed it, under a prefix."""
+    return f"{prefix}confirm/{round_id}/verdict"
+
+
 def heartbeat_key(prefix: str, node: str) -> str:
     """Return the key of a node's heartbeat counter under a prefix."""
     return f"{prefix}{_HEARTBEAT}/{node}"

@@ -168,12 +168,10 @@ def test_a_confirmation_waits_for_the_verdict_and_the_state_with_one_watch(
     backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
     sealed = backend.set_state(b"sealed")
     assert sealed is not None
-    store = EtcdStore(etcd_client, backend.run_prefix + b"store/")
+    confirms = backend.confirmation_queue()
     a, b = (
-        RoundConfirmation(backend.confirmation_queue(), store, "run/", 1, 2, lambda: ("a", "b"))
-        for _ in range(2)
+        RoundConfirmation(confirms, confirms, 1, 2, lambda: ("a", "b")) for _ in range(2)
     )
-    assert a.joint
     a.confirm("a")
     calls.clear()
     outcome = _while_watching(calls, lambda: a.wait(10.0, token=sealed[1]), lambda: b.confirm("b"))
@@ -185,12 +183,12 @@ def test_a_confirmation_waits_for_the_verdict_and_the_state_with_one_watch(
     assert b.wait(5.0, token=sealed[1]) is True
     # A write of the state (an eviction) ends the wait of a round whose
     # verdict is still to come.
-    drop_confirmation(b.queue, store, "run/", 1)
+    drop_confirmation(b.queue, b.verdicts, 1)
     evicted = backend.set_state(b"evicted", sealed[1])
     assert evicted is not None
     assert a.wait(0.3, token=evicted[1]) is None
     assert a.wait(5.0, token=sealed[1]) is True  # the verdict came before the write
-    c = RoundConfirmation(backend.confirmation_queue(), store, "run/", 2, 2, lambda: ("a", "b"))
+    c = RoundConfirmation(confirms, confirms, 2, 2, lambda: ("a", "b"))
     assert c.wait(5.0, token=sealed[1]) is False
 
 

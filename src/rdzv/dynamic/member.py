@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
-from rdzv.backends.base import JoinQueueBackend, Token
+from rdzv.backends.base import JoinQueueBackend, VerdictBackend
 from rdzv.backends.kv import store_call
 from rdzv.dynamic.confirm import drop_confirmation
 from rdzv.dynamic.machine import (
@@ -42,47 +41,16 @@ from rdzv.dynamic.machine import (
     round_lost,
 )
 from rdzv.dynamic.pacing import waiting_poll_gap
-from rdzv.dynamic.seat import Seat, watching_seat
+from rdzv.dynamic.seat import Member, Seat, watching_seat
 from rdzv.dynamic.shared import SharedState
 from rdzv.dynamic.state import RendezvousState, decode_state
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 from rdzv.retry import Clock
 from rdzv.store.base import Store
 
-__all__ = ["Member", "Membership", "leave_key", "round_key"]
+__all__ = ["Membership", "leave_key", "round_key"]
 
 Event = Callable[..., None]
-
-
-@dataclass(frozen=True)
-class Member:
-    """The round this node is a member of, as it learned it.
-
-    Attributes:
-        seat: This node's seat.
-        token: The token of the state this node learned it from: while it
-            is stored, the round is as sealed.
-        state: That state, when this node read it whole; None when it
-            learned its place from its stored seat alone.
-    """
-
-    seat: Seat
-    token: Token
-    state: RendezvousState | None
-
-    @property
-    def round(self) -> int:
-        """The round."""
-        return self.seat.round
-
-    @classmethod
-    def of(cls, state: RendezvousState | None, token: Token, node: str) -> Member:
-        """Return ``node``'s membership of ``state``, which seats it (``Complete`` was decided)."""
-        # Complete is decided only on a sealed state that holds this node.
-        assert state is not None
-        seat = Seat.of(state, node)
-        assert seat is not None
-        return cls(seat, token, state)
 
 
 class Membership:
@@ -96,6 +64,7 @@ class Membership:
         side: The shared state through the backend's side channel.
         queue: The join queues.
         confirms: The confirmation queues.
+        verdicts: Their verdicts.
         limits: The settings.
         clock: The clock.
         event: Logs one structured event: ``event(action, round, **fields)``.
@@ -111,6 +80,7 @@ class Membership:
         side: SharedState,
         queue: JoinQueueBackend,
         confirms: JoinQueueBackend,
+        verdicts: VerdictBackend,
         limits: Limits,
         clock: Clock,
         event: Event,
@@ -123,6 +93,7 @@ class Membership:
         self._side = side
         self._queue = queue
         self._confirms = confirms
+        self._verdicts = verdicts
         self._limits = limits
         self._clock = clock
         self._event = event
@@ -287,7 +258,7 @@ class Membership:
             return
         try:
             self._queue.drop_queue(dropped)
-            drop_confirmation(self._confirms, self._store, self._prefix, dropped)
+            drop_confirmation(self._confirms, self._verdicts, dropped)
             for key in (leave_key(self._prefix, dropped), round_key(self._prefix, dropped)):
                 store_call("drop", partial(self._store.delete_key, key))
         except RendezvousConnectionError as exc:
