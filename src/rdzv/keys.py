@@ -13,8 +13,11 @@ One store may hold several runs, each under these roots:
 * ``rdzv.static/<run>/``: the static rendezvous.
 
 Under the first two, :mod:`rdzv.backends.kv` keeps a queue at
-``<kind>/<round>``, its counter at ``<kind>/<round>/n`` and a node's
-heartbeat at ``hb/<node>``.
+``<kind>/<round>``, its counter at ``<kind>/<round>/n``, a node's
+heartbeat at ``hb/<node>`` and a round's verdict at
+``confirm/<round>/verdict``; the c10d backend its state at ``state`` and
+a member's seat at ``seat/<node>``; the handler a sealed round at
+``round/<round>`` and the first member that left it at ``leave/<round>``.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ JOIN_QUEUE = "q"
 CONFIRM_QUEUE = "c"
 _BACKEND_ROOT = "rdzv.backend"
 _HEARTBEAT = "hb"
+_STATE = "state"
 # The keys that mark a run in the c10d backend: its state, join queues, heartbeats.
 _BACKEND_MARK = re.compile(
-    rf"{re.escape(_BACKEND_ROOT)}/(.+)/(?:state|{JOIN_QUEUE}/\d+(?:/n)?|{_HEARTBEAT}/[^/]+)"
+    rf"{re.escape(_BACKEND_ROOT)}/(.+)/(?:{_STATE}|{JOIN_QUEUE}/\d+(?:/n)?|{_HEARTBEAT}/[^/]+)"
 )
 
 
@@ -57,6 +61,26 @@ def queue_keys(prefix: str, kind: str, round_id: int) -> tuple[str, str]:
 def verdict_key(prefix: str, round_id: int) -> str:
     """Return the key that exists once every member of a round confirmed it, under a prefix."""
     return f"{prefix}confirm/{round_id}/verdict"
+
+
+def state_key(prefix: str) -> str:
+    """Return the key of the c10d backend's state (its head) under a prefix."""
+    return f"{prefix}{_STATE}"
+
+
+def seat_key(prefix: str, node: str) -> str:
+    """Return the key of a node's seat in the c10d backend under a prefix."""
+    return f"{prefix}seat/{node}"
+
+
+def round_key(prefix: str, round_id: int) -> str:
+    """Return the key holding a round as sealed, for members that ask for its participants."""
+    return f"{prefix}round/{round_id}"
+
+
+def leave_key(prefix: str, round_id: int) -> str:
+    """Return the key naming the member that left a round first."""
+    return f"{prefix}leave/{round_id}"
 
 
 def heartbeat_key(prefix: str, node: str) -> str:

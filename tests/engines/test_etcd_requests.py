@@ -169,9 +169,7 @@ def test_a_confirmation_waits_for_the_verdict_and_the_state_with_one_watch(
     sealed = backend.set_state(b"sealed")
     assert sealed is not None
     confirms = backend.confirmation_queue()
-    a, b = (
-        RoundConfirmation(confirms, confirms, 1, 2, lambda: ("a", "b")) for _ in range(2)
-    )
+    a, b = (RoundConfirmation(confirms, confirms, 1, 2, lambda: ("a", "b")) for _ in range(2))
     a.confirm("a")
     calls.clear()
     outcome = _while_watching(calls, lambda: a.wait(10.0, token=sealed[1]), lambda: b.confirm("b"))

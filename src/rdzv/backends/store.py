@@ -95,7 +95,7 @@ from rdzv.backends.base import (
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
-from rdzv.keys import backend_prefix
+from rdzv.keys import backend_prefix, seat_key, state_key
 from rdzv.retry import Clock, as_clock, current_clock, deadline_within, poll_backoff
 from rdzv.store.foreign import StoreLike, as_store
 
@@ -172,7 +172,7 @@ class C10dRendezvousBackend(
         self._store = store
         self._run_id = run_id
         self._prefix = prefix
-        self._key = f"{prefix}state"
+        self._key = state_key(prefix)
         # The body of the last head read or written: an unchanged state is
         # read as its head alone.
         self._last: tuple[bytes, bytes] | None = None
@@ -338,7 +338,7 @@ class C10dRendezvousBackend(
         return current_state, current_token, False
 
     def _seat_key(self, node: str) -> str:
-        return f"{self._prefix}seat/{node}"
+        return seat_key(self._prefix, node)
 
     def read_seat(self, token: Token, node: str) -> bytes | None:  # noqa: D102 - see SeatedBackend
         key = self._seat_key(validate_node_key(node))

@@ -139,4 +139,3 @@ def member_lost(round_id: int, world_size: int, stored: RendezvousState | None) 
     if stored is None or stored.round != round_id:
         return True
     return stored.live_count < world_size
-

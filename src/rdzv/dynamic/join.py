@@ -60,7 +60,7 @@ from rdzv.dynamic.machine import (
     plan_seal,
     start_join,
 )
-from rdzv.dynamic.member import Membership, round_key
+from rdzv.dynamic.member import Membership
 from rdzv.dynamic.pacing import queue_wait, state_wait
 from rdzv.dynamic.seat import Member
 from rdzv.dynamic.shared import SharedState
@@ -80,7 +80,7 @@ from rdzv.errors import (
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
-from rdzv.keys import round_store_prefix
+from rdzv.keys import round_key, round_store_prefix
 from rdzv.retry import Clock, jitter
 from rdzv.store.base import Store, StoreLike
 from rdzv.store.memory import PrefixStore
@@ -191,29 +191,30 @@ class Join:
                     self.progress, self.state, self.queue_length, c.node, c.limits, self.now
                 )
             )
-            if isinstance(action, Complete):
-                info = self.complete(self._member())
-                if info is not None:
-                    return info
-                # A member was lost before every member confirmed, or rank 0
-                # left before publishing its address: join the next round,
-                # still within this call's join deadline.
-                self.begin(self.progress.started_at)
-                continue
-            if isinstance(action, Fail):
-                self.fail(action.reason)
-            if isinstance(action, Enqueue):
-                self.enqueue(action.round_id)
-            elif isinstance(action, Requeue):
-                self.requeue(action.round_id)
-            elif isinstance(action, Seal):
-                if isinstance(self.state, StateSummary):
+            match action:
+                case Complete():
+                    info = self.complete(self._member())
+                    if info is not None:
+                        return info
+                    # A member was lost before every member confirmed, or rank 0
+                    # left before publishing its address: join the next round,
+                    # still within this call's join deadline.
+                    self.begin(self.progress.started_at)
+                    continue
+                case Fail(reason):
+                    self.fail(reason)
+                case Enqueue(round_id):
+                    self.enqueue(round_id)
+                case Requeue(round_id):
+                    self.requeue(round_id)
+                case Seal() if isinstance(self.state, StateSummary):
                     # The seal needs the participants: decide again on the state.
                     self.state, self.token = c.shared.read()
                     continue
-                self.seal(action.reform)
-            elif isinstance(action, Wait):
-                self.wait(action)
+                case Seal(reform):
+                    self.seal(reform)
+                case Wait():
+                    self.wait(action)
             self.now = c.clock()
 
     def begin(self, started_at: float | None) -> None:

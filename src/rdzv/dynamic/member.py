@@ -45,10 +45,11 @@ from rdzv.dynamic.seat import Member, Seat, watching_seat
 from rdzv.dynamic.shared import SharedState
 from rdzv.dynamic.state import RendezvousState, decode_state
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+from rdzv.keys import leave_key, round_key
 from rdzv.retry import Clock
 from rdzv.store.base import Store
 
-__all__ = ["Membership", "leave_key", "round_key"]
+__all__ = ["Membership"]
 
 Event = Callable[..., None]
 
@@ -284,13 +285,3 @@ class Membership:
                 "the next round"
             )
         return state.participants
-
-
-def round_key(prefix: str, round_id: int) -> str:
-    """The key holding ``round_id`` as sealed, for members that ask for its participants."""
-    return f"{prefix}round/{round_id}"
-
-
-def leave_key(prefix: str, round_id: int) -> str:
-    """The key naming the member that left ``round_id`` first (see ``leave_round``)."""
-    return f"{prefix}leave/{round_id}"
