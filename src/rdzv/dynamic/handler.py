@@ -180,7 +180,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._limits,
             self._clock,
             self._event,
-            lambda: self._keepalive.wake(),  # noqa: PLW0108 - built below
         )
         self._port = HeldPort(lambda exc: self._event("port-failed", -1, error=str(exc)))
         self._keepalive = KeepAlive(
@@ -191,8 +190,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             dead_after,
             judge_interval(interval, dead_after),
             self._clock,
-            self._members.watched_round,
-            self._members.evict_dead,
+            self._members,
             self._event,
         )
         self._join_context = JoinContext(

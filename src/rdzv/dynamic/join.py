@@ -430,7 +430,7 @@ class Join:
         confirmed = seat.world_size == 1 or self._confirm(member, join_deadline)
         # The ring judging starts at the verdict, or at the confirmation's
         # first late slice (see _confirm), whichever comes first.
-        c.members.judge_ring(seat)
+        c.keepalive.judge_ring(seat)
         c.members.drop_old_round()
         if not confirmed:
             c.event("broken", seat.round, rank=seat.rank, reason="a member was lost")
@@ -496,7 +496,7 @@ class Join:
                 # queue, and its ring predecessor must judge it. Until now
                 # the ring's first readings would only have competed with
                 # the confirmations of a large round.
-                c.members.judge_ring(seat)
+                c.keepalive.judge_ring(seat)
                 ring_judging = True
             if outcome is False:
                 # The state was written: read it.

@@ -69,7 +69,6 @@ class Membership:
         limits: The settings.
         clock: The clock.
         event: Logs one structured event: ``event(action, round, **fields)``.
-        wake: Tells the keep-alive to judge the ring it watches now.
     """
 
     def __init__(
@@ -85,7 +84,6 @@ class Membership:
         limits: Limits,
         clock: Clock,
         event: Event,
-        wake: Callable[[], None],
     ) -> None:
         self._node = node
         self._store = store
@@ -98,7 +96,6 @@ class Membership:
         self._limits = limits
         self._clock = clock
         self._event = event
-        self._wake = wake
         self._lock = threading.Lock()
         self._member: Member | None = None
         # This node's seat in the last round it completed (see the module).
@@ -209,17 +206,10 @@ class Membership:
         self._event("evict", round_id, evicted=list(evicted))
         return True
 
-    def judge_ring(self, seat: Seat) -> None:
-        """Make the keep-alive judge ``seat``'s ring from now on.
-
-        Until then a member of an earlier round keeps judging that round's
-        ring (a member that died while the others re-joined is found there),
-        and its first readings of the new ring do not compete with the
-        confirmations.
-        """
+    def watch_ring(self, seat: Seat) -> None:
+        """Have the keep-alive judge ``seat``'s ring from now on (:meth:`KeepAlive.judge_ring`)."""
         with self._lock:
             self._watched = seat
-        self._wake()
 
     def watched_round(self) -> Seat | None:
         """Return this node's seat in the round whose ring the keep-alive judges, or None."""
