@@ -23,6 +23,7 @@ a member's seat at ``seat/<node>``; the handler a sealed round at
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 LAUNCH_ROOT = "rdzv.launch"
 STATIC_ROOT = "rdzv.static"
@@ -118,6 +119,11 @@ def round_of_store(run_id: str, prefix: str) -> int | None:
     head = round_store_prefix(run_id, 0)[:-1]
     tail = prefix[len(head) :] if prefix.startswith(head) else ""
     return int(tail) if tail.isascii() and tail.isdigit() else None
+
+
+def runs_of(keys: Iterable[str]) -> list[str]:
+    """Return the runs the keys of a store name in the c10d backend, sorted."""
+    return sorted({run for run in map(run_of_backend_key, keys) if run is not None})
 
 
 def run_of_backend_key(key: str) -> str | None:

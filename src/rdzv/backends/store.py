@@ -83,6 +83,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from rdzv.backends.base import (
+    ListedBackend,
     RendezvousBackend,
     SeatedBackend,
     Token,
@@ -95,7 +96,7 @@ from rdzv.backends.base import (
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
-from rdzv.keys import backend_prefix, seat_key, state_key
+from rdzv.keys import backend_prefix, runs_of, seat_key, state_key
 from rdzv.retry import Clock, as_clock, current_clock, deadline_within, poll_backoff
 from rdzv.store.foreign import StoreLike, as_store
 
@@ -136,7 +137,7 @@ _CLOSE_BOUND = 2.0
 
 
 class C10dRendezvousBackend(
-    RendezvousBackend, WatchableBackend, SeatedBackend, StoreJoinQueue, StoreLiveness
+    RendezvousBackend, WatchableBackend, SeatedBackend, ListedBackend, StoreJoinQueue, StoreLiveness
 ):
     """Keeps a run's rendezvous in a key-value store (the TCP store, usually).
 
@@ -390,6 +391,12 @@ class C10dRendezvousBackend(
         self._seen(node, None)
         key = self._seat_key(node)
         store_call("forget", lambda: self._liveness_store.delete_key(key))
+
+    def runs(self) -> list[str]:  # noqa: D102 - see ListedBackend
+        return runs_of(store_call("list_keys", self._store.list_keys))
+
+    def of_run(self, run_id: str) -> C10dRendezvousBackend:  # noqa: D102
+        return C10dRendezvousBackend(self._store, run_id)
 
     def read_token(self) -> Token | None:  # noqa: D102 - see SeatedBackend
         raw = self._read_raw()
