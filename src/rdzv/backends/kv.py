@@ -229,14 +229,11 @@ class StoreLiveness(LivenessBackend):
 
 
 class StoreVerdict(VerdictBackend):
-    """The verdict capability over a store, for a backend that keeps no verdict.
+    """The verdict capability over a store: a key, watched in slices with a look at the token between.
 
-    The verdict is a key of the store. A wait watches it in slices of
-    ``period`` and, between them, asks ``changed`` whether the state was
-    written after the token, so it ends at the verdict or at a write of the
-    state as an engine's joint wait does. On a store that watches, a slice
-    is one request (the server ends it at the slice's end); on one that
-    does not, two (a ``WAIT`` the client cuts short needs its ``CANCEL_WAIT``).
+    So a wait ends at the verdict or at a write of the state, as an engine's
+    joint wait does. On a store that watches, a slice is one request (the
+    server ends it); elsewhere two (a cut-short ``WAIT`` needs its ``CANCEL_WAIT``).
 
     Args:
         store: The store.
@@ -256,31 +253,31 @@ class StoreVerdict(VerdictBackend):
     def set_verdict(self, round_id: int) -> None:  # noqa: D102 - see VerdictBackend
         self._verdict_store.set(verdict_key(self._verdict_prefix, round_id), b"confirmed")
 
-    def wait_for_verdict(  # noqa: D102
-        self, round_id: int, token: Token, timeout: float
-    ) -> bool | None:
+    def wait_for_verdict(self, round_id: int, token: Token, timeout: float) -> bool | None:  # noqa: D102
         key = verdict_key(self._verdict_prefix, round_id)
-        clock = current_clock()
+        store, clock = self._verdict_store, current_clock()
         deadline = clock() + timeout
         while True:
             seconds = max(0.0, min(self._period, deadline - clock()))
             with clock.blocking(seconds):
-                if self._slice(key, seconds):
+                if store.supports_watch:
+                    if store.watch(key, None, seconds) is not None:
+                        return True
+                elif _waited(store, key, seconds):
                     return True
             if self._changed(token):
                 return False
             if clock() >= deadline:
                 return None
 
-    def _slice(self, key: str, seconds: float) -> bool:
-        store = self._verdict_store
-        if store.supports_watch:
-            return store.watch(key, None, seconds) is not None
-        try:
-            store.wait([key], timedelta(seconds=seconds))
-        except StoreTimeoutError:
-            return False
-        return True
-
     def drop_verdict(self, round_id: int) -> None:  # noqa: D102
         self._verdict_store.delete_key(verdict_key(self._verdict_prefix, round_id))
+
+
+def _waited(store: Store, key: str, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``key`` to exist on a store that does not watch."""
+    try:
+        store.wait([key], timedelta(seconds=seconds))
+    except StoreTimeoutError:
+        return False
+    return True
