@@ -12,12 +12,9 @@ One store may hold several runs, each under these roots:
   the nodes' exclusion records);
 * ``rdzv.static/<run>/``: the static rendezvous.
 
-Under the first two, :mod:`rdzv.backends.kv` keeps a queue at
-``<kind>/<round>``, its counter at ``<kind>/<round>/n``, a node's
-heartbeat at ``hb/<node>`` and a round's verdict at
-``confirm/<round>/verdict``; the c10d backend its state at ``state`` and
-a member's seat at ``seat/<node>``; the handler a sealed round at
-``round/<round>`` and the first member that left it at ``leave/<round>``.
+Under the first two live the keys of the functions below: queues,
+heartbeats, verdicts, the c10d backend's state and seats, sealed rounds
+and the first member to leave each.
 """
 
 from __future__ import annotations

@@ -14,20 +14,15 @@
   retry with jittered backoff on a conflict, until a deadline (its own, or
   the caller's: :class:`rdzv.retry.Retry`).
 
-What a join reads and waits for depends on the backend's capabilities, so
-:func:`shared_state` picks, once, one of three implementations of the same
-reads (:meth:`~SharedState.read_view`, :meth:`~SharedState.wait`,
+:func:`shared_state` picks, once, the reads that suit the backend's
+capabilities (:meth:`~SharedState.read_view`, :meth:`~SharedState.wait`,
 :meth:`~SharedState.changed_since`, :meth:`~SharedState.seats`):
-
-* :class:`SharedState` reads the whole state and polls it with backoff;
-* :class:`WatchedState` waits with the backend's watch
-  (:class:`~rdzv.backends.base.WatchableBackend`);
-* :class:`SeatedState`, for a :class:`~rdzv.backends.base.SeatedBackend`:
-  a write may carry the members' seats (:mod:`rdzv.dynamic.seat`) and
-  always carries the state's summary; a wait waits for the token alone and
-  reads this node's seat, the view a join decides on is the summary, and
-  "unchanged" is told from the token alone: a member of a large round then
-  never reads the participant list.
+:class:`SharedState` reads the whole state and polls it;
+:class:`WatchedState` waits with the backend's watch; :class:`SeatedState`
+writes the members' seats (:mod:`rdzv.dynamic.seat`) and always the state's
+summary with the state, waits for the token and this node's seat, decides
+on the summary and tells "unchanged" from the token: a member of a large
+round never reads the participant list.
 
 Every method may raise the backend's errors: ``RendezvousConnectionError``
 (the backend cannot be reached) and ``RendezvousStateError`` (a stored
@@ -38,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import cast
 
 from rdzv.backends.base import RendezvousBackend, SeatedBackend, Token, WatchableBackend
 from rdzv.dynamic.machine import StateView
@@ -63,14 +59,18 @@ _SUMMARY_ATTEMPTS = 3
 
 Change = Callable[[RendezvousState | None], RendezvousState | None]
 Marks = Callable[[RendezvousState], Mapping[str, bytes | None] | None]
+Read = tuple[RendezvousState | None, Token | None]
+Seats = Mapping[str, bytes] | None
+Written = tuple[bytes, Token, bool] | None
+Waited = tuple[StateView | None, Token | None, Member | None]
 
 
 def shared_state(backend: RendezvousBackend, name: str, clock: Clock | None = None) -> SharedState:
     """Return the shared state of ``backend`` with the reads that suit its capabilities."""
     if isinstance(backend, SeatedBackend):
-        return SeatedState(backend, name, clock, backend)
+        return SeatedState(backend, name, clock)
     if isinstance(backend, WatchableBackend):
-        return WatchedState(backend, name, clock, backend)
+        return WatchedState(backend, name, clock)
     return SharedState(backend, name, clock)
 
 
@@ -89,7 +89,7 @@ class SharedState:
         self._clock = as_clock(clock)
         self._last: tuple[bytes, RendezvousState] | None = None
 
-    def read(self) -> tuple[RendezvousState | None, Token | None]:
+    def read(self) -> Read:
         """Read the state: ``(state, token)``; ``(None, None)`` when nothing is stored."""
         found = self._backend.get_state()
         if found is None:
@@ -116,12 +116,8 @@ class SharedState:
         return state
 
     def write(
-        self,
-        state: RendezvousState,
-        data: bytes,
-        token: Token | None,
-        seats: Mapping[str, bytes] | None = None,
-    ) -> tuple[bytes, Token, bool] | None:
+        self, state: RendezvousState, data: bytes, token: Token | None, seats: Seats = None
+    ) -> Written:
         """Compare-and-set the encoded state.
 
         ``data`` is ``encode_state(state)``; ``seats`` (:meth:`seats`) go
@@ -145,12 +141,8 @@ class SharedState:
         return None
 
     def _set(
-        self,
-        state: RendezvousState,
-        data: bytes,
-        token: Token | None,
-        seats: Mapping[str, bytes] | None,
-    ) -> tuple[bytes, Token, bool] | None:
+        self, state: RendezvousState, data: bytes, token: Token | None, seats: Seats
+    ) -> Written:
         return self._backend.set_state(data, token)
 
     def update(
@@ -196,7 +188,7 @@ class SharedState:
         timeout: float,
         attempt: int,
         join_left: float,
-    ) -> tuple[StateView | None, Token | None, Member | None]:
+    ) -> Waited:
         """Wait up to ``timeout`` for the state to differ from ``token``; read what a join needs.
 
         ``view`` and ``token`` are what the join last read, ``round_id`` the
@@ -209,9 +201,7 @@ class SharedState:
         """
         return (*self._wait(token, timeout, attempt), None)
 
-    def _wait(
-        self, token: Token | None, timeout: float, attempt: int
-    ) -> tuple[RendezvousState | None, Token | None]:
+    def _wait(self, token: Token | None, timeout: float, attempt: int) -> Read:
         self._clock.sleep(min(timeout, poll_backoff(attempt)))
         return self.read()
 
@@ -232,35 +222,21 @@ class SharedState:
 class WatchedState(SharedState):
     """The shared state of a backend that watches it: a wait ends at the next write."""
 
-    def __init__(
-        self, backend: RendezvousBackend, name: str, clock: Clock | None, watch: WatchableBackend
-    ) -> None:
-        super().__init__(backend, name, clock)
-        self._watch = watch
-
-    def _wait(
-        self, token: Token | None, timeout: float, attempt: int
-    ) -> tuple[RendezvousState | None, Token | None]:
-        found = self._watch.wait_for_state(token, timeout)
+    def _wait(self, token: Token | None, timeout: float, attempt: int) -> Read:
+        found = cast(WatchableBackend, self._backend).wait_for_state(token, timeout)
         return (None, None) if found is None else (self._decode(found[0]), found[1])
 
 
 class SeatedState(SharedState):
     """The shared state of a backend that stores seats and the state's summary (see the module)."""
 
-    def __init__(
-        self, backend: RendezvousBackend, name: str, clock: Clock | None, seated: SeatedBackend
-    ) -> None:
-        super().__init__(backend, name, clock)
-        self._seated = seated
+    @property
+    def _seated(self) -> SeatedBackend:
+        return cast(SeatedBackend, self._backend)
 
     def _set(
-        self,
-        state: RendezvousState,
-        data: bytes,
-        token: Token | None,
-        seats: Mapping[str, bytes] | None,
-    ) -> tuple[bytes, Token, bool] | None:
+        self, state: RendezvousState, data: bytes, token: Token | None, seats: Seats
+    ) -> Written:
         stored = {**(seats or {}), SUMMARY_SEAT: encode_summary(StateSummary.of(state))}
         return self._seated.set_state_seated(data, token, stored)
 
@@ -309,7 +285,7 @@ class SeatedState(SharedState):
         timeout: float,
         attempt: int,
         join_left: float,
-    ) -> tuple[StateView | None, Token | None, Member | None]:
+    ) -> Waited:
         """Wait for a write; read ``node``'s seat first, its summary next, the state last.
 
         A node seated in ``round_id`` by the new token is a member without
