@@ -11,7 +11,6 @@ from rdzv.dynamic.confirm import (
     CHECKS_PER_SECOND,
     RoundConfirmation,
     check_period,
-    drop_confirmation,
     member_lost,
 )
 from rdzv.dynamic.state import RendezvousState
@@ -97,7 +96,8 @@ def test_dropping_a_round_deletes_its_confirmations_only() -> None:
     old.confirm("a")
     kept.confirm("a")
     assert store.check([verdict_key("run/", 1)])
-    drop_confirmation(old.queue, old.verdicts, 1)
+    old.queue.drop_queue(1)
+    old.verdicts.drop_verdict(1)
     assert not store.check([verdict_key("run/", 1)])
     assert old.queue.queue_length(1) == 0
     assert kept.wait(0.01)

@@ -17,7 +17,7 @@ import pytest
 from rdzv.backends.etcd import EtcdRendezvousBackend
 from rdzv.backends.etcd.client import EtcdClientBase
 from rdzv.backends.etcd.store import EtcdStore
-from rdzv.dynamic.confirm import RoundConfirmation, drop_confirmation
+from rdzv.dynamic.confirm import RoundConfirmation
 from rdzv.testing.clock import AutojumpClock
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
@@ -181,7 +181,8 @@ def test_a_confirmation_waits_for_the_verdict_and_the_state_with_one_watch(
     assert b.wait(5.0, token=sealed[1]) is True
     # A write of the state (an eviction) ends the wait of a round whose
     # verdict is still to come.
-    drop_confirmation(b.queue, b.verdicts, 1)
+    b.queue.drop_queue(1)
+    b.verdicts.drop_verdict(1)
     evicted = backend.set_state(b"evicted", sealed[1])
     assert evicted is not None
     assert a.wait(0.3, token=evicted[1]) is None

@@ -314,7 +314,7 @@ class C10dRendezvousBackend(
         # found is then a committed write's (its member reads nothing more).
         early = [node for node in seats if is_pseudo_node(node)]
         members = [node for node in seats if not is_pseudo_node(node)]
-        keys = [body_key, *(self._seat_key(node) for node in early)]
+        keys = [body_key, *(seat_key(self._prefix, node) for node in early)]
         values = [state, *(head + seats[node] for node in early)]
         store_call("set_state", lambda: self._store.multi_set(keys, values))
         result = store_call("set_state", lambda: self._store.compare_set(self._key, expected, head))
@@ -328,7 +328,7 @@ class C10dRendezvousBackend(
             # of this node's with a reply would queue behind theirs.
             self._collect()
             if members:
-                seated = [self._seat_key(node) for node in members]
+                seated = [seat_key(self._prefix, node) for node in members]
                 places = [head + seats[node] for node in members]
                 store_call("set_state", lambda: self._store.multi_set(seated, places))
             return state, head, True
@@ -338,11 +338,8 @@ class C10dRendezvousBackend(
         current_state, current_token = self._resolve(result)
         return current_state, current_token, False
 
-    def _seat_key(self, node: str) -> str:
-        return seat_key(self._prefix, node)
-
     def read_seat(self, token: Token, node: str) -> bytes | None:  # noqa: D102 - see SeatedBackend
-        key = self._seat_key(validate_node_key(node))
+        key = seat_key(self._prefix, validate_node_key(node))
         if not (isinstance(token, bytes) and self._is_head(token)):
             return None
         raw = self._seats_seen.get(node)
@@ -357,7 +354,7 @@ class C10dRendezvousBackend(
     def wait_for_seat(  # noqa: D102 - see SeatedBackend
         self, token: Token | None, node: str, timeout: float
     ) -> Token | None:
-        key = self._seat_key(validate_node_key(node))
+        key = seat_key(self._prefix, validate_node_key(node))
         store = self._store
         headed = isinstance(token, bytes) and self._is_head(token)
         if not store.supports_watch or not (token is None or headed):
@@ -389,7 +386,7 @@ class C10dRendezvousBackend(
         """Delete ``node``'s heartbeat counter and its seat (a node that leaves for good)."""
         super().forget(node)
         self._seen(node, None)
-        key = self._seat_key(node)
+        key = seat_key(self._prefix, node)
         store_call("forget", lambda: self._liveness_store.delete_key(key))
 
     def runs(self) -> list[str]:  # noqa: D102 - see ListedBackend

@@ -34,8 +34,8 @@ nobody, and the verdict proves that every member was alive after the seal.
 
 Cost: two requests per member (the append and the wait; the last one also
 reads the queue and writes the verdict) and nothing while all are alive.
-The queue and the verdict of a round are deleted with its join queue
-(:func:`drop_confirmation`). A round of one needs no confirmation.
+The queue and the verdict of a round are deleted with its join queue.
+A round of one needs no confirmation.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ __all__ = [
     "CHECKS_PER_SECOND",
     "RoundConfirmation",
     "check_period",
-    "drop_confirmation",
     "member_lost",
 ]
 
@@ -121,12 +120,6 @@ class RoundConfirmation:
         """Return the participants that have not confirmed yet, in rank order."""
         confirmed = self._confirmed()
         return [n for n in self.participants() if n not in confirmed]
-
-
-def drop_confirmation(queue: JoinQueueBackend, verdicts: VerdictBackend, round_id: int) -> None:
-    """Delete the confirmations of ``round_id`` and its verdict (a round nobody waits on)."""
-    queue.drop_queue(round_id)
-    verdicts.drop_verdict(round_id)
 
 
 def member_lost(round_id: int, world_size: int, stored: RendezvousState | None) -> bool:

@@ -31,7 +31,6 @@ from functools import partial
 
 from rdzv.backends.base import JoinQueueBackend, VerdictBackend
 from rdzv.backends.kv import store_call
-from rdzv.dynamic.confirm import drop_confirmation
 from rdzv.dynamic.machine import (
     Limits,
     droppable_queue,
@@ -249,7 +248,8 @@ class Membership:
             return
         try:
             self._queue.drop_queue(dropped)
-            drop_confirmation(self._confirms, self._verdicts, dropped)
+            self._confirms.drop_queue(dropped)
+            self._verdicts.drop_verdict(dropped)
             for key in (leave_key(self._prefix, dropped), round_key(self._prefix, dropped)):
                 store_call("drop", partial(self._store.delete_key, key))
         except RendezvousConnectionError as exc:
