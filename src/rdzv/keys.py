@@ -45,6 +45,11 @@ def handler_prefix(run_id: str) -> str:
     return f"rdzv.handler/{run_id}/"
 
 
+def static_prefix(run_id: str) -> str:
+    """Return the static rendezvous's key prefix for a run (ends with ``/``)."""
+    return f"{STATIC_ROOT}/{run_id}/"
+
+
 def round_store_prefix(run_id: str, round_id: int) -> str:
     """Return the prefix of the store handed to the agents of a round."""
     return f"rdzv/{run_id}/round/{round_id}"
