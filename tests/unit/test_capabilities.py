@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import TypeGuard
 
 import rdzv.backends.base as base
 
@@ -22,7 +23,7 @@ CAPABILITIES = {
 BUILDERS = {("handler.py", "__init__"), ("shared.py", "shared_state")}
 
 
-def _is_asked(node: ast.AST) -> bool:
+def _is_asked(node: ast.AST) -> TypeGuard[ast.Call]:
     """Tell whether ``node`` is ``isinstance(x, <a capability, or a tuple naming one>)``."""
     return (
         isinstance(node, ast.Call)
