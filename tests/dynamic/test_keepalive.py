@@ -54,22 +54,6 @@ class Liveness(LivenessBackend):
         pass
 
 
-class _Ring:
-    """A ring that watches one seat and hands the nodes judged dead to ``on_dead``."""
-
-    def __init__(self, seat: Seat, on_dead: Callable[[list[str]], None]) -> None:
-        self.seat, self.on_dead = seat, on_dead
-
-    def watched_round(self) -> Seat | None:
-        return self.seat
-
-    def watch_ring(self, seat: Seat) -> None:
-        self.seat = seat
-
-    def evict_dead(self, dead: list[str], seat: Seat) -> None:
-        self.on_dead(dead)
-
-
 class Run:
     """One keep-alive on a fake clock, watching ``SUCCESSOR`` in a round of two."""
 
@@ -98,9 +82,10 @@ class Run:
             DEAD_AFTER,
             JUDGE_EVERY,
             self.clock,
-            _Ring(round_, on_dead),
+            lambda dead, _member: on_dead(dead),
             lambda action, _round, **fields: self.events.append((action, fields)),
         )
+        self.keepalive.judge_ring(round_)
 
     def _settle(self, parks: int) -> None:
         """Wait (real time, bounded) until the thread parked again after ``parks`` or ended."""

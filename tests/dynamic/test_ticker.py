@@ -20,7 +20,6 @@ import pytest
 
 from rdzv.backends.kv import StoreLiveness
 from rdzv.dynamic.keepalive import KeepAlive
-from rdzv.dynamic.seat import Seat
 from rdzv.dynamic.ticker import TAKEOVER, Ticker, ticker_for
 from rdzv.retry import Clock
 from rdzv.store.server import TCPStoreServer
@@ -221,19 +220,6 @@ class TimedLiveness(StoreLiveness):
         self.landed.append(time.monotonic())
 
 
-class _NoRing:
-    """A ring with nothing to judge: the keep-alive only beats."""
-
-    def watched_round(self) -> Seat | None:
-        return None
-
-    def watch_ring(self, seat: Seat) -> None:
-        raise AssertionError("no ring to watch")
-
-    def evict_dead(self, dead: list[str], seat: Seat) -> None:
-        raise AssertionError("nobody to evict")
-
-
 @pytest.mark.slow
 def test_a_paused_store_does_not_delay_another_handlers_beats() -> None:
     interval, attempts = 0.5, 3
@@ -248,7 +234,7 @@ def test_a_paused_store_does_not_delay_another_handlers_beats() -> None:
             interval * attempts,
             interval,
             clock,
-            _NoRing(),
+            lambda dead, seat: None,
             lambda action, round_id, **fields: None,
         )
 

@@ -190,7 +190,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             dead_after,
             judge_interval(interval, dead_after),
             self._clock,
-            self._members,
+            self._members.evict_dead,
             self._event,
         )
         self._join_context = JoinContext(
@@ -327,7 +327,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         member = self._members.member
         return HandlerStatistics(
             None if member is None else member.round,
-            self._members.watched_round(),
+            self._keepalive.watched,
             self._keepalive.running,
             self._keepalive.error,
         )

@@ -25,8 +25,8 @@ things, and returns when the next is due:
   (:func:`~rdzv.dynamic.machine.judge_marks`), crediting at most one
   ``interval`` between two readings, so a stalled backend or this node's
   own failed or starved reads never count against the successor; a
-  successor judged dead is handed to the ring (:class:`Ring`: this node's
-  membership, which evicts it).
+  successor judged dead is handed to ``on_dead`` (this node's membership
+  evicts it), which names the next successor to judge.
   A reading comes no later than the moment the unchanged mark reaches the
   bound, and a seat that carries the mark as the sealer read it
   (:class:`~rdzv.dynamic.seat.SealedMark`) starts the count when this node
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Protocol
 
 from rdzv.backends.base import LivenessBackend
 from rdzv.dynamic.machine import MarkWatch, judge_marks
@@ -66,7 +65,7 @@ from rdzv.dynamic.ticker import Task, ticker_for
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.retry import Clock, deadline_within, jitter
 
-__all__ = ["CALL_GRACE", "STOP_WAIT", "KeepAlive", "Ring"]
+__all__ = ["CALL_GRACE", "STOP_WAIT", "KeepAlive"]
 
 CALL_GRACE = 5.0
 """Seconds a heartbeat may take past the dead-node bound (the etcd client's connect timeout)."""
@@ -75,19 +74,6 @@ STOP_WAIT = 1.0
 """Seconds :meth:`KeepAlive.stop` waits for a tick in flight to end."""
 
 Event = Callable[..., None]
-
-
-class Ring(Protocol):
-    """The ring a keep-alive judges: this node's membership (:class:`rdzv.dynamic.member.Membership`)."""
-
-    def watched_round(self) -> Seat | None:
-        """Return this node's seat in the round whose ring is judged, or None."""
-
-    def watch_ring(self, seat: Seat) -> None:
-        """Judge ``seat``'s ring from now on."""
-
-    def evict_dead(self, dead: list[str], seat: Seat) -> None:
-        """Evict the nodes judged dead in ``seat``'s ring and watch the next successor."""
 
 
 class KeepAlive:
@@ -102,8 +88,8 @@ class KeepAlive:
             which it is dead.
         judge_every: Seconds between readings of the successor's mark.
         clock: The clock; the ticks wait on it.
-        ring: The ring judged (its seat's successor is the node judged),
-            told of the nodes judged dead.
+        on_dead: Evicts the nodes judged dead from the seat they were
+            judged from; returns this node's seat to judge next (None: none).
         event: Logs one structured event: ``event(action, round, **fields)``.
     """
 
@@ -116,7 +102,7 @@ class KeepAlive:
         dead_after: float,
         judge_every: float,
         clock: Clock,
-        ring: Ring,
+        on_dead: Callable[[list[str], Seat], Seat | None],
         event: Event,
     ) -> None:
         self._node = node
@@ -126,7 +112,7 @@ class KeepAlive:
         self._dead_after = dead_after
         self._judge_every = judge_every
         self._clock = clock
-        self._ring = ring
+        self._on_dead = on_dead
         self._event = event
         self._lock = threading.Lock()
         self._task: Task | None = None
@@ -137,8 +123,12 @@ class KeepAlive:
         self._last_ok = 0.0
         self._next_beat = 0.0
         self._judged: tuple[int, dict[str, MarkWatch]] = (-1, {})
-        # Shared with judge_ring(), under the lock: whether the last tick found nobody
-        # to judge, and whether a wake came since the last tick began.
+        # Shared with judge_ring(), under the lock: this node's seat in the
+        # round whose ring is judged (it changes only when the node completes
+        # another round, so a member that dies while the others re-join is
+        # still found), whether the last tick found nobody to judge, and
+        # whether a wake came since the last tick began.
+        self._watched: Seat | None = None
         self._idle = False
         self._woken = False
 
@@ -166,7 +156,7 @@ class KeepAlive:
             self._next_beat = now + self._interval
             # A node with no ring to judge has nothing to do before its first
             # beat, or a wake; one still judging its last round goes on at once.
-            self._idle, self._woken = self._ring.watched_round() is None, False
+            self._idle, self._woken = self._watched is None, False
             stop = self._stop
             self._task = ticker_for(self._clock).schedule(
                 lambda: self._tick(stop), self._next_beat if self._idle else now
@@ -194,12 +184,18 @@ class KeepAlive:
         found there), and its first readings of the new ring do not compete
         with the confirmations.
         """
-        self._ring.watch_ring(seat)
         with self._lock:
+            self._watched = seat
             self._woken = True
             task = self._task
             if self._idle and task is not None:
                 task.wake(self._clock())
+
+    @property
+    def watched(self) -> Seat | None:
+        """This node's seat in the round whose ring is judged, or None."""
+        with self._lock:
+            return self._watched
 
     @property
     def error(self) -> RendezvousConnectionError | None:
@@ -216,7 +212,7 @@ class KeepAlive:
         """Beat if due, judge, and return the reading of the next tick; None once given up."""
         with self._lock:
             spread, self._idle, self._woken = self._idle and self._woken, False, False
-        seat = self._ring.watched_round()
+        seat = self.watched
         if spread and seat is not None:
             # The first reading of a new ring only sets its baseline: spread
             # over one period, so that the members of a round confirmed at
@@ -240,7 +236,7 @@ class KeepAlive:
                 self._judged = self._judge(self._judged)
         except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
             self._event("judge-failed", self._judged[0], error=f"{type(exc).__name__}: {exc}")
-        member = self._ring.watched_round()
+        member = self.watched
         if member is None:
             # Nobody to judge (not a member yet): tick only to beat, or when
             # woken. A thousand joining handlers in one process would
@@ -289,7 +285,7 @@ class KeepAlive:
         that followed a beat slowed by a loaded machine counted that beat's
         time as its own, and judgements came late by as much.
         """
-        member = self._ring.watched_round()
+        member = self.watched
         successor = member.successor if member is not None else None
         if member is None or successor is None:
             return judged
@@ -305,7 +301,10 @@ class KeepAlive:
         watches, dead = judge_marks(watches, marks, now, self._dead_after, self._interval)
         if dead:
             self._event("dead", member.round, suspects=dead)
-            self._ring.evict_dead(dead, member)
+            following = self._on_dead(dead, member)
+            with self._lock:
+                if self._watched is member:
+                    self._watched = following
         return member.round, watches
 
 

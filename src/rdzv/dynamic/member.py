@@ -1,4 +1,4 @@
-"""This node's membership of the run's rounds: which round it is in, whose ring it judges, leaving.
+"""This node's membership of the run's rounds: which round it is in, evictions, leaving.
 
 Theory of operation
 -------------------
@@ -10,12 +10,9 @@ calls:
 * **the waiting count**: ``num_nodes_waiting`` reads the backend at most
   once per :func:`~rdzv.dynamic.pacing.waiting_poll_gap` of the round and
   answers from its last reading in between;
-* **the ring**: the keep-alive judges this node's ring successor in the
-  round it watches (:meth:`Membership.watched_round`), which changes only
-  when the node completes another round, so a member that dies while the
-  others re-join is still found by its ring predecessor; an eviction of
-  the dead goes through the side channel, never behind this node's own
-  blocking watch;
+* **the ring**: the keep-alive evicts the ring successor it judged dead
+  (:meth:`Membership.evict_dead`) through the side channel, never behind
+  this node's own blocking watch, and learns the next successor;
 * **leaving**: a member leaves its round before it joins the next one
   (:meth:`Membership.leave_round`), with one small write for all the
   members that re-join together;
@@ -97,8 +94,6 @@ class Membership:
         self._event = event
         self._lock = threading.Lock()
         self._member: Member | None = None
-        # This node's seat in the last round it completed (see the module).
-        self._watched: Seat | None = None
         # The round whose queues this node's last seal made droppable.
         self._dropping: int | None = None
         # The last answer of num_nodes_waiting: (member, when, answer).
@@ -205,33 +200,17 @@ class Membership:
         self._event("evict", round_id, evicted=list(evicted))
         return True
 
-    def watch_ring(self, seat: Seat) -> None:
-        """Have the keep-alive judge ``seat``'s ring from now on (:meth:`KeepAlive.judge_ring`)."""
-        with self._lock:
-            self._watched = seat
-
-    def watched_round(self) -> Seat | None:
-        """Return this node's seat in the round whose ring the keep-alive judges, or None."""
-        with self._lock:
-            return self._watched
-
-    def evict_dead(self, dead: list[str], seat: Seat) -> None:
-        """Evict the ring successor the keep-alive judged dead from ``seat``; watch the next one.
+    def evict_dead(self, dead: list[str], seat: Seat) -> Seat | None:
+        """Evict the ring successor the keep-alive judged dead from ``seat``; return the next seat.
 
         The next successor comes from the state as stored after the
-        eviction (a rare read of the whole list); once the round is gone,
-        nobody is watched until this node completes another.
+        eviction (a rare read of the whole list); None once the round is gone.
         """
         self.evict(dead, seat.round, via=self._side)
         current, _ = self._side.read()
-        following = (
-            watching_seat(current, self._node)
-            if current is not None and current.round == seat.round
-            else None
-        )
-        with self._lock:
-            if self._watched is seat:
-                self._watched = following
+        if current is None or current.round != seat.round:
+            return None
+        return watching_seat(current, self._node)
 
     def sealed(self, round_id: int) -> None:
         """Note that this node sealed ``round_id``: an older round's queues may go."""
