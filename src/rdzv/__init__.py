@@ -20,7 +20,9 @@ __version__ = "0.1.0"
 # last-resort handler would print rdzv's warnings as bare lines on stderr.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-# public name -> module that defines it
+# The public names: name -> the module that defines it. ``__all__`` is
+# derived from it; the imports for type checkers below must name the same
+# (tests/unit/test_public_names.py checks it).
 _EXPORTS: dict[str, str] = {
     "RendezvousError": "rdzv.errors",
     "RendezvousClosedError": "rdzv.errors",
@@ -60,89 +62,45 @@ _EXPORTS: dict[str, str] = {
     "progress": "rdzv.worker",
 }
 
-__all__ = [
-    "C10dRendezvousBackend",
-    "DynamicRendezvousHandler",
-    "EtcdRendezvousBackend",
-    "HashStore",
-    "P10dRendezvousBackend",
-    "PrefixStore",
-    "RendezvousBackend",
-    "RendezvousClosedError",
-    "RendezvousConnectionError",
-    "RendezvousError",
-    "RendezvousExhaustedError",
-    "RendezvousGracefulExitError",
-    "RendezvousHandler",
-    "RendezvousHandlerCreator",
-    "RendezvousHandlerRegistry",
-    "RendezvousInfo",
-    "RendezvousParameters",
-    "RendezvousSettings",
-    "RendezvousStateError",
-    "RendezvousStoreInfo",
-    "RendezvousTimeout",
-    "RendezvousTimeoutError",
-    "StaticTCPRendezvous",
-    "Store",
-    "StoreAuthenticationError",
-    "StoreTimeoutError",
-    "TCPStore",
-    "TCPStoreServer",
-    "TpRendezvousBackend",
-    "create_handler",
-    "get_registry",
-    "parse_config",
-    "parse_endpoint",
-    "parse_rendezvous_endpoint",
-    "progress",
-    "rendezvous_handler_registry",
-    "__version__",
-]
+__all__ = [*_EXPORTS, "__version__"]  # noqa: PLE0604 - derived from the one list
 
 if TYPE_CHECKING:
-    from rdzv.api import (
-        RendezvousHandler,
-        RendezvousInfo,
-        RendezvousParameters,
-        RendezvousSettings,
-        RendezvousStoreInfo,
-        RendezvousTimeout,
-    )
-    from rdzv.backends.base import RendezvousBackend
-    from rdzv.backends.etcd import EtcdRendezvousBackend
-    from rdzv.backends.store import (
-        C10dRendezvousBackend,
-        P10dRendezvousBackend,
-        TpRendezvousBackend,
-    )
-    from rdzv.dynamic.handler import DynamicRendezvousHandler
-    from rdzv.endpoint import parse_config, parse_endpoint
-    from rdzv.errors import (
-        RendezvousClosedError,
-        RendezvousConnectionError,
-        RendezvousError,
-        RendezvousExhaustedError,
-        RendezvousGracefulExitError,
-        RendezvousStateError,
-        RendezvousTimeoutError,
-        StoreAuthenticationError,
-        StoreTimeoutError,
-    )
-    from rdzv.registry import (
-        RendezvousHandlerCreator,
-        RendezvousHandlerRegistry,
-        create_handler,
-        get_registry,
-        rendezvous_handler_registry,
-    )
-    from rdzv.static import StaticTCPRendezvous
-    from rdzv.store.base import Store
-    from rdzv.store.memory import HashStore, PrefixStore
-    from rdzv.store.server import TCPStoreServer
-    from rdzv.store.tcp import TCPStore
-    from rdzv.utils import parse_rendezvous_endpoint
-    from rdzv.worker import progress
+    from rdzv.api import RendezvousHandler as RendezvousHandler
+    from rdzv.api import RendezvousInfo as RendezvousInfo
+    from rdzv.api import RendezvousParameters as RendezvousParameters
+    from rdzv.api import RendezvousSettings as RendezvousSettings
+    from rdzv.api import RendezvousStoreInfo as RendezvousStoreInfo
+    from rdzv.api import RendezvousTimeout as RendezvousTimeout
+    from rdzv.backends.base import RendezvousBackend as RendezvousBackend
+    from rdzv.backends.etcd import EtcdRendezvousBackend as EtcdRendezvousBackend
+    from rdzv.backends.store import C10dRendezvousBackend as C10dRendezvousBackend
+    from rdzv.backends.store import P10dRendezvousBackend as P10dRendezvousBackend
+    from rdzv.backends.store import TpRendezvousBackend as TpRendezvousBackend
+    from rdzv.dynamic.handler import DynamicRendezvousHandler as DynamicRendezvousHandler
+    from rdzv.endpoint import parse_config as parse_config
+    from rdzv.endpoint import parse_endpoint as parse_endpoint
+    from rdzv.errors import RendezvousClosedError as RendezvousClosedError
+    from rdzv.errors import RendezvousConnectionError as RendezvousConnectionError
+    from rdzv.errors import RendezvousError as RendezvousError
+    from rdzv.errors import RendezvousExhaustedError as RendezvousExhaustedError
+    from rdzv.errors import RendezvousGracefulExitError as RendezvousGracefulExitError
+    from rdzv.errors import RendezvousStateError as RendezvousStateError
+    from rdzv.errors import RendezvousTimeoutError as RendezvousTimeoutError
+    from rdzv.errors import StoreAuthenticationError as StoreAuthenticationError
+    from rdzv.errors import StoreTimeoutError as StoreTimeoutError
+    from rdzv.registry import RendezvousHandlerCreator as RendezvousHandlerCreator
+    from rdzv.registry import RendezvousHandlerRegistry as RendezvousHandlerRegistry
+    from rdzv.registry import create_handler as create_handler
+    from rdzv.registry import get_registry as get_registry
+    from rdzv.registry import rendezvous_handler_registry as rendezvous_handler_registry
+    from rdzv.static import StaticTCPRendezvous as StaticTCPRendezvous
+    from rdzv.store.base import Store as Store
+    from rdzv.store.memory import HashStore as HashStore
+    from rdzv.store.memory import PrefixStore as PrefixStore
+    from rdzv.store.server import TCPStoreServer as TCPStoreServer
+    from rdzv.store.tcp import TCPStore as TCPStore
+    from rdzv.utils import parse_rendezvous_endpoint as parse_rendezvous_endpoint
+    from rdzv.worker import progress as progress
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

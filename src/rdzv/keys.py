@@ -12,14 +12,15 @@ One store may hold several runs, each under these roots:
   the nodes' exclusion records);
 * ``rdzv.static/<run>/``: the static rendezvous.
 
-Under the first two, :mod:`rdzv.backends.kv` keeps a queue at
-``<kind>/<round>``, its counter at ``<kind>/<round>/n`` and a node's
-heartbeat at ``hb/<node>``.
+Under the first two live the keys of the functions below: queues,
+heartbeats, verdicts, the c10d backend's state and seats, sealed rounds
+and the first member to leave each.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 LAUNCH_ROOT = "rdzv.launch"
 STATIC_ROOT = "rdzv.static"
@@ -27,9 +28,10 @@ JOIN_QUEUE = "q"
 CONFIRM_QUEUE = "c"
 _BACKEND_ROOT = "rdzv.backend"
 _HEARTBEAT = "hb"
+_STATE = "state"
 # The keys that mark a run in the c10d backend: its state, join queues, heartbeats.
 _BACKEND_MARK = re.compile(
-    rf"{re.escape(_BACKEND_ROOT)}/(.+)/(?:state|{JOIN_QUEUE}/\d+(?:/n)?|{_HEARTBEAT}/[^/]+)"
+    rf"{re.escape(_BACKEND_ROOT)}/(.+)/(?:{_STATE}|{JOIN_QUEUE}/\d+(?:/n)?|{_HEARTBEAT}/[^/]+)"
 )
 
 
@@ -43,6 +45,11 @@ def handler_prefix(run_id: str) -> str:
     return f"rdzv.handler/{run_id}/"
 
 
+def static_prefix(run_id: str) -> str:
+    """Return the static rendezvous's key prefix for a run (ends with ``/``)."""
+    return f"{STATIC_ROOT}/{run_id}/"
+
+
 def round_store_prefix(run_id: str, round_id: int) -> str:
     """Return the prefix of the store handed to the agents of a round."""
     return f"rdzv/{run_id}/round/{round_id}"
@@ -52,6 +59,31 @@ def queue_keys(prefix: str, kind: str, round_id: int) -> tuple[str, str]:
     """Return a round's queue key and its counter's key under a prefix."""
     base = f"{prefix}{kind}/{round_id}"
     return base, f"{base}/n"
+
+
+def verdict_key(prefix: str, round_id: int) -> str:
+    """Return the key that exists once every member of a round confirmed it, under a prefix."""
+    return f"{prefix}confirm/{round_id}/verdict"
+
+
+def state_key(prefix: str) -> str:
+    """Return the key of the c10d backend's state (its head) under a prefix."""
+    return f"{prefix}{_STATE}"
+
+
+def seat_key(prefix: str, node: str) -> str:
+    """Return the key of a node's seat in the c10d backend under a prefix."""
+    return f"{prefix}seat/{node}"
+
+
+def round_key(prefix: str, round_id: int) -> str:
+    """Return the key holding a round as sealed, for members that ask for its participants."""
+    return f"{prefix}round/{round_id}"
+
+
+def leave_key(prefix: str, round_id: int) -> str:
+    """Return the key naming the member that left a round first."""
+    return f"{prefix}leave/{round_id}"
 
 
 def heartbeat_key(prefix: str, node: str) -> str:
@@ -89,6 +121,11 @@ def round_of_store(run_id: str, prefix: str) -> int | None:
     head = round_store_prefix(run_id, 0)[:-1]
     tail = prefix[len(head) :] if prefix.startswith(head) else ""
     return int(tail) if tail.isascii() and tail.isdigit() else None
+
+
+def runs_of(keys: Iterable[str]) -> list[str]:
+    """Return the runs the keys of a store name in the c10d backend, sorted."""
+    return sorted({run for run in map(run_of_backend_key, keys) if run is not None})
 
 
 def run_of_backend_key(key: str) -> str | None:

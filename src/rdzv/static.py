@@ -35,7 +35,7 @@ from rdzv.errors import (
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
-from rdzv.keys import STATIC_ROOT
+from rdzv.keys import static_prefix
 from rdzv.store.memory import PrefixStore
 from rdzv.store.tcp import TCPStore
 
@@ -145,7 +145,7 @@ class StaticTCPRendezvous(RendezvousHandler):
         self._round = 0
         self._store: TCPStore | None = None
         self._closed_here = False
-        self._closed_key = f"{STATIC_ROOT}/{run_id}/closed"
+        self._closed_key = f"{static_prefix(run_id)}closed"
 
     def _open_store(self) -> TCPStore:
         """Host (rank 0) or reach the store; a failure names the address."""
@@ -212,7 +212,7 @@ class StaticTCPRendezvous(RendezvousHandler):
         store = self._open_store()
         if self.is_closed():
             raise RendezvousClosedError(f"the static rendezvous of run {self._run_id!r} is closed")
-        round_store = PrefixStore(f"{STATIC_ROOT}/{self._run_id}/{self._round}", store)
+        round_store = PrefixStore(f"{static_prefix(self._run_id)}{self._round}", store)
         self._round += 1
         claimed = round_store.compare_set(f"node/{self._rank}", "", self._token)
         if claimed != self._token.encode():

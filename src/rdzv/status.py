@@ -31,15 +31,20 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from rdzv.api import RendezvousParameters
-from rdzv.backends.base import GONE_MARK, JoinQueueBackend, LivenessBackend, RendezvousBackend
-from rdzv.backends.store import C10dRendezvousBackend
+from rdzv.backends.base import (
+    GONE_MARK,
+    JoinQueueBackend,
+    ListedBackend,
+    LivenessBackend,
+    RendezvousBackend,
+)
 from rdzv.dynamic.machine import MarkWatch
 from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError, explained
 from rdzv.exclusion import ExclusionRecord, read_current
 from rdzv.first_failure import FailureRecord, FailureRecordError, read_last
-from rdzv.keys import agent_key, round_store_prefix, run_of_backend_key
+from rdzv.keys import agent_key, round_store_prefix, runs_of
 from rdzv.registry import open_backend as open_registered_backend
 from rdzv.store.base import Store
 from rdzv.store.foreign import StoreLike, as_store
@@ -192,7 +197,7 @@ class HeartbeatTracker:
 
 def open_backend(
     backend_name: str, endpoint: str, run_id: str, config: dict[str, str] | None = None
-) -> tuple[RendezvousBackend, Callable[[], None]]:
+) -> tuple[RendezvousBackend, Store, Callable[[], None]]:
     """Connect to a run's backend as an observer (never hosting a store).
 
     Any backend the registry knows works, plugins included (see
@@ -204,7 +209,8 @@ def open_backend(
         run_id: The run.
         config: Backend settings (``read_timeout`` is 10 s unless given).
 
-    Returns the backend, and a function that closes its connections.
+    Returns the backend, the store its rounds' stores are prefixes of, and
+    a function that closes both.
 
     Raises:
         ValueError: The backend is unknown or its state cannot be read.
@@ -224,7 +230,7 @@ def open_backend(
         finally:
             store.close()
 
-    return backend, close
+    return backend, store, close
 
 
 def _state_of(backend: RendezvousBackend) -> RendezvousState | None:
@@ -273,8 +279,7 @@ def list_runs(store: StoreLike) -> list[str]:
     Raises:
         RendezvousError: The store cannot be read.
     """
-    runs = {run_of_backend_key(key) for key in as_store(store).list_keys()}
-    return sorted(run for run in runs if run is not None)
+    return runs_of(as_store(store).list_keys())
 
 
 def read_status(
@@ -455,12 +460,12 @@ def _error(message: str) -> None:
     print(f"rdzv status: {message}", file=sys.stderr)
 
 
-def _runs_text(store: Store | None) -> str:
-    """Say which runs the store holds (None: not a store backend), for an unknown run."""
-    if store is None:
+def _runs_text(backend: RendezvousBackend) -> str:
+    """Say which runs are kept beside an unknown one, when the backend lists them."""
+    if not isinstance(backend, ListedBackend):
         return "it has no state and no node is queued"
     try:
-        runs = list_runs(store)
+        runs = backend.runs()
     except RendezvousError as exc:
         return f"listing the runs failed: {exc}"
     if not runs:
@@ -470,7 +475,7 @@ def _runs_text(store: Store | None) -> str:
 
 def _list_runs(args: argparse.Namespace, out: TextIO) -> int:
     try:
-        backend, close = open_backend(
+        backend, _, close = open_backend(
             args.rdzv_backend, args.rdzv_endpoint, "rdzv-status", parse_config(args.rdzv_conf)
         )
     except ValueError as exc:
@@ -480,18 +485,13 @@ def _list_runs(args: argparse.Namespace, out: TextIO) -> int:
         _error(f"cannot reach the backend: {exc}")
         return EXIT_BACKEND
     try:
-        if not isinstance(backend, C10dRendezvousBackend):
+        if not isinstance(backend, ListedBackend):
             _error(
                 f"error: --list-runs reads the store backends (c10d, p10d, core, tcp), "
                 f"not {args.rdzv_backend!r}"
             )
             return EXIT_USAGE
-        rows = []
-        for run_id in list_runs(backend.store):
-            status = read_status(
-                C10dRendezvousBackend(backend.store, run_id), run_id, HeartbeatTracker()
-            )
-            rows.append(status)
+        rows = [read_status(backend.of_run(r), r, HeartbeatTracker()) for r in backend.runs()]
         if args.json:
             print(json.dumps([_summary(r) for r in rows], sort_keys=True), file=out)
         elif not rows:
@@ -556,7 +556,7 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
         _error("error: --rdzv-id is required (or --list-runs)")
         return EXIT_USAGE
     try:
-        backend, close = open_backend(
+        backend, store, close = open_backend(
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, parse_config(args.rdzv_conf)
         )
     except ValueError as exc:
@@ -565,7 +565,6 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except RendezvousError as exc:
         _error(f"cannot reach the backend: {exc}")
         return EXIT_BACKEND
-    store = backend.store if isinstance(backend, C10dRendezvousBackend) else None
     redraw = args.watch is not None and not args.json and out.isatty()
     tracker = HeartbeatTracker()
     run = _printable(repr(args.rdzv_id))
@@ -574,14 +573,14 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
             sample = args.sample if args.watch is None else args.watch
             status = read_status(backend, args.rdzv_id, tracker, sample, store=store)
             if not status.known and args.watch is None:
-                _error(f"run {run} is unknown to the backend: {_runs_text(store)}")
+                _error(f"run {run} is unknown to the backend: {_runs_text(backend)}")
                 return EXIT_UNKNOWN_RUN
             if args.json:
                 print(json.dumps(status.to_json(), sort_keys=True), file=out, flush=True)
             else:
                 text = format_status(status)
                 if not status.known:
-                    text += f"run {run} is unknown so far ({_runs_text(store)})\n"
+                    text += f"run {run} is unknown so far ({_runs_text(backend)})\n"
                 print((_REDRAW if redraw else "") + text, end="", file=out, flush=True)
             if args.watch is None:
                 return 0

@@ -18,6 +18,7 @@ import pytest
 from rdzv.backends.base import RendezvousBackend, VerdictBackend
 from rdzv.backends.etcd import EtcdRendezvousBackend, parse_endpoints
 from rdzv.backends.etcd.client import EtcdClientBase
+from rdzv.backends.kv import StoreVerdict
 from rdzv.backends.redis import RedisRendezvousBackend
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.errors import RendezvousConnectionError
@@ -142,6 +143,43 @@ def test_c10d_on_a_file(check: Check, tmp_path: Path) -> None:
     harness = C10dHarness(FileStore(path, timeout=10), lambda: FileStore(path, timeout=10))
     try:
         run_all(check, harness)
+    finally:
+        harness.close()
+
+
+class StoreVerdictBackend(C10dRendezvousBackend, VerdictBackend):
+    """c10d with the verdicts a handler gives it: in its store, a write told by the token."""
+
+    def __init__(self, store: StoreLike, run_id: str) -> None:
+        super().__init__(store, run_id)
+        self._verdicts = StoreVerdict(self.store, f"{run_id}/", self._changed, 0.05)
+
+    def _changed(self, token: object) -> bool:
+        return bool(self.read_token() != token)
+
+    def set_verdict(self, round_id: int) -> None:
+        self._verdicts.set_verdict(round_id)
+
+    def wait_for_verdict(self, round_id: int, token: Any, timeout: float) -> bool | None:
+        return self._verdicts.wait_for_verdict(round_id, token, timeout)
+
+    def drop_verdict(self, round_id: int) -> None:
+        self._verdicts.drop_verdict(round_id)
+
+
+class StoreVerdictHarness(C10dHarness):
+    def connect(self) -> RendezvousBackend:
+        return StoreVerdictBackend(self._client(), "run1")
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["watch", "poll"])
+def test_the_handlers_verdicts_in_a_store_keep_the_verdict_rules(watch: bool) -> None:
+    # The adapter the handler builds for a backend without verdicts
+    # (rdzv.backends.kv.StoreVerdict) keeps the rules an engine's own keep.
+    (check,) = (c for c in BACKEND_CHECKS if c.capability is VerdictBackend)
+    harness = StoreVerdictHarness(HashStore(timeout=10) if watch else NoWatchStore(timeout=10))
+    try:
+        check.run(harness)
     finally:
         harness.close()
 

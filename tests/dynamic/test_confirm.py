@@ -6,18 +6,24 @@ import threading
 
 import pytest
 
-from rdzv.backends.kv import StoreJoinQueue
+from rdzv.backends.kv import StoreJoinQueue, StoreVerdict
 from rdzv.dynamic.confirm import (
     CHECKS_PER_SECOND,
     RoundConfirmation,
     check_period,
-    drop_confirmation,
     member_lost,
 )
 from rdzv.dynamic.state import RendezvousState
+from rdzv.keys import verdict_key
+from rdzv.store.base import Store
 from rdzv.store.memory import HashStore
 
 SEALED = RendezvousState(4, ("a", "b", "c"))
+
+
+def _verdicts(store: Store, prefix: str = "run/") -> StoreVerdict:
+    """The verdicts of a run whose state is never written while they wait."""
+    return StoreVerdict(store, prefix, lambda token: False, 1.0)
 
 
 def _confirmation(
@@ -25,8 +31,7 @@ def _confirmation(
 ) -> RoundConfirmation:
     return RoundConfirmation(
         StoreJoinQueue(store, prefix, "c"),
-        store,
-        prefix,
+        _verdicts(store, prefix),
         sealed.round,
         len(sealed.participants),
         lambda: sealed.participants,
@@ -90,8 +95,10 @@ def test_dropping_a_round_deletes_its_confirmations_only() -> None:
     old, kept = (_confirmation(store, RendezvousState(r, ("a",))) for r in (1, 3))
     old.confirm("a")
     kept.confirm("a")
-    drop_confirmation(old.queue, store, "run/", 1)
-    assert not store.check([old.verdict_key])
+    assert store.check([verdict_key("run/", 1)])
+    old.queue.drop_queue(1)
+    old.verdicts.drop_verdict(1)
+    assert not store.check([verdict_key("run/", 1)])
     assert old.queue.queue_length(1) == 0
     assert kept.wait(0.01)
     assert kept.queue.queue_length(3) == 1
@@ -135,7 +142,7 @@ def test_a_slice_without_the_verdict_is_one_request_on_a_store_that_watches() ->
     ):
         assert store.supports_watch
         confirmation = RoundConfirmation(
-            StoreJoinQueue(store, "run/", "c"), store, "run/", 4, 2, lambda: ("a", "b")
+            StoreJoinQueue(store, "run/", "c"), _verdicts(store), 4, 2, lambda: ("a", "b")
         )
         confirmation.confirm("a")
         before = server.requests
@@ -143,3 +150,28 @@ def test_a_slice_without_the_verdict_is_one_request_on_a_store_that_watches() ->
         assert server.requests - before == 1
         confirmation.confirm("b")
         assert confirmation.wait(0.1)
+
+
+def test_a_wait_in_the_store_ends_at_a_write_of_the_state() -> None:
+    # Between its slices the wait looks at the state's token: a write (an
+    # eviction) ends it as an engine's joint wait, before its timeout.
+    store = HashStore(timeout=5)
+    looked: list[object] = []
+
+    def changed(token: object) -> bool:
+        looked.append(token)
+        return len(looked) == 3
+
+    confirmation = RoundConfirmation(
+        StoreJoinQueue(store, "run/", "c"),
+        StoreVerdict(store, "run/", changed, 0.01),
+        4,
+        2,
+        lambda: ("a", "b"),
+    )
+    confirmation.confirm("a")
+    assert confirmation.wait(30, token="t1") is False  # a generous bound: the third slice ends it
+    assert looked == ["t1"] * 3
+    assert confirmation.wait(0.01, token="t2") is None
+    confirmation.confirm("b")
+    assert confirmation.wait(30, token="t2") is True

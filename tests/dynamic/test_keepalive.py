@@ -82,10 +82,10 @@ class Run:
             DEAD_AFTER,
             JUDGE_EVERY,
             self.clock,
-            lambda: round_,
             lambda dead, _member: on_dead(dead),
             lambda action, _round, **fields: self.events.append((action, fields)),
         )
+        self.keepalive.judge_ring(round_)
 
     def _settle(self, parks: int) -> None:
         """Wait (real time, bounded) until the thread parked again after ``parks`` or ended."""

@@ -12,7 +12,6 @@ import pytest
 from rdzv.api import RendezvousInfo, RendezvousTimeout
 from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
-from rdzv.dynamic.join import wait_state
 from rdzv.dynamic.pacing import waiting_poll_gap
 from rdzv.dynamic.seat import (
     MAX_SEALED_MARK,
@@ -23,7 +22,7 @@ from rdzv.dynamic.seat import (
     seats_of,
     watching_seat,
 )
-from rdzv.dynamic.shared import SharedState
+from rdzv.dynamic.shared import shared_state
 from rdzv.dynamic.state import (
     RendezvousState,
     StateSummary,
@@ -482,7 +481,7 @@ class _RacedBackend(C10dRendezvousBackend):
     def __init__(self, store: HashStore, races: int) -> None:
         super().__init__(store, "raced")
         self.races = races
-        self.other = SharedState(C10dRendezvousBackend(store, "raced"), "c10d")
+        self.other = shared_state(C10dRendezvousBackend(store, "raced"), "c10d")
         self.written: dict[object, RendezvousState] = {}
 
     def write(self, state: RendezvousState) -> None:
@@ -503,7 +502,7 @@ class _RacedBackend(C10dRendezvousBackend):
 def test_a_join_starts_on_a_summary_even_when_writes_race_with_its_reads(races: int) -> None:
     backend = _RacedBackend(HashStore(timeout=5), races)
     backend.write(RendezvousState(9, (A, B, C), bootstrap_port=7))
-    view, token = SharedState(backend, "c10d").read_view()
+    view, token = shared_state(backend, "c10d").read_view()
     # The summary of the very write whose token comes with it, never the state.
     assert view == StateSummary.of(backend.written[token])
 
@@ -611,8 +610,8 @@ def test_a_waiting_node_whose_summary_was_replaced_reads_the_newest_one_not_the_
     seen = backend.other.read()[1]
     backend.write(RendezvousState(3, (A, B, C), bootstrap_port=7))  # the head moved on
     backend.races = 1  # and moves again between the node's look at it and its summary read
-    shared = SharedState(backend, "c10d")
-    view, token, seated = wait_state(shared, D, REAL_TIME, None, seen, 9, 0.05, 0, 5.0)
+    shared = shared_state(backend, "c10d", REAL_TIME)
+    view, token, seated = shared.wait(D, None, seen, 9, 0.05, 0, 5.0)
     assert seated is None
     assert isinstance(view, StateSummary)
     assert view == StateSummary.of(backend.written[token])

@@ -234,7 +234,6 @@ def test_a_paused_store_does_not_delay_another_handlers_beats() -> None:
             interval * attempts,
             interval,
             clock,
-            lambda: None,
             lambda dead, seat: None,
             lambda action, round_id, **fields: None,
         )

@@ -17,7 +17,7 @@ import pytest
 from rdzv.backends.etcd import EtcdRendezvousBackend
 from rdzv.backends.etcd.client import EtcdClientBase
 from rdzv.backends.etcd.store import EtcdStore
-from rdzv.dynamic.confirm import RoundConfirmation, drop_confirmation
+from rdzv.dynamic.confirm import RoundConfirmation
 from rdzv.testing.clock import AutojumpClock
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
@@ -168,12 +168,8 @@ def test_a_confirmation_waits_for_the_verdict_and_the_state_with_one_watch(
     backend = EtcdRendezvousBackend(etcd_client, unique, key_prefix="/test/")
     sealed = backend.set_state(b"sealed")
     assert sealed is not None
-    store = EtcdStore(etcd_client, backend.run_prefix + b"store/")
-    a, b = (
-        RoundConfirmation(backend.confirmation_queue(), store, "run/", 1, 2, lambda: ("a", "b"))
-        for _ in range(2)
-    )
-    assert a.joint
+    confirms = backend.confirmation_queue()
+    a, b = (RoundConfirmation(confirms, confirms, 1, 2, lambda: ("a", "b")) for _ in range(2))
     a.confirm("a")
     calls.clear()
     outcome = _while_watching(calls, lambda: a.wait(10.0, token=sealed[1]), lambda: b.confirm("b"))
@@ -185,12 +181,13 @@ def test_a_confirmation_waits_for_the_verdict_and_the_state_with_one_watch(
     assert b.wait(5.0, token=sealed[1]) is True
     # A write of the state (an eviction) ends the wait of a round whose
     # verdict is still to come.
-    drop_confirmation(b.queue, store, "run/", 1)
+    b.queue.drop_queue(1)
+    b.verdicts.drop_verdict(1)
     evicted = backend.set_state(b"evicted", sealed[1])
     assert evicted is not None
     assert a.wait(0.3, token=evicted[1]) is None
     assert a.wait(5.0, token=sealed[1]) is True  # the verdict came before the write
-    c = RoundConfirmation(backend.confirmation_queue(), store, "run/", 2, 2, lambda: ("a", "b"))
+    c = RoundConfirmation(confirms, confirms, 2, 2, lambda: ("a", "b"))
     assert c.wait(5.0, token=sealed[1]) is False
 
 

@@ -1,6 +1,8 @@
 """Every public name of torch's rendezvous module and of the tensorplay spec imports from rdzv."""
 
+import ast
 import importlib
+import inspect
 
 import pytest
 
@@ -87,3 +89,28 @@ def test_from_import_works_for_all_names() -> None:
 def test_unknown_attribute_raises_attribute_error() -> None:
     with pytest.raises(AttributeError, match="NoSuchThing"):
         rdzv.NoSuchThing  # noqa: B018
+
+
+@pytest.mark.parametrize("package", ["rdzv", "rdzv.store"])
+def test_the_imports_for_type_checkers_name_the_public_names(package: str) -> None:
+    # The lazy table is the one list (__all__ comes from it); the imports a
+    # type checker reads cannot be derived, so they must agree with it, each
+    # name re-exported as itself.
+    module = importlib.import_module(package)
+    tree = ast.parse(inspect.getsource(module))
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    imported = {
+        alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.asname == alias.name
+    }
+    assert imported == module._EXPORTS
+    assert sorted(module.__all__) == sorted(
+        [*module._EXPORTS, *(["__version__"] * (package == "rdzv"))]
+    )

@@ -41,6 +41,7 @@ __all__ = [
     "BackendLike",
     "ForeignBackend",
     "JoinQueueBackend",
+    "ListedBackend",
     "LivenessBackend",
     "NamedQueues",
     "RendezvousBackend",
@@ -288,6 +289,22 @@ class SeatedBackend(ABC):
         Raises:
             ValueError: ``node`` is not a valid node key.
         """
+
+
+class ListedBackend(ABC):
+    """Capability: the runs kept beside this one are listed, and each opened.
+
+    The store backend keeps every run under its own prefix of one store, so
+    the store's keys name them (``rdzv status --list-runs``).
+    """
+
+    @abstractmethod
+    def runs(self) -> list[str]:
+        """Return the ids of the runs kept beside this one, sorted."""
+
+    @abstractmethod
+    def of_run(self, run_id: str) -> RendezvousBackend:
+        """Return a backend of ``run_id`` beside this one, sharing its client (closing it closes nothing)."""
 
 
 class JoinQueueBackend(ABC):

@@ -1,17 +1,19 @@
-"""The join-queue and liveness capabilities over any key-value :class:`~rdzv.store.base.Store`.
+"""The join-queue, liveness and verdict capabilities over any key-value :class:`~rdzv.store.base.Store`.
 
 A backend that keeps only the shared state (compare-and-set on one blob)
-gets the two capabilities that make a formation linear from its store:
+gets the capabilities that make a formation linear from its store:
 
 * :class:`StoreJoinQueue`: ``append`` of a length-prefixed record, then
   ``add`` on the round's counter (two non-conflicting operations per joining
   node; waiting is ``watch`` on the counter, or polling with jittered,
   capped backoff on stores without watch, on the caller's clock);
 * :class:`StoreLiveness`: ``add(key, 1)`` on a per-node counter; reading a
-  mark is ``add(key, 0)``, one round trip.
+  mark is ``add(key, 0)``, one round trip;
+* :class:`StoreVerdict`: a sealed round's verdict as a key, waited for in
+  slices with a look at the state's token between them.
 
-The c10d backend is built from both, and the dynamic handler falls back to
-them for backends that lack the capabilities. The store may be rdzv's or
+The c10d backend is built from the first two, and the dynamic handler falls
+back to them for backends that lack the capabilities. The store may be rdzv's or
 torch's (:func:`~rdzv.store.foreign.as_store`). Store failures become
 :class:`~rdzv.errors.RendezvousConnectionError`.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from functools import partial
 from typing import TypeVar
 
@@ -27,16 +30,23 @@ from rdzv.backends.base import (
     GONE_MARK,
     JoinQueueBackend,
     LivenessBackend,
+    Token,
+    VerdictBackend,
     validate_node_key,
     validate_record,
 )
-from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
-from rdzv.keys import CONFIRM_QUEUE, JOIN_QUEUE, heartbeat_key, queue_keys
+from rdzv.errors import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousStateError,
+    StoreTimeoutError,
+)
+from rdzv.keys import CONFIRM_QUEUE, JOIN_QUEUE, heartbeat_key, queue_keys, verdict_key
 from rdzv.retry import current_clock, poll_backoff
 from rdzv.store.base import Stoppable, Store
 from rdzv.store.foreign import StoreLike, as_store
 
-__all__ = ["StoreJoinQueue", "StoreLiveness", "store_call"]
+__all__ = ["StoreJoinQueue", "StoreLiveness", "StoreVerdict", "store_call"]
 
 _T = TypeVar("_T")
 
@@ -216,3 +226,58 @@ class StoreLiveness(LivenessBackend):
     def _restore(self, node: str) -> None:
         """Beat after a will was made again: the old connection's will may have fired."""
         self.beat(node)
+
+
+class StoreVerdict(VerdictBackend):
+    """The verdict capability over a store: a key, watched in slices with a look at the token between.
+
+    So a wait ends at the verdict or at a write of the state, as an engine's
+    joint wait does. On a store that watches, a slice is one request (the
+    server ends it); elsewhere two (a cut-short ``WAIT`` needs its ``CANCEL_WAIT``).
+
+    Args:
+        store: The store.
+        prefix: The key prefix (ends with ``/``).
+        changed: Tells whether the state was written after the write of a token.
+        period: The longest slice, in seconds.
+    """
+
+    def __init__(
+        self, store: Store, prefix: str, changed: Callable[[Token], bool], period: float
+    ) -> None:
+        self._verdict_store = store
+        self._verdict_prefix = prefix
+        self._changed = changed
+        self._period = period
+
+    def set_verdict(self, round_id: int) -> None:  # noqa: D102 - see VerdictBackend
+        self._verdict_store.set(verdict_key(self._verdict_prefix, round_id), b"confirmed")
+
+    def wait_for_verdict(self, round_id: int, token: Token, timeout: float) -> bool | None:  # noqa: D102
+        key = verdict_key(self._verdict_prefix, round_id)
+        store, clock = self._verdict_store, current_clock()
+        deadline = clock() + timeout
+        while True:
+            seconds = max(0.0, min(self._period, deadline - clock()))
+            with clock.blocking(seconds):
+                if store.supports_watch:
+                    if store.watch(key, None, seconds) is not None:
+                        return True
+                elif _waited(store, key, seconds):
+                    return True
+            if self._changed(token):
+                return False
+            if clock() >= deadline:
+                return None
+
+    def drop_verdict(self, round_id: int) -> None:  # noqa: D102
+        self._verdict_store.delete_key(verdict_key(self._verdict_prefix, round_id))
+
+
+def _waited(store: Store, key: str, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``key`` to exist on a store that does not watch."""
+    try:
+        store.wait([key], timedelta(seconds=seconds))
+    except StoreTimeoutError:
+        return False
+    return True

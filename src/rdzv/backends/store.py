@@ -83,6 +83,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from rdzv.backends.base import (
+    ListedBackend,
     RendezvousBackend,
     SeatedBackend,
     Token,
@@ -95,7 +96,7 @@ from rdzv.backends.base import (
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
-from rdzv.keys import backend_prefix
+from rdzv.keys import backend_prefix, runs_of, seat_key, state_key
 from rdzv.retry import Clock, as_clock, current_clock, deadline_within, poll_backoff
 from rdzv.store.foreign import StoreLike, as_store
 
@@ -136,7 +137,7 @@ _CLOSE_BOUND = 2.0
 
 
 class C10dRendezvousBackend(
-    RendezvousBackend, WatchableBackend, SeatedBackend, StoreJoinQueue, StoreLiveness
+    RendezvousBackend, WatchableBackend, SeatedBackend, ListedBackend, StoreJoinQueue, StoreLiveness
 ):
     """Keeps a run's rendezvous in a key-value store (the TCP store, usually).
 
@@ -172,7 +173,7 @@ class C10dRendezvousBackend(
         self._store = store
         self._run_id = run_id
         self._prefix = prefix
-        self._key = f"{prefix}state"
+        self._key = state_key(prefix)
         # The body of the last head read or written: an unchanged state is
         # read as its head alone.
         self._last: tuple[bytes, bytes] | None = None
@@ -313,7 +314,7 @@ class C10dRendezvousBackend(
         # found is then a committed write's (its member reads nothing more).
         early = [node for node in seats if is_pseudo_node(node)]
         members = [node for node in seats if not is_pseudo_node(node)]
-        keys = [body_key, *(self._seat_key(node) for node in early)]
+        keys = [body_key, *(seat_key(self._prefix, node) for node in early)]
         values = [state, *(head + seats[node] for node in early)]
         store_call("set_state", lambda: self._store.multi_set(keys, values))
         result = store_call("set_state", lambda: self._store.compare_set(self._key, expected, head))
@@ -327,7 +328,7 @@ class C10dRendezvousBackend(
             # of this node's with a reply would queue behind theirs.
             self._collect()
             if members:
-                seated = [self._seat_key(node) for node in members]
+                seated = [seat_key(self._prefix, node) for node in members]
                 places = [head + seats[node] for node in members]
                 store_call("set_state", lambda: self._store.multi_set(seated, places))
             return state, head, True
@@ -337,11 +338,8 @@ class C10dRendezvousBackend(
         current_state, current_token = self._resolve(result)
         return current_state, current_token, False
 
-    def _seat_key(self, node: str) -> str:
-        return f"{self._prefix}seat/{node}"
-
     def read_seat(self, token: Token, node: str) -> bytes | None:  # noqa: D102 - see SeatedBackend
-        key = self._seat_key(validate_node_key(node))
+        key = seat_key(self._prefix, validate_node_key(node))
         if not (isinstance(token, bytes) and self._is_head(token)):
             return None
         raw = self._seats_seen.get(node)
@@ -356,7 +354,7 @@ class C10dRendezvousBackend(
     def wait_for_seat(  # noqa: D102 - see SeatedBackend
         self, token: Token | None, node: str, timeout: float
     ) -> Token | None:
-        key = self._seat_key(validate_node_key(node))
+        key = seat_key(self._prefix, validate_node_key(node))
         store = self._store
         headed = isinstance(token, bytes) and self._is_head(token)
         if not store.supports_watch or not (token is None or headed):
@@ -388,8 +386,14 @@ class C10dRendezvousBackend(
         """Delete ``node``'s heartbeat counter and its seat (a node that leaves for good)."""
         super().forget(node)
         self._seen(node, None)
-        key = self._seat_key(node)
+        key = seat_key(self._prefix, node)
         store_call("forget", lambda: self._liveness_store.delete_key(key))
+
+    def runs(self) -> list[str]:  # noqa: D102 - see ListedBackend
+        return runs_of(store_call("list_keys", self._store.list_keys))
+
+    def of_run(self, run_id: str) -> C10dRendezvousBackend:  # noqa: D102
+        return C10dRendezvousBackend(self._store, run_id)
 
     def read_token(self) -> Token | None:  # noqa: D102 - see SeatedBackend
         raw = self._read_raw()

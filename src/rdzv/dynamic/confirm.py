@@ -18,14 +18,14 @@ second queue of the engine's join-queue kind,
 non-conflicting write, like a join, which wakes no other waiter), and a
 member whose position reaches the world size reads the queue and, when the
 distinct nodes in it are every participant (an append retried after a lost
-reply can count a member twice), writes the verdict key in the store. Every
-member waits for the verdict in short slices (:func:`check_period`) and,
-between them, reads the state; on a backend that keeps the verdict beside
-the state (:class:`~rdzv.backends.base.VerdictBackend`) one wait ends at the
-verdict or at a write of the state, and the state is read only after such a
-write; once its first slice has passed (and the ring judges), the next wait
-runs to the join deadline, since nothing but those two needs a look. Once
-the round is gone or a member of it was
+reply can count a member twice), writes the round's verdict. Every member
+waits for the verdict or a write of the state, whichever comes first
+(:class:`~rdzv.backends.base.VerdictBackend`: the engine's own, or
+:class:`~rdzv.backends.kv.StoreVerdict` in the handler's store, which looks
+at the state's token between slices of :func:`check_period`), and reads the
+state only after such a write. Once its first slice has passed (and the
+ring judges), the next wait runs to the join deadline, since nothing but
+those two needs a look. Once the round is gone or a member of it was
 evicted (the ring predecessor of a dead member judges and evicts it, as
 after any death; a member's ring judging starts at the verdict, or at its
 first slice that passes without it), it joins the next round instead,
@@ -34,31 +34,23 @@ nobody, and the verdict proves that every member was alive after the seal.
 
 Cost: two requests per member (the append and the wait; the last one also
 reads the queue and writes the verdict) and nothing while all are alive.
-Without a joint wait, each slice a member waits beyond the first costs the
-state check (one request) and the next slice's wait: one request on a store that watches
-(the server ends the wait at the slice's end), two on one that does not (a
-``WAIT`` the client cuts short needs its ``CANCEL_WAIT``).
-The queue and the verdict of a round are deleted with its join queue
-(:func:`drop_confirmation`). A round of one needs no confirmation.
+The queue and the verdict of a round are deleted with its join queue.
+A round of one needs no confirmation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 
 from rdzv.backends.base import JoinQueueBackend, Token, VerdictBackend
 from rdzv.dynamic.state import RendezvousState
-from rdzv.errors import StoreTimeoutError
 from rdzv.retry import REAL_TIME, Clock
-from rdzv.store.base import Store
 
 __all__ = [
     "CHECKS_PER_SECOND",
     "RoundConfirmation",
     "check_period",
-    "drop_confirmation",
     "member_lost",
 ]
 
@@ -86,9 +78,7 @@ class RoundConfirmation:
 
     Attributes:
         queue: The confirmation queues.
-        store: The store that holds the verdict (the client of the thread
-            that joins).
-        prefix: The run's key prefix in the store.
+        verdicts: Where the verdict is kept and waited for.
         round_id: The sealed round.
         world_size: Its number of participants.
         participants: Returns its participants in rank order (read only to
@@ -96,16 +86,10 @@ class RoundConfirmation:
     """
 
     queue: JoinQueueBackend
-    store: Store
-    prefix: str
+    verdicts: VerdictBackend
     round_id: int
     world_size: int
     participants: Callable[[], Sequence[str]]
-
-    @property
-    def verdict_key(self) -> str:
-        """The key that exists once every member confirmed."""
-        return _verdict_key(self.prefix, self.round_id)
 
     def confirm(self, node: str) -> None:
         """Count ``node`` in; once every participant is counted, write the verdict.
@@ -116,18 +100,10 @@ class RoundConfirmation:
         """
         position = self.queue.enqueue(self.round_id, node.encode())
         if position >= self.world_size and len(self._confirmed()) >= self.world_size:
-            if isinstance(self.queue, VerdictBackend):
-                self.queue.set_verdict(self.round_id)
-            else:
-                self.store.set(self.verdict_key, b"confirmed")
+            self.verdicts.set_verdict(self.round_id)
 
     def _confirmed(self) -> set[str]:
         return {r.decode("utf-8", "replace") for r in self.queue.queue_records(self.round_id)}
-
-    @property
-    def joint(self) -> bool:
-        """Whether one wait ends at the verdict or a write of the state (a :class:`VerdictBackend`)."""
-        return isinstance(self.queue, VerdictBackend)
 
     def wait(
         self, seconds: float, clock: Clock = REAL_TIME, token: Token | None = None
@@ -135,35 +111,15 @@ class RoundConfirmation:
         """Wait up to ``seconds`` on ``clock`` for every member to confirm.
 
         True once they did; False when the state was written after the
-        write of ``token`` (the state a member read; only a :attr:`joint`
-        wait tells); None when the time ran out.
+        write of ``token`` (the state a member read); None when the time ran out.
         """
         with clock.blocking(seconds):
-            if isinstance(self.queue, VerdictBackend):
-                return self.queue.wait_for_verdict(self.round_id, token, seconds)
-            if self.store.supports_watch:
-                # The server ends the wait at the timeout: one request a slice,
-                # where a WAIT cut short by the client is two (its CANCEL_WAIT).
-                return self.store.watch(self.verdict_key, None, seconds) is not None or None
-            try:
-                self.store.wait([self.verdict_key], timedelta(seconds=seconds))
-            except StoreTimeoutError:
-                return None
-            return True
+            return self.verdicts.wait_for_verdict(self.round_id, token, seconds)
 
     def unconfirmed(self) -> list[str]:
         """Return the participants that have not confirmed yet, in rank order."""
         confirmed = self._confirmed()
         return [n for n in self.participants() if n not in confirmed]
-
-
-def drop_confirmation(queue: JoinQueueBackend, store: Store, prefix: str, round_id: int) -> None:
-    """Delete the confirmations of ``round_id`` (a round nobody waits on)."""
-    queue.drop_queue(round_id)
-    if isinstance(queue, VerdictBackend):
-        queue.drop_verdict(round_id)
-    else:
-        store.delete_key(_verdict_key(prefix, round_id))
 
 
 def member_lost(round_id: int, world_size: int, stored: RendezvousState | None) -> bool:
@@ -176,7 +132,3 @@ def member_lost(round_id: int, world_size: int, stored: RendezvousState | None) 
     if stored is None or stored.round != round_id:
         return True
     return stored.live_count < world_size
-
-
-def _verdict_key(prefix: str, round_id: int) -> str:
-    return f"{prefix}confirm/{round_id}/verdict"

@@ -9,10 +9,12 @@ backend, repeat. Waiting uses the backend's watch when it has one
 (``WatchableBackend``), otherwise polling with jittered, capped backoff.
 Every wait is bounded by the join deadline, so nothing hangs.
 
-Backends without the join-queue or liveness capability get them from the
-handler's store (``StoreJoinQueue``/``StoreLiveness``): the shared state
-still goes through the backend's compare-and-set, but joins and heartbeats
-never rewrite it.
+Each capability is adapted once, here: backends without the join-queue,
+liveness or verdict capability get them from the handler's store
+(``StoreJoinQueue``/``StoreLiveness``/``StoreVerdict``), so the shared state
+still goes through the backend's compare-and-set, but joins, heartbeats and
+verdicts never rewrite it; and the shared state's reads are the ones the
+backend's capabilities allow (:func:`rdzv.dynamic.shared.shared_state`).
 
 A keep-alive (:mod:`rdzv.dynamic.keepalive`) beats this node's heartbeat
 from its first enqueue and evicts its ring successor once that one's mark
@@ -66,16 +68,18 @@ from rdzv.backends.base import (
     JoinQueueBackend,
     LivenessBackend,
     RendezvousBackend,
+    VerdictBackend,
     as_backend,
 )
-from rdzv.backends.kv import StoreJoinQueue, StoreLiveness
+from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, StoreVerdict
 from rdzv.dynamic.bootstrap import HeldPort
+from rdzv.dynamic.confirm import check_period
 from rdzv.dynamic.join import Join, JoinContext
 from rdzv.dynamic.keepalive import KeepAlive
 from rdzv.dynamic.machine import Limits, judge_interval
-from rdzv.dynamic.member import Member, Membership
-from rdzv.dynamic.seat import Seat
-from rdzv.dynamic.shared import SharedState
+from rdzv.dynamic.member import Membership
+from rdzv.dynamic.seat import Member, Seat
+from rdzv.dynamic.shared import shared_state
 from rdzv.dynamic.state import RendezvousState, make_node_key
 from rdzv.errors import RendezvousConnectionError, RendezvousTimeoutError
 from rdzv.keys import handler_prefix
@@ -153,7 +157,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             last_call=timeout.last_call.total_seconds(),
             grace=dead_after,
         )
-        self._shared = SharedState(backend, backend_name, self._clock)
+        self._shared = shared_state(backend, backend_name, self._clock)
+        # A round's confirmations wait in slices that keep the largest round within budget.
+        verdicts: VerdictBackend = (
+            confirms
+            if isinstance(confirms, VerdictBackend)
+            else StoreVerdict(
+                store, prefix, self._shared.changed, check_period(settings.max_nodes, dead_after)
+            )
+        )
         self._members = Membership(
             node,
             store,
@@ -161,13 +173,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._shared,
             # The keep-alive's evictions must not wait behind this node's own
             # blocking watch on a client that serialises requests.
-            SharedState(backend.side_channel(), backend_name, self._clock),
+            shared_state(backend.side_channel(), backend_name, self._clock),
             queue,
             confirms,
+            verdicts,
             self._limits,
             self._clock,
             self._event,
-            lambda: self._keepalive.wake(),  # noqa: PLW0108 - built below
         )
         self._port = HeldPort(lambda exc: self._event("port-failed", -1, error=str(exc)))
         self._keepalive = KeepAlive(
@@ -178,7 +190,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
             dead_after,
             judge_interval(interval, dead_after),
             self._clock,
-            self._members.watched_round,
             self._members.evict_dead,
             self._event,
         )
@@ -195,6 +206,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._shared,
             queue,
             confirms,
+            verdicts,
             self._liveness,
             self._members,
             self._port,
@@ -315,7 +327,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         member = self._members.member
         return HandlerStatistics(
             None if member is None else member.round,
-            self._members.watched_round(),
+            self._keepalive.watched,
             self._keepalive.running,
             self._keepalive.error,
         )

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from rdzv.api import RendezvousInfo, RendezvousSettings, RendezvousStoreInfo
-from rdzv.backends.base import JoinQueueBackend, LivenessBackend, Token
+from rdzv.backends.base import JoinQueueBackend, LivenessBackend, Token, VerdictBackend
 from rdzv.backends.kv import store_call
 from rdzv.dynamic.bootstrap import HeldPort, await_bootstrap
 from rdzv.dynamic.confirm import RoundConfirmation, check_period, member_lost
@@ -60,9 +60,9 @@ from rdzv.dynamic.machine import (
     plan_seal,
     start_join,
 )
-from rdzv.dynamic.member import Member, Membership, round_key
-from rdzv.dynamic.pacing import queue_wait, seat_wait, state_wait
-from rdzv.dynamic.seat import seats_of
+from rdzv.dynamic.member import Membership
+from rdzv.dynamic.pacing import queue_wait, state_wait
+from rdzv.dynamic.seat import Member
 from rdzv.dynamic.shared import SharedState
 from rdzv.dynamic.state import (
     JoinRecord,
@@ -80,12 +80,12 @@ from rdzv.errors import (
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
-from rdzv.keys import round_store_prefix
+from rdzv.keys import round_key, round_store_prefix
 from rdzv.retry import Clock, jitter
 from rdzv.store.base import Store, StoreLike
 from rdzv.store.memory import PrefixStore
 
-__all__ = ["Join", "JoinContext", "wait_state"]
+__all__ = ["Join", "JoinContext"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ class JoinContext:
         shared: The shared state.
         queue: The join queues.
         confirms: The confirmation queues.
+        verdicts: The confirmations' verdicts.
         liveness: Heartbeats.
         members: This node's membership.
         port: The port it holds for the bootstrap store.
@@ -126,6 +127,7 @@ class JoinContext:
     shared: SharedState
     queue: JoinQueueBackend
     confirms: JoinQueueBackend
+    verdicts: VerdictBackend
     liveness: LivenessBackend
     members: Membership
     port: HeldPort
@@ -189,29 +191,30 @@ class Join:
                     self.progress, self.state, self.queue_length, c.node, c.limits, self.now
                 )
             )
-            if isinstance(action, Complete):
-                info = self.complete(self._member())
-                if info is not None:
-                    return info
-                # A member was lost before every member confirmed, or rank 0
-                # left before publishing its address: join the next round,
-                # still within this call's join deadline.
-                self.begin(self.progress.started_at)
-                continue
-            if isinstance(action, Fail):
-                self.fail(action.reason)
-            if isinstance(action, Enqueue):
-                self.enqueue(action.round_id)
-            elif isinstance(action, Requeue):
-                self.requeue(action.round_id)
-            elif isinstance(action, Seal):
-                if isinstance(self.state, StateSummary):
+            match action:
+                case Complete():
+                    info = self.complete(self._member())
+                    if info is not None:
+                        return info
+                    # A member was lost before every member confirmed, or rank 0
+                    # left before publishing its address: join the next round,
+                    # still within this call's join deadline.
+                    self.begin(self.progress.started_at)
+                    continue
+                case Fail(reason):
+                    self.fail(reason)
+                case Enqueue(round_id):
+                    self.enqueue(round_id)
+                case Requeue(round_id):
+                    self.requeue(round_id)
+                case Seal() if isinstance(self.state, StateSummary):
                     # The seal needs the participants: decide again on the state.
                     self.state, self.token = c.shared.read()
                     continue
-                self.seal(action.reform)
-            elif isinstance(action, Wait):
-                self.wait(action)
+                case Seal(reform):
+                    self.seal(reform)
+                case Wait():
+                    self.wait(action)
             self.now = c.clock()
 
     def begin(self, started_at: float | None) -> None:
@@ -268,10 +271,8 @@ class Join:
                     self._judge_suspects()
             self.state, self.token = c.shared.read()
         else:
-            self.state, self.token, self.seated = wait_state(
-                c.shared,
+            self.state, self.token, self.seated = c.shared.wait(
                 c.node,
-                c.clock,
                 self.state,
                 self.token,
                 round_id,
@@ -354,11 +355,7 @@ class Join:
         # list, on a backend that stores them; a seal that does not know rank
         # 0's port stores none (every member then reads the state and waits
         # for rank 0's address).
-        seats = (
-            seats_of(plan, self._sealed_marks(plan))
-            if plan.bootstrap_port and c.shared.seated
-            else None
-        )
+        seats = c.shared.seats(plan, self._sealed_marks) if plan.bootstrap_port else None
         encoded = encode_state(plan)
         result = c.shared.write(plan, encoded, self.token, seats)
         if result is None:
@@ -433,7 +430,7 @@ class Join:
         confirmed = seat.world_size == 1 or self._confirm(member, join_deadline)
         # The ring judging starts at the verdict, or at the confirmation's
         # first late slice (see _confirm), whichever comes first.
-        c.members.judge_ring(seat)
+        c.keepalive.judge_ring(seat)
         c.members.drop_old_round()
         if not confirmed:
             c.event("broken", seat.round, rank=seat.rank, reason="a member was lost")
@@ -484,8 +481,7 @@ class Join:
         seat = member.seat
         confirmation = RoundConfirmation(
             c.confirms,
-            c.store,
-            c.prefix,
+            c.verdicts,
             seat.round,
             seat.world_size,
             lambda: c.members.participants_of(member),
@@ -500,17 +496,12 @@ class Join:
                 # queue, and its ring predecessor must judge it. Until now
                 # the ring's first readings would only have competed with
                 # the confirmations of a large round.
-                c.members.judge_ring(seat)
+                c.keepalive.judge_ring(seat)
                 ring_judging = True
             if outcome is False:
-                # The state was written (a joint wait tells): read it.
+                # The state was written: read it.
                 current, token = c.shared.read()
                 if member_lost(seat.round, seat.world_size, current):
-                    return False
-            elif not confirmation.joint:
-                # The token alone tells a seated member that nothing changed.
-                changed, current = c.shared.changed_since(member.token)
-                if changed and member_lost(seat.round, seat.world_size, current):
                     return False
             left = join_deadline - c.clock()
             if left <= 0:
@@ -521,69 +512,11 @@ class Join:
                     f"members confirmed it within the join timeout of "
                     f"{c.limits.join_timeout:g} s; not confirmed: " + _some_nodes(missing)
                 )
-            if confirmation.joint:
-                # Once the ring judges, a joint wait needs no slices: it
-                # ends at the verdict or a write of the state, and a lost
-                # member is evicted by a write.
-                wait = left
+            # Once the ring judges, the wait needs no slices: it ends at the
+            # verdict or a write of the state, and a lost member is evicted
+            # by a write.
+            wait = left
         return True
-
-
-def wait_state(
-    shared: SharedState,
-    node: str,
-    clock: Clock,
-    state: StateView | None,
-    token: Token | None,
-    round_id: int,
-    timeout: float,
-    attempt: int,
-    join_left: float,
-) -> tuple[StateView | None, Token | None, Member | None]:
-    """Wait for the state to change; on a seated backend, read ``node``'s seat first.
-
-    A node seated in ``round_id`` by the new token is a member without
-    reading the participant list. Otherwise the new write's summary is
-    read, and the state whole only when that write sealed ``round_id`` or a
-    later round (a summary cannot tell a member) or stored none. Once the
-    summary says ``round_id`` is sealed, the node waits for its seat
-    (:func:`~rdzv.dynamic.pacing.seat_wait`), ``timeout`` or not, but never
-    past ``join_left`` (the seconds left before the join deadline).
-
-    Returns:
-        ``(state, token, member)``: the membership when a seat of
-        ``round_id`` was found (``state`` is then the one before); its
-        sealed mark is stamped with ``clock``'s reading.
-    """
-    if not shared.seated:
-        return (*shared.wait(token, timeout, attempt), None)
-    current, seat = shared.wait_seat(token, timeout, node)
-    if seat is None or seat.round != round_id:
-        if current == token:
-            return state, token, None
-        summary = None if current is None else shared.read_summary(current)
-        if summary is None and current is not None:
-            # A later write replaced the summary read for (members that
-            # re-join together race with the leave and the eviction of the
-            # dead): read the newest write's.
-            view, current = shared.read_view()
-            if not isinstance(view, StateSummary):
-                return view, current, None
-            summary = view
-        if summary is not None and summary.round < round_id:
-            return summary, current, None
-        if summary is None or summary.round != round_id or summary.closed:
-            return (*shared.read(), None)
-        # Sealed, and members' seats follow the seal's compare-and-set: this
-        # node's may be on its way; reading the whole state instead would
-        # cost every member of a large round the participant list.
-        current, seat = shared.wait_seat(token, seat_wait(join_left), node)
-        if seat is None or seat.round != round_id:
-            return (*shared.read(), None)
-    sealed = seat.sealed_mark
-    if sealed is not None:
-        seat = replace(seat, sealed_mark=replace(sealed, read_at=clock()))
-    return state, token, Member(seat, current, None)
 
 
 def _some_nodes(nodes: Sequence[str], shown: int = 5) -> str:

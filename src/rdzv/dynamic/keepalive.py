@@ -15,7 +15,7 @@ things, and returns when the next is due:
   beat's own failures count toward ``max_attempt``; after that many in a row
   the keep-alive stops and records a :class:`~rdzv.errors.RendezvousConnectionError`
   that the handler's calls raise until the node joins again.
-* **judge**: once the node is a member (:meth:`KeepAlive.wake` signals it,
+* **judge**: once the node is a member (:meth:`KeepAlive.judge_ring` signals it,
   at the round's verdict or when a confirmation slice passes without it),
   it reads the mark of its ring successor (its
   :class:`~rdzv.dynamic.seat.Seat` names it) every ring period
@@ -25,7 +25,8 @@ things, and returns when the next is due:
   (:func:`~rdzv.dynamic.machine.judge_marks`), crediting at most one
   ``interval`` between two readings, so a stalled backend or this node's
   own failed or starved reads never count against the successor; a
-  successor judged dead is handed to ``on_dead`` (the handler evicts it).
+  successor judged dead is handed to ``on_dead`` (this node's membership
+  evicts it), which names the next successor to judge.
   A reading comes no later than the moment the unchanged mark reaches the
   bound, and a seat that carries the mark as the sealer read it
   (:class:`~rdzv.dynamic.seat.SealedMark`) starts the count when this node
@@ -87,10 +88,8 @@ class KeepAlive:
             which it is dead.
         judge_every: Seconds between readings of the successor's mark.
         clock: The clock; the ticks wait on it.
-        watched: Returns this node's seat in the round whose ring is
-            watched (its successor there is the node judged), or None.
-        on_dead: Called with the nodes judged dead and the seat they were
-            judged from.
+        on_dead: Evicts the nodes judged dead from the seat they were
+            judged from; returns this node's seat to judge next (None: none).
         event: Logs one structured event: ``event(action, round, **fields)``.
     """
 
@@ -103,8 +102,7 @@ class KeepAlive:
         dead_after: float,
         judge_every: float,
         clock: Clock,
-        watched: Callable[[], Seat | None],
-        on_dead: Callable[[list[str], Seat], None],
+        on_dead: Callable[[list[str], Seat], Seat | None],
         event: Event,
     ) -> None:
         self._node = node
@@ -114,7 +112,6 @@ class KeepAlive:
         self._dead_after = dead_after
         self._judge_every = judge_every
         self._clock = clock
-        self._watched = watched
         self._on_dead = on_dead
         self._event = event
         self._lock = threading.Lock()
@@ -126,8 +123,12 @@ class KeepAlive:
         self._last_ok = 0.0
         self._next_beat = 0.0
         self._judged: tuple[int, dict[str, MarkWatch]] = (-1, {})
-        # Shared with wake(), under the lock: whether the last tick found nobody
-        # to judge, and whether a wake came since the last tick began.
+        # Shared with judge_ring(), under the lock: this node's seat in the
+        # round whose ring is judged (it changes only when the node completes
+        # another round, so a member that dies while the others re-join is
+        # still found), whether the last tick found nobody to judge, and
+        # whether a wake came since the last tick began.
+        self._watched: Seat | None = None
         self._idle = False
         self._woken = False
 
@@ -155,7 +156,7 @@ class KeepAlive:
             self._next_beat = now + self._interval
             # A node with no ring to judge has nothing to do before its first
             # beat, or a wake; one still judging its last round goes on at once.
-            self._idle, self._woken = self._watched() is None, False
+            self._idle, self._woken = self._watched is None, False
             stop = self._stop
             self._task = ticker_for(self._clock).schedule(
                 lambda: self._tick(stop), self._next_beat if self._idle else now
@@ -174,13 +175,27 @@ class KeepAlive:
             task.cancel(STOP_WAIT)
         self._liveness.absent(self._node)
 
-    def wake(self) -> None:
-        """Start judging now: the round is confirmed, or its confirmation late (see the module)."""
+    def judge_ring(self, seat: Seat) -> None:
+        """Judge ``seat``'s ring from now on, starting now.
+
+        Called when the round is confirmed, or its confirmation is late (see
+        the module). Until then a member of an earlier round keeps judging
+        that round's ring (a member that died while the others re-joined is
+        found there), and its first readings of the new ring do not compete
+        with the confirmations.
+        """
         with self._lock:
+            self._watched = seat
             self._woken = True
             task = self._task
             if self._idle and task is not None:
                 task.wake(self._clock())
+
+    @property
+    def watched(self) -> Seat | None:
+        """This node's seat in the round whose ring is judged, or None."""
+        with self._lock:
+            return self._watched
 
     @property
     def error(self) -> RendezvousConnectionError | None:
@@ -197,7 +212,7 @@ class KeepAlive:
         """Beat if due, judge, and return the reading of the next tick; None once given up."""
         with self._lock:
             spread, self._idle, self._woken = self._idle and self._woken, False, False
-        seat = self._watched()
+        seat = self.watched
         if spread and seat is not None:
             # The first reading of a new ring only sets its baseline: spread
             # over one period, so that the members of a round confirmed at
@@ -221,7 +236,7 @@ class KeepAlive:
                 self._judged = self._judge(self._judged)
         except Exception as exc:  # noqa: BLE001 - supervised: retried on the next tick
             self._event("judge-failed", self._judged[0], error=f"{type(exc).__name__}: {exc}")
-        member = self._watched()
+        member = self.watched
         if member is None:
             # Nobody to judge (not a member yet): tick only to beat, or when
             # woken. A thousand joining handlers in one process would
@@ -270,7 +285,7 @@ class KeepAlive:
         that followed a beat slowed by a loaded machine counted that beat's
         time as its own, and judgements came late by as much.
         """
-        member = self._watched()
+        member = self.watched
         successor = member.successor if member is not None else None
         if member is None or successor is None:
             return judged
@@ -286,7 +301,10 @@ class KeepAlive:
         watches, dead = judge_marks(watches, marks, now, self._dead_after, self._interval)
         if dead:
             self._event("dead", member.round, suspects=dead)
-            self._on_dead(dead, member)
+            following = self._on_dead(dead, member)
+            with self._lock:
+                if self._watched is member:
+                    self._watched = following
         return member.round, watches
 
 

@@ -1,4 +1,4 @@
-"""This node's membership of the run's rounds: which round it is in, whose ring it judges, leaving.
+"""This node's membership of the run's rounds: which round it is in, evictions, leaving.
 
 Theory of operation
 -------------------
@@ -10,12 +10,9 @@ calls:
 * **the waiting count**: ``num_nodes_waiting`` reads the backend at most
   once per :func:`~rdzv.dynamic.pacing.waiting_poll_gap` of the round and
   answers from its last reading in between;
-* **the ring**: the keep-alive judges this node's ring successor in the
-  round it watches (:meth:`Membership.watched_round`), which changes only
-  when the node completes another round, so a member that dies while the
-  others re-join is still found by its ring predecessor; an eviction of
-  the dead goes through the side channel, never behind this node's own
-  blocking watch;
+* **the ring**: the keep-alive evicts the ring successor it judged dead
+  (:meth:`Membership.evict_dead`) through the side channel, never behind
+  this node's own blocking watch, and learns the next successor;
 * **leaving**: a member leaves its round before it joins the next one
   (:meth:`Membership.leave_round`), with one small write for all the
   members that re-join together;
@@ -27,12 +24,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 
-from rdzv.backends.base import JoinQueueBackend, Token
+from rdzv.backends.base import JoinQueueBackend, VerdictBackend
 from rdzv.backends.kv import store_call
-from rdzv.dynamic.confirm import drop_confirmation
 from rdzv.dynamic.machine import (
     Limits,
     droppable_queue,
@@ -42,47 +37,17 @@ from rdzv.dynamic.machine import (
     round_lost,
 )
 from rdzv.dynamic.pacing import waiting_poll_gap
-from rdzv.dynamic.seat import Seat, watching_seat
+from rdzv.dynamic.seat import Member, Seat, watching_seat
 from rdzv.dynamic.shared import SharedState
 from rdzv.dynamic.state import RendezvousState, decode_state
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
+from rdzv.keys import leave_key, round_key
 from rdzv.retry import Clock
 from rdzv.store.base import Store
 
-__all__ = ["Member", "Membership", "leave_key", "round_key"]
+__all__ = ["Membership"]
 
 Event = Callable[..., None]
-
-
-@dataclass(frozen=True)
-class Member:
-    """The round this node is a member of, as it learned it.
-
-    Attributes:
-        seat: This node's seat.
-        token: The token of the state this node learned it from: while it
-            is stored, the round is as sealed.
-        state: That state, when this node read it whole; None when it
-            learned its place from its stored seat alone.
-    """
-
-    seat: Seat
-    token: Token
-    state: RendezvousState | None
-
-    @property
-    def round(self) -> int:
-        """The round."""
-        return self.seat.round
-
-    @classmethod
-    def of(cls, state: RendezvousState | None, token: Token, node: str) -> Member:
-        """Return ``node``'s membership of ``state``, which seats it (``Complete`` was decided)."""
-        # Complete is decided only on a sealed state that holds this node.
-        assert state is not None
-        seat = Seat.of(state, node)
-        assert seat is not None
-        return cls(seat, token, state)
 
 
 class Membership:
@@ -96,10 +61,10 @@ class Membership:
         side: The shared state through the backend's side channel.
         queue: The join queues.
         confirms: The confirmation queues.
+        verdicts: Their verdicts.
         limits: The settings.
         clock: The clock.
         event: Logs one structured event: ``event(action, round, **fields)``.
-        wake: Tells the keep-alive to judge the ring it watches now.
     """
 
     def __init__(
@@ -111,10 +76,10 @@ class Membership:
         side: SharedState,
         queue: JoinQueueBackend,
         confirms: JoinQueueBackend,
+        verdicts: VerdictBackend,
         limits: Limits,
         clock: Clock,
         event: Event,
-        wake: Callable[[], None],
     ) -> None:
         self._node = node
         self._store = store
@@ -123,14 +88,12 @@ class Membership:
         self._side = side
         self._queue = queue
         self._confirms = confirms
+        self._verdicts = verdicts
         self._limits = limits
         self._clock = clock
         self._event = event
-        self._wake = wake
         self._lock = threading.Lock()
         self._member: Member | None = None
-        # This node's seat in the last round it completed (see the module).
-        self._watched: Seat | None = None
         # The round whose queues this node's last seal made droppable.
         self._dropping: int | None = None
         # The last answer of num_nodes_waiting: (member, when, answer).
@@ -237,40 +200,17 @@ class Membership:
         self._event("evict", round_id, evicted=list(evicted))
         return True
 
-    def judge_ring(self, seat: Seat) -> None:
-        """Make the keep-alive judge ``seat``'s ring from now on.
-
-        Until then a member of an earlier round keeps judging that round's
-        ring (a member that died while the others re-joined is found there),
-        and its first readings of the new ring do not compete with the
-        confirmations.
-        """
-        with self._lock:
-            self._watched = seat
-        self._wake()
-
-    def watched_round(self) -> Seat | None:
-        """Return this node's seat in the round whose ring the keep-alive judges, or None."""
-        with self._lock:
-            return self._watched
-
-    def evict_dead(self, dead: list[str], seat: Seat) -> None:
-        """Evict the ring successor the keep-alive judged dead from ``seat``; watch the next one.
+    def evict_dead(self, dead: list[str], seat: Seat) -> Seat | None:
+        """Evict the ring successor the keep-alive judged dead from ``seat``; return the next seat.
 
         The next successor comes from the state as stored after the
-        eviction (a rare read of the whole list); once the round is gone,
-        nobody is watched until this node completes another.
+        eviction (a rare read of the whole list); None once the round is gone.
         """
         self.evict(dead, seat.round, via=self._side)
         current, _ = self._side.read()
-        following = (
-            watching_seat(current, self._node)
-            if current is not None and current.round == seat.round
-            else None
-        )
-        with self._lock:
-            if self._watched is seat:
-                self._watched = following
+        if current is None or current.round != seat.round:
+            return None
+        return watching_seat(current, self._node)
 
     def sealed(self, round_id: int) -> None:
         """Note that this node sealed ``round_id``: an older round's queues may go."""
@@ -287,7 +227,8 @@ class Membership:
             return
         try:
             self._queue.drop_queue(dropped)
-            drop_confirmation(self._confirms, self._store, self._prefix, dropped)
+            self._confirms.drop_queue(dropped)
+            self._verdicts.drop_verdict(dropped)
             for key in (leave_key(self._prefix, dropped), round_key(self._prefix, dropped)):
                 store_call("drop", partial(self._store.delete_key, key))
         except RendezvousConnectionError as exc:
@@ -313,13 +254,3 @@ class Membership:
                 "the next round"
             )
         return state.participants
-
-
-def round_key(prefix: str, round_id: int) -> str:
-    """The key holding ``round_id`` as sealed, for members that ask for its participants."""
-    return f"{prefix}round/{round_id}"
-
-
-def leave_key(prefix: str, round_id: int) -> str:
-    """The key naming the member that left ``round_id`` first (see ``leave_round``)."""
-    return f"{prefix}leave/{round_id}"

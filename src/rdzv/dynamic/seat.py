@@ -44,13 +44,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from rdzv.backends.base import validate_node_key
+from rdzv.backends.base import Token, validate_node_key
 from rdzv.dynamic.machine import successor_of
 from rdzv.dynamic.state import RendezvousState
 from rdzv.errors import RendezvousStateError
 
 __all__ = [
     "MAX_SEALED_MARK",
+    "Member",
     "SUMMARY_SEAT",
     "SealedMark",
     "Seat",
@@ -235,3 +236,34 @@ def watching_seat(state: RendezvousState, node: str) -> Seat | None:
     own = {i for i in state.evicted if state.participants[i] == node}
     view = replace(state, evicted=state.evicted - own) if own else state
     return Seat.of(view, node)
+
+
+@dataclass(frozen=True)
+class Member:
+    """The round this node is a member of, as it learned it.
+
+    Attributes:
+        seat: This node's seat.
+        token: The token of the state this node learned it from: while it
+            is stored, the round is as sealed.
+        state: That state, when this node read it whole; None when it
+            learned its place from its stored seat alone.
+    """
+
+    seat: Seat
+    token: Token
+    state: RendezvousState | None
+
+    @property
+    def round(self) -> int:
+        """The round."""
+        return self.seat.round
+
+    @classmethod
+    def of(cls, state: RendezvousState | None, token: Token, node: str) -> Member:
+        """Return ``node``'s membership of ``state``, which seats it (``Complete`` was decided)."""
+        # Complete is decided only on a sealed state that holds this node.
+        assert state is not None
+        seat = Seat.of(state, node)
+        assert seat is not None
+        return cls(seat, token, state)

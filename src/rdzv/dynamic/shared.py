@@ -12,17 +12,17 @@
 * :meth:`SharedState.update` is the one compare-and-set loop: read, let a
   pure ``change`` decide the new state (or that none is needed), write,
   retry with jittered backoff on a conflict, until a deadline (its own, or
-  the caller's: :class:`rdzv.retry.Retry`);
-* :meth:`SharedState.wait` blocks until the state changes (the backend's
-  watch) or polls with backoff;
-* with a :class:`~rdzv.backends.base.SeatedBackend`, a write may carry the
-  members' seats (:mod:`rdzv.dynamic.seat`) and always carries the state's
-  summary, :meth:`SharedState.wait_seat` waits for the token alone and
-  reads this node's seat, :meth:`SharedState.read_summary` and
-  :meth:`SharedState.read_view` read the summary instead of the state, and
-  :meth:`SharedState.changed_since` tells from the
-  token alone that nothing changed: a member of a large round then never
-  reads the participant list.
+  the caller's: :class:`rdzv.retry.Retry`).
+
+:func:`shared_state` picks, once, the reads that suit the backend's
+capabilities (:meth:`~SharedState.read_view`, :meth:`~SharedState.wait`,
+:meth:`~SharedState.changed_since`, :meth:`~SharedState.seats`):
+:class:`SharedState` reads the whole state and polls it;
+:class:`WatchedState` waits with the backend's watch; :class:`SeatedState`
+writes the members' seats (:mod:`rdzv.dynamic.seat`) and always the state's
+summary with the state, waits for the token and this node's seat, decides
+on the summary and tells "unchanged" from the token: a member of a large
+round never reads the participant list.
 
 Every method may raise the backend's errors: ``RendezvousConnectionError``
 (the backend cannot be reached) and ``RendezvousStateError`` (a stored
@@ -32,9 +32,13 @@ record is corrupt).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import cast
 
 from rdzv.backends.base import RendezvousBackend, SeatedBackend, Token, WatchableBackend
-from rdzv.dynamic.seat import SUMMARY_SEAT, Seat, decode_seat
+from rdzv.dynamic.machine import StateView
+from rdzv.dynamic.pacing import seat_wait
+from rdzv.dynamic.seat import SUMMARY_SEAT, Member, Seat, decode_seat, seats_of
 from rdzv.dynamic.state import (
     RendezvousState,
     StateSummary,
@@ -46,7 +50,7 @@ from rdzv.dynamic.state import (
 from rdzv.errors import RendezvousStateError
 from rdzv.retry import Clock, Retry, as_clock, poll_backoff
 
-__all__ = ["SharedState"]
+__all__ = ["SeatedState", "SharedState", "WatchedState", "shared_state"]
 
 CAS_ATTEMPTS = 64
 """Compare-and-set attempts of one update before it gives up."""
@@ -54,10 +58,24 @@ _SUMMARY_ATTEMPTS = 3
 """Reads of the token and its summary before :meth:`SharedState.read_view` reads the state."""
 
 Change = Callable[[RendezvousState | None], RendezvousState | None]
+Marks = Callable[[RendezvousState], Mapping[str, bytes | None] | None]
+Read = tuple[RendezvousState | None, Token | None]
+Seats = Mapping[str, bytes] | None
+Written = tuple[bytes, Token, bool] | None
+Waited = tuple[StateView | None, Token | None, Member | None]
+
+
+def shared_state(backend: RendezvousBackend, name: str, clock: Clock | None = None) -> SharedState:
+    """Return the shared state of ``backend`` with the reads that suit its capabilities."""
+    if isinstance(backend, SeatedBackend):
+        return SeatedState(backend, name, clock)
+    if isinstance(backend, WatchableBackend):
+        return WatchedState(backend, name, clock)
+    return SharedState(backend, name, clock)
 
 
 class SharedState:
-    """The run's state in a backend, decoded and written with compare-and-set.
+    """The run's state in a backend, decoded and written with compare-and-set; read whole, polled.
 
     Args:
         backend: The backend.
@@ -71,7 +89,7 @@ class SharedState:
         self._clock = as_clock(clock)
         self._last: tuple[bytes, RendezvousState] | None = None
 
-    def read(self) -> tuple[RendezvousState | None, Token | None]:
+    def read(self) -> Read:
         """Read the state: ``(state, token)``; ``(None, None)`` when nothing is stored."""
         found = self._backend.get_state()
         if found is None:
@@ -97,34 +115,18 @@ class SharedState:
         self._last = (bytes(data), state)
         return state
 
-    @property
-    def seated(self) -> bool:
-        """Whether the backend stores seats (:class:`~rdzv.backends.base.SeatedBackend`)."""
-        return isinstance(self._backend, SeatedBackend)
-
     def write(
-        self,
-        state: RendezvousState,
-        data: bytes,
-        token: Token | None,
-        seats: Mapping[str, bytes] | None = None,
-    ) -> tuple[bytes, Token, bool] | None:
+        self, state: RendezvousState, data: bytes, token: Token | None, seats: Seats = None
+    ) -> Written:
         """Compare-and-set the encoded state.
 
-        On a seated backend the state's summary is stored with it, as the
-        seat of :data:`~rdzv.dynamic.seat.SUMMARY_SEAT`, and so are the
-        members' encoded ``seats`` (ignored otherwise). ``data`` is
-        ``encode_state(state)``; returns as ``set_state``.
+        ``data`` is ``encode_state(state)``; ``seats`` (:meth:`seats`) go
+        with it on a seated backend. Returns as ``set_state``.
 
         Raises:
             RendezvousStateError: The backend broke the contract (see the module).
         """
-        backend = self._backend
-        if isinstance(backend, SeatedBackend):
-            stored = {**(seats or {}), SUMMARY_SEAT: encode_summary(StateSummary.of(state))}
-            result = backend.set_state_seated(data, token, stored)
-        else:
-            result = backend.set_state(data, token)
+        result = self._set(state, data, token, seats)
         if result is not None:
             return result
         found = self._backend.get_state()
@@ -137,6 +139,11 @@ class SharedState:
                 "after creating it"
             )
         return None
+
+    def _set(
+        self, state: RendezvousState, data: bytes, token: Token | None, seats: Seats
+    ) -> Written:
+        return self._backend.set_state(data, token)
 
     def update(
         self, change: Change, deadline: float | None = None
@@ -161,81 +168,169 @@ class SharedState:
                 break
         return None, False
 
-    def wait(
-        self, token: Token | None, timeout: float, attempt: int
-    ) -> tuple[RendezvousState | None, Token | None]:
-        """Wait up to ``timeout`` for the state to differ from ``token``, then read it.
+    def seats(self, plan: RendezvousState, marks: Marks) -> Mapping[str, bytes] | None:
+        """Return the members' seats to store with the seal of ``plan``; None: this backend keeps none.
 
-        ``attempt`` counts the polls before (the backoff of backends without watches).
+        ``marks`` reads the members' heartbeat marks (called only for seats).
         """
-        if isinstance(self._backend, WatchableBackend):
-            found = self._backend.wait_for_state(token, timeout)
-            return (None, None) if found is None else (self._decode(found[0]), found[1])
+        return None
+
+    def read_view(self) -> tuple[StateView | None, Token | None]:
+        """Read what a join decides on before its round is sealed: ``(view, token)``."""
+        return self.read()
+
+    def wait(
+        self,
+        node: str,
+        view: StateView | None,
+        token: Token | None,
+        round_id: int,
+        timeout: float,
+        attempt: int,
+        join_left: float,
+    ) -> Waited:
+        """Wait up to ``timeout`` for the state to differ from ``token``; read what a join needs.
+
+        ``view`` and ``token`` are what the join last read, ``round_id`` the
+        round it joins, ``attempt`` counts the waits before (the backoff of
+        polling), ``join_left`` the seconds before the join deadline.
+
+        Returns:
+            ``(view, token, member)``: ``node``'s membership when a stored
+            seat of ``round_id`` told it (``view`` is then the one before).
+        """
+        return (*self._wait(token, timeout, attempt), None)
+
+    def _wait(self, token: Token | None, timeout: float, attempt: int) -> Read:
         self._clock.sleep(min(timeout, poll_backoff(attempt)))
         return self.read()
 
-    def wait_seat(
-        self, token: Token | None, timeout: float, node: str
-    ) -> tuple[Token | None, Seat | None]:
-        """Wait up to ``timeout`` for a write that seats ``node``; read its seat if the token changed.
-
-        The backend may return earlier, at any write (see
-        :meth:`~rdzv.backends.base.SeatedBackend.wait_for_seat`).
-
-        Only for a seated backend (:attr:`seated`). Returns ``(token, seat)``:
-        the stored token, and this node's seat stored with it (None when the
-        token did not change or the write that produced it stored no seat for
-        ``node``).
-        """
-        backend = self._backend
-        assert isinstance(backend, SeatedBackend)
-        current = backend.wait_for_seat(token, node, timeout)
-        if current is None or current == token:
-            return current, None
-        raw = backend.read_seat(current, node)
-        return current, None if raw is None else decode_seat(raw)
-
-    def read_view(self) -> tuple[RendezvousState | StateSummary | None, Token | None]:
-        """Read what a join decides on before its round is sealed: ``(view, token)``.
-
-        On a seated backend the view is the summary of the stored state, when
-        stored with it; the state otherwise (as :meth:`read`).
-        """
-        backend = self._backend
-        if not isinstance(backend, SeatedBackend):
-            return self.read()
-        # A write between the two reads replaces the summary read for: read
-        # the newer one (members re-joining together race with the leave).
-        for _ in range(_SUMMARY_ATTEMPTS):
-            token = backend.read_token()
-            if token is None:
-                return None, None
-            summary = self.read_summary(token)
-            if summary is not None:
-                return summary, token
-        return self.read()
-
-    def read_summary(self, token: Token) -> StateSummary | None:
-        """Return the summary the write of ``token`` stored (a seated backend only).
-
-        None when that write stored none (an older rdzv wrote it) or a later
-        write replaced it.
-        """
-        backend = self._backend
-        assert isinstance(backend, SeatedBackend)
-        raw = backend.read_seat(token, SUMMARY_SEAT)
-        return None if raw is None else decode_summary(raw)
+    def changed(self, token: Token) -> bool:
+        """Tell whether the state was written after the write of ``token``."""
+        return self.changed_since(token)[0]
 
     def changed_since(self, token: Token) -> tuple[bool, RendezvousState | None]:
         """Tell whether the state changed since the write of ``token``; read it if it did.
 
-        A seated backend answers "unchanged" from the token alone, without
-        reading the state. Returns ``(changed, state)``: the stored state, or
-        None when it is not stored or was not read (a seated backend whose
-        token is unchanged).
+        Returns ``(changed, state)``: the stored state, or None when it is
+        not stored or was not read (a seated backend whose token is unchanged).
         """
-        backend = self._backend
-        if isinstance(backend, SeatedBackend) and backend.read_token() == token:
-            return False, None
         state, current = self.read()
         return current is None or current != token, state
+
+
+class WatchedState(SharedState):
+    """The shared state of a backend that watches it: a wait ends at the next write."""
+
+    def _wait(self, token: Token | None, timeout: float, attempt: int) -> Read:
+        found = cast(WatchableBackend, self._backend).wait_for_state(token, timeout)
+        return (None, None) if found is None else (self._decode(found[0]), found[1])
+
+
+class SeatedState(SharedState):
+    """The shared state of a backend that stores seats and the state's summary (see the module)."""
+
+    @property
+    def _seated(self) -> SeatedBackend:
+        return cast(SeatedBackend, self._backend)
+
+    def _set(
+        self, state: RendezvousState, data: bytes, token: Token | None, seats: Seats
+    ) -> Written:
+        stored = {**(seats or {}), SUMMARY_SEAT: encode_summary(StateSummary.of(state))}
+        return self._seated.set_state_seated(data, token, stored)
+
+    def seats(self, plan: RendezvousState, marks: Marks) -> Mapping[str, bytes] | None:
+        """Return every live member's seat in ``plan``, each with its successor's mark."""
+        return seats_of(plan, marks(plan))
+
+    def read_view(self) -> tuple[StateView | None, Token | None]:
+        """Read the summary of the stored state, when stored with it; the state otherwise."""
+        # A write between the two reads replaces the summary read for: read
+        # the newer one (members re-joining together race with the leave).
+        for _ in range(_SUMMARY_ATTEMPTS):
+            token = self._seated.read_token()
+            if token is None:
+                return None, None
+            summary = self._summary(token)
+            if summary is not None:
+                return summary, token
+        return self.read()
+
+    def _summary(self, token: Token) -> StateSummary | None:
+        """Return the summary the write of ``token`` stored; None when it stored none or was replaced."""
+        raw = self._seated.read_seat(token, SUMMARY_SEAT)
+        return None if raw is None else decode_summary(raw)
+
+    def _wait_seat(
+        self, token: Token | None, timeout: float, node: str
+    ) -> tuple[Token | None, Seat | None]:
+        """Wait for a write that seats ``node``: ``(token, seat)``, the seat None if it did not.
+
+        The backend may return earlier, at any write (see
+        :meth:`~rdzv.backends.base.SeatedBackend.wait_for_seat`).
+        """
+        current = self._seated.wait_for_seat(token, node, timeout)
+        if current is None or current == token:
+            return current, None
+        raw = self._seated.read_seat(current, node)
+        return current, None if raw is None else decode_seat(raw)
+
+    def wait(
+        self,
+        node: str,
+        view: StateView | None,
+        token: Token | None,
+        round_id: int,
+        timeout: float,
+        attempt: int,
+        join_left: float,
+    ) -> Waited:
+        """Wait for a write; read ``node``'s seat first, its summary next, the state last.
+
+        A node seated in ``round_id`` by the new token is a member without
+        reading the participant list. Otherwise the new write's summary is
+        read, and the state whole only when that write sealed ``round_id`` or a
+        later round (a summary cannot tell a member) or stored none. Once the
+        summary says ``round_id`` is sealed, the node waits for its seat
+        (:func:`~rdzv.dynamic.pacing.seat_wait`), ``timeout`` or not, but never
+        past ``join_left``. The member's sealed mark is stamped with this
+        state's clock.
+        """
+        current, seat = self._wait_seat(token, timeout, node)
+        if seat is None or seat.round != round_id:
+            if current == token:
+                return view, token, None
+            summary = None if current is None else self._summary(current)
+            if summary is None and current is not None:
+                # A later write replaced the summary read for (members that
+                # re-join together race with the leave and the eviction of the
+                # dead): read the newest write's.
+                newest, current = self.read_view()
+                if not isinstance(newest, StateSummary):
+                    return newest, current, None
+                summary = newest
+            if summary is not None and summary.round < round_id:
+                return summary, current, None
+            if summary is None or summary.round != round_id or summary.closed:
+                return (*self.read(), None)
+            # Sealed, and members' seats follow the seal's compare-and-set: this
+            # node's may be on its way; reading the whole state instead would
+            # cost every member of a large round the participant list.
+            current, seat = self._wait_seat(token, seat_wait(join_left), node)
+            if seat is None or seat.round != round_id:
+                return (*self.read(), None)
+        sealed = seat.sealed_mark
+        if sealed is not None:
+            seat = replace(seat, sealed_mark=replace(sealed, read_at=self._clock()))
+        return view, token, Member(seat, current, None)
+
+    def changed(self, token: Token) -> bool:
+        """Tell from the token alone whether the state was written after the write of ``token``."""
+        return bool(self._seated.read_token() != token)
+
+    def changed_since(self, token: Token) -> tuple[bool, RendezvousState | None]:
+        """As :meth:`SharedState.changed_since`; "unchanged" is told from the token alone."""
+        if not self.changed(token):
+            return False, None
+        return super().changed_since(token)

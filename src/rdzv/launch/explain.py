@@ -9,11 +9,9 @@ gives the plain message, never an error.
 from __future__ import annotations
 
 from rdzv.api import RendezvousHandler
-from rdzv.backends.base import JoinQueueBackend
-from rdzv.backends.store import C10dRendezvousBackend
+from rdzv.backends.base import JoinQueueBackend, ListedBackend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.dynamic.state import decode_record, decode_state
-from rdzv.status import list_runs
 
 __all__ = ["describe_change", "describe_timeout"]
 
@@ -75,8 +73,8 @@ def describe_timeout(handler: RendezvousHandler) -> str:
             came = [decode_record(r).node for r in backend.queue_records(next_round)]
             others = [n for n in came if n != handler.node]
             parts.append(f"nodes that came: {_names(others) if others else 'none but this one'}")
-        if isinstance(backend, C10dRendezvousBackend):
-            runs = [r for r in list_runs(backend.store) if r != run_id]
+        if isinstance(backend, ListedBackend):
+            runs = [r for r in backend.runs() if r != run_id]
             if runs:
                 parts.append(f"other runs on this store: {_names([repr(r) for r in runs])}")
     except Exception:  # noqa: BLE001 - an explanation must never fail the agent

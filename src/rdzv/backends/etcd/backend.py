@@ -10,8 +10,8 @@ that compares it, puts the new value on success and reads the current value
 on failure, in one round trip. The same transaction puts an empty *head*
 key, ``<key_prefix><run_id>/head``, which is what waiters watch: a watch
 event carries the value of the key it reports, so a watch of the state sent
-every waiter the whole participant list at every write (54 KB at 2,048
-participants), where the head's event carries none. A write that moves the
+every waiter the whole participant list at every write, where the head's
+event carries none. A write that moves the
 state but not the head (an operator deleting the key, or an rdzv from before
 the head) wakes the waiters at the end of their wait instead. A read asks for the key's revisions alone
 first and reads the value only when the revision differs from the last one
@@ -504,9 +504,9 @@ class EtcdRendezvousBackend(
     def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
         """Return the marks of several nodes; of many, from one read of every heartbeat's revision.
 
-        A seal reads the marks of every member it seats (2,048 reads at
-        2,048 members); from :data:`MARKS_IN_ONE_READ` nodes on, one
-        keys-only read of the run's heartbeat keys answers for all.
+        A seal reads the marks of every member it seats (one read each);
+        from :data:`MARKS_IN_ONE_READ` nodes on, one keys-only read of the
+        run's heartbeat keys answers for all.
         """
         if len(nodes) < MARKS_IN_ONE_READ:
             return super().heartbeat_marks(nodes)

@@ -23,8 +23,8 @@ attempt opens a stream, sends its one request and closes its side, reads
 until the answer (a keep-alive) or the first batch of events (a watch), and
 cancels the stream. Sent as unary-stream calls, these are read in the
 caller's thread; grpcio's default for a stream starts a thread to send the
-request and wakes the caller from another (at 2,048 simulated nodes, 15 ms
-of agent CPU a node against 13). A watch's stream ends at the time left;
+request and wakes the caller from another (more agent CPU a node:
+``docs/history/engines.md``). A watch's stream ends at the time left;
 etcd may report that end as its own error rather than as the deadline, so
 any end at the deadline but a member's being unavailable is the watch's
 timeout.
@@ -89,9 +89,8 @@ _MAX_RECONNECT_MS = 1000
 """The longest a channel waits between two attempts to reconnect to its member."""
 _BDP_PROBE = 0
 """grpcio's bandwidth probe, off: it pings as replies arrive to size the flow-control
-window, which rdzv's small messages never fill (at 2,048 simulated nodes, one
-connection each, it cost etcd 1.4 ms and the agents 6 ms of CPU a node in a formation;
-docs/engines.md)."""
+window, which rdzv's small messages never fill (its cost in etcd's and the
+agents' CPU: ``docs/history/engines.md``)."""
 _MAX_MESSAGE = 64 * 1024 * 1024
 """The largest reply accepted (grpcio's default, 4 MiB, is below a range of many keys)."""
 _UNARY = {

@@ -11,8 +11,8 @@ members' own writes or cost the members a second wait (two designs tried,
 transaction as the state, spread over :data:`SEAT_GROUPS` keys: a member's
 seat goes to the group of its key's CRC-32, a pseudo-node's (the state's
 summary) to a key of its own. A member then reads one group, about
-``N / SEAT_GROUPS`` seats (about 1.3 KB at 2,048 members, 5 KB at 8,192),
-where it read the whole state (54 KB and 216 KB). A group key written by the
+``N / SEAT_GROUPS`` seats, where it read the whole state (the sizes:
+``docs/engines.md``). A group key written by the
 seal has the seal's revision, which is the state's token: a group whose
 revision is another write's holds no seat of that write.
 
