@@ -55,6 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "stores",
         (
             "rdzv.store",
+            "rdzv.store.waiters",
             "rdzv.store.engine",
             "rdzv.store.memory",
             "rdzv.store.foreign",
@@ -173,6 +174,7 @@ PURE: frozenset[str] = frozenset(
         "rdzv.keys",
         "rdzv.store.engine",
         "rdzv.store.protocol",
+        "rdzv.store.waiters",
     }
 )
 

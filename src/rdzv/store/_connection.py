@@ -72,10 +72,11 @@ REQUESTS_PER_TURN: Final = 1024
 """Requests of one connection executed before the others get their turn: a
 few milliseconds of cheap requests, so that a client pipelining ``set`` s
 costs few turns of the loop while the others still get theirs."""
-FEED_SLICE: Final = RECEIVE_BUFFER_BYTES
+FEED_SLICE: Final = 16 * 1024
 """Received bytes of one connection parsed before the others get their turn:
-one read, so ordinary traffic is parsed in the turn that read it, and a
-burst of the smallest requests is parsed in bounded slices."""
+ordinary requests are parsed in the turn that read them, and a request of
+many keys (a key costs a microsecond or so to decode, whatever its size)
+is parsed a few milliseconds per turn; a larger read waits in the inbox."""
 
 
 class _Disconnect(Exception):  # noqa: N818 - control flow, not an error report

@@ -24,7 +24,9 @@ Each limit has a named default and a constructor parameter (see
   unread gets nothing more executed (:mod:`rdzv.store._connection`). The
   parser refuses oversize keys, values and key counts as soon as their
   length is readable, and costs time linear in a request's size however it
-  is split.
+  is split. A ``WAIT`` of many keys is registered and removed in slices,
+  one per turn (:mod:`rdzv.store.waiters`), and may name at most
+  ``max_waited_keys`` keys.
 * Time. Kernel keepalive probes find a peer gone without a FIN, even one
   blocked in a long ``WAIT``; one sweeper task closes every connection that
   broke ``frame_timeout`` (a request still incomplete that long after its
@@ -56,7 +58,7 @@ from typing import Any, Final
 from rdzv.net import bind_listener, enable_keepalive, listen_backlog, server_tls_context
 from rdzv.store._connection import FEED_SLICE, RECEIVE_BUFFER_BYTES, REQUESTS_PER_TURN, Connection
 from rdzv.store.admission import FD_HEADROOM, HANDSHAKE_GRACE, Admission, handshake_grace
-from rdzv.store.engine import DEFAULT_MAX_WAITING_BYTES, StoreEngine
+from rdzv.store.engine import DEFAULT_MAX_WAITED_KEYS, DEFAULT_MAX_WAITING_BYTES, StoreEngine
 from rdzv.store.protocol import DECODED_ITEM_OVERHEAD, MAX_MULTI_KEYS, MAX_REQUEST_BYTES
 from rdzv.store.throttle import ThrottledLog
 from rdzv.threads import start_thread
@@ -159,6 +161,11 @@ class TCPStoreServer(Admission):
             :data:`~rdzv.store.engine.WAITED_KEY_OVERHEAD`; a request that
             would pass it closes its connection with a warning naming the
             limit (default :data:`~rdzv.store.engine.DEFAULT_MAX_WAITING_BYTES`).
+        max_waited_keys: Most keys one connection's ``WAIT`` may name (a
+            connection has at most one blocked request); one naming more
+            closes its connection with a warning naming the limit, as soon
+            as its number of keys is read (default
+            :data:`~rdzv.store.engine.DEFAULT_MAX_WAITED_KEYS`).
         max_buffered_bytes: Bytes held by requests not executed yet
             (mostly incomplete ones) over all connections: their received
             bytes, plus :data:`~rdzv.store.protocol.DECODED_ITEM_OVERHEAD`
@@ -201,6 +208,7 @@ class TCPStoreServer(Admission):
         max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES,
+        max_waited_keys: int = DEFAULT_MAX_WAITED_KEYS,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         tcp_keepalive: float | None = DEFAULT_TCP_KEEPALIVE,
@@ -217,6 +225,7 @@ class TCPStoreServer(Admission):
             ("max_unsent_bytes", max_unsent_bytes),
             ("max_buffered_bytes", max_buffered_bytes),
             ("max_waiting_bytes", max_waiting_bytes),
+            ("max_waited_keys", max_waited_keys),
         ):
             if count is not None and count < 1:
                 raise ValueError(f"{name} must be at least 1, got {count}")
@@ -258,7 +267,10 @@ class TCPStoreServer(Admission):
         self._requested_port = port
         self.secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
         self._ssl_context = ssl_context
-        self.engine: StoreEngine[Connection] = StoreEngine(max_waiting_bytes)
+        self.engine: StoreEngine[Connection] = StoreEngine(
+            max_waiting_bytes, max_waited_keys, self._schedule_work
+        )
+        self._work_scheduled = False
         self._port: int | None = None
         self._bound_host = host or "::"
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -355,7 +367,20 @@ class TCPStoreServer(Admission):
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    # -- accepting (on the loop's thread) ------------------------------------
+    # -- on the loop's thread -------------------------------------------------
+
+    def _schedule_work(self) -> None:
+        """Have the engine's sliced work (large blocked requests) done, a slice per turn."""
+        if not self._work_scheduled:
+            self._work_scheduled = True
+            asyncio.get_running_loop().call_soon(self._work)
+
+    def _work(self) -> None:
+        self._work_scheduled = False
+        for conn, answer in self.engine.work():
+            conn.answer(answer)
+        if self.engine.has_work:
+            self._schedule_work()
 
     def _accepted(self, sock: socket.socket, address: str, peer: str) -> None:
         """Take in a connection just accepted, or refuse it (close it at once)."""
