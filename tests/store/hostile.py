@@ -126,12 +126,12 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 def latencies(
-    port: int, seconds: float, auth_token: str | None = None, **client: Any
+    port: int, seconds: float, auth_token: str | None = None, timeout: float = 30, **client: Any
 ) -> list[float]:
     """Time ``set`` + ``get`` round trips of a fresh client for ``seconds``; sorted."""
     key = f"probe-{uuid.uuid4().hex}"
     taken: list[float] = []
-    with TCPStore("127.0.0.1", port, timeout=30, auth_token=auth_token, **client) as store:
+    with TCPStore("127.0.0.1", port, timeout=timeout, auth_token=auth_token, **client) as store:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline or len(taken) < 5:
             started = time.perf_counter()

@@ -369,6 +369,27 @@ def test_the_connection_cap_follows_the_open_file_limit_and_refusals_do_not_floo
     assert len(log.splitlines()) < 20, log  # throttled: not one line per refusal
 
 
+@pytest.mark.slow
+def test_a_client_is_served_while_idle_connections_hold_every_descriptor(tmp_path: Path) -> None:
+    # Issue 51 part 6b: 1,100 connections from eight addresses (so no
+    # per-address cap stops them) send VALIDATE and nothing more, under an
+    # open-file limit of 1,024: every connection slot the limit leaves is
+    # theirs. A client was refused until they left; now the oldest unused
+    # one is closed to give it a slot, with one log line.
+    with server_process(tmp_path, nofile=1024) as server, ExitStack() as stack:
+        for i in range(1100):
+            sock = stack.enter_context(attacker(server.port, source=f"127.0.0.{2 + i % 8}"))
+            send_quietly(sock, VALIDATE)
+        wait_until(  # every slot is taken
+            lambda: "refused" in server.log() or "to give" in server.log(), detail=server.log
+        )
+        taken = latencies(server.port, 1.0, timeout=10)
+        log = server.log()
+    assert quantile(taken, 0.5) < LATENCY_BOUND, taken
+    assert log.count("disconnected to give") == 1, log
+    assert "it had sent nothing since its handshake" in log
+
+
 def test_disconnects_before_the_handshake_do_not_flood_the_log(tmp_path: Path) -> None:
     # Row 1 with a secret: each connection is closed at its CHECK opcode
     # byte, and a peer repeats that as fast as it connects. So are a bad

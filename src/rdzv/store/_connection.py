@@ -140,6 +140,17 @@ class Connection(asyncio.BufferedProtocol):
         :data:`FEED_SLICE` bytes per turn, other connections' turns between."""
         self.will: tuple[bytes, bytes] | None = None
         """The key and value set when this connection closes (``WILL``)."""
+        self.requests = 0
+        """Requests parsed from this connection."""
+        self.requests_at_open = 0
+        """:attr:`requests` when the handshake was done."""
+        self.admitted_at = 0.0
+        """When the handshake was done (``time.monotonic()``)."""
+
+    @property
+    def used(self) -> bool:
+        """Whether a request arrived since the handshake was done."""
+        return self.requests > self.requests_at_open
 
     def _on_count(self, op: Op, count: int) -> None:
         """Count a ``WAIT`` against the waiting budget before its keys arrive."""
@@ -230,6 +241,7 @@ class Connection(asyncio.BufferedProtocol):
             while True:
                 if sets := parser.next_sets(turn):
                     self.frame_started = now
+                    self.requests += len(sets)
                     self.server.requests += len(sets)
                     for conn, answer in self.engine.set_many(sets):
                         conn.answer(answer)
@@ -247,6 +259,7 @@ class Connection(asyncio.BufferedProtocol):
                         self.frame_started = None
                     break
                 self.frame_started = now
+                self.requests += 1
                 self.server.requests += 1
                 run = self.store_handlers.get(request.op)
                 if run is not None:
@@ -456,6 +469,7 @@ class Connection(asyncio.BufferedProtocol):
         Raises:
             _Disconnect: The server has no slot left for another client.
         """
+        self.requests_at_open = self.requests
         if not self.server.admit(self):
             raise _Disconnect("no connection slot left", b"", logged=True)
         self.table = _FULL
