@@ -38,12 +38,10 @@ from __future__ import annotations
 import os
 import resource
 import time
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
+from rdzv.store._connection import Connection
 from rdzv.store.throttle import ThrottledLog
-
-if TYPE_CHECKING:
-    from rdzv.store._connection import Connection
 
 __all__ = ["FD_HEADROOM", "HANDSHAKE_GRACE", "Admission", "handshake_grace"]
 
@@ -66,8 +64,9 @@ def handshake_grace(handshake_timeout: float) -> float:
 class Admission:
     """The connection slots of a store server, and the shedding that keeps it in its limits.
 
+    The :class:`~rdzv.store._connection.Slots` of a server's connections; a
     :class:`~rdzv.store.server.TCPStoreServer` is one (its constructor
-    documents the limits); every method runs on the server loop's thread.
+    documents the limits). Every method runs on the server loop's thread.
     """
 
     def __init__(

@@ -56,7 +56,14 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
 from rdzv.net import bind_listener, enable_keepalive, listen_backlog, server_tls_context
-from rdzv.store._connection import FEED_SLICE, RECEIVE_BUFFER_BYTES, REQUESTS_PER_TURN, Connection
+from rdzv.store._connection import (
+    FEED_SLICE,
+    RECEIVE_BUFFER_BYTES,
+    REQUESTS_PER_TURN,
+    Connection,
+    ConnectionLimits,
+    Host,
+)
 from rdzv.store.admission import FD_HEADROOM, HANDSHAKE_GRACE, Admission, handshake_grace
 from rdzv.store.engine import DEFAULT_MAX_WAITED_KEYS, DEFAULT_MAX_WAITING_BYTES, StoreEngine
 from rdzv.store.protocol import DECODED_ITEM_OVERHEAD, MAX_MULTI_KEYS, MAX_REQUEST_BYTES
@@ -250,8 +257,6 @@ class TCPStoreServer(Admission):
         self.loop = loop
         """The event loop's name (one of :data:`EVENT_LOOPS`)."""
         self.max_unsent_bytes = max_unsent_bytes
-        self.receive_buffer = memoryview(bytearray(RECEIVE_BUFFER_BYTES))
-        """Where every connection receives (see :class:`~rdzv.store._connection.Connection`)."""
         self.handshake_timeout = float(handshake_timeout)
         self.frame_timeout = float(frame_timeout)
         self.handshake_deadline = min(self.handshake_timeout, self.frame_timeout)
@@ -261,14 +266,26 @@ class TCPStoreServer(Admission):
         self.expired_connections = 0
         """Connections closed for breaking ``frame_timeout``, ``idle_timeout``
         or the handshake deadline."""
-        self.requests = 0
-        """Requests parsed since the server started."""
-        self._host = host
+        self._host_name = host
         self._requested_port = port
         self.secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
         self._ssl_context = ssl_context
         self.engine: StoreEngine[Connection] = StoreEngine(
             max_waiting_bytes, max_waited_keys, self._schedule_work
+        )
+        limits = ConnectionLimits(
+            max_unsent_bytes,
+            self.handshake_deadline,
+            self.frame_timeout,
+            self.idle_timeout,
+            self.secret,
+        )
+        self._connections_host = Host(
+            self.engine,
+            self,
+            limits,
+            self.throttled,
+            memoryview(bytearray(RECEIVE_BUFFER_BYTES)),
         )
         self._work_scheduled = False
         self._port: int | None = None
@@ -294,6 +311,11 @@ class TCPStoreServer(Admission):
     def host(self) -> str:
         """The address the server listens on (``::`` for every address)."""
         return self._bound_host
+
+    @property
+    def requests(self) -> int:
+        """Requests parsed since the server started."""
+        return self._connections_host.requests
 
     @property
     def running(self) -> bool:
@@ -391,7 +413,7 @@ class TCPStoreServer(Admission):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tcp_keepalive is not None:
             enable_keepalive(sock, self.tcp_keepalive)
-        conn = Connection(self, address, peer)
+        conn = Connection(self._connections_host, address, peer)
         self.handshaking[conn] = None
         conn.attaching = asyncio.get_running_loop().create_task(self._attach(conn, sock))
 
@@ -456,7 +478,7 @@ class TCPStoreServer(Admission):
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            sock = bind_listener(self._host, self._requested_port)
+            sock = bind_listener(self._host_name, self._requested_port)
             sock.listen(min(listen_backlog(), ACCEPT_BACKLOG))
             sock.setblocking(False)
         except (OSError, ValueError) as exc:
