@@ -52,10 +52,10 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
 
-from rdzv.net import bind_listener, enable_keepalive, listen_backlog, server_tls_context
+from rdzv.net import bind_listeners, enable_keepalive, listen_backlog, server_tls_context
 from rdzv.store._connection import (
     FEED_SLICE,
     RECEIVE_BUFFER_BYTES,
@@ -140,8 +140,10 @@ class TCPStoreServer(Admission):
     :class:`~rdzv.store.admission.Admission`.
 
     Args:
-        host: The address to listen on; None (the default) listens on every
-            address, IPv6 and IPv4 (dual stack), falling back to IPv4 only.
+        host: The address to listen on, or several (one port for all, see
+            :func:`~rdzv.net.listen_addresses`); None (the default) listens
+            on every address, IPv6 and IPv4 (dual stack), falling back to
+            IPv4 only.
         port: The port; 0 picks a free one (see :attr:`port`).
         auth_token: A shared secret; when given, clients must authenticate
             (rdzv clients only: torch's client cannot).
@@ -203,7 +205,7 @@ class TCPStoreServer(Admission):
 
     def __init__(
         self,
-        host: str | None = None,
+        host: str | Sequence[str] | None = None,
         port: int = 0,
         *,
         auth_token: str | bytes | None = None,
@@ -266,7 +268,7 @@ class TCPStoreServer(Admission):
         self.expired_connections = 0
         """Connections closed for breaking ``frame_timeout``, ``idle_timeout``
         or the handshake deadline."""
-        self._host_name = host
+        self._hosts = [host] if isinstance(host, str) else None if host is None else list(host)
         self._requested_port = port
         self.secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
         self._ssl_context = ssl_context
@@ -289,7 +291,7 @@ class TCPStoreServer(Admission):
         )
         self._work_scheduled = False
         self._port: int | None = None
-        self._bound_host = host or "::"
+        self._bound_host = self._hosts[0] if self._hosts else "::"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -309,7 +311,7 @@ class TCPStoreServer(Admission):
 
     @property
     def host(self) -> str:
-        """The address the server listens on (``::`` for every address)."""
+        """The (first) address the server listens on (``::`` for every address)."""
         return self._bound_host
 
     @property
@@ -416,6 +418,7 @@ class TCPStoreServer(Admission):
         conn = Connection(self._connections_host, address, peer)
         self.handshaking[conn] = None
         conn.attaching = asyncio.get_running_loop().create_task(self._attach(conn, sock))
+        conn.attaching.add_done_callback(lambda task: _close_if_cancelled(task, sock))
 
     async def _attach(self, conn: Connection, sock: socket.socket) -> None:
         """Give ``conn`` its transport, after the TLS handshake on a TLS server."""
@@ -453,8 +456,14 @@ class TCPStoreServer(Admission):
         loop = asyncio.get_running_loop()
         delay = 0.0
         while True:
+            accepting = loop.create_task(loop.sock_accept(listener))
             try:
-                sock, addr = await loop.sock_accept(listener)
+                sock, addr = await asyncio.shield(accepting)
+            except asyncio.CancelledError:
+                # Stopping: a connection accepted meanwhile must not leak.
+                accepting.add_done_callback(_close_accepted)
+                accepting.cancel()
+                raise
             except OSError as exc:
                 if exc.errno not in _ACCEPT_OUT_OF_RESOURCES:
                     continue  # the peer went away between SYN and accept
@@ -478,15 +487,16 @@ class TCPStoreServer(Admission):
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            sock = bind_listener(self._host_name, self._requested_port)
-            sock.listen(min(listen_backlog(), ACCEPT_BACKLOG))
-            sock.setblocking(False)
+            listeners = bind_listeners(self._hosts, self._requested_port)
+            for sock in listeners:
+                sock.listen(min(listen_backlog(), ACCEPT_BACKLOG))
+                sock.setblocking(False)
         except (OSError, ValueError) as exc:
             self._error = exc
             self._ready.set()
             return
         self.fit_descriptor_limit()
-        address = sock.getsockname()
+        address = listeners[0].getsockname()
         self._bound_host = str(address[0])
         self._port = int(address[1])
         self._loop = loop
@@ -494,7 +504,8 @@ class TCPStoreServer(Admission):
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self._stop.set)
         self._ready.set()
-        tasks = [loop.create_task(self._sweep()), loop.create_task(self._accept(sock))]
+        tasks = [loop.create_task(self._sweep())]
+        tasks += [loop.create_task(self._accept(sock)) for sock in listeners]
         try:
             if on_ready is not None:
                 on_ready(self)
@@ -505,7 +516,8 @@ class TCPStoreServer(Admission):
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            sock.close()
+            for sock in listeners:
+                sock.close()
             for conn in [*self.handshaking, *self.connections]:
                 conn.abort()
             for _ in range(3):
@@ -534,6 +546,18 @@ class TCPStoreServer(Admission):
                         kind, "store client %s disconnected: %s", conn.peer, reason
                     )
                     conn.abort()
+
+
+def _close_accepted(task: asyncio.Task[tuple[socket.socket, Any]]) -> None:
+    """Close what an accept task accepted after the accept loop was stopped."""
+    if not task.cancelled() and task.exception() is None:
+        task.result()[0].close()
+
+
+def _close_if_cancelled(task: asyncio.Task[None], sock: socket.socket) -> None:
+    """Close the socket of an attach task cancelled before it ran (the server stopped)."""
+    if task.cancelled():
+        sock.close()
 
 
 def _loop_runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
