@@ -108,3 +108,14 @@ def test_the_workers_bootstrap_store_listens_where_it_is_published(
         assert reachable(OTHER, server.port)
     finally:
         server.close()
+
+
+def test_the_torchrun_plugins_server_child_listens_where_it_is_told() -> None:
+    from rdzv.torchrun.server_child import _ServerProcess
+
+    server = _ServerProcess.start(0, None, None, listen_addresses("127.0.0.1"))
+    try:
+        assert reachable("127.0.0.1", server.port)
+        assert not reachable(OTHER, server.port)
+    finally:
+        server.stop()
