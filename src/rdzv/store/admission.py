@@ -262,12 +262,20 @@ class Admission:
                 self._shed()
 
     def _shed(self) -> None:
-        """Close the connections whose incomplete requests started first until under the total."""
+        """Close the connections whose incomplete requests started first until under the total.
+
+        A connection that stopped for its turn or its unread replies is
+        waiting for the server, and is spared, unless what it waits with is
+        received bytes not parsed yet (its inbox): that is a request still
+        arriving, faster than a turn parses it.
+        """
         while self.buffered > self.max_buffered_bytes:
             started = [
                 conn
                 for conn in [*self.handshaking, *self.connections]
-                if conn.buffered and conn.frame_started is not None and not conn.stalled
+                if conn.buffered
+                and conn.frame_started is not None
+                and (not conn.stalled or conn.inbox)
             ]
             if not started:
                 return
