@@ -48,6 +48,7 @@ from tests.store.hostile import (  # noqa: E402 - after the path
     quantile,
     send_quietly,
     slow_check_frame,
+    waiting_attack,
 )
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "rss_bytes",
     "send_quietly",
     "slow_check_frame",
+    "waiting_attack",
     "stamp",
     "stop_process",
     "subprocess_env",

@@ -52,6 +52,7 @@ from _common import (
     stamp,
     stop_process,
     subprocess_env,
+    waiting_attack,
 )
 from rdzv.store.protocol import encode_bytes
 
@@ -145,6 +146,11 @@ def attack_wait_keys(port: int, duration: float) -> None:
                 got += len(chunk)
 
 
+def attack_wait_rounds(port: int, duration: float) -> None:
+    """Rounds of 8 WAITs of 65,536 keys held 0.5 s, SET/DELETE pairs on one key, then closed."""
+    waiting_attack(port, duration, 65536)
+
+
 def attack_append(port: int, duration: float) -> None:
     """3,000 APPENDs of 32 KiB to one key."""
     sock = _connect(port)
@@ -184,6 +190,7 @@ ATTACKS: dict[str, Callable[[int, float], None]] = {
     "big-value": attack_big_value,
     "unread-gets": attack_unread_gets,
     "wait-keys": attack_wait_keys,
+    "wait-rounds": attack_wait_rounds,
     "append": attack_append,
     "fd-limit": lambda port, d: attack_idle(port, d, 1100, validate=True),
     "idle-slots": lambda port, d: attack_idle(port, d, 200, validate=True),
@@ -207,6 +214,7 @@ SETUPS = {
     "big-value": Setup(auth=True),
     "unread-gets": Setup(),
     "wait-keys": Setup(),
+    "wait-rounds": Setup(),
     "append": Setup(),
     "fd-limit": Setup(nofile=1024),
     "idle-slots": Setup(auth=True, options=["--max-connections", "128"]),

@@ -6,7 +6,9 @@ or return names that do not connect on machines without working DNS.
 A server listens the way torch's store does: on every address, IPv6 and IPv4
 on one dual-stack socket (falling back to IPv4 only), with the kernel's
 ``somaxconn`` as backlog; accepted sockets get kernel keepalive probes so a
-peer that vanished without a FIN is found.
+peer that vanished without a FIN is found. A server that publishes one
+address listens on that address and loopback only (:func:`listen_addresses`),
+unless the address is not this machine's own.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import logging
 import socket
 import ssl
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -26,8 +31,10 @@ __all__ = [
     "KEEPALIVE_PROBES",
     "advertised_address",
     "bind_listener",
+    "bind_listeners",
     "enable_keepalive",
     "is_local_address",
+    "listen_addresses",
     "listen_backlog",
     "local_addresses",
     "primary_address",
@@ -39,6 +46,13 @@ KEEPALIVE_INTERVAL: Final = 10
 """Seconds between two keepalive probes, once the first went unanswered."""
 KEEPALIVE_PROBES: Final = 6
 """Unanswered keepalive probes after which the kernel closes the connection."""
+LOOPBACK: Final = "127.0.0.1"
+"""The address a process reaches a server of its own machine at."""
+
+_log = logging.getLogger(__name__)
+_told_lock = threading.Lock()
+_told: set[str] = set()
+"""Published addresses already logged as not this machine's own."""
 
 
 def local_addresses() -> list[str]:
@@ -218,6 +232,97 @@ def bind_listener(host: str | None, port: int) -> socket.socket:
             continue
         return sock
     raise last_error or OSError(f"no address to bind for host {host!r}")
+
+
+def bind_listeners(hosts: Sequence[str] | None, port: int) -> list[socket.socket]:
+    """Bind one socket per address of ``hosts``, all on one port (see :func:`bind_listener`).
+
+    ``hosts`` None binds every address (one socket). With ``port`` 0 the
+    first address picks a free port and the others take the same; when one
+    of them has it taken already, all start over on a new port (a few times).
+
+    Raises:
+        OSError: An address is in use or cannot be bound.
+    """
+    if not hosts:
+        return [bind_listener(None, port)]
+    for attempt in range(8):
+        bound: list[socket.socket] = []
+        try:
+            for host in hosts:
+                bound.append(bind_listener(host, port if not bound else bound[0].getsockname()[1]))
+        except OSError as exc:
+            for sock in bound:
+                sock.close()
+            if port or exc.errno != errno.EADDRINUSE or not bound or attempt == 7:
+                raise
+            continue
+        return bound
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def listen_addresses(published: str, *, listen_all: bool = False) -> list[str] | None:
+    """Return where a server that publishes ``published`` listens: None for every address.
+
+    A server reached at one published address has no reason to listen on
+    the others: it listens on the addresses ``published`` resolves to that
+    are this machine's own (:func:`is_local_address`), and on
+    :data:`LOOPBACK`, where this machine's own clients connect. So a
+    published loopback address listens on loopback only. Where ``published``
+    is none of this machine's addresses (a name that resolves elsewhere, an
+    address behind NAT), or a host name that resolves to loopback here only
+    (as ``/etc/hosts`` maps the machine's own name on some systems, where
+    the other machines resolve it to a real address), the clients reach
+    the server some other way: every address, as when ``listen_all``, said
+    once in the log (per address and process).
+
+    Args:
+        published: The host name or address the clients are given.
+        listen_all: Listen on every address whatever is published.
+    """
+    host = published.strip("[]")
+    if listen_all or host in ("", "0.0.0.0", "::"):  # noqa: S104 - the wildcards listen on all
+        return None
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        infos = []
+    own: list[str] = []
+    for _family, _type, _proto, _name, sockaddr in infos:
+        addr = str(sockaddr[0])
+        if addr not in own and is_local_address(addr.split("%", 1)[0]):
+            own.append(addr)
+    if own and all(_is_loopback(a) for a in own) and not _names_loopback(host):
+        own = []  # a host name mapped to loopback here (/etc/hosts) that others resolve elsewhere
+    if not own:
+        with _told_lock:
+            first = host not in _told
+            _told.add(host)
+        if first:
+            _log.warning(
+                "store server: the published address %s is not one of this machine's own "
+                "(a name that resolves elsewhere, or to loopback only here; an address behind "
+                "NAT): listening on every address, as listen_all=true does",
+                published,
+            )
+        return None
+    if LOOPBACK not in own:
+        own.append(LOOPBACK)
+    return own
+
+
+def _is_loopback(addr: str) -> bool:
+    return ipaddress.ip_address(addr.split("%", 1)[0]).is_loopback
+
+
+def _names_loopback(host: str) -> bool:
+    """Whether ``host`` means loopback everywhere: a loopback address, or ``localhost``."""
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def enable_keepalive(sock: socket.socket, idle: float) -> None:

@@ -36,6 +36,7 @@ from rdzv.errors import (
     StoreTimeoutError,
 )
 from rdzv.keys import static_prefix
+from rdzv.net import listen_addresses
 from rdzv.store.memory import PrefixStore
 from rdzv.store.tcp import TCPStore
 
@@ -153,8 +154,13 @@ class StaticTCPRendezvous(RendezvousHandler):
             return self._store
         address = format_endpoint(self._host, self._port)
         try:
+            hosting = self._rank == 0
             self._store = TCPStore(
-                self._host, self._port, is_master=self._rank == 0, timeout=self._timeout
+                self._host,
+                self._port,
+                is_master=hosting,
+                timeout=self._timeout,
+                listen=listen_addresses(self._host) if hosting else None,
             )
         except PermissionError as exc:
             raise RendezvousConnectionError(

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -126,12 +126,12 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 def latencies(
-    port: int, seconds: float, auth_token: str | None = None, **client: Any
+    port: int, seconds: float, auth_token: str | None = None, timeout: float = 30, **client: Any
 ) -> list[float]:
     """Time ``set`` + ``get`` round trips of a fresh client for ``seconds``; sorted."""
     key = f"probe-{uuid.uuid4().hex}"
     taken: list[float] = []
-    with TCPStore("127.0.0.1", port, timeout=30, auth_token=auth_token, **client) as store:
+    with TCPStore("127.0.0.1", port, timeout=timeout, auth_token=auth_token, **client) as store:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline or len(taken) < 5:
             started = time.perf_counter()
@@ -215,6 +215,76 @@ def attack_process(port: int, seconds: float) -> Iterator[subprocess.Popen[str]]
     """
     proc = subprocess.Popen(
         [sys.executable, "-c", _ATTACK_CHILD, str(port), str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    try:
+        yield proc
+    finally:
+        stop_process(proc, grace=15.0)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def waiting_attack(port: int, seconds: float, keys: int, hold: float = 0.5) -> dict[str, int]:
+    """Eight ``WAIT`` s of ``keys`` keys, again and again, and writes to a waited key.
+
+    The attack of issue #51 part 6: each round opens eight connections, each
+    sending one ``WAIT`` of ``/hot`` and ``keys - 1`` absent keys (registering
+    them costs the server one step per key), lets them block for ``hold``
+    seconds while a ninth connection sets and deletes ``/hot`` (waking
+    them costs a step per waiter), then closes them (removing them costs a
+    step per key again). Returns how many rounds ran and how many ``WAIT`` s
+    the server refused (their connection found closed).
+    """
+    names = [b"/hot", *(b"/absent-%07d" % i for i in range(keys - 1))]
+    wait = VALIDATE + encode_request(Request(Op.WAIT, tuple(names)))
+    pair = encode_request(Request(Op.SET, (b"/hot",), (b"1",))) + encode_request(
+        Request(Op.DELETE_KEY, (b"/hot",))
+    )
+    counts = {"rounds": 0, "refused": 0}
+    deadline = time.monotonic() + seconds
+    with attacker(port) as writer:
+        writer.sendall(VALIDATE)
+        while time.monotonic() < deadline:
+            counts["rounds"] += 1
+            waiters = [attacker(port) for _ in range(8)]
+            try:
+                for sock in waiters:
+                    send_quietly(sock, wait)
+                until = time.monotonic() + hold
+                while time.monotonic() < until:
+                    writer.sendall(pair * 10)
+                    got = 0
+                    while got < 80:  # each DELETE_KEY answers an i64
+                        chunk = writer.recv(80 - got)
+                        assert chunk, "the server closed the writer"
+                        got += len(chunk)
+            finally:
+                for sock in waiters:
+                    sock.setblocking(False)
+                    with suppress(OSError):
+                        counts["refused"] += sock.recv(1) == b""
+                    sock.close()
+    return counts
+
+
+_WAITING_CHILD = """
+import json, sys
+from tests.store.hostile import waiting_attack
+print(json.dumps(waiting_attack(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]))), flush=True)
+"""
+
+
+@contextmanager
+def waiting_attack_process(port: int, seconds: float, keys: int) -> Iterator[subprocess.Popen[str]]:
+    """Run :func:`waiting_attack` in a child process; stop it (by pid) at the end.
+
+    The child prints its counts as one JSON line when the attack is over.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WAITING_CHILD, str(port), str(seconds), str(keys)],
         stdout=subprocess.PIPE,
         text=True,
         env=subprocess_env(),

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rdzv.store import engine as engine_module
+from rdzv.store import waiters as waiters_module
 from rdzv.store.engine import (
     BLOCKING_OPS,
+    DEFAULT_MAX_WAITED_KEYS,
     MAX_APPENDED_BYTES,
     WAITED_KEY_OVERHEAD,
     WATCH_DIGEST_PAST,
@@ -314,7 +318,7 @@ def test_waits_on_the_most_keys_cost_one_step_per_waiter_per_write() -> None:
     """8 WAITs of 128 Ki keys and 100 set/delete pairs: 1,600 steps, not 8 * 2**17 * 200."""
     keys = tuple(b"k%d" % i for i in range(MAX_MULTI_KEYS))
     budget = 8 * sum(len(key) + WAITED_KEY_OVERHEAD for key in keys)
-    engine: StoreEngine[str] = StoreEngine(max_waiting_bytes=budget)
+    engine: StoreEngine[str] = StoreEngine(max_waiting_bytes=budget, max_waited_keys=len(keys))
     for client in range(8):
         assert engine.apply(str(client), Request(Op.WAIT, keys)) == (None, ())
     for _ in range(100):
@@ -409,6 +413,60 @@ def test_a_watch_of_a_long_value_holds_its_digest_and_still_sees_every_change() 
 def test_max_waiting_bytes_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_waiting_bytes"):
         StoreEngine(max_waiting_bytes=0)
+    with pytest.raises(ValueError, match="max_waited_keys"):
+        StoreEngine(max_waited_keys=0)
+
+
+def test_a_wait_naming_more_keys_than_one_client_may_wait_on_is_refused_naming_the_limit() -> None:
+    engine: StoreEngine[str] = StoreEngine(max_waited_keys=3)
+    limit = r"over the limit of 3 keys one client may wait on \(max_waited_keys\)"
+    with pytest.raises(ProtocolError, match=limit):
+        engine.reserve_wait(ME, 4)  # the server asks as soon as the count is read
+    with pytest.raises(ProtocolError, match=limit):
+        engine.apply(ME, Request(Op.WAIT, (b"a", b"b", b"c", b"d")))
+    assert (engine.reserved_bytes, engine.waiter_count) == (0, 0)
+    assert run(engine, Op.WAIT, b"a", b"b", b"c") is None
+    assert DEFAULT_MAX_WAITED_KEYS == 65536 < MAX_MULTI_KEYS
+
+
+def test_a_large_wait_is_indexed_and_cleared_a_slice_per_call_of_work() -> None:
+    """With ``schedule``, no call touches more than WAIT_SLICE keys of a large WAIT."""
+    slice_ = waiters_module.WAIT_SLICE
+    scheduled: list[None] = []
+    engine: StoreEngine[str] = StoreEngine(schedule=lambda: scheduled.append(None))
+    keys = tuple(b"k%d" % i for i in range(3 * slice_ + 5))
+    assert engine.apply(ME, Request(Op.WAIT, (*keys, keys[0]))) == (None, ())
+    assert (len(scheduled), engine.indexed_keys, engine.has_work) == (1, 0, True)
+    assert engine.work() == []
+    assert engine.indexed_keys == slice_
+    _, woken = engine.apply("writer", Request(Op.MULTI_SET, keys, (b"v",) * len(keys)))
+    assert list(woken) == []  # not answered while its count is incomplete
+    assert engine.work() == []
+    assert engine.work() == []
+    assert engine.work() == [(ME, STOP_WAITING)]  # every key exists once indexed
+    assert engine.waiter_count == 0
+    assert engine.waiting_bytes == cost(*keys)  # the duplicate is not counted
+    # The last 6 entries were indexed, and the rest of that call's slice cleared.
+    cleared = [engine.indexed_keys]
+    while engine.has_work:
+        assert engine.work() == []
+        cleared.append(engine.indexed_keys)
+    assert cleared == [len(keys) - (slice_ - 6) - n * slice_ for n in range(3)] + [0]
+    assert (engine.waiting_bytes, len(scheduled)) == (0, 1)
+
+
+def test_a_large_wait_dropped_while_it_is_indexed_is_cleared_and_frees_its_budget() -> None:
+    slice_ = waiters_module.WAIT_SLICE
+    engine: StoreEngine[str] = StoreEngine(schedule=lambda: None)
+    keys = tuple(b"k%d" % i for i in range(2 * slice_ + 1))
+    assert engine.apply(ME, Request(Op.WAIT, keys)) == (None, ())
+    engine.work()
+    assert engine.drop(ME) is None
+    assert (engine.waiter_count, engine.indexed_keys) == (0, slice_)
+    assert set_(engine, keys[0]) == []  # a dead entry is skipped
+    while engine.has_work:
+        assert engine.work() == []
+    assert (engine.waiting_bytes, engine.indexed_keys) == (0, 0)
 
 
 KEYS = [b"a", b"b", b"c"]
@@ -442,3 +500,43 @@ def test_a_wait_is_answered_exactly_when_all_its_keys_exist(
         for keys in blocked.values():
             assert not exists(engine, *keys)
     assert engine.waiter_count == len(blocked)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    waits=st.lists(st.lists(st.sampled_from(KEYS), max_size=6), min_size=1, max_size=4),
+    steps=st.lists(st.one_of(WRITES, st.none()), max_size=40),
+)
+def test_a_wait_indexed_in_slices_is_answered_exactly_when_all_its_keys_exist(
+    waits: list[list[bytes]], steps: list[tuple[Op, bytes] | None]
+) -> None:
+    """Slices of two keys, writes between them (None: a slice of work): no early, late or
+    lost STOP_WAITING."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "WAIT_SLICE", 2)
+        patch.setattr(waiters_module, "WAIT_SLICE", 2)
+        engine: StoreEngine[str] = StoreEngine(schedule=lambda: None)
+        blocked: dict[str, list[bytes]] = {}
+
+        def answered(woken: Sequence[tuple[str, bytes]]) -> None:
+            for client, reply in woken:
+                assert reply == STOP_WAITING
+                assert exists(engine, *blocked.pop(client))
+
+        for index, keys in enumerate(waits):
+            client = f"w{index}"
+            if engine.apply(client, Request(Op.WAIT, tuple(keys)))[0] is None:
+                blocked[client] = keys
+        for step in [*steps, *[None] * 20]:
+            if step is None:
+                answered(engine.work())
+            else:
+                op, key = step
+                values = (b"1",) if op in (Op.SET, Op.QUEUE_PUSH, Op.APPEND) else ()
+                answered(engine.apply("writer", Request(op, (key,), values, 1))[1])
+            if not engine.has_work:
+                for keys in blocked.values():
+                    assert not exists(engine, *keys)
+        assert not engine.has_work
+        assert engine.waiter_count == len(blocked)
+        assert engine.waiting_bytes == sum(cost(*dict.fromkeys(k)) for k in blocked.values())

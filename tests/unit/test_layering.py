@@ -1,11 +1,14 @@
 """The import graph of ``src/rdzv`` keeps one direction of dependency.
 
 Every module of the package is placed by name in one layer of ``LAYERS``,
-lowest first (docs/architecture.md): a module may import from its own layer
-or a lower one, never a higher one, and a new module fails
-``test_every_module_is_in_a_layer`` until it is placed (one line). Imports
-inside functions and under ``TYPE_CHECKING`` count: a lazy import is still a
-dependency. Three rules are finer than the layers: the contract imports only
+lowest first (docs/architecture.md), and in an order inside its layer: a
+module may import from a lower layer, or from a module placed before it in
+its own layer, never from a higher layer or a later module, and a new
+module fails ``test_every_module_is_in_a_layer`` until it is placed (one
+line). Imports inside functions and under ``TYPE_CHECKING`` count: a lazy
+import, or one only for the type checker, is still a dependency; so the
+modules form no import cycle, which ``test_no_module_imports_itself_through_others``
+checks on its own (naming the cycle). Three rules are finer than the layers: the contract imports only
 ``rdzv.errors``; the core reaches the backends only through the contract and
 the capabilities over any Store; and the sans-I/O modules (``PURE``) import
 no I/O, thread, clock or randomness module (``IMPURE``) and no rdzv module
@@ -21,7 +24,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-# (layer name, its modules), lowest first; a package is placed by its own name.
+# (layer name, its modules), lowest first, each layer's modules in the order
+# they may import each other; a package is placed by its own name.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("rdzv.errors",)),
     (
@@ -37,8 +41,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.store.base",
             "rdzv.store.protocol",
             "rdzv.testing.netns",
-            "rdzv.metrics",
             "rdzv.threads",
+            "rdzv.metrics",
             "rdzv.worker",
             "rdzv.launch.warm_site.sitecustomize",
         ),
@@ -54,19 +58,20 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "stores",
         (
-            "rdzv.store",
+            "rdzv.store.waiters",
             "rdzv.store.engine",
             "rdzv.store.memory",
             "rdzv.store.foreign",
             "rdzv.store.file",
             "rdzv.store.throttle",
-            "rdzv.store.admission",
             "rdzv.store._connection",
+            "rdzv.store.admission",
             "rdzv.store.server",
             "rdzv.store.serve",
             "rdzv.store.link",
-            "rdzv.store.tcp",
             "rdzv.store.will",
+            "rdzv.store.tcp",
+            "rdzv.store",
         ),
     ),
     (
@@ -81,38 +86,37 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "rdzv.backends",
             "rdzv.backends.store",
-            "rdzv.backends.etcd",
-            "rdzv.backends.etcd.backend",
+            "rdzv.backends.etcd.gateway_codec",
             "rdzv.backends.etcd.client",
             "rdzv.backends.etcd.gateway",
-            "rdzv.backends.etcd.gateway_codec",
-            "rdzv.backends.etcd.grpc",
             "rdzv.backends.etcd.grpc_proto",
+            "rdzv.backends.etcd.grpc",
             "rdzv.backends.etcd.seats",
             "rdzv.backends.etcd.store",
-            "rdzv.backends.redis",
-            "rdzv.backends.redis.backend",
+            "rdzv.backends.etcd.backend",
+            "rdzv.backends.etcd",
             "rdzv.backends.redis.connection",
             "rdzv.backends.redis.store",
-            "rdzv.testing",
+            "rdzv.backends.redis.backend",
+            "rdzv.backends.redis",
             "rdzv.testing.conformance",
             "rdzv.testing.memory",
             "rdzv.testing.store_conformance",
+            "rdzv.testing",
         ),
     ),
     (
         "core decisions",
         (
             "rdzv.dynamic.state",
-            "rdzv.dynamic.seat",
             "rdzv.dynamic.machine",
+            "rdzv.dynamic.seat",
             "rdzv.dynamic.pacing",
         ),
     ),
     (
         "core driver",
         (
-            "rdzv.dynamic",
             "rdzv.dynamic.shared",
             "rdzv.dynamic.confirm",
             "rdzv.dynamic.ticker",
@@ -121,45 +125,53 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.dynamic.member",
             "rdzv.dynamic.join",
             "rdzv.dynamic.handler",
+            "rdzv.dynamic",
             "rdzv.static",
         ),
     ),
     ("assembly", ("rdzv.registry",)),
-    ("status", ("rdzv.status", "rdzv.first_failure", "rdzv.exclusion")),
+    (
+        "status",
+        (
+            "rdzv.first_failure",
+            "rdzv.exclusion",
+            "rdzv.status",
+        ),
+    ),
     (
         "front-ends",
         (
-            "rdzv.launch",
-            "rdzv.launch.agent",
             "rdzv.launch.barriers",
-            "rdzv.launch.config",
             "rdzv.launch.deathsig",
             "rdzv.launch.exits",
-            "rdzv.launch.bootstrap",
             "rdzv.launch.explain",
             "rdzv.launch.failures",
-            "rdzv.launch.health",
             "rdzv.launch.timers",
-            "rdzv.launch.warm",
-            "rdzv.launch.watchdog",
-            "rdzv.launch.metrics",
-            "rdzv.launch.nproc",
-            "rdzv.launch.options",
             "rdzv.launch.progress",
             "rdzv.launch.ranks",
-            "rdzv.launch.run",
+            "rdzv.launch.bootstrap",
             "rdzv.launch.slurm",
             "rdzv.launch.workers",
-            "rdzv.torchrun",
-            "rdzv.torchrun.__main__",
+            "rdzv.launch.warm",
+            "rdzv.launch.config",
+            "rdzv.launch.health",
+            "rdzv.launch.watchdog",
+            "rdzv.launch.agent",
+            "rdzv.launch",
+            "rdzv.launch.metrics",
+            "rdzv.launch.options",
+            "rdzv.launch.nproc",
+            "rdzv.launch.run",
             "rdzv.torchrun.events",
-            "rdzv.torchrun.handler",
-            "rdzv.torchrun.server_child",
-            "rdzv.torchrun.stores",
             "rdzv.torch",
+            "rdzv.torchrun.stores",
+            "rdzv",
+            "rdzv.torchrun.server_child",
+            "rdzv.torchrun.__main__",
+            "rdzv.torchrun.handler",
+            "rdzv.torchrun",
             "rdzv.cli",
             "rdzv.__main__",
-            "rdzv",
         ),
     ),
 ]
@@ -178,6 +190,7 @@ PURE: frozenset[str] = frozenset(
         "rdzv.keys",
         "rdzv.store.engine",
         "rdzv.store.protocol",
+        "rdzv.store.waiters",
     }
 )
 
@@ -218,6 +231,7 @@ RESTRICTED: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 _LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
+_RANK_OF = {module: rank for rank, module in enumerate(m for _, ms in LAYERS for m in ms)}
 
 
 def _matches(module: str, prefix: str) -> bool:
@@ -254,6 +268,11 @@ def violations(edges: set[tuple[str, str]]) -> list[str]:
         low, high = layer_of(imported), layer_of(importer)
         if low > high:
             found.append(f"{importer} ({LAYERS[high][0]}) imports {imported} ({LAYERS[low][0]})")
+        elif low == high and _RANK_OF[imported] > _RANK_OF[importer]:
+            found.append(
+                f"{importer} ({LAYERS[high][0]}) imports {imported} "
+                f"({LAYERS[low][0]}, placed after it)"
+            )
         for who, package, allowed in RESTRICTED:
             if (
                 _matches(importer, who)
@@ -309,6 +328,82 @@ def import_edges() -> set[tuple[str, str]]:
     }
 
 
+def import_cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
+    """Return the import cycles of ``edges``: each strongly connected set of modules, sorted."""
+    graph: dict[str, list[str]] = {}
+    for importer, imported in sorted(edges):
+        graph.setdefault(importer, []).append(imported)
+        graph.setdefault(imported, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        # Tarjan's algorithm, iterative: (module, its next successor to visit).
+        work = [(root, 0)]
+        while work:
+            module, next_child = work.pop()
+            if next_child == 0:
+                index[module] = low[module] = len(index)
+                stack.append(module)
+                on_stack.add(module)
+            children = graph[module]
+            if next_child < len(children):
+                work.append((module, next_child + 1))
+                child = children[next_child]
+                if child not in index:
+                    work.append((child, 0))
+                elif child in on_stack:
+                    low[module] = min(low[module], index[child])
+                continue
+            if low[module] == index[module]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == module:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[module])
+    return sorted(found)
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert import_cycles(import_edges()) == []
+
+
+def test_a_cycle_through_a_type_checking_import_is_caught() -> None:
+    # The cycle of issue 53: the server imports its connection and admission,
+    # which imported the server back for its type only.
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rdzv.store import server\n"
+    )
+    tree = ast.parse(source)
+    found = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert found == {"typing", "rdzv.store"}  # ast.walk reaches under TYPE_CHECKING
+    edges = {
+        ("rdzv.store.server", "rdzv.store._connection"),
+        ("rdzv.store.server", "rdzv.store.admission"),
+        ("rdzv.store.admission", "rdzv.store._connection"),
+        ("rdzv.store._connection", "rdzv.store.server"),
+        ("rdzv.store.engine", "rdzv.store.protocol"),
+    }
+    assert import_cycles(edges) == [
+        ["rdzv.store._connection", "rdzv.store.admission", "rdzv.store.server"]
+    ]
+    assert (
+        "rdzv.store._connection (stores) imports rdzv.store.server (stores, placed after it)"
+        in (violations(edges))
+    )
+
+
 def test_every_module_is_in_a_layer() -> None:
     placed = [module for _, modules in LAYERS for module in modules]
     assert len(placed) == len(set(placed)), "a module is placed twice"
@@ -345,6 +440,11 @@ def test_imports_follow_the_layers() -> None:
         ("rdzv.api", "rdzv.store.server"),
         ("rdzv.retry", "rdzv.store.tcp"),
         ("rdzv.status", "rdzv.launch.ranks"),
+        # Upward edges inside a layer (issue 53).
+        ("rdzv.store.admission", "rdzv.store.server"),
+        ("rdzv.store.engine", "rdzv.store.memory"),
+        ("rdzv.dynamic.shared", "rdzv.dynamic.handler"),
+        ("rdzv.launch.workers", "rdzv.launch.agent"),
     ],
 )
 def test_a_backward_edge_is_caught(edge: tuple[str, str]) -> None:

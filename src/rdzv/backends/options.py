@@ -299,13 +299,15 @@ class StoreBackendOptions:
         path: The file of ``store_type=file``; None: a private temporary
             file, for processes of one job on one machine that share this
             handler only.
+        listen_all: The hosted store listens on every address, not only on
+            the endpoint's host and loopback (:func:`~rdzv.net.listen_addresses`).
     """
 
     STORE_TYPES: ClassVar[tuple[str, ...]] = ("tcp", "file")
 
     #: The configuration keys :meth:`from_params` reads.
     KEYS: ClassVar[frozenset[str]] = frozenset(
-        {"store_type", "read_timeout", "is_host", *_TCP_ONLY_KEYS}
+        {"store_type", "read_timeout", "is_host", "listen_all", *_TCP_ONLY_KEYS}
     )
 
     host: str
@@ -318,6 +320,7 @@ class StoreBackendOptions:
     is_host: bool | None = None
     store_type: str = "tcp"
     path: str | None = None
+    listen_all: bool = False
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> StoreBackendOptions:
@@ -327,7 +330,8 @@ class StoreBackendOptions:
         endpoint is the file's path, and an empty endpoint a private
         temporary file), ``read_timeout`` (60 s), ``is_host``, and for
         ``tcp`` only: ``auth_token_file`` (else ``$RDZV_AUTH_TOKEN``),
-        ``ca_cert`` (or ``cacert``), ``ssl_cert`` and ``ssl_cert_key``. The
+        ``ca_cert`` (or ``cacert``), ``ssl_cert``, ``ssl_cert_key`` and
+        ``listen_all`` (false). The
         ``endpoint`` is ``host[:port]`` (``tcp``) or a path (``file``).
 
         Raises:
@@ -375,7 +379,18 @@ class StoreBackendOptions:
             raise ValueError(
                 f"auth_token_file {token_file!r} cannot be read: {exc.strerror or exc}"
             ) from exc
-        return cls(host, port, params.run_id, read_timeout, token_file, token, tls, is_host)
+        listen_all = bool(params.get_as_bool("listen_all", False))
+        return cls(
+            host,
+            port,
+            params.run_id,
+            read_timeout,
+            token_file,
+            token,
+            tls,
+            is_host,
+            listen_all=listen_all,
+        )
 
     @property
     def secured(self) -> bool:

@@ -97,6 +97,7 @@ from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, store_call
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.errors import RendezvousConnectionError, RendezvousError, RendezvousStateError
 from rdzv.keys import backend_prefix, runs_of, seat_key, state_key
+from rdzv.net import listen_addresses
 from rdzv.retry import Clock, as_clock, current_clock, deadline_within, poll_backoff
 from rdzv.store.foreign import StoreLike, as_store
 
@@ -479,10 +480,12 @@ def _tcp_store(
 ) -> TCPStore:
     from rdzv.store.tcp import TCPStore  # noqa: PLC0415 - imported only when used
 
+    listen = listen_addresses(options.host, listen_all=options.listen_all) if is_master else None
     return TCPStore(
         options.host,
         options.port,
         is_master=is_master,
+        listen=listen,
         timeout=options.read_timeout,
         auth_token=options.auth_token,
         ssl_context=options.tls.client_context(),

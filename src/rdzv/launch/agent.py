@@ -60,6 +60,7 @@ and the end-of-job barriers have their own modules.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -112,6 +113,7 @@ from rdzv.launch.ranks import (
 from rdzv.launch.warm import WarmSpares
 from rdzv.launch.watchdog import HangWatch
 from rdzv.launch.workers import OutputSink, WorkerGroup, agent_line
+from rdzv.net import listen_addresses, primary_address
 from rdzv.store.base import Store
 from rdzv.store.foreign import as_store
 
@@ -154,8 +156,11 @@ class ElasticAgent:
     Args:
         handler: The rendezvous handler (any backend).
         config: What to run.
-        bootstrap_factory: Starts the workers' store on group rank 0 (a
-            fresh ``rdzv.TCPStore`` server per attempt by default).
+        bootstrap_factory: Starts the workers' store on group rank 0; None,
+            the default, starts a fresh ``rdzv.TCPStore`` server per attempt,
+            listening on the address it publishes and loopback (every
+            address with ``config.listen_all``, or when that address is not
+            this machine's own: :func:`~rdzv.net.listen_addresses`).
         sink: Where workers' prefixed output goes (the agent's stdout/stderr).
         log: Receives the agent's own one-line messages (by default they go to
             the sink's stderr, time-stamped: see :func:`agent_line`).
@@ -169,7 +174,7 @@ class ElasticAgent:
         self,
         handler: RendezvousHandler,
         config: AgentConfig,
-        bootstrap_factory: BootstrapFactory = tcp_store_server,
+        bootstrap_factory: BootstrapFactory | None = None,
         sink: OutputSink | None = None,
         log: Callable[[str], None] | None = None,
         progress_intervals: tuple[float, float] = (FIRST_LINE_AFTER, LINE_EVERY),
@@ -177,6 +182,10 @@ class ElasticAgent:
     ) -> None:
         self._handler = handler
         self._config = config
+        if bootstrap_factory is None:
+            published = config.local_addr or primary_address()
+            listen = listen_addresses(published, listen_all=config.listen_all)
+            bootstrap_factory = functools.partial(tcp_store_server, listen)
         self._bootstrap_factory = bootstrap_factory
         self._sink = sink or OutputSink()
         self._log = log or self._log_to_stderr

@@ -37,12 +37,12 @@ class BootstrapServer(Protocol):
 BootstrapFactory = Callable[[], BootstrapServer]
 
 
-def tcp_store_server() -> BootstrapServer:
-    """Start an rdzv TCP store server on a free port (listening on every address).
+def tcp_store_server(listen: Sequence[str] | None = None) -> BootstrapServer:
+    """Start an rdzv TCP store server on a free port, listening on ``listen`` (None: every address).
 
-    The agent itself connects to it over loopback.
+    The agent itself connects to it over loopback (see :func:`~rdzv.net.listen_addresses`).
     """
-    return TCPStore("127.0.0.1", 0, is_master=True)
+    return TCPStore("127.0.0.1", 0, is_master=True, listen=listen)
 
 
 def exchange_bootstrap(

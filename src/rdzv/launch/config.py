@@ -90,6 +90,8 @@ class AgentConfig:
         role: The role name of this node's workers.
         log_dir: A directory for per-worker, per-attempt log files, or None.
         local_addr: The address group rank 0 publishes for the bootstrap store.
+        listen_all: The bootstrap store listens on every address, not only on
+            the address it publishes and loopback (``--rdzv-conf listen_all=true``).
         stop_grace: Seconds between SIGTERM and SIGKILL when stopping workers.
         exit_barrier_timeout: Seconds to wait for the other agents after success.
         python: The interpreter that runs the workers unbuffered (``-u``, as
@@ -145,6 +147,7 @@ class AgentConfig:
     role: str = "default"
     log_dir: Path | None = None
     local_addr: str | None = None
+    listen_all: bool = False
     stop_grace: float = 10.0
     exit_barrier_timeout: float = 300.0
     python: str | None = sys.executable

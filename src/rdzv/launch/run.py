@@ -99,6 +99,30 @@ _FACTORY_KEYS = {
 }
 
 
+LAUNCH_CONF_KEYS: frozenset[str] = frozenset({"listen_all"})
+"""The ``--rdzv-conf`` keys the launcher itself reads, whatever the backend:
+``listen_all`` (the workers' bootstrap store listens on every address)."""
+
+
+def _listen_all(args: argparse.Namespace) -> bool:
+    """Read ``--rdzv-conf listen_all`` (false when absent).
+
+    Raises:
+        RunOptionsError: The value is not a boolean.
+    """
+    try:
+        value = parse_config(args.rdzv_conf).get("listen_all")
+    except ValueError:
+        return False  # reported where the handler is built
+    if value is None:
+        return False
+    params = RendezvousParameters("launch", "", "launch", 1, 1, listen_all=value)
+    try:
+        return bool(params.get_as_bool("listen_all"))
+    except ValueError as exc:
+        raise RunOptionsError(f"--rdzv-conf {args.rdzv_conf!r}: {exc}") from None
+
+
 def known_conf_keys(backend: str) -> frozenset[str] | None:
     """Return the ``--rdzv-conf`` keys a built-in dynamic backend reads.
 
@@ -111,7 +135,7 @@ def known_conf_keys(backend: str) -> frozenset[str] | None:
         (a plugin's, or the static rendezvous).
     """
     keys = _FACTORY_KEYS.get(BACKEND_FACTORIES.get(backend, ""))
-    return None if keys is None else keys | RendezvousSettings.KEYS
+    return None if keys is None else keys | RendezvousSettings.KEYS | LAUNCH_CONF_KEYS
 
 
 class _Notices:
@@ -228,6 +252,7 @@ def _agent_config(args: argparse.Namespace, nproc: int, notes: _Notices) -> Agen
         role=args.role,
         log_dir=log_dir,
         local_addr="127.0.0.1" if _standalone(args) else _advertised_addr(args),
+        listen_all=_listen_all(args),
         stop_grace=_stop_grace(args),
         python=python,
         redirects=redirects,

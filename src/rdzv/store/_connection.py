@@ -7,7 +7,10 @@ executes the complete requests, joining the replies of a burst into one
 write. A connection hands each store request to the server's
 :class:`~rdzv.store.engine.StoreEngine` and writes the replies it returns,
 to the sender and to the connections whose blocked requests the request
-answered.
+answered. It sees of its server only a :class:`Host`, which the server
+builds once: the engine, the :class:`Slots` it takes and gives back (the
+server's admission), the :class:`ConnectionLimits`, the log and the
+receive buffer.
 
 A connection moves through three dispatch tables: before ``VALIDATE`` only
 ``VALIDATE``; on a server with a secret, only the handshake and
@@ -39,10 +42,11 @@ import hmac
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final, cast
+from typing import Final, Protocol, cast
 
-from rdzv.store.engine import BLOCKING_OPS, Woken
+from rdzv.store.engine import BLOCKING_OPS, StoreEngine, Woken
 from rdzv.store.protocol import (
     CLIENT_AUTH_LABEL,
     FEATURE_AUTH_REQUIRED,
@@ -60,11 +64,17 @@ from rdzv.store.protocol import (
     auth_tag,
     encode_u32,
 )
+from rdzv.store.throttle import ThrottledLog
 
-if TYPE_CHECKING:
-    from rdzv.store.server import TCPStoreServer
-
-__all__ = ["FEED_SLICE", "RECEIVE_BUFFER_BYTES", "REQUESTS_PER_TURN", "Connection"]
+__all__ = [
+    "FEED_SLICE",
+    "RECEIVE_BUFFER_BYTES",
+    "REQUESTS_PER_TURN",
+    "Connection",
+    "ConnectionLimits",
+    "Host",
+    "Slots",
+]
 
 RECEIVE_BUFFER_BYTES: Final = 256 * 1024
 """The most one read takes from a connection (asyncio's own read size)."""
@@ -72,10 +82,55 @@ REQUESTS_PER_TURN: Final = 1024
 """Requests of one connection executed before the others get their turn: a
 few milliseconds of cheap requests, so that a client pipelining ``set`` s
 costs few turns of the loop while the others still get theirs."""
-FEED_SLICE: Final = RECEIVE_BUFFER_BYTES
+FEED_SLICE: Final = 16 * 1024
 """Received bytes of one connection parsed before the others get their turn:
-one read, so ordinary traffic is parsed in the turn that read it, and a
-burst of the smallest requests is parsed in bounded slices."""
+ordinary requests are parsed in the turn that read them, and a request of
+many keys (a key costs a microsecond or so to decode, whatever its size)
+is parsed a few milliseconds per turn; a larger read waits in the inbox."""
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The server's limits and secret, as its connections apply them."""
+
+    max_unsent_bytes: int
+    """Replies a connection may leave unread before its requests wait."""
+    handshake_deadline: float
+    """Seconds a connection may spend in its handshake."""
+    frame_timeout: float
+    """Seconds a started request may take to arrive, and replies may stay unread."""
+    idle_timeout: float | None
+    """Seconds a connection with nothing pending may stay open; None: forever."""
+    secret: bytes | None
+    """The shared secret clients must prove they know, or None."""
+
+
+class Slots(Protocol):
+    """The connection slots a connection takes and gives back (the server's admission)."""
+
+    def admit(self, conn: Connection, /) -> bool:
+        """Give ``conn``, whose handshake is done, a slot; return whether it has one."""
+
+    def release(self, conn: Connection, /) -> None:
+        """Give back the slot of ``conn``, which ended."""
+
+    def account(self, conn: Connection, /) -> None:
+        """Count what ``conn`` buffers now."""
+
+
+@dataclass
+class Host:
+    """What a connection uses of its server, and nothing more; one per server."""
+
+    engine: StoreEngine[Connection]
+    slots: Slots
+    limits: ConnectionLimits
+    throttled: ThrottledLog
+    """The server's warnings, the kinds a flood can repeat throttled."""
+    receive_buffer: memoryview
+    """Where every connection receives (see :class:`Connection`)."""
+    requests: int = 0
+    """Requests parsed by every connection since the server started."""
 
 
 class _Disconnect(Exception):  # noqa: N818 - control flow, not an error report
@@ -103,9 +158,11 @@ class Connection(asyncio.BufferedProtocol):
     allocation repeated for every read.
     """
 
-    def __init__(self, server: TCPStoreServer, address: str, peer: str) -> None:
-        self.server = server
-        self.engine = server.engine
+    def __init__(self, host: Host, address: str, peer: str) -> None:
+        self.host = host
+        self.engine = host.engine
+        self.slots = host.slots
+        self.limits = host.limits
         self.parser = RequestParser()
         self.parser.allowed = _BEFORE_VALIDATE
         self.parser.on_count = self._on_count
@@ -139,6 +196,17 @@ class Connection(asyncio.BufferedProtocol):
         :data:`FEED_SLICE` bytes per turn, other connections' turns between."""
         self.will: tuple[bytes, bytes] | None = None
         """The key and value set when this connection closes (``WILL``)."""
+        self.requests = 0
+        """Requests parsed from this connection."""
+        self.requests_at_open = 0
+        """:attr:`requests` when the handshake was done."""
+        self.admitted_at = 0.0
+        """When the handshake was done (``time.monotonic()``)."""
+
+    @property
+    def used(self) -> bool:
+        """Whether a request arrived since the handshake was done."""
+        return self.requests > self.requests_at_open
 
     def _on_count(self, op: Op, count: int) -> None:
         """Count a ``WAIT`` against the waiting budget before its keys arrive."""
@@ -151,7 +219,7 @@ class Connection(asyncio.BufferedProtocol):
         # A stream transport, though not always an asyncio.Transport subclass
         # (uvloop's implement the interface without deriving from it).
         self.transport = cast("asyncio.Transport", transport)
-        budget = self.server.max_unsent_bytes
+        budget = self.limits.max_unsent_bytes
         self.transport.set_write_buffer_limits(high=budget, low=budget // 4)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -162,13 +230,13 @@ class Connection(asyncio.BufferedProtocol):
             for conn, answer in self.engine.set_many((will,)):
                 conn.answer(answer)
         if self.parser.pending and self.is_open:
-            self.server.throttled.warning(
+            self.host.throttled.warning(
                 "partial",
                 "store client %s disconnected in the middle of a request (%d bytes unparsed)",
                 self.peer,
                 self.parser.pending,
             )
-        self.server.release(self)
+        self.slots.release(self)
         self._drop_received()
         self.transport = None
 
@@ -185,10 +253,10 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.resume_reading()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.server.receive_buffer
+        return self.host.receive_buffer
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(self.server.receive_buffer[:nbytes])
+        self.data_received(self.host.receive_buffer[:nbytes])
 
     def data_received(self, data: bytes | memoryview) -> None:
         if self.inbox or len(data) > FEED_SLICE:
@@ -200,7 +268,7 @@ class Connection(asyncio.BufferedProtocol):
             self.frame_started = now
         if not self.stalled:
             self._serve(now)
-        self.server.account(self)
+        self.slots.account(self)
 
     # -- serving -----------------------------------------------------------
 
@@ -221,7 +289,7 @@ class Connection(asyncio.BufferedProtocol):
         if inbox:
             parser.feed(inbox[:FEED_SLICE])
             del inbox[:FEED_SLICE]
-        budget = self.server.max_unsent_bytes - transport.get_write_buffer_size()
+        budget = self.limits.max_unsent_bytes - transport.get_write_buffer_size()
         replies: list[bytes] = []
         size = 0
         turn = REQUESTS_PER_TURN
@@ -229,7 +297,8 @@ class Connection(asyncio.BufferedProtocol):
             while True:
                 if sets := parser.next_sets(turn):
                     self.frame_started = now
-                    self.server.requests += len(sets)
+                    self.requests += len(sets)
+                    self.host.requests += len(sets)
                     for conn, answer in self.engine.set_many(sets):
                         conn.answer(answer)
                     turn -= len(sets)
@@ -246,7 +315,8 @@ class Connection(asyncio.BufferedProtocol):
                         self.frame_started = None
                     break
                 self.frame_started = now
-                self.server.requests += 1
+                self.requests += 1
+                self.host.requests += 1
                 run = self.store_handlers.get(request.op)
                 if run is not None:
                     reply, woken = run(self, request)
@@ -297,7 +367,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.stalled = False
         self._serve(time.monotonic())
-        self.server.account(self)
+        self.slots.account(self)
         if not self.stalled and self.write_blocked_since is None and self.transport is not None:
             self.transport.resume_reading()
 
@@ -310,25 +380,25 @@ class Connection(asyncio.BufferedProtocol):
 
     def expired(self, now: float) -> str | None:
         """Return why this connection broke a time limit, or None if it did not."""
-        server = self.server
+        limits = self.limits
         if not self.is_open:
-            if now - self.opened_at > server.handshake_deadline:
-                return f"the handshake was not completed within {server.handshake_deadline:g} s"
+            if now - self.opened_at > limits.handshake_deadline:
+                return f"the handshake was not completed within {limits.handshake_deadline:g} s"
             return None
         started = self.frame_started
-        if not self.stalled and started is not None and now - started > server.frame_timeout:
+        if not self.stalled and started is not None and now - started > limits.frame_timeout:
             return (
-                f"a request was still incomplete after {server.frame_timeout:g} s "
+                f"a request was still incomplete after {limits.frame_timeout:g} s "
                 f"(frame_timeout; {self.parser.pending} bytes buffered)"
             )
         blocked = self.write_blocked_since
-        if blocked is not None and now - blocked > server.frame_timeout:
+        if blocked is not None and now - blocked > limits.frame_timeout:
             return (
-                f"it did not read its replies for {server.frame_timeout:g} s "
+                f"it did not read its replies for {limits.frame_timeout:g} s "
                 f"(frame_timeout; {self.transport.get_write_buffer_size() if self.transport else 0}"
                 " bytes unsent)"
             )
-        idle = server.idle_timeout
+        idle = limits.idle_timeout
         held = self.waiting or self.will is not None
         if idle is not None and not held and now - self.last_activity > idle:
             return f"the connection was idle for {idle:g} s (idle_timeout)"
@@ -386,7 +456,7 @@ class Connection(asyncio.BufferedProtocol):
         through the server's throttle (``kind``); an open connection's is
         logged every time.
         """
-        self.server.throttled.warning(None if self.is_open else kind, message, self.peer, *args)
+        self.host.throttled.warning(None if self.is_open else kind, message, self.peer, *args)
 
     # -- handshake and authentication --------------------------------------
 
@@ -395,7 +465,7 @@ class Connection(asyncio.BufferedProtocol):
             raise ProtocolError(f"bad VALIDATE magic {request.number:#x}")
         if self.is_open:
             return None
-        if self.server.secret is not None:
+        if self.limits.secret is not None:
             self.table = _BEFORE_AUTH
             self.parser.allowed = _BEFORE_AUTH
         else:
@@ -404,18 +474,18 @@ class Connection(asyncio.BufferedProtocol):
 
     def h_ping(self, request: Request) -> bytes | None:
         if request.number == PROBE_NONCE:
-            features = FEATURE_AUTH_REQUIRED if self.server.secret is not None else 0
+            features = FEATURE_AUTH_REQUIRED if self.limits.secret is not None else 0
             return encode_u32(SERVER_HELLO | features)
         return encode_u32(request.number)
 
     def h_auth_challenge(self, _request: Request) -> bytes | None:
-        if self.server.secret is None:
+        if self.limits.secret is None:
             raise ProtocolError("authentication is not enabled on this server")
         self.server_nonce = os.urandom(32)
         return self.server_nonce
 
     def h_auth_response(self, request: Request) -> bytes | None:
-        secret = self.server.secret
+        secret = self.limits.secret
         server_nonce, self.server_nonce = self.server_nonce, None
         if secret is None or server_nonce is None:
             raise ProtocolError("AUTH_RESPONSE without a preceding AUTH_CHALLENGE")
@@ -455,7 +525,8 @@ class Connection(asyncio.BufferedProtocol):
         Raises:
             _Disconnect: The server has no slot left for another client.
         """
-        if not self.server.admit(self):
+        self.requests_at_open = self.requests
+        if not self.slots.admit(self):
             raise _Disconnect("no connection slot left", b"", logged=True)
         self.table = _FULL
         self.parser.allowed = None

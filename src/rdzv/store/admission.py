@@ -17,6 +17,15 @@ Both caps are lowered at start to what the open-file limit leaves room for
 (with :data:`FD_HEADROOM` spare), so a refusal is a clean accept and close,
 not an ``EMFILE``.
 
+When every connection slot is taken, a newcomer is not refused while some
+connection has sent nothing since its handshake for longer than the grace
+(an idle ``VALIDATE``, what a peer holding slots sends, where a real client
+asks for something at once): once the newcomer's handshake is done, the
+oldest such connection is closed to give it the slot (``unused_shed``,
+logged once). So idle connections that are never used cannot keep a client
+out however many of them there are; a client that has sent a request is
+never closed for this.
+
 Received bytes not executed yet (mostly incomplete requests) are counted
 over all connections, the keys already decoded from an incomplete request
 at their memory cost (:data:`~rdzv.store.protocol.DECODED_ITEM_OVERHEAD`
@@ -28,12 +37,11 @@ from __future__ import annotations
 
 import os
 import resource
-from typing import TYPE_CHECKING, Final
+import time
+from typing import Final
 
+from rdzv.store._connection import Connection
 from rdzv.store.throttle import ThrottledLog
-
-if TYPE_CHECKING:
-    from rdzv.store._connection import Connection
 
 __all__ = ["FD_HEADROOM", "HANDSHAKE_GRACE", "Admission", "handshake_grace"]
 
@@ -56,8 +64,9 @@ def handshake_grace(handshake_timeout: float) -> float:
 class Admission:
     """The connection slots of a store server, and the shedding that keeps it in its limits.
 
+    The :class:`~rdzv.store._connection.Slots` of a server's connections; a
     :class:`~rdzv.store.server.TCPStoreServer` is one (its constructor
-    documents the limits); every method runs on the server loop's thread.
+    documents the limits). Every method runs on the server loop's thread.
     """
 
     def __init__(
@@ -94,8 +103,13 @@ class Admission:
         """Connections closed because incomplete requests passed ``max_buffered_bytes``."""
         self.accepted_connections = 0
         """Connections given a slot (not refused) since the server started."""
+        self.unused_shed = 0
+        """Connections closed, unused since their handshake, to give a newcomer their slot."""
         self.connections: set[Connection] = set()
         """Connections past the handshake."""
+        self._unused: dict[Connection, None] = {}
+        """Connections past the handshake, oldest first, that had sent no request
+        since when they were put here (those that since have are dropped lazily)."""
         self.handshaking: dict[Connection, None] = {}
         """Connections in their handshake, oldest first."""
         self._per_address: dict[str, int] = {}
@@ -116,6 +130,10 @@ class Admission:
                 f"the server already has {len(self.connections)} connections "
                 f"(max_connections={self.connection_cap})"
             )
+        return self._address_refusal(address)
+
+    def _address_refusal(self, address: str) -> str | None:
+        """Return why ``address`` may have no more connections, or None."""
         cap = self.address_cap
         if cap is not None and self._per_address.get(address, 0) >= cap:
             return f"{address} already has {cap} connections (max_connections_per_address={cap})"
@@ -134,6 +152,8 @@ class Admission:
         was counted and logged, and must be closed.
         """
         why = self._refusal(address)
+        if why is not None and self._unused_connection(now) is not None:
+            why = self._address_refusal(address)  # a slot is freed once its handshake is done
         while why is None and len(self.handshaking) >= self.handshake_cap:
             oldest = next(iter(self.handshaking))
             if now - oldest.opened_at < self.handshake_grace:
@@ -166,12 +186,17 @@ class Admission:
         if conn.is_open:
             return True
         self.handshaking.pop(conn, None)
+        now = time.monotonic()
         why = self._refusal(conn.address)
+        if why is not None and self._shed_unused(conn.peer, now):
+            why = self._refusal(conn.address)
         if why is not None:
             self._refuse(conn.peer, why)
             return False
         conn.is_open = True
+        conn.admitted_at = now
         self.connections.add(conn)
+        self._unused[conn] = None
         self.accepted_connections += 1
         self._per_address[conn.address] = self._per_address.get(conn.address, 0) + 1
         return True
@@ -186,11 +211,44 @@ class Admission:
         self.handshaking.pop(conn, None)
         if conn.is_open:
             self.connections.discard(conn)
+            self._unused.pop(conn, None)
             left = self._per_address[conn.address] - 1
             if left:
                 self._per_address[conn.address] = left
             else:
                 del self._per_address[conn.address]
+
+    def _unused_connection(self, now: float) -> Connection | None:
+        """Return the oldest connection unused since its handshake, if older than the grace."""
+        unused = self._unused
+        while unused:
+            conn = next(iter(unused))
+            if conn.used:
+                del unused[conn]
+                continue
+            return conn if now - conn.admitted_at >= self.handshake_grace else None
+        return None
+
+    def _shed_unused(self, peer: str, now: float) -> bool:
+        """Close the connection :meth:`_unused_connection` finds, for ``peer``; return whether."""
+        oldest = self._unused_connection(now)
+        if oldest is None:
+            return False
+        self.release(oldest)
+        oldest.abort()
+        if not self.unused_shed:
+            self.throttled.warning(
+                None,
+                "store client %s disconnected to give %s its slot: every connection slot "
+                "(max_connections=%d) was taken, and it had sent nothing since its handshake "
+                "%.1f s before; this is logged once, later ones are counted (unused_shed)",
+                oldest.peer,
+                peer,
+                self.connection_cap,
+                now - oldest.admitted_at,
+            )
+        self.unused_shed += 1
+        return True
 
     def account(self, conn: Connection) -> None:
         """Count what ``conn`` buffers now; shed the oldest partial requests past the total."""
@@ -204,12 +262,20 @@ class Admission:
                 self._shed()
 
     def _shed(self) -> None:
-        """Close the connections whose incomplete requests started first until under the total."""
+        """Close the connections whose incomplete requests started first until under the total.
+
+        A connection that stopped for its turn or its unread replies is
+        waiting for the server, and is spared, unless what it waits with is
+        received bytes not parsed yet (its inbox): that is a request still
+        arriving, faster than a turn parses it.
+        """
         while self.buffered > self.max_buffered_bytes:
             started = [
                 conn
                 for conn in [*self.handshaking, *self.connections]
-                if conn.buffered and conn.frame_started is not None and not conn.stalled
+                if conn.buffered
+                and conn.frame_started is not None
+                and (not conn.stalled or conn.inbox)
             ]
             if not started:
                 return

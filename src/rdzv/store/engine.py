@@ -47,8 +47,10 @@ bytes and its place in the index. The blocked requests of all clients
 together may hold at most ``max_waiting_bytes`` of it, counted as the
 length of each key named plus :data:`WAITED_KEY_OVERHEAD` (about what
 CPython spends on one more waited key). A request that would pass it is
-refused before anything changes, with an error naming the limit. A key
-with one waiter is indexed to that waiter itself, without a set.
+refused before anything changes, with an error naming the limit, and so is
+a ``WAIT`` naming more than ``max_waited_keys`` keys. The index itself, and
+how a large waiter is indexed and removed in slices so that an event loop is
+never held long, is :mod:`rdzv.store.waiters`.
 
 A waiter leaves the index when it is answered, on ``CANCEL_WAIT`` (answered
 ``WAIT_CANCELED``), or on :meth:`StoreEngine.drop`, which the driver calls
@@ -59,23 +61,22 @@ timeout calls for.
 
 Errors. A request the engine cannot carry out (``ADD`` to a value that is
 not an integer, an ``APPEND`` past the cap, a reply that would be larger
-than :data:`MAX_REPLY_BYTES`, a blocked request past ``max_waiting_bytes``,
-a request from a client that is blocked, an opcode that is no store operation) raises
+than :data:`MAX_REPLY_BYTES`, a blocked request past ``max_waiting_bytes``
+or ``max_waited_keys``, a request from a client that is blocked, an opcode that is no store operation) raises
 :class:`~rdzv.store.protocol.ProtocolError` and changes nothing: the server
 then closes the connection, as torch's server does.
 
-Size: over the project's ~600-line guide: one concept, the keyspace with
-its queues and their waiters, whose handlers all share the one index and
-waiting budget.
+Size: near the project's ~600-line guide: one concept, the keyspace with
+its queues, whose handlers all share the one waiter index and waiting budget.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MethodType
-from typing import Any, Final, Generic, TypeAlias, TypeVar
+from typing import Any, Final, Generic, TypeAlias
 
 from rdzv.store.protocol import (
     MAX_VALUE_BYTES,
@@ -89,9 +90,19 @@ from rdzv.store.protocol import (
     encode_bytes,
     encode_i64,
 )
+from rdzv.store.waiters import (
+    STOP_WAITING,
+    WAIT_SLICE,
+    WAITED_KEY_OVERHEAD,
+    ClientT,
+    Waiter,
+    WaiterIndex,
+    Woken,
+)
 
 __all__ = [
     "BLOCKING_OPS",
+    "DEFAULT_MAX_WAITED_KEYS",
     "DEFAULT_MAX_WAITING_BYTES",
     "MAX_APPENDED_BYTES",
     "MAX_REPLY_BYTES",
@@ -115,16 +126,17 @@ keys (``MULTI_GET``, ``MULTI_TRY_GET``) or all of them (``LIST_KEYS``) can
 go past it, and they are refused, before the reply is built: a 24 KB
 ``MULTI_GET`` naming one 1 MiB key 2,000 times would otherwise cost 2 GiB."""
 
-WAITED_KEY_OVERHEAD: Final = 128
-"""Bytes counted against ``max_waiting_bytes`` for each key a blocked request
-names, besides the key's own length: about what CPython spends on it (the
-bytes object, the blocked request's reference, the index entry)."""
-
 DEFAULT_MAX_WAITING_BYTES: Final = 32 * 1024 * 1024
 """The default of ``max_waiting_bytes``: 32 MiB, about 230,000 waited keys of
 16 bytes. A rendezvous, whose thousands of clients each wait on a few keys,
 uses a few MiB of it; it refuses the eight ``WAIT`` s of 131,072 keys each
 that would otherwise grow the server by 170 MiB."""
+
+DEFAULT_MAX_WAITED_KEYS: Final = 65536
+"""The default of ``max_waited_keys``: the most keys one client's ``WAIT``
+may name (a client has at most one blocked request). A ``WAIT`` naming the
+key of every participant of the largest round (65,536) fits; torch's wire
+limit is twice that."""
 
 WATCH_DIGEST_PAST: Final = 64
 """A blocked ``WATCH`` whose value is longer than this many bytes holds the
@@ -133,16 +145,11 @@ compares the key's new values against those: its memory is then that of its
 key, which ``max_waiting_bytes`` counts. The digest of a new value is
 computed once per write, however many watchers compare it."""
 
-ClientT = TypeVar("ClientT", bound=Hashable)
-
-Woken: TypeAlias = Sequence[tuple[ClientT, bytes]]
-"""Replies owed to blocked clients: ``(client, reply)`` pairs."""
 _Outcome: TypeAlias = tuple["bytes | None", Woken[ClientT]]
 
 BLOCKING_OPS: Final = frozenset({Op.WAIT, Op.BARRIER, Op.GET_WAIT, Op.WATCH})
 """The opcodes whose reply may come later, from another client's write."""
 
-_STOP_WAITING: Final = bytes([WaitResult.STOP_WAITING])
 _WAIT_CANCELED: Final = bytes([WaitResult.WAIT_CANCELED])
 _READY: Final = bytes([CheckResult.READY])
 _NOT_READY: Final = bytes([CheckResult.NOT_READY])
@@ -177,34 +184,6 @@ def _show(key: bytes) -> str:
     return repr(key) if len(key) <= 64 else f"{key[:64]!r}..."
 
 
-class _Waiter(Generic[ClientT]):
-    """A blocked request: its client, its keys, and what answers it.
-
-    ``ready`` is None for a ``WAIT``, which counts its ``missing`` keys;
-    otherwise it returns the reply once the one key's value allows it.
-    """
-
-    __slots__ = ("client", "cost", "keys", "missing", "on_timeout", "ready", "timeout_ms")
-
-    def __init__(
-        self,
-        client: ClientT,
-        keys: tuple[bytes, ...],
-        *,
-        missing: int = 0,
-        ready: Callable[[], bytes | None] | None = None,
-        timeout_ms: int | None = None,
-        on_timeout: bytes | None = None,
-    ) -> None:
-        self.client = client
-        self.keys = keys
-        self.missing = missing
-        self.ready = ready
-        self.timeout_ms = timeout_ms
-        self.on_timeout = on_timeout
-        self.cost = 0
-
-
 class StoreEngine(Generic[ClientT]):
     """The keys, queues and blocked requests of one store (not thread-safe).
 
@@ -214,38 +193,49 @@ class StoreEngine(Generic[ClientT]):
             for a driver that itself keeps a client with a blocked request to
             ``CANCEL_WAIT`` (the server does, with its dispatch tables, and
             saves a call per request).
-        waiter_checks: How many times a write examined a blocked request, in
-            total: the work of the waiter index (for tests and monitoring).
-        waiting_bytes: What the blocked requests hold, as counted against
-            ``max_waiting_bytes``.
 
     Args:
         max_waiting_bytes: Most bytes the blocked requests of all clients
             may hold together: the length of each key they name plus
             :data:`WAITED_KEY_OVERHEAD`. A request that would pass it is
             refused.
+        max_waited_keys: Most keys one ``WAIT`` may name; one naming more is
+            refused.
+        schedule: Given by a driver with an event loop: a large blocked
+            request is then indexed and removed in slices, by :meth:`work`,
+            which the driver calls soon after ``schedule`` is called and again
+            while :attr:`has_work` (see :mod:`rdzv.store.waiters`). Without
+            it, everything is done in the call that asks for it.
 
     Raises:
-        ValueError: ``max_waiting_bytes`` is not positive.
+        ValueError: ``max_waiting_bytes`` or ``max_waited_keys`` is not positive.
     """
 
-    def __init__(self, max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES) -> None:
-        if max_waiting_bytes < 1:
-            raise ValueError(f"max_waiting_bytes must be at least 1, got {max_waiting_bytes}")
+    def __init__(
+        self,
+        max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES,
+        max_waited_keys: int = DEFAULT_MAX_WAITED_KEYS,
+        schedule: Callable[[], None] | None = None,
+    ) -> None:
+        for name, limit in (
+            ("max_waiting_bytes", max_waiting_bytes),
+            ("max_waited_keys", max_waited_keys),
+        ):
+            if limit < 1:
+                raise ValueError(f"{name} must be at least 1, got {limit}")
         self.max_waiting_bytes = max_waiting_bytes
-        self.waiting_bytes = 0
+        self.max_waited_keys = max_waited_keys
         self.reserved_bytes = 0
         """What :meth:`reserve_wait` set aside for ``WAIT`` s still arriving."""
         self._reserved: dict[ClientT, int] = {}
         self._data: dict[bytes, bytes | bytearray] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
-        self._index: dict[bytes, _Waiter[ClientT] | set[_Waiter[ClientT]]] = {}
-        """The waiters of each key: the waiter itself when it is the only one."""
-        self._blocked: dict[ClientT, _Waiter[ClientT]] = {}
+        self._waiters: WaiterIndex[ClientT] = WaiterIndex(self._exists, schedule)
+        self._index = self._waiters.by_key
+        self._blocked = self._waiters.blocked
         self.handlers: Mapping[int, Callable[[ClientT, Request], _Outcome[ClientT]]] = {
             op: MethodType(handler, self) for op, handler in _HANDLERS.items()
         }
-        self.waiter_checks = 0
         self._memo: tuple[bytes | bytearray, bytes] | None = None
         """The value last hashed by :meth:`_current_digest`, and its digest."""
 
@@ -302,7 +292,7 @@ class StoreEngine(Generic[ClientT]):
         waiter = self._blocked.get(client)
         if waiter is None:
             return None
-        self._unindex(waiter)
+        self._waiters.remove(waiter)
         return waiter.on_timeout
 
     def reserve_wait(self, client: ClientT, count: int) -> None:
@@ -315,10 +305,12 @@ class StoreEngine(Generic[ClientT]):
         itself (:meth:`apply`) or :meth:`drop` gives it back.
 
         Raises:
-            ProtocolError: ``count`` keys would pass ``max_waiting_bytes``.
+            ProtocolError: ``count`` keys would pass ``max_waiting_bytes`` or
+                ``max_waited_keys``.
         """
         if self._reserved:
             self._unreserve(client)
+        self._check_key_count(count)
         amount = WAITED_KEY_OVERHEAD * count
         self._check_budget(Op.WAIT, count, amount)
         self._reserved[client] = amount
@@ -342,8 +334,32 @@ class StoreEngine(Generic[ClientT]):
 
     @property
     def indexed_keys(self) -> int:
-        """The number of keys that blocked requests wait on."""
+        """The number of keys that blocked requests wait on (or whose entries are being cleared)."""
         return len(self._index)
+
+    @property
+    def waiting_bytes(self) -> int:
+        """What the blocked requests hold, as counted against ``max_waiting_bytes``."""
+        return self._waiters.waiting_bytes
+
+    @property
+    def waiter_checks(self) -> int:
+        """How many times a write examined a blocked request, in total."""
+        return self._waiters.checks
+
+    @property
+    def has_work(self) -> bool:
+        """Whether large blocked requests are still being indexed or cleared (see :meth:`work`)."""
+        return self._waiters.has_work
+
+    def work(self) -> Woken[ClientT]:
+        """Index or clear the next slice of large blocked requests.
+
+        Only with ``schedule``, which tells the driver when to call this (then
+        again while :attr:`has_work`). Return the ``(client, reply)`` pairs of
+        the ``WAIT`` s it answered: those whose keys all existed once indexed.
+        """
+        return self._waiters.work()
 
     # -- the waiter index ------------------------------------------------------
 
@@ -357,6 +373,13 @@ class StoreEngine(Generic[ClientT]):
         self._check_budget(op, len(keys), cost)
         return cost
 
+    def _check_key_count(self, count: int) -> None:
+        if count > self.max_waited_keys:
+            raise ProtocolError(
+                f"WAIT of {count} keys is over the limit of {self.max_waited_keys} keys "
+                "one client may wait on (max_waited_keys)"
+            )
+
     def _check_budget(self, op: Op, count: int, cost: int) -> None:
         held = self.waiting_bytes + self.reserved_bytes
         if held + cost > self.max_waiting_bytes:
@@ -366,58 +389,12 @@ class StoreEngine(Generic[ClientT]):
                 f"limit of {self.max_waiting_bytes} bytes (max_waiting_bytes)"
             )
 
-    def _block(self, waiter: _Waiter[ClientT], cost: int) -> None:
-        """Index ``waiter``, which :meth:`_admit` found to cost ``cost``."""
-        self._blocked[waiter.client] = waiter
-        waiter.cost = cost
-        self.waiting_bytes += cost
-        index = self._index
-        for key in waiter.keys:
-            waiting = index.get(key)
-            if waiting is None:
-                index[key] = waiter
-            elif isinstance(waiting, set):
-                waiting.add(waiter)
-            else:
-                index[key] = {waiting, waiter}
-
-    def _unindex(self, waiter: _Waiter[ClientT]) -> None:
-        del self._blocked[waiter.client]
-        self.waiting_bytes -= waiter.cost
-        index = self._index
-        for key in waiter.keys:
-            waiting = index[key]
-            if waiting is waiter:
-                del index[key]
-                continue
-            assert isinstance(waiting, set)
-            waiting.discard(waiter)
-            if len(waiting) == 1:
-                index[key] = waiting.pop()
-
     def _notify(self, key: bytes, existence: int) -> Woken[ClientT]:
-        """Answer the waiters of ``key`` that its change satisfied.
-
-        ``existence`` is +1 if the key came into existence, -1 if it ceased
-        to, 0 if only its value changed (or nothing did).
-        """
-        waiting = self._index.get(key)
-        if not waiting:
+        """Answer the waiters of ``key`` that its change satisfied (see :meth:`WaiterIndex.notify`)."""
+        if key not in self._index:
             return ()
         self._memo = None  # an appended value changes in place: hash afresh
-        woken: list[tuple[ClientT, bytes]] = []
-        for waiter in list(waiting) if isinstance(waiting, set) else (waiting,):
-            self.waiter_checks += 1
-            if waiter.ready is None:
-                if not existence:
-                    continue
-                waiter.missing -= existence
-                reply = None if waiter.missing else _STOP_WAITING
-            else:
-                reply = waiter.ready()
-            if reply is not None:
-                self._unindex(waiter)
-                woken.append((waiter.client, reply))
+        woken = self._waiters.notify(key, existence)
         self._memo = None
         return woken
 
@@ -485,13 +462,16 @@ class StoreEngine(Generic[ClientT]):
     def _wait(self, client: ClientT, request: Request) -> _Outcome[ClientT]:
         if self._reserved:
             self._unreserve(client)
-        data, queues = self._data, self._queues
-        if all(key in data or key in queues for key in request.keys):
-            return _STOP_WAITING, ()
-        keys = tuple(dict.fromkeys(request.keys))
+        keys = request.keys
+        self._check_key_count(len(keys))
+        if len(keys) <= WAIT_SLICE:  # a large one is deduplicated as it is indexed, in slices
+            data, queues = self._data, self._queues
+            if all(key in data or key in queues for key in keys):
+                return STOP_WAITING, ()
+            keys = tuple(dict.fromkeys(keys))
         cost = self._admit(Op.WAIT, keys)
-        missing = sum(1 for key in keys if key not in data and key not in queues)
-        self._block(_Waiter(client, keys, missing=missing), cost)
+        if self._waiters.block(Waiter(client, keys), cost):
+            return STOP_WAITING, ()
         return _NOTHING
 
     def _num_keys(self, _client: ClientT, _request: Request) -> _Outcome[ClientT]:
@@ -573,14 +553,14 @@ class StoreEngine(Generic[ClientT]):
                 count = int(data.get(key, b"0"))
             except ValueError:
                 return None
-            return _STOP_WAITING if count >= world_size else None
+            return STOP_WAITING if count >= world_size else None
 
         count = self._sum(key, 1)
         cost = 0 if count >= world_size else self._admit(Op.BARRIER, (key,))
         woken = self._write(key, str(count).encode())
         reply = arrived()
         if reply is None:
-            self._block(_Waiter(client, (key,), ready=arrived), cost)
+            self._waiters.block(Waiter(client, (key,), ready=arrived), cost)
         return reply, woken
 
     # -- rdzv's extensions -----------------------------------------------------
@@ -599,8 +579,8 @@ class StoreEngine(Generic[ClientT]):
             return None if value is None else _FOUND + encode_bytes(value)
 
         cost = self._admit(Op.GET_WAIT, (key,))
-        self._block(
-            _Waiter(client, (key,), ready=found, timeout_ms=request.number, on_timeout=_TIMED_OUT),
+        self._waiters.block(
+            Waiter(client, (key,), ready=found, timeout_ms=request.number, on_timeout=_TIMED_OUT),
             cost,
         )
         return _NOTHING
@@ -624,8 +604,8 @@ class StoreEngine(Generic[ClientT]):
         cost = self._admit(Op.WATCH, (key,))
         if previous is not None and len(previous) > WATCH_DIGEST_PAST:
             changed = self._changed_from_digest(key, len(previous), _digest(previous))
-        self._block(
-            _Waiter(
+        self._waiters.block(
+            Waiter(
                 client,
                 (key,),
                 ready=changed,

@@ -17,6 +17,7 @@ import errno
 import os
 import ssl
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,11 +76,12 @@ class ServerSecurity:
 
 
 def secured_server(
-    host: str | None, port: int, security: ServerSecurity, **limits: Any
+    host: str | Sequence[str] | None, port: int, security: ServerSecurity, **limits: Any
 ) -> TCPStoreServer:
     """Build (not start) a store server secured by ``security``.
 
-    ``host`` None listens on every address, ``port`` 0 picks a free one, and
+    ``host`` is an address or several; None listens on every address,
+    ``port`` 0 picks a free one, and
     ``limits`` are :class:`~rdzv.store.server.TCPStoreServer`'s. Call
     ``start()`` (a background thread) or ``serve()`` (the foreground).
     """
@@ -94,12 +96,17 @@ _shared_servers: dict[int, tuple[TCPStoreServer, int]] = {}
 
 
 def hosted_server(
-    port: int, multi_tenant: bool, security: ServerSecurity, max_connections: int | None = None
+    port: int,
+    multi_tenant: bool,
+    security: ServerSecurity,
+    max_connections: int | None = None,
+    listen: Sequence[str] | None = None,
 ) -> TCPStoreServer:
     """Start a ``TCPStore(is_master=True)``'s server, or share the one on ``port``.
 
     With ``multi_tenant``, this process's masters on one port share one
-    server; each gives it back with :func:`release_server`.
+    server (listening where the first asked); each gives it back with
+    :func:`release_server`. ``listen``: the addresses to listen on, None every one.
     """
     with _shared_lock:
         if multi_tenant and port in _shared_servers:
@@ -107,7 +114,7 @@ def hosted_server(
             _shared_servers[port] = (server, users + 1)
             return server
         limits = {} if max_connections is None else {"max_connections": max_connections}
-        server = secured_server(None, port, security, **limits).start()
+        server = secured_server(listen, port, security, **limits).start()
         if multi_tenant:
             _shared_servers[server.port] = (server, 1)
         return server

@@ -24,7 +24,9 @@ Each limit has a named default and a constructor parameter (see
   unread gets nothing more executed (:mod:`rdzv.store._connection`). The
   parser refuses oversize keys, values and key counts as soon as their
   length is readable, and costs time linear in a request's size however it
-  is split.
+  is split. A ``WAIT`` of many keys is registered and removed in slices,
+  one per turn (:mod:`rdzv.store.waiters`), and may name at most
+  ``max_waited_keys`` keys.
 * Time. Kernel keepalive probes find a peer gone without a FIN, even one
   blocked in a long ``WAIT``; one sweeper task closes every connection that
   broke ``frame_timeout`` (a request still incomplete that long after its
@@ -50,13 +52,20 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
 
-from rdzv.net import bind_listener, enable_keepalive, listen_backlog, server_tls_context
-from rdzv.store._connection import FEED_SLICE, RECEIVE_BUFFER_BYTES, REQUESTS_PER_TURN, Connection
+from rdzv.net import bind_listeners, enable_keepalive, listen_backlog, server_tls_context
+from rdzv.store._connection import (
+    FEED_SLICE,
+    RECEIVE_BUFFER_BYTES,
+    REQUESTS_PER_TURN,
+    Connection,
+    ConnectionLimits,
+    Host,
+)
 from rdzv.store.admission import FD_HEADROOM, HANDSHAKE_GRACE, Admission, handshake_grace
-from rdzv.store.engine import DEFAULT_MAX_WAITING_BYTES, StoreEngine
+from rdzv.store.engine import DEFAULT_MAX_WAITED_KEYS, DEFAULT_MAX_WAITING_BYTES, StoreEngine
 from rdzv.store.protocol import DECODED_ITEM_OVERHEAD, MAX_MULTI_KEYS, MAX_REQUEST_BYTES
 from rdzv.store.throttle import ThrottledLog
 from rdzv.threads import start_thread
@@ -131,8 +140,10 @@ class TCPStoreServer(Admission):
     :class:`~rdzv.store.admission.Admission`.
 
     Args:
-        host: The address to listen on; None (the default) listens on every
-            address, IPv6 and IPv4 (dual stack), falling back to IPv4 only.
+        host: The address to listen on, or several (one port for all, see
+            :func:`~rdzv.net.listen_addresses`); None (the default) listens
+            on every address, IPv6 and IPv4 (dual stack), falling back to
+            IPv4 only.
         port: The port; 0 picks a free one (see :attr:`port`).
         auth_token: A shared secret; when given, clients must authenticate
             (rdzv clients only: torch's client cannot).
@@ -159,6 +170,11 @@ class TCPStoreServer(Admission):
             :data:`~rdzv.store.engine.WAITED_KEY_OVERHEAD`; a request that
             would pass it closes its connection with a warning naming the
             limit (default :data:`~rdzv.store.engine.DEFAULT_MAX_WAITING_BYTES`).
+        max_waited_keys: Most keys one connection's ``WAIT`` may name (a
+            connection has at most one blocked request); one naming more
+            closes its connection with a warning naming the limit, as soon
+            as its number of keys is read (default
+            :data:`~rdzv.store.engine.DEFAULT_MAX_WAITED_KEYS`).
         max_buffered_bytes: Bytes held by requests not executed yet
             (mostly incomplete ones) over all connections: their received
             bytes, plus :data:`~rdzv.store.protocol.DECODED_ITEM_OVERHEAD`
@@ -189,7 +205,7 @@ class TCPStoreServer(Admission):
 
     def __init__(
         self,
-        host: str | None = None,
+        host: str | Sequence[str] | None = None,
         port: int = 0,
         *,
         auth_token: str | bytes | None = None,
@@ -201,6 +217,7 @@ class TCPStoreServer(Admission):
         max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES,
+        max_waited_keys: int = DEFAULT_MAX_WAITED_KEYS,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         tcp_keepalive: float | None = DEFAULT_TCP_KEEPALIVE,
@@ -217,6 +234,7 @@ class TCPStoreServer(Admission):
             ("max_unsent_bytes", max_unsent_bytes),
             ("max_buffered_bytes", max_buffered_bytes),
             ("max_waiting_bytes", max_waiting_bytes),
+            ("max_waited_keys", max_waited_keys),
         ):
             if count is not None and count < 1:
                 raise ValueError(f"{name} must be at least 1, got {count}")
@@ -241,8 +259,6 @@ class TCPStoreServer(Admission):
         self.loop = loop
         """The event loop's name (one of :data:`EVENT_LOOPS`)."""
         self.max_unsent_bytes = max_unsent_bytes
-        self.receive_buffer = memoryview(bytearray(RECEIVE_BUFFER_BYTES))
-        """Where every connection receives (see :class:`~rdzv.store._connection.Connection`)."""
         self.handshake_timeout = float(handshake_timeout)
         self.frame_timeout = float(frame_timeout)
         self.handshake_deadline = min(self.handshake_timeout, self.frame_timeout)
@@ -252,15 +268,30 @@ class TCPStoreServer(Admission):
         self.expired_connections = 0
         """Connections closed for breaking ``frame_timeout``, ``idle_timeout``
         or the handshake deadline."""
-        self.requests = 0
-        """Requests parsed since the server started."""
-        self._host = host
+        self._hosts = [host] if isinstance(host, str) else None if host is None else list(host)
         self._requested_port = port
         self.secret = auth_token.encode() if isinstance(auth_token, str) else auth_token
         self._ssl_context = ssl_context
-        self.engine: StoreEngine[Connection] = StoreEngine(max_waiting_bytes)
+        self.engine: StoreEngine[Connection] = StoreEngine(
+            max_waiting_bytes, max_waited_keys, self._schedule_work
+        )
+        limits = ConnectionLimits(
+            max_unsent_bytes,
+            self.handshake_deadline,
+            self.frame_timeout,
+            self.idle_timeout,
+            self.secret,
+        )
+        self._connections_host = Host(
+            self.engine,
+            self,
+            limits,
+            self.throttled,
+            memoryview(bytearray(RECEIVE_BUFFER_BYTES)),
+        )
+        self._work_scheduled = False
         self._port: int | None = None
-        self._bound_host = host or "::"
+        self._bound_host = self._hosts[0] if self._hosts else "::"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -280,8 +311,13 @@ class TCPStoreServer(Admission):
 
     @property
     def host(self) -> str:
-        """The address the server listens on (``::`` for every address)."""
+        """The (first) address the server listens on (``::`` for every address)."""
         return self._bound_host
+
+    @property
+    def requests(self) -> int:
+        """Requests parsed since the server started."""
+        return self._connections_host.requests
 
     @property
     def running(self) -> bool:
@@ -355,7 +391,20 @@ class TCPStoreServer(Admission):
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    # -- accepting (on the loop's thread) ------------------------------------
+    # -- on the loop's thread -------------------------------------------------
+
+    def _schedule_work(self) -> None:
+        """Have the engine's sliced work (large blocked requests) done, a slice per turn."""
+        if not self._work_scheduled:
+            self._work_scheduled = True
+            asyncio.get_running_loop().call_soon(self._work)
+
+    def _work(self) -> None:
+        self._work_scheduled = False
+        for conn, answer in self.engine.work():
+            conn.answer(answer)
+        if self.engine.has_work:
+            self._schedule_work()
 
     def _accepted(self, sock: socket.socket, address: str, peer: str) -> None:
         """Take in a connection just accepted, or refuse it (close it at once)."""
@@ -366,9 +415,10 @@ class TCPStoreServer(Admission):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tcp_keepalive is not None:
             enable_keepalive(sock, self.tcp_keepalive)
-        conn = Connection(self, address, peer)
+        conn = Connection(self._connections_host, address, peer)
         self.handshaking[conn] = None
         conn.attaching = asyncio.get_running_loop().create_task(self._attach(conn, sock))
+        conn.attaching.add_done_callback(lambda task: _close_if_cancelled(task, sock))
 
     async def _attach(self, conn: Connection, sock: socket.socket) -> None:
         """Give ``conn`` its transport, after the TLS handshake on a TLS server."""
@@ -406,8 +456,14 @@ class TCPStoreServer(Admission):
         loop = asyncio.get_running_loop()
         delay = 0.0
         while True:
+            accepting = loop.create_task(loop.sock_accept(listener))
             try:
-                sock, addr = await loop.sock_accept(listener)
+                sock, addr = await asyncio.shield(accepting)
+            except asyncio.CancelledError:
+                # Stopping: a connection accepted meanwhile must not leak.
+                accepting.add_done_callback(_close_accepted)
+                accepting.cancel()
+                raise
             except OSError as exc:
                 if exc.errno not in _ACCEPT_OUT_OF_RESOURCES:
                     continue  # the peer went away between SYN and accept
@@ -431,15 +487,16 @@ class TCPStoreServer(Admission):
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            sock = bind_listener(self._host, self._requested_port)
-            sock.listen(min(listen_backlog(), ACCEPT_BACKLOG))
-            sock.setblocking(False)
+            listeners = bind_listeners(self._hosts, self._requested_port)
+            for sock in listeners:
+                sock.listen(min(listen_backlog(), ACCEPT_BACKLOG))
+                sock.setblocking(False)
         except (OSError, ValueError) as exc:
             self._error = exc
             self._ready.set()
             return
         self.fit_descriptor_limit()
-        address = sock.getsockname()
+        address = listeners[0].getsockname()
         self._bound_host = str(address[0])
         self._port = int(address[1])
         self._loop = loop
@@ -447,7 +504,8 @@ class TCPStoreServer(Admission):
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self._stop.set)
         self._ready.set()
-        tasks = [loop.create_task(self._sweep()), loop.create_task(self._accept(sock))]
+        tasks = [loop.create_task(self._sweep())]
+        tasks += [loop.create_task(self._accept(sock)) for sock in listeners]
         try:
             if on_ready is not None:
                 on_ready(self)
@@ -458,7 +516,8 @@ class TCPStoreServer(Admission):
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            sock.close()
+            for sock in listeners:
+                sock.close()
             for conn in [*self.handshaking, *self.connections]:
                 conn.abort()
             for _ in range(3):
@@ -487,6 +546,18 @@ class TCPStoreServer(Admission):
                         kind, "store client %s disconnected: %s", conn.peer, reason
                     )
                     conn.abort()
+
+
+def _close_accepted(task: asyncio.Task[tuple[socket.socket, Any]]) -> None:
+    """Close what an accept task accepted after the accept loop was stopped."""
+    if not task.cancelled() and task.exception() is None:
+        task.result()[0].close()
+
+
+def _close_if_cancelled(task: asyncio.Task[None], sock: socket.socket) -> None:
+    """Close the socket of an attach task cancelled before it ran (the server stopped)."""
+    if task.cancelled():
+        sock.close()
 
 
 def _loop_runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:

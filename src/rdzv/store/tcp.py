@@ -136,6 +136,9 @@ class TCPStore(Store):
             (``is_master`` only).
         max_connections: The hosted server's limit on open connections
             (``is_master`` only); None keeps the server's default.
+        listen: The addresses the hosted server listens on (``is_master``
+            only; see :func:`~rdzv.net.listen_addresses`); None, the
+            default, every address, as torch's server.
 
     Raises:
         RendezvousConnectionError: The server could not be reached in time.
@@ -158,6 +161,7 @@ class TCPStore(Store):
         ssl_context: ssl.SSLContext | None = None,
         server_ssl_context: ssl.SSLContext | None = None,
         max_connections: int | None = None,
+        listen: Sequence[str] | None = None,
     ) -> None:
         super().__init__(timeout)
         if not 0 <= port <= 65535:
@@ -175,7 +179,7 @@ class TCPStore(Store):
             from rdzv.store.serve import ServerSecurity, hosted_server  # noqa: PLC0415 - hosts only
 
             secure = ServerSecurity(secret, server_ssl_context)
-            self._server = hosted_server(port, multi_tenant, secure, max_connections)
+            self._server = hosted_server(port, multi_tenant, secure, max_connections, listen)
             port = self._server.port
         link = StoreLink(host_name, port, self.timeout.total_seconds(), secret, ssl_context)
         self._link = link

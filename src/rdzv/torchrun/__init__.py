@@ -34,7 +34,7 @@ from rdzv.api import RendezvousParameters, RendezvousSettings, given_node_rank
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.backends.store import open_store
 from rdzv.dynamic.handler import DynamicRendezvousHandler, recorded_creation
-from rdzv.net import advertised_address
+from rdzv.net import advertised_address, listen_addresses
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.torchrun.events import bridged_creation
 from rdzv.torchrun.handler import _Resources, _torch_errors, _wrap
@@ -134,7 +134,12 @@ def _start_server_if_this_node_hosts(options: StoreBackendOptions) -> _ServerPro
         return None
     options.tls.server_context()  # a certificate that cannot be loaded is a ValueError naming it
     try:
-        return _ServerProcess.start(options.port, options.auth_token_file, options.tls.server_files)
+        return _ServerProcess.start(
+            options.port,
+            options.auth_token_file,
+            options.tls.server_files,
+            listen_addresses(options.host, listen_all=options.listen_all),
+        )
     except _ServerStartError as exc:
         if options.is_host:
             with _torch_errors():

@@ -20,6 +20,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -44,12 +45,17 @@ class _ServerProcess:
 
     @classmethod
     def start(
-        cls, port: int, auth_token_file: str | None, tls_files: tuple[str, str] | None
+        cls,
+        port: int,
+        auth_token_file: str | None,
+        tls_files: tuple[str, str] | None,
+        listen: Sequence[str] | None = None,
     ) -> _ServerProcess:
-        """Start a server on ``port`` (every address).
+        """Start a server on ``port``, on the addresses of ``listen`` (None: every address).
 
         Args:
             port: The port to serve on.
+            listen: The addresses to listen on (see :func:`~rdzv.net.listen_addresses`).
             auth_token_file: The file holding the store's secret, or None (the
                 secret may also come from ``$RDZV_AUTH_TOKEN``, which the
                 child inherits).
@@ -67,6 +73,8 @@ class _ServerProcess:
         )
         if tls_files is not None:
             options += ("--tls-cert", tls_files[0], "--tls-key", tls_files[1])
+        for address in listen or ():
+            options += ("--listen", address)
         env = dict(os.environ)
         package_root = str(Path(rdzv.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -114,7 +122,8 @@ def main(argv: list[str]) -> int:
 
     Args:
         argv: The command line after the program: ``serve PORT
-            [--auth-token-file F] [--tls-cert C --tls-key K]``.
+            [--auth-token-file F] [--tls-cert C --tls-key K] [--listen ADDR ...]``
+            (no ``--listen``: every address).
 
     Returns:
         The exit status: 0 after serving, 1 if the usage is wrong or the
@@ -132,6 +141,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--auth-token-file", default=None)
     parser.add_argument("--tls-cert", default=None)
     parser.add_argument("--tls-key", default=None)
+    parser.add_argument("--listen", action="append", default=None)
     args = parser.parse_args(argv[1:])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
     # The child is a program of its own: its warnings (misbehaving clients)
@@ -139,7 +149,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="rdzv store server: %(message)s")
     try:
         security = ServerSecurity.from_files(args.auth_token_file, args.tls_cert, args.tls_key)
-        server = secured_server(None, args.port, security).start()
+        server = secured_server(args.listen, args.port, security).start()
     except (OSError, ValueError, ssl.SSLError) as exc:
         print(f"error {exc}", flush=True)
         return 1
