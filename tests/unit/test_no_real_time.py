@@ -39,6 +39,7 @@ REAL_TIME_ALLOWED: dict[str, str] = {
         "the store server's own bookkeeping (idle and blocked connections) in its process"
     ),
     "rdzv.store.server": "the store server's admission and idle sweeps, in its own process",
+    "rdzv.store.admission": "the server's slots: an unused connection's age, in real time",
     "rdzv.store.throttle": "real time is the default of its injectable clock",
     "rdzv.worker": "the worker's heartbeat file: real time is the default of its injectable clock",
     "rdzv.status": (
