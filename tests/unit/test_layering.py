@@ -132,6 +132,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.launch.barriers",
             "rdzv.launch.config",
             "rdzv.launch.exits",
+            "rdzv.launch.torch_server",
             "rdzv.launch.bootstrap",
             "rdzv.launch.explain",
             "rdzv.launch.failures",

@@ -88,8 +88,9 @@ from rdzv.launch.barriers import exit_barrier, leave_barrier
 from rdzv.launch.bootstrap import (
     BootstrapFactory,
     BootstrapServer,
+    BootstrapSpec,
+    bootstrap_server,
     exchange_bootstrap,
-    tcp_store_server,
 )
 from rdzv.launch.config import (
     EXIT_OK,
@@ -152,8 +153,10 @@ class ElasticAgent:
     Args:
         handler: The rendezvous handler (any backend).
         config: What to run.
-        bootstrap_factory: Starts the workers' store on group rank 0 (a
-            fresh ``rdzv.TCPStore`` server per attempt by default).
+        bootstrap_factory: Starts the workers' store on group rank 0, given
+            the round's :class:`~rdzv.launch.bootstrap.BootstrapSpec` (a fresh
+            server per attempt, sized for the round, by default:
+            :func:`~rdzv.launch.bootstrap.bootstrap_server`).
         sink: Where workers' prefixed output goes (the agent's stdout/stderr).
         log: Receives the agent's own one-line messages (by default they go to
             the sink's stderr, time-stamped: see :func:`agent_line`).
@@ -167,7 +170,7 @@ class ElasticAgent:
         self,
         handler: RendezvousHandler,
         config: AgentConfig,
-        bootstrap_factory: BootstrapFactory = tcp_store_server,
+        bootstrap_factory: BootstrapFactory = bootstrap_server,
         sink: OutputSink | None = None,
         log: Callable[[str], None] | None = None,
         progress_intervals: tuple[float, float] = (FIRST_LINE_AFTER, LINE_EVERY),
@@ -373,7 +376,12 @@ class ElasticAgent:
             self._wait_for_peers,
         )
         master, server = exchange_bootstrap(
-            info.store, info.rank, self._bootstrap_factory, cfg.local_addr, self._wait_for_peers
+            info.store,
+            info.rank,
+            self._bootstrap_factory,
+            BootstrapSpec(ranks.world_size, info.world_size),
+            cfg.local_addr,
+            self._wait_for_peers,
         )
         base_env = dict(os.environ if cfg.env is None else cfg.env)
         attempt_dir = Path(self._run_id, f"attempt_{self._attempts_started}")
