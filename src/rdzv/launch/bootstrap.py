@@ -154,7 +154,10 @@ def rdzv_store_server(spec: BootstrapSpec) -> BootstrapServer:
 
 def torch_available() -> bool:
     """Tell whether torch can be imported here."""
-    return importlib.util.find_spec("torch") is not None
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # a broken or blocked installation
+        return False
 
 
 def bootstrap_server(spec: BootstrapSpec) -> BootstrapServer:
