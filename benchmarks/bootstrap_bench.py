@@ -26,8 +26,10 @@ publishes a 128-character unique id, every rank reads it, and all pass torch's
 store-based barrier (``_store_based_barrier``; the NCCL pattern). The table
 shows the time from the release to the last rank's ``go`` (init) and to the
 last rank out of the barrier (total), each as a ratio of torch's server: the
-best of ``--repeat`` interleaved runs (each the servers in turn), which
-filters out other load on the machine; the other columns are that run's.
+best of ``--repeat`` interleaved runs (each the servers in turn, the first
+of one run the last of the next), which
+filters out other load on the machine; the other columns are that run's,
+and the last lists every run's total.
 
 Beside the server, the host process runs an agent's rendezvous as ``rdzv
 run``'s group rank 0 would: rdzv's rendezvous store hosted in the same
@@ -73,6 +75,7 @@ SERVERS = ("rdzv", "torch", "rdzv-server")
 RANKS_PER_HOST = 8
 UNIQUE_ID = "u" * 128
 THREAD_STACK = 256 * 1024
+SWITCH_INTERVAL = 1.0
 
 
 # ---------------------------------------------------------------- host process
@@ -87,7 +90,7 @@ def start_server(kind: str, n: int) -> Any:
         rdzv_store_server,
     )
 
-    spec = BootstrapSpec(n, max(1, n // RANKS_PER_HOST), "127.0.0.1")
+    spec = BootstrapSpec(n, max(1, n // RANKS_PER_HOST))  # every address, as rdzv run's
     if kind == "rdzv":
         return bootstrap_server(spec)
     if kind == "rdzv-server":
@@ -229,6 +232,11 @@ def clients(port: int, n: int, first: int, count: int, timeout: float) -> None:
             with lock:
                 errors.append(f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
 
+    # Thousands of threads coming back from torch's calls at once queue for
+    # the interpreter lock; each waiter wakes every switch interval to ask
+    # for it, which at the default 5 ms swamps the lock's own mutex. The
+    # threads give the lock up at every store call anyway.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     threading.stack_size(THREAD_STACK)
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(first, first + count)]
     for t in threads:
@@ -367,16 +375,22 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for n in args.sizes:
         best: dict[str, dict[str, Any]] = {}
-        for _ in range(args.repeat):
-            for kind in args.servers:
+        runs: dict[str, list[float]] = {kind: [] for kind in args.servers}
+        for turn in range(args.repeat):
+            for kind in (
+                args.servers[turn % len(args.servers) :] + args.servers[: turn % len(args.servers)]
+            ):
                 row = run_cell(kind, n, args)
                 print(json.dumps(row), file=sys.stderr, flush=True)
+                runs[kind].append(row["total"])
                 if kind not in best or (row["errors"], row["total"]) < (
                     best[kind]["errors"],
                     best[kind]["total"],
                 ):
                     best[kind] = row
-        rows.extend(best[kind] for kind in args.servers)
+        for kind in args.servers:
+            best[kind]["runs"] = runs[kind]
+            rows.append(best[kind])
     stamp("end")
     if args.resolver is not None:
         os.unlink(args.resolver)
@@ -384,9 +398,9 @@ def main() -> None:
     print(
         "\n| ranks | server | init (s) | total (s) | x torch (init / total) | errors "
         "| longest beat gap (s) | judged dead / failed beats | RSS/conn (KB) | host CPU (s) "
-        "| load before -> after |"
+        "| load before -> after | total of every run (s) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ref = torch_rows.get(r["n"])
         ratio = (
@@ -399,7 +413,8 @@ def main() -> None:
             f"| {r['n']:,} | {r['server']} | {r['init']:.2f} | {r['total']:.2f} | {ratio} "
             f"| {r['errors']} | {r['gap']:.2f} | {ev['dead'] + ev['evict']} / "
             f"{ev['keepalive-failed']} | {r['rss_per_conn'] / 1024:.1f} | {r['cpu']:.1f} "
-            f"| {r['load_before'].split(' on')[0]} -> {r['load_after'].split(' on')[0]} |"
+            f"| {r['load_before'].split(' on')[0]} -> {r['load_after'].split(' on')[0]} "
+            f"| {', '.join(f'{t:.2f}' for t in r['runs'])} |"
         )
     for r in rows:
         if r["first_error"]:
