@@ -155,3 +155,46 @@ def test_a_large_round_gets_torchs_libuv_server_bound_to_its_host() -> None:
     server.close()
     with pytest.raises(ConnectionRefusedError):  # closed: nothing listens any more
         socket.create_connection(("127.0.0.1", server.port), timeout=10).close()
+
+
+_GLOO_WORKER = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(int(t.item()))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_workers_init_their_process_group_on_torchs_server_as_handed_over() -> None:
+    from rdzv.launch.torch_server import torch_store_server
+
+    server = torch_store_server(None, 64)  # every address, as the agent starts it
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(server.port),
+        "WORLD_SIZE": "2",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # as rdzv run's workers: clients only
+    }
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GLOO_WORKER],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(RANK=str(rank), LOCAL_RANK=str(rank), **env),
+        )
+        for rank in range(2)
+    ]
+    try:
+        outs = [w.communicate(timeout=120)[0] for w in workers]
+        assert [w.returncode for w in workers] == [0, 0]
+        assert [o.split()[-1] for o in outs] == ["2", "2"]  # the all-reduce of both ranks
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.communicate(timeout=30)
+        server.close()
