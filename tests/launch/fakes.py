@@ -15,6 +15,7 @@ from rdzv import (
     RendezvousInfo,
     RendezvousTimeoutError,
 )
+from rdzv.launch.bootstrap import BootstrapSpec
 
 
 class FakeServer:
@@ -33,14 +34,16 @@ class FakeServer:
 
 
 class ServerFactory:
-    """Records every server it starts."""
+    """Records every server it starts, and what each was asked to serve."""
 
     def __init__(self) -> None:
         self.servers: list[FakeServer] = []
+        self.specs: list[BootstrapSpec] = []
 
-    def __call__(self) -> FakeServer:
+    def __call__(self, spec: BootstrapSpec) -> FakeServer:
         server = FakeServer()
         self.servers.append(server)
+        self.specs.append(spec)
         return server
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from rdzv import PrefixStore, RendezvousInfo
 from rdzv.launch import AgentConfig, AgentResult, ElasticAgent, OutputSink, warm
+from rdzv.launch.bootstrap import BootstrapSpec
 from rdzv.launch.config import EXIT_OK, EXIT_RENDEZVOUS, EXIT_WORKER_FAILED
 from rdzv.launch.workers import start_process
 from tests.launch.fakes import FakeGroup, FakeHandler, ServerFactory
@@ -106,6 +107,8 @@ def test_two_nodes_two_workers_get_a_consistent_environment(tmp_path: Path) -> N
         assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     # only group rank 0 starts a bootstrap server, and it is closed at the end
     assert len(nodes[0].servers.servers) == 1
+    # sized for the round, listening where the agent publishes (local_addr 127.0.0.1)
+    assert nodes[0].servers.specs == [BootstrapSpec(world_size=4, nodes=2, listen=("127.0.0.1",))]
     assert nodes[1].servers.servers == []
     assert nodes[0].servers.servers[0].closed
     # the run is closed only after success, and every agent left the rendezvous

@@ -17,7 +17,7 @@ import pytest
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.backends.store import open_store
 from rdzv.launch import AgentConfig, ElasticAgent
-from rdzv.launch.bootstrap import tcp_store_server
+from rdzv.launch.bootstrap import BootstrapSpec, rdzv_store_server
 from rdzv.net import listen_addresses
 from rdzv.store.tcp import TCPStore
 from tests.launch.fakes import FakeGroup, FakeHandler
@@ -97,13 +97,13 @@ def test_the_workers_bootstrap_store_listens_where_it_is_published(
 ) -> None:
     config = AgentConfig(["train.py"], local_addr="127.0.0.1", listen_all=listen_all)
     agent = ElasticAgent(FakeHandler(FakeGroup(1), 0), config)
-    server = agent._bootstrap_factory()
+    server = agent._bootstrap_factory(BootstrapSpec(4, 1, agent._listen))
     try:
         assert reachable("127.0.0.1", server.port)  # where the agent and its workers connect
         assert reachable(OTHER, server.port) is not refused
     finally:
         server.close()
-    server = tcp_store_server()  # asked for no address: every one, as before
+    server = rdzv_store_server(BootstrapSpec(4))  # asked for no address: every one, as before
     try:
         assert reachable(OTHER, server.port)
     finally:

@@ -144,6 +144,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.launch.barriers",
             "rdzv.launch.deathsig",
             "rdzv.launch.exits",
+            "rdzv.launch.torch_server",
             "rdzv.launch.explain",
             "rdzv.launch.failures",
             "rdzv.launch.timers",

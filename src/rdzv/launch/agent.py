@@ -60,7 +60,6 @@ and the end-of-job barriers have their own modules.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import shutil
@@ -89,8 +88,9 @@ from rdzv.launch.barriers import exit_barrier, leave_barrier
 from rdzv.launch.bootstrap import (
     BootstrapFactory,
     BootstrapServer,
+    BootstrapSpec,
+    bootstrap_server,
     exchange_bootstrap,
-    tcp_store_server,
 )
 from rdzv.launch.config import (
     EXIT_OK,
@@ -156,9 +156,11 @@ class ElasticAgent:
     Args:
         handler: The rendezvous handler (any backend).
         config: What to run.
-        bootstrap_factory: Starts the workers' store on group rank 0; None,
-            the default, starts a fresh ``rdzv.TCPStore`` server per attempt,
-            listening on the address it publishes and loopback (every
+        bootstrap_factory: Starts the workers' store on group rank 0, given
+            the round's :class:`~rdzv.launch.bootstrap.BootstrapSpec` (a fresh
+            server per attempt, sized for the round, by default:
+            :func:`~rdzv.launch.bootstrap.bootstrap_server`). It is told to
+            listen on the address the agent publishes and loopback (every
             address with ``config.listen_all``, or when that address is not
             this machine's own: :func:`~rdzv.net.listen_addresses`).
         sink: Where workers' prefixed output goes (the agent's stdout/stderr).
@@ -174,7 +176,7 @@ class ElasticAgent:
         self,
         handler: RendezvousHandler,
         config: AgentConfig,
-        bootstrap_factory: BootstrapFactory | None = None,
+        bootstrap_factory: BootstrapFactory = bootstrap_server,
         sink: OutputSink | None = None,
         log: Callable[[str], None] | None = None,
         progress_intervals: tuple[float, float] = (FIRST_LINE_AFTER, LINE_EVERY),
@@ -182,10 +184,10 @@ class ElasticAgent:
     ) -> None:
         self._handler = handler
         self._config = config
-        if bootstrap_factory is None:
-            published = config.local_addr or primary_address()
-            listen = listen_addresses(published, listen_all=config.listen_all)
-            bootstrap_factory = functools.partial(tcp_store_server, listen)
+        listen = listen_addresses(
+            config.local_addr or primary_address(), listen_all=config.listen_all
+        )
+        self._listen = None if listen is None else tuple(listen)
         self._bootstrap_factory = bootstrap_factory
         self._sink = sink or OutputSink()
         self._log = log or self._log_to_stderr
@@ -387,7 +389,12 @@ class ElasticAgent:
             self._wait_for_peers,
         )
         master, server = exchange_bootstrap(
-            round_store, info.rank, self._bootstrap_factory, cfg.local_addr, self._wait_for_peers
+            round_store,
+            info.rank,
+            self._bootstrap_factory,
+            BootstrapSpec(ranks.world_size, info.world_size, self._listen),
+            cfg.local_addr,
+            self._wait_for_peers,
         )
         base_env = dict(os.environ if cfg.env is None else cfg.env)
         attempt_dir = Path(self._run_id, f"attempt_{self._attempts_started}")
