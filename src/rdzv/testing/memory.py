@@ -10,8 +10,9 @@ state record.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from rdzv.backends.base import (
@@ -92,11 +93,18 @@ class InMemoryRendezvousStorage:
             self.seats.clear()
             self.notify()
 
-    def check_up(self) -> None:
-        """Raise the injected failure, if one is pending (callers hold the lock)."""
-        if self._failures > 0:
-            self._failures -= 1
-            raise RendezvousConnectionError("injected failure: the in-memory backend is down")
+    @contextlib.contextmanager
+    def call(self, writes: bool = False) -> Iterator[InMemoryRendezvousStorage]:
+        """Hold the lock for one backend call: raise a pending injected failure, then count it."""
+        with self.changed:
+            if self._failures > 0:
+                self._failures -= 1
+                raise RendezvousConnectionError("injected failure: the in-memory backend is down")
+            if writes:
+                self.counts.writes += 1
+            else:
+                self.counts.reads += 1
+            yield self
 
 
 def _split(record: bytes) -> tuple[bytes, int]:
@@ -153,10 +161,7 @@ class InMemoryBackend(
         return None if record is None else _split(record)
 
     def get_state(self) -> tuple[bytes, Token] | None:  # noqa: D102 - see RendezvousBackend
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.reads += 1
+        with self.storage.call() as storage:
             current = self._current()
             if current is not None:
                 storage.counts.bytes_read += len(current[0])
@@ -171,10 +176,7 @@ class InMemoryBackend(
         self, state: bytes, token: Token | None, seats: Mapping[str, bytes]
     ) -> tuple[bytes, Token, bool] | None:
         validate_seats(seats)
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.writes += 1
+        with self.storage.call(writes=True) as storage:
             current = self._current()
             matches = (current is None and token is None) or (
                 current is not None
@@ -205,39 +207,27 @@ class InMemoryBackend(
     def wait_for_state(  # noqa: D102 - see WatchableBackend
         self, token: Token | None, timeout: float
     ) -> tuple[bytes, Token] | None:
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.reads += 1
+        with self.storage.call() as storage:
             current = self._await_change(token, timeout)
             if current is not None:
                 storage.counts.bytes_read += len(current[0])
             return current
 
     def read_token(self) -> Token | None:  # noqa: D102 - see SeatedBackend
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.reads += 1
+        with self.storage.call():
             current = self._current()
             return None if current is None else current[1]
 
     def wait_for_token(  # noqa: D102 - see SeatedBackend
         self, token: Token | None, timeout: float
     ) -> Token | None:
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.reads += 1
+        with self.storage.call():
             current = self._await_change(token, timeout)
             return None if current is None else current[1]
 
     def read_seat(self, token: Token, node: str) -> bytes | None:  # noqa: D102 - see SeatedBackend
         validate_node_key(node)
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.reads += 1
+        with self.storage.call() as storage:
             found = storage.seats.get(node)
             if found is None or found[0] != token:
                 return None
@@ -246,10 +236,7 @@ class InMemoryBackend(
 
     def enqueue(self, round_id: int, record: bytes) -> int:  # noqa: D102 - see JoinQueueBackend
         validate_record(round_id, record)
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.writes += 1
+        with self.storage.call(writes=True) as storage:
             storage.counts.bytes_written += len(record)
             queue = self._queues().setdefault(round_id, [])
             queue.append(bytes(record))
@@ -257,27 +244,18 @@ class InMemoryBackend(
             return len(queue)
 
     def queue_records(self, round_id: int) -> list[bytes]:  # noqa: D102
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.reads += 1
+        with self.storage.call() as storage:
             records = list(self._queues().get(round_id, ()))
             storage.counts.bytes_read += sum(len(r) for r in records)
             return records
 
     def queue_length(self, round_id: int) -> int:  # noqa: D102
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.reads += 1
+        with self.storage.call():
             return len(self._queues().get(round_id, ()))
 
     def wait_queue_length(self, round_id: int, known: int, timeout: float) -> int:  # noqa: D102
-        storage = self.storage
         deadline = self._clock() + max(0.0, timeout)
-        with storage.changed:
-            storage.check_up()
-            storage.counts.reads += 1
+        with self.storage.call():
             while True:
                 length = len(self._queues().get(round_id, ()))
                 if length != known or deadline - self._clock() <= 0:
@@ -285,32 +263,20 @@ class InMemoryBackend(
                 self._wait_change(deadline)
 
     def drop_queue(self, round_id: int) -> None:  # noqa: D102
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.writes += 1
+        with self.storage.call(writes=True) as storage:
             self._queues().pop(round_id, None)
             storage.notify()
 
     def beat(self, node: str) -> None:  # noqa: D102 - see LivenessBackend
         validate_node_key(node)
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.writes += 1
+        with self.storage.call(writes=True) as storage:
             storage.marks[node] = storage.marks.get(node, 0) + 1
 
     def heartbeat_mark(self, node: str) -> bytes | None:  # noqa: D102
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.reads += 1
+        with self.storage.call() as storage:
             mark = storage.marks.get(node)
             return None if mark is None else str(mark).encode()
 
     def forget(self, node: str) -> None:  # noqa: D102
-        storage = self.storage
-        with storage.changed:
-            storage.check_up()
-            storage.counts.writes += 1
+        with self.storage.call(writes=True) as storage:
             storage.marks.pop(node, None)
