@@ -28,7 +28,7 @@ import unittest
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from rdzv.backends.base import (
     MAX_RECORD_SIZE,
@@ -99,9 +99,11 @@ def _some(value: _T | None) -> _T:
     return value
 
 
-def _need(backend: RendezvousBackend, capability: type) -> None:
-    if not isinstance(backend, capability):
+def _need(backend: RendezvousBackend, capability: Callable[..., _T]) -> _T:
+    """Return ``backend`` as a ``capability`` (an ABC); CapabilityMissing if it is none."""
+    if not isinstance(backend, cast(type, capability)):
         raise CapabilityMissing(f"{type(backend).__name__} is not a {capability.__name__}")
+    return cast(_T, backend)
 
 
 @dataclass(frozen=True)
@@ -323,9 +325,7 @@ def _corrupt_state(harness: BackendHarness) -> None:
 
 
 def _watch(harness: BackendHarness) -> None:
-    backend = harness.connect()
-    _need(backend, WatchableBackend)
-    assert isinstance(backend, WatchableBackend)
+    backend = _need(harness.connect(), WatchableBackend)
     _expect(backend.wait_for_state(None, 0.0) is None, "waiting on an empty run gives None")
     writer = harness.connect()
     created = _some(writer.set_state(b"v1"))
@@ -348,9 +348,7 @@ def _watch(harness: BackendHarness) -> None:
 
 
 def _seats(harness: BackendHarness) -> None:
-    backend = harness.connect()
-    _need(backend, SeatedBackend)
-    assert isinstance(backend, SeatedBackend)
+    backend = _need(harness.connect(), SeatedBackend)
     _expect(backend.read_token() is None, "an empty run has no token")
     _expect(backend.wait_for_token(None, 0.0) is None, "waiting on an empty run gives None")
     seats = {"a#1#x": b"seat of a", "b#1#y": b"seat of b"}
@@ -401,9 +399,7 @@ def _seats(harness: BackendHarness) -> None:
 
 
 def _queue_basics(harness: BackendHarness) -> None:
-    backend = harness.connect()
-    _need(backend, JoinQueueBackend)
-    assert isinstance(backend, JoinQueueBackend)
+    backend = _need(harness.connect(), JoinQueueBackend)
     _expect(backend.queue_length(0) == 0, "an unused queue is empty")
     _expect(backend.queue_records(0) == [], "an unused queue has no records")
     odd = b"\n\x00:|" + bytes(range(256))
@@ -430,17 +426,14 @@ def _queue_basics(harness: BackendHarness) -> None:
 
 
 def _queue_concurrent(harness: BackendHarness) -> None:
-    backends = [harness.connect() for _ in range(_THREADS)]
-    _need(backends[0], JoinQueueBackend)
+    backends = [_need(harness.connect(), JoinQueueBackend) for _ in range(_THREADS)]
     positions: dict[int, int] = {}
     lock = threading.Lock()
     per_thread = 5
 
     def push(index: int) -> None:
-        backend = backends[index]
-        assert isinstance(backend, JoinQueueBackend)
         for item in range(per_thread):
-            position = backend.enqueue(7, f"n{index}-{item}".encode())
+            position = backends[index].enqueue(7, f"n{index}-{item}".encode())
             with lock:
                 positions[index * per_thread + item] = position
 
@@ -450,9 +443,7 @@ def _queue_concurrent(harness: BackendHarness) -> None:
         sorted(positions.values()) == list(range(1, total + 1)),
         f"positions must be distinct and gap-free: {sorted(positions.values())}",
     )
-    reader = backends[0]
-    assert isinstance(reader, JoinQueueBackend)
-    records = reader.queue_records(7)
+    records = backends[0].queue_records(7)
     expected = sorted(f"n{i}-{j}".encode() for i in range(_THREADS) for j in range(per_thread))
     _expect(sorted(records) == expected, f"every record must be stored exactly once: {records}")
     for index in range(_THREADS):
@@ -464,11 +455,8 @@ def _queue_concurrent(harness: BackendHarness) -> None:
 
 
 def _queue_wait_wakes(harness: BackendHarness) -> None:
-    waiter = harness.connect()
-    writer = harness.connect()
-    _need(waiter, JoinQueueBackend)
-    assert isinstance(waiter, JoinQueueBackend)
-    assert isinstance(writer, JoinQueueBackend)
+    waiter = _need(harness.connect(), JoinQueueBackend)
+    writer = _need(harness.connect(), JoinQueueBackend)
     seen: list[int] = []
     thread = threading.Thread(
         target=lambda: seen.append(waiter.wait_queue_length(3, 0, 30.0)), daemon=True
@@ -481,9 +469,7 @@ def _queue_wait_wakes(harness: BackendHarness) -> None:
 
 
 def _confirmation_queue(harness: BackendHarness) -> None:
-    backend = harness.connect()
-    _need(backend, JoinQueueBackend)
-    assert isinstance(backend, JoinQueueBackend)
+    backend = _need(harness.connect(), JoinQueueBackend)
     confirms = backend.confirmation_queue()
     if confirms is None:
         raise CapabilityMissing("the backend offers no confirmation queues")
@@ -493,8 +479,7 @@ def _confirmation_queue(harness: BackendHarness) -> None:
     _expect(confirms.enqueue(2, b"b") == 2, "the second confirmation gets position 2")
     _expect(confirms.queue_records(2) == [b"a", b"b"], "confirmations come back in order")
     _expect(backend.queue_records(2) == [b"join"], "the join queue does not see confirmations")
-    other = harness.connect()
-    assert isinstance(other, JoinQueueBackend)
+    other = _need(harness.connect(), JoinQueueBackend)
     mirror = other.confirmation_queue()
     _expect(
         mirror is not None and mirror.queue_length(2) == 2,
@@ -506,10 +491,8 @@ def _confirmation_queue(harness: BackendHarness) -> None:
 
 
 def _verdict(harness: BackendHarness) -> None:
-    backend, other = harness.connect(), harness.connect()
-    _need(backend, VerdictBackend)
+    backend, other = harness.connect(), _need(harness.connect(), VerdictBackend)
     assert isinstance(backend, VerdictBackend)
-    assert isinstance(other, VerdictBackend)
     token = _some(backend.set_state(b"sealed"))[1]
     _expect(other.wait_for_verdict(3, token, 0.05) is None, "with neither, the wait times out")
     backend.set_verdict(3)
@@ -546,11 +529,8 @@ def _woken(wait: Callable[[], object], act: Callable[[], object]) -> bool:
 
 
 def _liveness(harness: BackendHarness) -> None:
-    backend = harness.connect()
-    _need(backend, LivenessBackend)
-    assert isinstance(backend, LivenessBackend)
-    other = harness.connect()
-    assert isinstance(other, LivenessBackend)
+    backend = _need(harness.connect(), LivenessBackend)
+    other = _need(harness.connect(), LivenessBackend)
     _expect(backend.heartbeat_mark("n1") is None, "a node that never beat has no mark")
     backend.beat("n1")
     first = other.heartbeat_mark("n1")
