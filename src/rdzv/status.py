@@ -473,37 +473,21 @@ def _runs_text(backend: RendezvousBackend) -> str:
     return "runs there: " + ", ".join(_printable(repr(r)) for r in runs)
 
 
-def _list_runs(args: argparse.Namespace, out: TextIO) -> int:
-    try:
-        backend, _, close = open_backend(
-            args.rdzv_backend, args.rdzv_endpoint, "rdzv-status", parse_config(args.rdzv_conf)
+def _list_runs(backend: RendezvousBackend, args: argparse.Namespace, out: TextIO) -> int:
+    if not isinstance(backend, ListedBackend):
+        _error(
+            f"error: --list-runs reads the store backends (c10d, p10d, core, tcp), "
+            f"not {args.rdzv_backend!r}"
         )
-    except ValueError as exc:
-        _error(f"error: {explained(exc)}")
         return EXIT_USAGE
-    except RendezvousError as exc:
-        _error(f"cannot reach the backend: {exc}")
-        return EXIT_BACKEND
-    try:
-        if not isinstance(backend, ListedBackend):
-            _error(
-                f"error: --list-runs reads the store backends (c10d, p10d, core, tcp), "
-                f"not {args.rdzv_backend!r}"
-            )
-            return EXIT_USAGE
-        rows = [read_status(backend.of_run(r), r, HeartbeatTracker()) for r in backend.runs()]
-        if args.json:
-            print(json.dumps([_summary(r) for r in rows], sort_keys=True), file=out)
-        elif not rows:
-            print("no runs", file=out)
-        for status in [] if args.json else rows:
-            print(_summary_line(status), file=out)
-        return 0
-    except RendezvousError as exc:
-        _error(f"{type(exc).__name__}: {exc}")
-        return EXIT_BACKEND
-    finally:
-        close()
+    rows = [read_status(backend.of_run(r), r, HeartbeatTracker()) for r in backend.runs()]
+    if args.json:
+        print(json.dumps([_summary(r) for r in rows], sort_keys=True), file=out)
+    elif not rows:
+        print("no runs", file=out)
+    for status in [] if args.json else rows:
+        print(_summary_line(status), file=out)
+    return 0
 
 
 def _summary(status: RunStatus) -> dict[str, Any]:
@@ -550,14 +534,13 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.sample < 0 or (args.watch is not None and not args.watch > 0):
         _error("error: --sample and --watch must be positive")
         return EXIT_USAGE
-    if args.list_runs:
-        return _list_runs(args, out)
-    if not args.rdzv_id:
+    if not args.rdzv_id and not args.list_runs:
         _error("error: --rdzv-id is required (or --list-runs)")
         return EXIT_USAGE
+    run_id = "rdzv-status" if args.list_runs else args.rdzv_id
     try:
         backend, store, close = open_backend(
-            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, parse_config(args.rdzv_conf)
+            args.rdzv_backend, args.rdzv_endpoint, run_id, parse_config(args.rdzv_conf)
         )
     except ValueError as exc:
         _error(f"error: {explained(exc)}")
@@ -569,6 +552,8 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     tracker = HeartbeatTracker()
     run = _printable(repr(args.rdzv_id))
     try:
+        if args.list_runs:
+            return _list_runs(backend, args, out)
         while True:
             sample = args.sample if args.watch is None else args.watch
             status = read_status(backend, args.rdzv_id, tracker, sample, store=store)
@@ -591,6 +576,8 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
         _error(f"{type(exc).__name__}: {exc}")
         return EXIT_BACKEND
     except KeyboardInterrupt:
+        if args.list_runs:
+            raise
         return 0
     finally:
         close()
