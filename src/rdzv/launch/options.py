@@ -126,7 +126,7 @@ class BadEnvironment(str):
     __slots__ = ()
 
 
-class EnvFlag(argparse.Action):
+class EnvFlag(argparse._StoreConstAction):
     """A flag that is also on when ``PET_<DEST>`` is a non-zero integer (``check_env``).
 
     Args:
@@ -145,17 +145,7 @@ class EnvFlag(argparse.Action):
             # ``rdzv run`` reports it as a bad option; building the parser must
             # not fail, or every other command would fail with it.
             default = BadEnvironment(f"{name}={text!r} is not an integer (0 or 1)")
-        super().__init__(option_strings, dest, nargs=0, const=True, default=default, **kwargs)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        """Turn the flag on."""
-        setattr(namespace, self.dest, True)
+        super().__init__(option_strings, dest, const=True, default=default, **kwargs)
 
 
 def comma_separated_list(value: str) -> list[str]:
