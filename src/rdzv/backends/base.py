@@ -53,6 +53,7 @@ __all__ = [
     "MAX_RUN_ID",
     "as_backend",
     "is_pseudo_node",
+    "revision_token",
     "validate_node_key",
     "validate_run_id",
     "validate_record",
@@ -574,3 +575,15 @@ def validate_seats(seats: Mapping[str, bytes]) -> None:
         validate_node_key(node)
         if not isinstance(seat, bytes) or not 1 <= len(seat) <= MAX_RECORD_SIZE:
             raise ValueError(f"the seat of {node} must be 1-{MAX_RECORD_SIZE} bytes")
+
+
+def revision_token(token: Token | None) -> int | None:
+    """Return the revision an integer token stands for, 0 for None, None if it is not one.
+
+    For the backends whose tokens are revisions in ``1 .. 2**63 - 1``.
+    """
+    if token is None:
+        return 0
+    if isinstance(token, bool) or not isinstance(token, int) or not 1 <= token < 2**63:
+        return None
+    return token

@@ -22,6 +22,7 @@ from rdzv.backends.base import (
     SeatedBackend,
     Token,
     WatchableBackend,
+    revision_token,
     validate_node_key,
     validate_record,
     validate_seats,
@@ -178,13 +179,7 @@ class InMemoryBackend(
         validate_seats(seats)
         with self.storage.call(writes=True) as storage:
             current = self._current()
-            matches = (current is None and token is None) or (
-                current is not None
-                and isinstance(token, int)
-                and not isinstance(token, bool)
-                and token == current[1]
-            )
-            if not matches:
+            if revision_token(token) != (0 if current is None else current[1]):
                 storage.counts.failed_cas += 1
                 return None if current is None else (current[0], current[1], False)
             generation = 1 if current is None else current[1] + 1

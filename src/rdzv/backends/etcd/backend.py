@@ -62,6 +62,7 @@ from rdzv.backends.base import (
     Token,
     VerdictBackend,
     WatchableBackend,
+    revision_token,
     validate_node_key,
     validate_record,
     validate_seats,
@@ -108,15 +109,6 @@ class _Lease:
 def _version(kv: KeyValue | None) -> int:
     """Return a counter's version (how many times it was put), 0 for no counter."""
     return 0 if kv is None else kv.version
-
-
-def _valid_token(token: Token | None) -> int | None:
-    """Return the revision a token stands for, 0 for None, or None if it is not ours."""
-    if token is None:
-        return 0
-    if isinstance(token, bool) or not isinstance(token, int) or not 1 <= token < 2**63:
-        return None
-    return token
 
 
 class EtcdRendezvousBackend(
@@ -284,7 +276,7 @@ class EtcdRendezvousBackend(
         also = {self._seats + name: group for name, group in pack_groups(seats).items()}
         also[self._head] = b""
         state = bytes(state)
-        expected = _valid_token(token)
+        expected = revision_token(token)
         if expected is None:
             current = self.get_state()
             return None if current is None else (current[0], current[1], False)
@@ -315,7 +307,7 @@ class EtcdRendezvousBackend(
 
     def wait_for_token(self, token: Token | None, timeout: float) -> Token | None:
         """Wait as :meth:`wait_for_state`; a write's head event names its token: no read after it."""
-        expected = _valid_token(token)
+        expected = revision_token(token)
         if expected:
             start = expected + 1
         else:
@@ -336,7 +328,7 @@ class EtcdRendezvousBackend(
     def read_seat(self, token: Token, node: str) -> bytes | None:
         """Return ``node``'s seat from its group, if the write of ``token`` put the group."""
         kv, _ = self._client.get(self._seats + group_name(validate_node_key(node)))
-        if kv is None or _valid_token(token) != kv.mod_revision:
+        if kv is None or revision_token(token) != kv.mod_revision:
             return None
         return unpack_seat(kv.value, node)
 
@@ -434,7 +426,7 @@ class EtcdRendezvousBackend(
     def wait_for_verdict(self, round_id: int, token: Token, timeout: float) -> bool | None:
         """Watch the head and the verdicts from the revision after ``token``; see :class:`VerdictBackend`."""
         verdict = self._verdict_key(round_id)
-        start = (_valid_token(token) or 0) + 1
+        start = (revision_token(token) or 0) + 1
         deadline = self._within(timeout)
         while True:
             try:

@@ -59,6 +59,7 @@ from rdzv.backends.base import (
     Token,
     VerdictBackend,
     WatchableBackend,
+    revision_token,
     validate_node_key,
     validate_record,
     validate_seats,
@@ -337,13 +338,10 @@ class RedisRendezvousBackend(
         validate_seats(seats)
         seat_keys = [self._seat_key(node) for node in seats]
         state = bytes(state)
-        if token is None:
-            expected = 0
-        elif isinstance(token, bool) or not isinstance(token, int) or not 1 <= token < 2**63:
+        expected = revision_token(token)
+        if expected is None:
             current = self.get_state()
             return None if current is None else (current[0], current[1], False)
-        else:
-            expected = token
         with redis_errors(self._endpoint, "writing the rendezvous state"):
             reply = self._cas(
                 keys=[self._key, self._events, *seat_keys],
