@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,23 +60,36 @@ def test_each_trampoline_asks_for_sigkill_and_execs_the_worker_in_its_own_proces
     }
 
 
-@pytest.mark.parametrize("kind", ["setpriv", "python"])
-def test_a_trampoline_whose_parent_is_gone_does_not_start_the_worker(
-    kind: str, tmp_path: Path
+def test_the_python_trampoline_whose_parent_is_gone_does_not_start_the_worker(
+    tmp_path: Path,
 ) -> None:
     """The agent died before the signal was asked for: no orphan worker."""
     marker = tmp_path / "ran"
     not_the_parent = os.getppid()
     process = subprocess.Popen(
-        [*_trampoline(kind, not_the_parent), "touch", str(marker)], start_new_session=True
+        [*_trampoline("python", not_the_parent), "touch", str(marker)], start_new_session=True
     )
     assert process.wait(timeout=60) == 1
     assert not marker.exists()
 
 
+def test_a_started_worker_is_armed_when_start_process_returns() -> None:
+    """setpriv asked for the signal and exec'd the worker before the agent goes on.
+
+    Otherwise an agent killed at once after starting it leaves an orphan.
+    """
+    sleeper = os.path.realpath(shutil.which("sleep") or "/bin/sleep")
+    for _ in range(20):
+        process = start_process([sleeper, "30"], os.environ)
+        try:
+            assert os.readlink(f"/proc/{process.pid}/exe") == sleeper
+        finally:
+            process.kill()
+            process.communicate(timeout=30)
+
+
 def test_the_default_trampoline_is_setpriv_here() -> None:
-    assert deathsig.trampoline()[1:4] == ("--pdeathsig", "KILL", "--")
-    assert deathsig.trampoline()[-1] == str(os.getpid())
+    assert deathsig.trampoline() == (deathsig._programs()[0], "--pdeathsig", "KILL", "--")
 
 
 def test_a_started_worker_asks_for_sigkill() -> None:

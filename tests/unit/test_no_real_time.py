@@ -56,6 +56,7 @@ REAL_TIME_ALLOWED: dict[str, str] = {
     ),
     "rdzv.launch.timers": "torch's timer protocol: expiry is a wall-clock time",
     "rdzv.launch.failures": "error files are dated by the wall clock (torch's format)",
+    "rdzv.launch.deathsig": "waits, a few milliseconds, for setpriv to exec the worker",
     "rdzv.launch.health": (
         "an exclusion's end is a wall-clock time, read by the node's later agents and by people"
     ),

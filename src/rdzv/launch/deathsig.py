@@ -15,12 +15,15 @@ the option, else the agent's own interpreter in isolated mode without
 ``site`` (``python -I -S -c``) making the one ``prctl`` call. Elsewhere than
 Linux there is no such signal and the worker starts directly.
 
-The signal is asked for after the fork, so an agent that dies before the
-trampoline asked would leave an orphan (``Popen`` returns once the
-trampoline is exec'd, not once it asked). The trampoline therefore checks,
-after asking, that its parent is still the agent (its pid is passed along)
-and exits with status 1 otherwise: ``setpriv`` execs ``/bin/sh``, whose
-``$PPID`` is read after the signal was set, and which execs the worker.
+The signal is asked for after the fork, so an agent that died before the
+trampoline asked would leave an orphan: ``Popen`` returns once the
+trampoline is exec'd, not once it asked. The agent therefore waits, after
+``Popen``, until ``setpriv`` has exec'd the worker (:func:`wait_armed`:
+``/proc/<pid>/exe`` is no longer ``setpriv``), as ``preexec_fn`` made
+``Popen`` wait; the Python trampoline checks, after asking, that its parent
+is still the agent and exits with status 1 otherwise. The worker's
+environment passes through untouched, in the agent's order (a shell in
+between would rewrite it in its own order).
 
 The trampoline looks the worker's program up in the worker's ``PATH`` (as
 subprocess does when it execs the program itself). The agent looks it up
@@ -36,9 +39,10 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
-__all__ = ["check_program", "trampoline", "trampoline_of"]
+__all__ = ["ARM_TIMEOUT", "check_program", "trampoline", "trampoline_of", "wait_armed"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -51,8 +55,8 @@ _PYTHON_TRAMPOLINE = (
     "os.execvp(sys.argv[2],sys.argv[2:])"
 )
 
-#: After setpriv asked for the signal: if the parent ($0) is still there, exec the worker.
-_SHELL_CHECK = '[ "$PPID" = "$0" ] || exit 1; exec "$@"'
+#: How long the agent waits for setpriv to exec the worker (then it goes on).
+ARM_TIMEOUT = 10.0
 
 _PROBE_TIMEOUT = 10.0
 
@@ -63,14 +67,15 @@ def trampoline_of(setpriv: str | None, python: str | None, parent: int) -> tuple
     Args:
         setpriv: A ``setpriv`` that knows ``--pdeathsig``, or None.
         python: A Python interpreter, or None.
-        parent: The pid of the process that starts it (the agent).
+        parent: The pid of the process that starts it (the agent), which the
+            Python trampoline checks.
 
     Returns:
         ``setpriv``'s, else the interpreter's, else nothing (the worker then
         starts directly, without the signal).
     """
     if setpriv is not None:
-        return (setpriv, "--pdeathsig", "KILL", "--", "/bin/sh", "-c", _SHELL_CHECK, str(parent))
+        return (setpriv, "--pdeathsig", "KILL", "--")
     if python is not None:
         return (python, "-I", "-S", "-c", _PYTHON_TRAMPOLINE, str(parent))
     return ()
@@ -131,3 +136,26 @@ def check_program(argv: Sequence[str], env: Mapping[str, str]) -> None:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
     if not any(os.access(c, os.X_OK) for c in found):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), found[0])
+
+
+def wait_armed(pid: int, timeout: float = ARM_TIMEOUT) -> None:
+    """Wait until the trampoline of ``pid`` asked for the signal and exec'd the worker.
+
+    Only ``setpriv`` is waited for (the Python trampoline checks its parent
+    itself); a process that exited, or a wait past ``timeout`` seconds,
+    ends the wait.
+    """
+    setpriv = _programs()[0]
+    if setpriv is None or not sys.platform.startswith("linux"):
+        return
+    exe = os.path.realpath(setpriv)
+    end = time.monotonic() + timeout
+    delay = 0.0002
+    while time.monotonic() < end:
+        try:
+            if os.readlink(f"/proc/{pid}/exe") != exe:
+                return
+        except OSError:  # gone, or a zombie: nothing to arm
+            return
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from rdzv.launch.deathsig import check_program, trampoline
+from rdzv.launch.deathsig import check_program, trampoline, wait_armed
 from rdzv.launch.exits import WorkerExit, read_root_cause
 from rdzv.threads import start_thread
 
@@ -170,7 +170,7 @@ def start_process(
         OSError: The process could not be started (its program is missing).
     """
     check_program(argv, env)
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [*trampoline(), *argv],
         env=dict(env),
         stdout=subprocess.PIPE,
@@ -178,6 +178,8 @@ def start_process(
         start_new_session=True,
         pass_fds=tuple(pass_fds),
     )
+    wait_armed(process.pid)
+    return process
 
 
 #: How a worker group starts one worker's process (cold: :func:`start_process`).
