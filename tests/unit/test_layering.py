@@ -102,6 +102,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "core decisions",
         (
             "rdzv.dynamic.state",
+            "rdzv.dynamic.admission",
             "rdzv.dynamic.seat",
             "rdzv.dynamic.machine",
             "rdzv.dynamic.pacing",
@@ -117,6 +118,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.dynamic.keepalive",
             "rdzv.dynamic.bootstrap",
             "rdzv.dynamic.member",
+            "rdzv.dynamic.admission_options",
             "rdzv.dynamic.join",
             "rdzv.dynamic.handler",
             "rdzv.static",
@@ -166,6 +168,7 @@ PURE: frozenset[str] = frozenset(
         "rdzv.backends.etcd_gateway",
         "rdzv.backends.etcd_proto",
         "rdzv.backends.etcd_seats",
+        "rdzv.dynamic.admission",
         "rdzv.dynamic.machine",
         "rdzv.dynamic.pacing",
         "rdzv.dynamic.seat",

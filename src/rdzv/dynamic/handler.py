@@ -69,6 +69,8 @@ from rdzv.backends.base import (
     as_backend,
 )
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness
+from rdzv.dynamic.admission import Admission
+from rdzv.dynamic.admission_options import NodeAdmission, admission_from_params
 from rdzv.dynamic.bootstrap import HeldPort
 from rdzv.dynamic.join import Join, JoinContext
 from rdzv.dynamic.keepalive import KeepAlive
@@ -113,6 +115,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         node_rank: The rank this node asks for, or None.
         clock: The clock decisions, polls and keep-alive ticks run on (a
             bare monotonic reading sleeps in real time); real time when None.
+        admission: The admission rules and this node's rank-order key value
+            (:mod:`rdzv.dynamic.admission`); torch's rules when None.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         local_addr: str,
         node_rank: int | None = None,
         clock: Clock | Callable[[], float] | None = None,
+        admission: NodeAdmission | None = None,
     ) -> None:
         store = as_store(store)
         backend = as_backend(backend)
@@ -146,12 +151,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         interval = settings.keep_alive_interval.total_seconds()
         dead_after = interval * settings.keep_alive_max_attempt
         timeout = settings.timeout
+        admission = admission or NodeAdmission(Admission())
+        low, high = admission.rules.bounds(settings.min_nodes, settings.max_nodes)
         self._limits = Limits(
-            min_nodes=settings.min_nodes,
-            max_nodes=settings.max_nodes,
+            min_nodes=low,
+            max_nodes=high,
             join_timeout=timeout.join.total_seconds(),
             last_call=timeout.last_call.total_seconds(),
             grace=dead_after,
+            admission=admission.rules,
         )
         self._shared = SharedState(backend, backend_name, self._clock)
         self._members = Membership(
@@ -200,6 +208,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._port,
             self._keepalive,
             self._event,
+            admission.topology,
         )
 
     # -- construction -------------------------------------------------------
@@ -219,6 +228,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         *,
         node_rank: int | None = None,
         clock: Clock | Callable[[], float] | None = None,
+        admission: NodeAdmission | None = None,
     ) -> DynamicRendezvousHandler:
         """Build a handler for one run.
 
@@ -239,6 +249,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             node_rank: The rank this node asks for; honoured when every node of
                 a round asks for a distinct one.
             clock: The clock (see the class); real time when None.
+            admission: The admission rules (see the class); torch's when None.
 
         Raises:
             ValueError: A setting is invalid; the message names it.
@@ -258,7 +269,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
             keep_alive_max_attempt,
         )
         return cls.from_settings(
-            settings, store, backend, local_addr, node_rank=node_rank, clock=clock
+            settings,
+            store,
+            backend,
+            local_addr,
+            node_rank=node_rank,
+            clock=clock,
+            admission=admission,
         )
 
     @classmethod
@@ -271,6 +288,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         *,
         node_rank: int | None = None,
         clock: Clock | Callable[[], float] | None = None,
+        admission: NodeAdmission | None = None,
     ) -> DynamicRendezvousHandler:
         """Build a handler from validated settings; the other arguments are :meth:`from_backend`'s.
 
@@ -281,7 +299,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise ValueError(f"node_rank must be a non-negative integer, got {node_rank!r}")
         addr = local_addr or primary_address()
         node = make_node_key(addr, os.getpid(), secrets.token_hex(4))
-        return cls(node, settings, backend.name, store, backend, addr, node_rank, clock)
+        return cls(node, settings, backend.name, store, backend, addr, node_rank, clock, admission)
 
     # -- small helpers ------------------------------------------------------
 
@@ -546,6 +564,7 @@ def create_handler(
             backend,
             params.local_addr or advertised_address(params.endpoint),
             node_rank=given_node_rank(params),
+            admission=admission_from_params(params, os.environ),
         )
 
 

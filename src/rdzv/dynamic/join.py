@@ -110,6 +110,7 @@ class JoinContext:
         port: The port it holds for the bootstrap store.
         keepalive: Its keep-alive.
         event: Logs one structured event: ``event(action, round, **fields)``.
+        topology: Its value of the rank-order key, published with its join.
     """
 
     node: str
@@ -129,6 +130,7 @@ class JoinContext:
     port: HeldPort
     keepalive: KeepAlive
     event: Callable[..., None]
+    topology: str = ""
 
     def config(self) -> str:
         """Name the run and its size, for messages."""
@@ -235,7 +237,7 @@ class Join:
     def enqueue(self, round_id: int) -> None:
         """Enqueue this node's record for ``round_id`` and start its heartbeats."""
         c = self._c
-        record = encode_record(JoinRecord(c.node, c.node_rank, c.port.hold()))
+        record = encode_record(JoinRecord(c.node, c.node_rank, c.port.hold(), c.topology))
         position = c.queue.enqueue(round_id, record)
         self.progress = replace(self.progress, position=position)
         self.queue_length = max(self.queue_length, position)
@@ -292,6 +294,7 @@ class Join:
                 joined=self.queue_length,
                 min_nodes=c.limits.min_nodes,
                 max_nodes=c.limits.max_nodes,
+                **_target(c.limits),
                 timeout_in=round(self.progress.deadline(c.limits) - now, 3),
                 last_call_in=None if left is None else round(left, 3),
             )
@@ -586,3 +589,9 @@ def _some_nodes(nodes: Sequence[str], shown: int = 5) -> str:
     """Name the first ``shown`` of ``nodes`` (valid node keys print as they are), and the rest's count."""
     named = ", ".join(nodes[:shown])
     return named + (f" and {len(nodes) - shown} more" if len(nodes) > shown else "")
+
+
+def _target(limits: Limits) -> dict[str, int]:
+    """The ``target_nodes`` field of a ``waiting`` event: only when a target is set."""
+    target = limits.admission.target_nodes
+    return {} if target is None else {"target_nodes": target}

@@ -44,7 +44,7 @@ from rdzv.dynamic.machine import (
 from rdzv.dynamic.pacing import waiting_poll_gap
 from rdzv.dynamic.seat import Seat, watching_seat
 from rdzv.dynamic.shared import SharedState
-from rdzv.dynamic.state import RendezvousState, decode_state
+from rdzv.dynamic.state import JoinRecord, RendezvousState, decode_record, decode_state
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 from rdzv.retry import Clock
 from rdzv.store.base import Store
@@ -181,11 +181,19 @@ class Membership:
             if state is None:
                 # Still as sealed with this node's seat: no list to read.
                 length = self._queue.queue_length(member.round + 1)
-                return nodes_waiting_unchanged(member.seat.world_size, length, self._limits)
+                queued = self._queued(member.round + 1, length)
+                return nodes_waiting_unchanged(member.seat.world_size, length, self._limits, queued)
         length = self._queue.queue_length(0 if state is None else state.next_round)
         if state is None or round_lost(member.round, state):
             return max(1, length)
-        return nodes_waiting(state, length, self._node, self._limits)
+        queued = self._queued(state.next_round, length)
+        return nodes_waiting(state, length, self._node, self._limits, queued)
+
+    def _queued(self, round_id: int, length: int) -> list[JoinRecord] | None:
+        """Read the queued records when only their keys tell whether they fill a segment."""
+        if not (length and self._limits.admission.segment_size):
+            return None
+        return [decode_record(r) for r in self._queue.queue_records(round_id)]
 
     def leave_round(self) -> None:
         """Leave the round this node is a member of, before joining the next one.

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousSettings
 from rdzv.backends.options import EtcdOptions, RedisOptions, StoreBackendOptions
+from rdzv.dynamic.admission_options import ADMISSION_KEYS
 from rdzv.endpoint import format_endpoint, parse_config, parse_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousError
 from rdzv.launch.agent import ElasticAgent
@@ -109,7 +110,7 @@ def known_conf_keys(backend: str) -> frozenset[str] | None:
         (a plugin's, or the static rendezvous).
     """
     keys = _FACTORY_KEYS.get(BACKEND_FACTORIES.get(backend, ""))
-    return None if keys is None else keys | RendezvousSettings.KEYS
+    return None if keys is None else keys | RendezvousSettings.KEYS | ADMISSION_KEYS
 
 
 class _Notices:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from rdzv import errors
 from rdzv.api import RendezvousParameters, RendezvousSettings, given_node_rank
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.backends.store import open_store
+from rdzv.dynamic.admission_options import admission_from_params
 from rdzv.dynamic.handler import DynamicRendezvousHandler, recorded_creation
 from rdzv.net import advertised_address
 from rdzv.registry import rendezvous_handler_registry
@@ -202,6 +204,7 @@ def _create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Re
             backend,
             rdzv_params.local_addr or advertised_address(rdzv_params.endpoint),
             node_rank=given_node_rank(rdzv_params),
+            admission=admission_from_params(rdzv_params, os.environ),
         )
     except BaseException:
         resources.close()
