@@ -529,7 +529,10 @@ def _log_event(
 
 
 def create_handler(
-    store: StoreLike, backend: BackendLike, params: RendezvousParameters
+    store: StoreLike,
+    backend: BackendLike,
+    params: RendezvousParameters,
+    admission: NodeAdmission | None = None,
 ) -> DynamicRendezvousHandler:
     """Build a :class:`DynamicRendezvousHandler` from rendezvous parameters.
 
@@ -545,6 +548,8 @@ def create_handler(
             ``local_addr`` (without it, the address facing the endpoint:
             :func:`rdzv.net.advertised_address`), ``node_rank`` when the caller
             gave it, config).
+        admission: The admission rules, when the caller parsed them
+            already; else read from ``params`` (:mod:`rdzv.dynamic.admission_options`).
 
     The handler's :meth:`~DynamicRendezvousHandler.close` closes ``backend`` and ``store``.
 
@@ -564,7 +569,7 @@ def create_handler(
             backend,
             params.local_addr or advertised_address(params.endpoint),
             node_rank=given_node_rank(params),
-            admission=admission_from_params(params, os.environ),
+            admission=admission or admission_from_params(params, os.environ),
         )
 
 

@@ -48,6 +48,7 @@ from rdzv.launch.options import (
     BadEnvironment,
     RunOptionsError,
     add_run_arguments,
+    admission_conf,
     from_environment,
     given,
     local_world_size,
@@ -340,6 +341,10 @@ def _build_handler(args: argparse.Namespace, nproc: int, notes: _Notices) -> Ren
         config = parse_config(args.rdzv_conf)
     except ValueError as exc:
         raise RunOptionsError(f"--rdzv-conf {args.rdzv_conf!r}: {exc}") from None
+    try:
+        config = admission_conf(args, config)
+    except ValueError as exc:
+        raise RunOptionsError(str(exc)) from None
     _check_conf_keys(backend, config, notes)
     try:
         params = RendezvousParameters(

@@ -187,6 +187,7 @@ def _create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Re
     spare_exit = _spare_exit(rdzv_params)
     options = StoreBackendOptions.from_params(rdzv_params)
     settings = RendezvousSettings.from_params(rdzv_params)
+    admission = admission_from_params(rdzv_params, os.environ)
     server = _start_server_if_this_node_hosts(options)
     stores: _RoundStores = (
         _SharedServerStores(options.host, options.port, options.read_timeout)
@@ -204,7 +205,7 @@ def _create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Re
             backend,
             rdzv_params.local_addr or advertised_address(rdzv_params.endpoint),
             node_rank=given_node_rank(rdzv_params),
-            admission=admission_from_params(rdzv_params, os.environ),
+            admission=admission,
         )
     except BaseException:
         resources.close()
