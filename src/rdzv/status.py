@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 import time
@@ -33,8 +34,15 @@ from typing import Any, TextIO
 from rdzv.api import RendezvousParameters
 from rdzv.backends.base import GONE_MARK, JoinQueueBackend, LivenessBackend, RendezvousBackend
 from rdzv.backends.store import C10dRendezvousBackend
+from rdzv.dynamic.admission_options import shown_target
 from rdzv.dynamic.machine import MarkWatch
-from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
+from rdzv.dynamic.state import (
+    JoinRecord,
+    RendezvousState,
+    decode_record,
+    decode_state,
+    node_address,
+)
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError
 from rdzv.first_failure import FailureRecord, FailureRecordError, read_last
@@ -116,6 +124,9 @@ class RunStatus:
             a queued node).
         first_failure: The run's last first failure, when one was recorded.
         failure_note: Why a stored first-failure record was ignored, if one was.
+        target_nodes: The run's target size, when ``--rdzv-conf`` names it.
+        waiting_keys: The rank-order key value each waiting node published
+            (``rank_order_key``), for those that published one.
     """
 
     run_id: str
@@ -128,6 +139,8 @@ class RunStatus:
     known: bool = True
     first_failure: FailureRecord | None = None
     failure_note: str | None = None
+    target_nodes: int | None = None
+    waiting_keys: dict[str, str] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -234,9 +247,13 @@ def _sample(backend: RendezvousBackend, nodes: list[str], tracker: HeartbeatTrac
 
 
 def _queued(backend: RendezvousBackend, round_id: int) -> list[str]:
+    return [r.node for r in _queued_records(backend, round_id)]
+
+
+def _queued_records(backend: RendezvousBackend, round_id: int) -> list[JoinRecord]:
     if not isinstance(backend, JoinQueueBackend):
         return []
-    return [decode_record(r).node for r in backend.queue_records(round_id)]
+    return [decode_record(r) for r in backend.queue_records(round_id)]
 
 
 def _agents(store: Store | None, run_id: str, state: RendezvousState) -> list[dict[str, Any]]:
@@ -344,16 +361,18 @@ def read_status(
         )
         for (rank, node), agent in zip(enumerate(state.participants), agents, strict=True)
     ]
+    records = _queued_records(backend, state.next_round)
     return RunStatus(
         run_id,
         state.round,
         state.closed,
         members,
-        _queued(backend, state.next_round),
+        [r.node for r in records],
         tracker.observed_for,
         now,
         first_failure=failure,
         failure_note=note,
+        waiting_keys={r.node: r.topology for r in records if r.topology},
     )
 
 
@@ -404,8 +423,13 @@ def format_status(status: RunStatus) -> str:
                 *(cell.ljust(widths[i + 1]) for i, cell in enumerate(row[1:columns])),
             ]
             lines.append("  ".join(cells).rstrip())
-    waiting = ", ".join(_printable(w) for w in status.waiting) if status.waiting else "none"
-    lines.append(f"waiting for round {status.round + 1}: {waiting}")
+    waiting = ", ".join(
+        _printable(w + (f" ({status.waiting_keys[w]})" if w in status.waiting_keys else ""))
+        for w in status.waiting
+    )
+    if status.target_nodes is not None:
+        waiting = f"{len(status.waiting)} of target {status.target_nodes}: {waiting or 'none'}"
+    lines.append(f"waiting for round {status.round + 1}: {waiting or 'none'}")
     if status.first_failure is not None or status.failure_note is not None:
         first = status.first_failure
         shown = first.describe() if first else status.failure_note
@@ -554,6 +578,7 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
         _error(f"cannot reach the backend: {exc}")
         return EXIT_BACKEND
     store = backend.store if isinstance(backend, C10dRendezvousBackend) else None
+    target = shown_target(parse_config(args.rdzv_conf), os.environ)
     redraw = args.watch is not None and not args.json and out.isatty()
     tracker = HeartbeatTracker()
     run = _printable(repr(args.rdzv_id))
@@ -561,6 +586,7 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
         while True:
             sample = args.sample if args.watch is None else args.watch
             status = read_status(backend, args.rdzv_id, tracker, sample, store=store)
+            status = dataclasses.replace(status, target_nodes=target)
             if not status.known and args.watch is None:
                 _error(f"run {run} is unknown to the backend: {_runs_text(store)}")
                 return EXIT_UNKNOWN_RUN

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
 from rdzv.cli import main
+from rdzv.dynamic.admission_options import shown_target
+from rdzv.dynamic.state import (
+    JoinRecord,
+    RendezvousState,
+    encode_record,
+    encode_state,
+    make_node_key,
+)
 from rdzv.launch.options import admission_conf
 from rdzv.launch.progress import WaitProgress
-from rdzv.testing import FakeClock
+from rdzv.status import HeartbeatTracker, format_status, read_status
+from rdzv.testing import FakeClock, InMemoryBackend
 from tests.launch.procs import WORKER
 
 # An endpoint nothing listens on: the options must fail before anything connects.
@@ -78,3 +88,17 @@ def test_the_progress_line_counts_toward_the_target() -> None:
     line = progress._line(1.0, clock())
     assert "; 5 of target 8 (min 2 / max 16) nodes joined" in line
     assert "unless 3 more nodes join" in line
+
+
+def test_status_shows_the_target_and_the_waiting_nodes_keys() -> None:
+    backend = InMemoryBackend()
+    a, b, c = (make_node_key(f"10.0.0.{i}", 1, "x") for i in (1, 2, 3))
+    backend.set_state(encode_state(RendezvousState(0, (a, b))), None)
+    backend.enqueue(1, encode_record(JoinRecord(c, topology="sw2")))
+    status = read_status(backend, "job", HeartbeatTracker())
+    assert status.waiting_keys == {c: "sw2"}
+    shown = format_status(dataclasses.replace(status, target_nodes=4))
+    assert f"waiting for round 1: 1 of target 4: {c} (sw2)" in shown
+    assert shown_target({"target_nodes": "slurm"}, {"SLURM_NNODES": "4"}) == 4
+    assert shown_target({"target_nodes": "x"}, {}) is None
+    assert shown_target({}, {}) is None

@@ -17,7 +17,7 @@ from rdzv.api import RendezvousParameters
 from rdzv.dynamic.admission import Admission
 from rdzv.dynamic.state import is_topology_value
 
-__all__ = ["ADMISSION_KEYS", "NodeAdmission", "admission_from_params"]
+__all__ = ["ADMISSION_KEYS", "NodeAdmission", "admission_from_params", "shown_target"]
 
 #: The configuration keys :func:`admission_from_params` reads.
 ADMISSION_KEYS = frozenset(
@@ -81,3 +81,12 @@ def admission_from_params(
             "1 to 256 printable ASCII characters without spaces"
         )
     return NodeAdmission(rules, value)
+
+
+def shown_target(config: Mapping[str, str], environ: Mapping[str, str]) -> int | None:
+    """Return the target size ``config`` names, for display; None when none or not readable."""
+    params = RendezvousParameters("c10d", "localhost", "status", config=dict(config))
+    try:
+        return _target(params, environ)
+    except ValueError:
+        return None
