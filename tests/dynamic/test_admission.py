@@ -132,8 +132,10 @@ def test_a_join_record_carries_its_topology() -> None:
     assert encode_record(JoinRecord(N[0], 2, 9)) == f"{N[0]} 2 9".encode()
     with pytest.raises(RendezvousStateError, match="port"):
         decode_record(f"{N[0]} -1 0".encode())
-    with pytest.raises(RendezvousStateError):
-        decode_record(f"{N[0]} -1 0 a b".encode())
+    assert encode_record(JoinRecord(N[0], -1, 0, "s1")) == f"{N[0]} -1 0 t=s1".encode()
+    for bad in ("-1 0 a b", "-1 0 t=a b", "-1 0 s1", "-1 0 t=", "-1 7 t=\x01"):
+        with pytest.raises(RendezvousStateError):
+            decode_record(f"{N[0]} {bad}".encode())
 
 
 # -- rule 1: a target size ------------------------------------------------------

@@ -22,7 +22,7 @@ on) is ``b"S1 <round> <closed: 0 or 1> <live count>"``.
 
 A join record is ``b"<node key> <node rank>"``, or ``b"<node key> <node
 rank> <port>"`` from a node that holds a port for the bootstrap store, or
-``b"<node key> <node rank> <port or 0> <topology>"`` from a node that
+``b"<node key> <node rank> <port or 0> t=<topology>"`` from a node that
 publishes a rank-order key value (``rank_order_key``; never by default).
 """
 
@@ -288,9 +288,9 @@ class JoinRecord:
 
 
 def encode_record(record: JoinRecord) -> bytes:
-    """Encode a join record as ``b"<node key> <node rank>[ <port>[ <topology>]]"``."""
+    """Encode a join record as ``b"<node key> <node rank>[ <port>[ t=<topology>]]"``."""
     if record.topology:
-        return f"{record.node} {record.node_rank} {record.port} {record.topology}".encode()
+        return f"{record.node} {record.node_rank} {record.port} t={record.topology}".encode()
     if record.port:
         return f"{record.node} {record.node_rank} {record.port}".encode()
     return f"{record.node} {record.node_rank}".encode()
@@ -318,9 +318,10 @@ def decode_record(data: bytes) -> JoinRecord:
         port.isascii() and port.isdigit() and lowest <= int(port) <= 65535
     ):
         raise RendezvousStateError(f"a stored join record has a bad port: {data[:80]!r}")
-    if topology and not is_topology_value(topology[0]):
+    value = topology[0].removeprefix("t=") if topology else ""
+    if topology and (not topology[0].startswith("t=") or not is_topology_value(value)):
         raise RendezvousStateError(f"a stored join record has a bad topology: {data[:80]!r}")
-    return JoinRecord(node, node_rank, int(port), topology[0] if topology else "")
+    return JoinRecord(node, node_rank, int(port), value)
 
 
 def is_topology_value(value: str) -> bool:
