@@ -375,8 +375,9 @@ def last_call_left(
     """Return the seconds left of the last call this node runs or sees, or None outside one.
 
     A last call runs while at least ``min_nodes`` and fewer than
-    :attr:`Limits.seal_at` joined, from when this node first saw ``min_nodes`` (now, when it sees
-    them only now); a re-formation (:func:`reforming`) has none.
+    :attr:`Limits.seal_at` joined, from when this node first saw
+    ``min_nodes`` (now, when it sees them only now); a re-formation
+    (:func:`reforming`) has none.
     """
     if not limits.min_nodes <= queue_length < limits.seal_at:
         return None
