@@ -199,6 +199,16 @@ def test_members_that_rejoin_come_before_spares_that_queued_earlier() -> None:
         assert set(chosen) == set(previous), rules
 
 
+def test_a_member_that_left_and_re_joined_comes_before_an_earlier_spare() -> None:
+    # N[3]'s workers failed: it left (evicted) and re-joined after the spare N[9].
+    state = RendezvousState(0, tuple(N[:4])).evict([N[3]])
+    queue = _records([N[9], N[3], N[0], N[1], N[2]])
+    for rules in (Admission(), Admission(keep_ranks=True)):
+        plan = plan_seal(state, 1, queue, _limits(4, 4, **vars(rules)))
+        assert plan is not None
+        assert plan.participants == tuple(N[:4]), rules
+
+
 def test_with_keep_ranks_the_replacement_takes_the_dead_nodes_rank() -> None:
     previous = tuple(N[:4])
     queue = _records([N[9], N[0], N[1], N[3]])  # N[2] (rank 2) died, N[9] was a spare
