@@ -239,16 +239,20 @@ def grows(
 
     Always, by default (torch re-forms for any waiting node while the round
     has room). With a unit, only when a larger allowed size is reached; with
-    segments, only when the queued nodes (``queued_records``: None means not
-    read) complete a whole segment.
+    segments, only when the queued nodes (``queued_records``) complete a
+    whole segment. Unread records (None: a joining node that sees only the
+    queue's length) cannot tell, and count as no segment: that node waits
+    as a spare, without a join timeout, until the members re-form.
     """
     if admission.default:
         return True
     if round_size(live + queued, min_nodes, max_nodes, admission) <= live:
         return False
     segment = admission.segment_size
-    if not segment or queued_records is None:
+    if not segment:
         return True
+    if queued_records is None:
+        return False
     counts: dict[str, set[str]] = {}
     for record in queued_records:
         counts.setdefault(record.topology, set()).add(record.node)
