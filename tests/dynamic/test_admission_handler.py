@@ -17,7 +17,9 @@ from tests.procs import wait_until
 pytestmark = pytest.mark.timeout(120)
 
 
-def _handler(c: Cluster, addr: str, rules: Admission) -> DynamicRendezvousHandler:
+def _handler(
+    c: Cluster, addr: str, rules: Admission, topology: str = ""
+) -> DynamicRendezvousHandler:
     h = DynamicRendezvousHandler.from_backend(
         "job",
         c.store,
@@ -29,7 +31,7 @@ def _handler(c: Cluster, addr: str, rules: Admission) -> DynamicRendezvousHandle
         keep_alive_interval=0.2,
         keep_alive_max_attempt=3,
         clock=c.clock,
-        admission=NodeAdmission(rules),
+        admission=NodeAdmission(rules, topology),
     )
     c.handlers.append(h)
     return h
@@ -85,3 +87,38 @@ def test_a_target_seals_at_once_without_the_last_call(
     _check_round(infos)
     assert infos[0].world_size == 3
     assert c.clock() - began < 300, "the round waited the last call"
+
+
+def test_segments_admit_whole_groups_and_members_re_form_when_one_completes(
+    cluster_factory: Callable[..., Cluster],  # noqa: F811
+) -> None:
+    c = cluster_factory(2, 4, join=10, last_call=0.3)
+    rules = Admission(rank_order_key="SW", segment_size=2)
+
+    def node(addr: str, switch: str) -> DynamicRendezvousHandler:
+        return _handler(c, addr, rules, switch)
+
+    nodes = [node("s1", "a"), node("s2", "b"), node("s3", "a"), node("s4", "c")]
+    try:
+        futures = c.join(nodes)
+        wait_until(lambda: sum(f.done() for f in futures) == 2, what="the segment of a")
+        first = [f.result(timeout=40) for f in futures if f.done()]
+        _check_round(first)
+        members = [n for n, f in zip(nodes, futures, strict=True) if f.done()]
+        assert {m.node for m in members} == {nodes[0].node, nodes[2].node}
+        assert [m.num_nodes_waiting() for m in members] == [0, 0], "b and c make no segment"
+        c.after(15)  # past the join timeout: the spares wait on
+        assert sum(f.done() for f in futures) == 2
+        later = c.join([node("s5", "c")])
+        wait_until(lambda: all(m.num_nodes_waiting() > 0 for m in members), what="c complete")
+        again = c.join(members)
+        wait_until(lambda: all(f.done() for f in [*again, later[0], futures[3]]), what="a and c")
+        infos = [f.result(timeout=40) for f in [*again, later[0], futures[3]]]
+        _check_round(infos)
+        assert infos[0].world_size == 4
+        assert not futures[1].done(), "b still waits"
+        members[0].set_closed()
+        with pytest.raises(RendezvousGracefulExitError):
+            futures[1].result(timeout=40)
+    finally:
+        nodes[0].set_closed()  # the spares end: a failure above reports instead of hanging

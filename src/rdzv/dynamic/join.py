@@ -225,6 +225,8 @@ class Join:
         self.progress = progress if started_at is None else replace(progress, started_at=started_at)
         self.queue_length, self.suspects, self.judging, self.excluded = 0, [], SealJudging(), set()
         self.seated = None
+        # A member that left the last round to re-join, which the seal waits for.
+        self.leaver: str | None = None
         c.event("join", self.progress.round_id)
 
     def _member(self) -> Member:
@@ -316,6 +318,9 @@ class Join:
             round_id = state.round if state is not None else -1
             c.event("dead", round_id, suspects=dead)
             self.excluded.update(dead)
+            if self.leaver in dead:
+                # Not a live member: no eviction re-opens the seal, so retry it now.
+                self.progress = replace(self.progress, blocked=None)
             if state is not None and set(dead) & set(state.live_participants()):
                 c.members.evict(dead, state.round)
 
@@ -341,9 +346,13 @@ class Join:
             self.progress = replace(self.progress, newcomers=True)
             c.event("last-call", round_id, queued=len(records), seconds=c.limits.last_call)
             return
-        plan = plan_seal(state, round_id, records, c.limits)
+        self.leaver = None
+        if not c.limits.admission.default and state is not None and state.round >= 0:
+            leaver = c.members.leaver(state.round)
+            self.leaver = None if leaver in self.excluded else leaver
+        plan = plan_seal(state, round_id, records, c.limits, self.leaver)
         if plan is None:
-            missing = missing_members(state, records)
+            missing = missing_members(state, records, self.leaver)
             c.event("seal-deferred", round_id, queued=len(records), missing=len(missing))
             queued = [r.node for r in records if r.node != c.node and r.node not in missing]
             self.progress = replace(self.progress, blocked=(self.queue_length, state))

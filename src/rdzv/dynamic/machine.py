@@ -405,15 +405,20 @@ def backup_delay(position: int, leader: int, grace: float) -> float:
 
 
 def plan_seal(
-    state: RendezvousState | None, round_id: int, records: Sequence[JoinRecord], limits: Limits
+    state: RendezvousState | None,
+    round_id: int,
+    records: Sequence[JoinRecord],
+    limits: Limits,
+    leaver: str | None = None,
 ) -> RendezvousState | None:
     """Plan the state that seals ``round_id`` from its join ``records``, in queue order.
 
     None when the round may not be sealed yet: fewer than ``min_nodes``
     distinct nodes (or than the admission rules can form a round of), or a
-    live member of the previous round has not re-joined.
+    live member of the previous round has not re-joined (nor ``leaver``: see
+    :func:`missing_members`).
     """
-    if missing_members(state, records):
+    if missing_members(state, records, leaver):
         return None
     # Evicted members that re-join (a member leaves before it re-joins) keep
     # their place among the survivors too.
@@ -642,9 +647,19 @@ def successor_of(state: RendezvousState, node: str) -> str | None:
     return live[(live.index(node) + 1) % len(live)]
 
 
-def missing_members(state: RendezvousState | None, records: Sequence[JoinRecord]) -> list[str]:
-    """Return the live members of the last round that have not re-joined, in rank order."""
+def missing_members(
+    state: RendezvousState | None, records: Sequence[JoinRecord], leaver: str | None = None
+) -> list[str]:
+    """Return the live members of the last round that have not re-joined, in rank order.
+
+    ``leaver``, a member that left the round to re-join (evicted by its own
+    leave, so alive), counts as missing too until it re-joined: under
+    admission rules a seal waits for it rather than give its place to a spare.
+    """
     if state is None:
         return []
     joined = {r.node for r in records}
-    return [n for n in state.live_participants() if n not in joined]
+    missing = [n for n in state.live_participants() if n not in joined]
+    if leaver in state.participants and leaver not in joined and leaver not in missing:
+        missing.append(leaver)
+    return missing

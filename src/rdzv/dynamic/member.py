@@ -218,6 +218,12 @@ class Membership:
         if store_call("leave", lambda: self._store.compare_set(key, b"", me)) == me:
             self.evict([self._node], member.round, unless_any_evicted=True)
 
+    def leaver(self, round_id: int) -> str | None:
+        """Return the member that left ``round_id`` to re-join (its leave key), or None."""
+        key = leave_key(self._prefix, round_id)
+        found = store_call("leaver", lambda: self._store.try_multi_get([key]))[0]
+        return found.decode() if found else None
+
     def evict(
         self,
         nodes: Sequence[str],
