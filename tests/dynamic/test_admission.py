@@ -26,6 +26,7 @@ from rdzv.dynamic.machine import (
     Wait,
     decide,
     last_call_left,
+    missing_members,
     nodes_waiting,
     observe,
     plan_seal,
@@ -447,3 +448,18 @@ def test_in_the_simulation_a_spare_takes_a_crashed_members_slot(keep: bool) -> N
     expected = (first[0], spare, *first[2:]) if keep else (first[0], *first[2:], spare)
     assert state.participants == expected
     _check_rounds(world, rules)
+
+
+def test_a_seal_under_rules_waits_for_the_member_that_left_to_re_join() -> None:
+    state = RendezvousState(0, tuple(N[:2])).evict([N[1]])  # N[1] left to re-join
+    queue = _records([N[8], N[9], N[0]])
+    limits = _limits(2, 2, keep_ranks=True)
+    assert missing_members(state, queue, N[1]) == [N[1]]
+    assert plan_seal(state, 1, queue, limits, N[1]) is None
+    plan = plan_seal(state, 1, [*queue, JoinRecord(N[1])], limits, N[1])
+    assert plan is not None
+    assert plan.participants == (N[0], N[1])
+    # Without a leaver (none named, or judged dead and left out) the spare takes the place.
+    plan = plan_seal(state, 1, queue, limits)
+    assert plan is not None
+    assert plan.participants == (N[0], N[8])
