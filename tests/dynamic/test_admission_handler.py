@@ -37,6 +37,7 @@ def _handler(
     return h
 
 
+@pytest.mark.slow  # about 2-3 s
 def test_a_node_multiple_round_leaves_a_spare_that_waits_past_its_join_timeout(
     cluster_factory: Callable[..., Cluster],  # noqa: F811
 ) -> None:
@@ -89,6 +90,7 @@ def test_a_target_seals_at_once_without_the_last_call(
     assert c.clock() - began < 300, "the round waited the last call"
 
 
+@pytest.mark.slow  # about 2-3 s
 def test_segments_admit_whole_groups_and_members_re_form_when_one_completes(
     cluster_factory: Callable[..., Cluster],  # noqa: F811
 ) -> None:
