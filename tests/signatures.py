@@ -99,10 +99,14 @@ _SETTINGS = (
     "(run_id, min_nodes, max_nodes, timeout=None, keep_alive_interval=datetime.timedelta("
     "seconds=5), keep_alive_max_attempt=3, join=None, last_call=None, close=None, heartbeat=None)"
 )
-_DYNAMIC = "(node, settings, backend_name, store, backend, local_addr, node_rank=None, clock=None)"
+_DYNAMIC = (
+    "(node, settings, backend_name, store, backend, local_addr, node_rank=None, clock=None, "
+    "admission=None)"
+)
 _FROM_BACKEND = (
     "(run_id, store, backend, min_nodes, max_nodes, local_addr=None, timeout=None, "
-    "keep_alive_interval=5, keep_alive_max_attempt=3, *, node_rank=None, clock=None)"
+    "keep_alive_interval=5, keep_alive_max_attempt=3, *, node_rank=None, clock=None, "
+    "admission=None)"
 )
 _STORE_BACKEND = "(store, run_id, liveness_store=None, clock=None)"
 _ETCD_BACKEND = (
@@ -125,6 +129,7 @@ TORCH_DIFFERENCES: dict[str, str] = {
     "dynamic_rendezvous.RendezvousSettings": _SETTINGS,
     "dynamic_rendezvous.DynamicRendezvousHandler": _DYNAMIC,
     "dynamic_rendezvous.DynamicRendezvousHandler.from_backend": _FROM_BACKEND,
+    "dynamic_rendezvous.create_handler": "(store, backend, params, admission=None)",
     "c10d_rendezvous_backend.C10dRendezvousBackend": _STORE_BACKEND,
     "etcd_rendezvous_backend.EtcdRendezvousBackend": _ETCD_BACKEND,
     "static_tcp_rendezvous.StaticTCPRendezvous": _STATIC,
@@ -138,7 +143,7 @@ TENSORPLAY_DIFFERENCES: dict[str, str] = {
     "dynamic_rendezvous.DynamicRendezvousHandler": _DYNAMIC,
     "dynamic_rendezvous.DynamicRendezvousHandler.from_backend": _FROM_BACKEND,
     "dynamic_rendezvous.DynamicRendezvousHandler.use_agent_store": "(property)",
-    "dynamic_rendezvous.create_handler": "(store, backend, params)",
+    "dynamic_rendezvous.create_handler": "(store, backend, params, admission=None)",
     "core_rendezvous_backend.RendezvousBackend.set_state": "(self, state, token=None)",
     "core_rendezvous_backend.CoreRendezvousBackend": _STORE_BACKEND,
     "core_rendezvous_backend.create_backend": "(params)",

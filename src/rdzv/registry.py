@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -129,11 +130,14 @@ def create_dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
         ValueError: A parameter is invalid; the message names it.
         RendezvousConnectionError: The backend could not be reached or hosted.
     """
+    from rdzv.dynamic.admission_options import admission_from_params  # noqa: PLC0415 - lazy
     from rdzv.dynamic.handler import create_handler as create_on  # noqa: PLC0415 - lazy
 
+    # Bad admission keys fail before anything connects.
+    admission = admission_from_params(params, os.environ)
     backend, store = _factory(params.backend)(params)
     try:
-        return create_on(store, backend, params)
+        return create_on(store, backend, params, admission)
     except BaseException:
         try:
             backend.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 import time
@@ -38,8 +39,15 @@ from rdzv.backends.base import (
     LivenessBackend,
     RendezvousBackend,
 )
+from rdzv.dynamic.admission_options import shown_target
 from rdzv.dynamic.machine import MarkWatch
-from rdzv.dynamic.state import RendezvousState, decode_record, decode_state, node_address
+from rdzv.dynamic.state import (
+    JoinRecord,
+    RendezvousState,
+    decode_record,
+    decode_state,
+    node_address,
+)
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError, explained
 from rdzv.exclusion import ExclusionRecord, read_current
@@ -124,6 +132,9 @@ class RunStatus:
         failure_note: Why a stored first-failure record was ignored, if one was.
         excluded: The nodes excluded now, or failing now (:mod:`rdzv.exclusion`).
         exclusion_notes: Why stored exclusion records were ignored.
+        target_nodes: The run's target size, when ``--rdzv-conf`` names it.
+        waiting_keys: The rank-order key value each waiting node published
+            (``rank_order_key``), for those that published one.
     """
 
     run_id: str
@@ -138,6 +149,8 @@ class RunStatus:
     failure_note: str | None = None
     excluded: list[ExclusionRecord] = field(default_factory=list)
     exclusion_notes: list[str] = field(default_factory=list)
+    target_nodes: int | None = None
+    waiting_keys: dict[str, str] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -245,9 +258,13 @@ def _sample(backend: RendezvousBackend, nodes: list[str], tracker: HeartbeatTrac
 
 
 def _queued(backend: RendezvousBackend, round_id: int) -> list[str]:
+    return [r.node for r in _queued_records(backend, round_id)]
+
+
+def _queued_records(backend: RendezvousBackend, round_id: int) -> list[JoinRecord]:
     if not isinstance(backend, JoinQueueBackend):
         return []
-    return [decode_record(r).node for r in backend.queue_records(round_id)]
+    return [decode_record(r) for r in backend.queue_records(round_id)]
 
 
 def _agents(store: Store | None, run_id: str, state: RendezvousState) -> list[dict[str, Any]]:
@@ -357,18 +374,20 @@ def read_status(
         )
         for (rank, node), agent in zip(enumerate(state.participants), agents, strict=True)
     ]
+    records = _queued_records(backend, state.next_round)
     return RunStatus(
         run_id,
         state.round,
         state.closed,
         members,
-        _queued(backend, state.next_round),
+        [r.node for r in records],
         tracker.observed_for,
         now,
         first_failure=failure,
         failure_note=note,
         excluded=excluded,
         exclusion_notes=notes,
+        waiting_keys={r.node: r.topology for r in records if r.topology},
     )
 
 
@@ -419,8 +438,13 @@ def format_status(status: RunStatus) -> str:
                 *(cell.ljust(widths[i + 1]) for i, cell in enumerate(row[1:columns])),
             ]
             lines.append("  ".join(cells).rstrip())
-    waiting = ", ".join(_printable(w) for w in status.waiting) if status.waiting else "none"
-    lines.append(f"waiting for round {status.round + 1}: {waiting}")
+    waiting = ", ".join(
+        _printable(w + (f" ({status.waiting_keys[w]})" if w in status.waiting_keys else ""))
+        for w in status.waiting
+    )
+    if status.target_nodes is not None:
+        waiting = f"{len(status.waiting)} of target {status.target_nodes}: {waiting or 'none'}"
+    lines.append(f"waiting for round {status.round + 1}: {waiting or 'none'}")
     if status.first_failure is not None or status.failure_note is not None:
         first = status.first_failure
         shown = first.describe() if first else status.failure_note
@@ -548,6 +572,7 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except RendezvousError as exc:
         _error(f"cannot reach the backend: {exc}")
         return EXIT_BACKEND
+    target = shown_target(parse_config(args.rdzv_conf), os.environ)
     redraw = args.watch is not None and not args.json and out.isatty()
     tracker = HeartbeatTracker()
     run = _printable(repr(args.rdzv_id))
@@ -557,6 +582,7 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
         while True:
             sample = args.sample if args.watch is None else args.watch
             status = read_status(backend, args.rdzv_id, tracker, sample, store=store)
+            status = dataclasses.replace(status, target_nodes=target)
             if not status.known and args.watch is None:
                 _error(f"run {run} is unknown to the backend: {_runs_text(backend)}")
                 return EXIT_UNKNOWN_RUN

@@ -74,10 +74,13 @@ class SimNode:
     seal_watches: dict[str, MarkWatch] = field(default_factory=dict)
     seal_judging: SealJudging = field(default_factory=SealJudging)
     missing: list[str] = field(default_factory=list)
+    topology: str = ""  # its rank-order key value
 
 
 class World:
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits = LIMITS, topologies: tuple[str, ...] = ()) -> None:
+        self.limits = limits
+        self.topologies = topologies  # the key values new nodes publish, in turn
         self.clock = FakeClock()
         self.backend = InMemoryBackend()
         self.nodes: list[SimNode] = []
@@ -94,6 +97,8 @@ class World:
 
     def spawn(self, skew: float) -> None:
         node = SimNode(make_node_key(f"node{len(self.nodes)}", 1, "x"), skew)
+        if self.topologies:
+            node.topology = self.topologies[len(self.nodes) % len(self.topologies)]
         self.nodes.append(node)
         self.start(node)
 
@@ -141,24 +146,26 @@ class World:
         due = False
         if progress.blocked is not None and node.missing and state is not None:
             # The handler's own schedule: leaders often, others once the seal stalled.
-            due, node.seal_judging = node.seal_judging.due(progress.position, LIMITS, now, INTERVAL)
+            due, node.seal_judging = node.seal_judging.due(
+                progress.position, self.limits, now, INTERVAL
+            )
         if due and state is not None:
             marks = self.backend.heartbeat_marks(node.missing)
             node.seal_watches, dead = judge_marks(node.seal_watches, marks, now, DEAD)
             if dead:
                 self.evict(node, dead, state.round)
                 state, token = self.read()
-        progress = observe(progress, state, length, LIMITS, now)
-        action = decide(progress, state, length, node.key, LIMITS, now)
+        progress = observe(progress, state, length, self.limits, now)
+        action = decide(progress, state, length, node.key, self.limits, now)
         if isinstance(action, Enqueue):
-            record = encode_record(JoinRecord(node.key))
+            record = encode_record(JoinRecord(node.key, topology=node.topology))
             progress = replace(progress, position=self.backend.enqueue(action.round_id, record))
         elif isinstance(action, Requeue):
             progress = JoinProgress(action.round_id, progress.started_at)
             node.seal_judging = SealJudging()
         elif isinstance(action, Seal):
             records = [decode_record(r) for r in self.backend.queue_records(progress.round_id)]
-            plan = plan_seal(state, progress.round_id, records, LIMITS)
+            plan = plan_seal(state, progress.round_id, records, self.limits)
             if plan is None:
                 progress = replace(progress, blocked=(length, state))
                 node.missing = missing_members(state, records)
@@ -185,7 +192,8 @@ class World:
         if state is None:
             return
         length = self.backend.queue_length(state.next_round)
-        if nodes_waiting(state, length, node.key, LIMITS) > 0:
+        queued = [decode_record(r) for r in self.backend.queue_records(state.next_round)]
+        if nodes_waiting(state, length, node.key, self.limits, queued) > 0:
             self.start(node)
 
     def close(self) -> None:
@@ -214,17 +222,8 @@ OPS = st.sampled_from(
 )
 
 
-@settings(deadline=None)  # examples: the profile's (tests/conftest.py), 100 by default
-@given(
-    st.lists(SKEWS, min_size=2, max_size=2),
-    st.lists(st.tuples(OPS, st.integers(0, 7), SKEWS), min_size=1, max_size=150),
-)
-def test_random_interleavings_keep_consistency_and_exclusivity(
-    first_skews: list[float], ops: list[tuple[str, int, float]]
-) -> None:
-    world = World()
-    for skew in first_skews:
-        world.spawn(skew)
+def play(world: World, ops: list[tuple[str, int, float]]) -> None:
+    """Apply ``ops`` to ``world``, checking the invariants after each."""
     for op, arg, skew in ops:
         nodes = world.nodes
         target = nodes[arg % len(nodes)]
@@ -247,8 +246,13 @@ def test_random_interleavings_keep_consistency_and_exclusivity(
         elif op == "close" and arg == 0:
             world.close()
         world.check()
-    # A fair schedule: every live node beats, watches, polls and steps every
-    # 0.5 s for longer than the join timeout.
+
+
+def settle(world: World) -> None:
+    """A fair schedule: every live node beats, watches, polls and steps every 0.5 s.
+
+    For longer than the join timeout.
+    """
     for _ in range(150):
         for node in world.nodes:
             world.beat(node)
@@ -258,6 +262,21 @@ def test_random_interleavings_keep_consistency_and_exclusivity(
             world.step(node)
             world.check()
         world.clock.advance(0.5)
+
+
+@settings(deadline=None)  # examples: the profile's (tests/conftest.py), 100 by default
+@given(
+    st.lists(SKEWS, min_size=2, max_size=2),
+    st.lists(st.tuples(OPS, st.integers(0, 7), SKEWS), min_size=1, max_size=150),
+)
+def test_random_interleavings_keep_consistency_and_exclusivity(
+    first_skews: list[float], ops: list[tuple[str, int, float]]
+) -> None:
+    world = World()
+    for skew in first_skews:
+        world.spawn(skew)
+    play(world, ops)
+    settle(world)
     state, _ = world.read()
     for node in world.nodes:
         if node.crashed or node.done:

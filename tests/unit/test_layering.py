@@ -109,6 +109,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "core decisions",
         (
             "rdzv.dynamic.state",
+            "rdzv.dynamic.admission",
             "rdzv.dynamic.machine",
             "rdzv.dynamic.seat",
             "rdzv.dynamic.pacing",
@@ -123,6 +124,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.dynamic.keepalive",
             "rdzv.dynamic.bootstrap",
             "rdzv.dynamic.member",
+            "rdzv.dynamic.admission_options",
             "rdzv.dynamic.join",
             "rdzv.dynamic.handler",
             "rdzv.dynamic",
@@ -184,6 +186,7 @@ PURE: frozenset[str] = frozenset(
         "rdzv.backends.etcd.gateway_codec",
         "rdzv.backends.etcd.grpc_proto",
         "rdzv.backends.etcd.seats",
+        "rdzv.dynamic.admission",
         "rdzv.dynamic.machine",
         "rdzv.dynamic.pacing",
         "rdzv.dynamic.seat",

@@ -72,6 +72,8 @@ from rdzv.backends.base import (
     as_backend,
 )
 from rdzv.backends.kv import StoreJoinQueue, StoreLiveness, StoreVerdict
+from rdzv.dynamic.admission import Admission
+from rdzv.dynamic.admission_options import NodeAdmission, admission_from_params
 from rdzv.dynamic.bootstrap import HeldPort
 from rdzv.dynamic.confirm import check_period
 from rdzv.dynamic.join import Join, JoinContext
@@ -117,6 +119,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         node_rank: The rank this node asks for, or None.
         clock: The clock decisions, polls and keep-alive ticks run on (a
             bare monotonic reading sleeps in real time); real time when None.
+        admission: The admission rules and this node's rank-order key value
+            (:mod:`rdzv.dynamic.admission`); torch's rules when None.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         local_addr: str,
         node_rank: int | None = None,
         clock: Clock | Callable[[], float] | None = None,
+        admission: NodeAdmission | None = None,
     ) -> None:
         store = as_store(store)
         backend = as_backend(backend)
@@ -150,12 +155,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         interval = settings.keep_alive_interval.total_seconds()
         dead_after = interval * settings.keep_alive_max_attempt
         timeout = settings.timeout
+        admission = admission or NodeAdmission(Admission())
+        low, high = admission.rules.bounds(settings.min_nodes, settings.max_nodes)
         self._limits = Limits(
-            min_nodes=settings.min_nodes,
-            max_nodes=settings.max_nodes,
+            min_nodes=low,
+            max_nodes=high,
             join_timeout=timeout.join.total_seconds(),
             last_call=timeout.last_call.total_seconds(),
             grace=dead_after,
+            admission=admission.rules,
         )
         self._shared = shared_state(backend, backend_name, self._clock)
         # A round's confirmations wait in slices that keep the largest round within budget.
@@ -213,6 +221,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._keepalive,
             self._event,
             caller_view(store),
+            admission.topology,
         )
 
     # -- construction -------------------------------------------------------
@@ -232,6 +241,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         *,
         node_rank: int | None = None,
         clock: Clock | Callable[[], float] | None = None,
+        admission: NodeAdmission | None = None,
     ) -> DynamicRendezvousHandler:
         """Build a handler for one run.
 
@@ -252,6 +262,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             node_rank: The rank this node asks for; honoured when every node of
                 a round asks for a distinct one.
             clock: The clock (see the class); real time when None.
+            admission: The admission rules (see the class); torch's when None.
 
         Raises:
             ValueError: A setting is invalid; the message names it.
@@ -271,7 +282,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
             keep_alive_max_attempt,
         )
         return cls.from_settings(
-            settings, store, backend, local_addr, node_rank=node_rank, clock=clock
+            settings,
+            store,
+            backend,
+            local_addr,
+            node_rank=node_rank,
+            clock=clock,
+            admission=admission,
         )
 
     @classmethod
@@ -284,6 +301,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         *,
         node_rank: int | None = None,
         clock: Clock | Callable[[], float] | None = None,
+        admission: NodeAdmission | None = None,
     ) -> DynamicRendezvousHandler:
         """Build a handler from validated settings; the other arguments are :meth:`from_backend`'s.
 
@@ -294,7 +312,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise ValueError(f"node_rank must be a non-negative integer, got {node_rank!r}")
         addr = local_addr or primary_address()
         node = make_node_key(addr, os.getpid(), secrets.token_hex(4))
-        return cls(node, settings, backend.name, store, backend, addr, node_rank, clock)
+        return cls(node, settings, backend.name, store, backend, addr, node_rank, clock, admission)
 
     # -- small helpers ------------------------------------------------------
 
@@ -524,7 +542,10 @@ def _log_event(
 
 
 def create_handler(
-    store: StoreLike, backend: BackendLike, params: RendezvousParameters
+    store: StoreLike,
+    backend: BackendLike,
+    params: RendezvousParameters,
+    admission: NodeAdmission | None = None,
 ) -> DynamicRendezvousHandler:
     """Build a :class:`DynamicRendezvousHandler` from rendezvous parameters.
 
@@ -543,6 +564,8 @@ def create_handler(
             ``local_addr`` (without it, the address facing the endpoint:
             :func:`rdzv.net.advertised_address`), ``node_rank`` when the caller
             gave it, config).
+        admission: The admission rules, when the caller parsed them
+            already; else read from ``params`` (:mod:`rdzv.dynamic.admission_options`).
 
     The handler's :meth:`~DynamicRendezvousHandler.close` closes ``backend`` and ``store``.
 
@@ -568,6 +591,7 @@ def create_handler(
             settings.keep_alive_interval,
             settings.keep_alive_max_attempt,
             node_rank=given_node_rank(params),
+            admission=admission or admission_from_params(params, os.environ),
         )
 
 

@@ -113,6 +113,7 @@ class JoinContext:
         event: Logs one structured event: ``event(action, round, **fields)``.
         caller_store: The round's store as the caller gets it, from its prefix
             (:func:`~rdzv.store.foreign.caller_view`).
+        topology: Its value of the rank-order key, published with its join.
     """
 
     node: str
@@ -134,6 +135,7 @@ class JoinContext:
     keepalive: KeepAlive
     event: Callable[..., None]
     caller_store: Callable[[str], StoreLike]
+    topology: str = ""
 
     def config(self) -> str:
         """Name the run and its size, for messages."""
@@ -229,6 +231,8 @@ class Join:
         self.progress = progress if started_at is None else replace(progress, started_at=started_at)
         self.queue_length, self.suspects, self.judging, self.excluded = 0, [], SealJudging(), set()
         self.seated = None
+        # A member that left the last round to re-join, which the seal waits for.
+        self.leaver: str | None = None
         c.event("join", self.progress.round_id)
 
     def _member(self) -> Member:
@@ -241,7 +245,7 @@ class Join:
     def enqueue(self, round_id: int) -> None:
         """Enqueue this node's record for ``round_id`` and start its heartbeats."""
         c = self._c
-        record = encode_record(JoinRecord(c.node, c.node_rank, c.port.hold()))
+        record = encode_record(JoinRecord(c.node, c.node_rank, c.port.hold(), c.topology))
         position = c.queue.enqueue(round_id, record)
         self.progress = replace(self.progress, position=position)
         self.queue_length = max(self.queue_length, position)
@@ -296,6 +300,7 @@ class Join:
                 joined=self.queue_length,
                 min_nodes=c.limits.min_nodes,
                 max_nodes=c.limits.max_nodes,
+                **_target(c.limits),
                 timeout_in=round(self.progress.deadline(c.limits) - now, 3),
                 last_call_in=None if left is None else round(left, 3),
             )
@@ -317,6 +322,9 @@ class Join:
             round_id = state.round if state is not None else -1
             c.event("dead", round_id, suspects=dead)
             self.excluded.update(dead)
+            if self.leaver in dead:
+                # Not a live member: no eviction re-opens the seal, so retry it now.
+                self.progress = replace(self.progress, blocked=None)
             if state is not None and set(dead) & set(state.live_participants()):
                 c.members.evict(dead, state.round)
 
@@ -342,9 +350,13 @@ class Join:
             self.progress = replace(self.progress, newcomers=True)
             c.event("last-call", round_id, queued=len(records), seconds=c.limits.last_call)
             return
-        plan = plan_seal(state, round_id, records, c.limits)
+        self.leaver = None
+        if not c.limits.admission.default and state is not None and state.round >= 0:
+            leaver = c.members.leaver(state.round)
+            self.leaver = None if leaver in self.excluded else leaver
+        plan = plan_seal(state, round_id, records, c.limits, self.leaver)
         if plan is None:
-            missing = missing_members(state, records)
+            missing = missing_members(state, records, self.leaver)
             c.event("seal-deferred", round_id, queued=len(records), missing=len(missing))
             queued = [r.node for r in records if r.node != c.node and r.node not in missing]
             self.progress = replace(self.progress, blocked=(self.queue_length, state))
@@ -523,3 +535,9 @@ def _some_nodes(nodes: Sequence[str], shown: int = 5) -> str:
     """Name the first ``shown`` of ``nodes`` (valid node keys print as they are), and the rest's count."""
     named = ", ".join(nodes[:shown])
     return named + (f" and {len(nodes) - shown} more" if len(nodes) > shown else "")
+
+
+def _target(limits: Limits) -> dict[str, int]:
+    """The ``target_nodes`` field of a ``waiting`` event: only when a target is set."""
+    target = limits.admission.target_nodes
+    return {} if target is None else {"target_nodes": target}

@@ -11,7 +11,8 @@ runs, that queue is the wait list.
 Who seals round ``r + 1`` (a single compare-and-set of the state that
 publishes participants and ranks)?
 
-* the node at position ``max_nodes``, at once: the round is full;
+* the node at position ``max_nodes`` (or ``target_nodes``:
+  :attr:`Limits.seal_at`), at once: the round is full;
 * the node at position ``min_nodes`` (the *last-call leader*), when the
   last call expires on ITS monotonic clock, counted from its own arrival;
   a *re-formation* (the last round had live members, and the queue is at
@@ -65,10 +66,11 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from rdzv.backends.base import GONE_MARK
-from rdzv.dynamic.state import JoinRecord, RendezvousState, StateSummary, assign_ranks
+from rdzv.dynamic.admission import Admission, admit, grows
+from rdzv.dynamic.state import JoinRecord, RendezvousState, StateSummary
 
 __all__ = [
     "GONE_GRACE",
@@ -120,6 +122,8 @@ class Limits:
         last_call: How long to wait for more nodes once ``min_nodes`` joined.
         grace: How much later than a leader a backup acts (the dead-node
             timeout).
+        admission: The admission rules (:mod:`rdzv.dynamic.admission`); the
+            node counts above are already within its bounds.
     """
 
     min_nodes: int
@@ -127,6 +131,12 @@ class Limits:
     join_timeout: float
     last_call: float
     grace: float
+    admission: Admission = field(default_factory=Admission)
+
+    @property
+    def seal_at(self) -> int:
+        """How many joined nodes seal a round at once: the target, else ``max_nodes``."""
+        return self.admission.target_nodes or self.max_nodes
 
 
 @dataclass(frozen=True)
@@ -138,7 +148,7 @@ class JoinProgress:
         started_at: When the join began (monotonic).
         position: Its position in the round's queue, None before enqueueing.
         min_seen_at: When it first saw ``min_nodes`` records, if it did.
-        max_seen_at: When it first saw ``max_nodes`` records, if it did.
+        max_seen_at: When it first saw :attr:`Limits.seal_at` records, if it did.
         blocked: ``(queue length, state)`` at which a seal was refused because
             members of the previous round had not re-joined yet.
         newcomers: A seal without a last call found a node in the queue that
@@ -234,28 +244,36 @@ def observe(
 ) -> JoinProgress:
     """Record what the state and the queue length tell this node.
 
-    A node waiting behind a full round is on the redundancy list: it may
+    A node waiting behind a full round (one its queue cannot make larger:
+    :func:`~rdzv.dynamic.admission.grows`) is on the redundancy list: it may
     wait indefinitely, so its join clock restarts while the round stays full.
     Returns the same object when nothing changed.
     """
     if (
         state is not None
         and state.next_round == progress.round_id
-        and state.live_count >= limits.max_nodes
+        and state.live_count > 0
+        and not _room(state.live_count, queue_length, None, limits)
         and progress.started_at != now
     ):
         progress = replace(progress, started_at=now)
     if progress.min_seen_at is None and queue_length >= limits.min_nodes:
         progress = replace(progress, min_seen_at=now)
-    if progress.max_seen_at is None and queue_length >= limits.max_nodes:
+    if progress.max_seen_at is None and queue_length >= limits.seal_at:
         progress = replace(progress, max_seen_at=now)
     return progress
 
 
-def _is_spare_in(state: StateView | None, progress: JoinProgress, limits: Limits) -> bool:
+def _is_spare_in(
+    state: StateView | None, progress: JoinProgress, queue_length: int, limits: Limits
+) -> bool:
     if progress.position is not None and progress.position > limits.max_nodes:
         return True
-    return state is not None and state.live_count >= limits.max_nodes
+    return (
+        state is not None
+        and state.live_count > 0
+        and not _room(state.live_count, queue_length, None, limits)
+    )
 
 
 def decide(
@@ -285,7 +303,9 @@ def decide(
         # the state) ends the run for later joiners, not for this round.
         return Complete(rank)
     if state is not None and state.closed:
-        spare = progress.position is not None and _is_spare_in(state, progress, limits)
+        spare = progress.position is not None and _is_spare_in(
+            state, progress, queue_length, limits
+        )
         return Fail(FailReason.GRACEFUL_EXIT if spare else FailReason.CLOSED)
     if state is not None and state.round >= progress.round_id:
         return Requeue(state.next_round)
@@ -317,11 +337,11 @@ def decide(
             + backup_delay(progress.position, limits.max_nodes, limits.grace)
         )
         return Seal() if now >= stalled else Wait(min(stalled, join_deadline))
-    if queue_length >= limits.max_nodes and progress.max_seen_at is not None:
-        if progress.position == limits.max_nodes:
+    if queue_length >= limits.seal_at and progress.max_seen_at is not None:
+        if progress.position == limits.seal_at:
             return Seal()
         backup = progress.max_seen_at + backup_delay(
-            progress.position, limits.max_nodes, limits.grace
+            progress.position, limits.seal_at, limits.grace
         )
         return Seal() if now >= backup else Wait(min(backup, join_deadline))
     if queue_length >= limits.min_nodes and progress.min_seen_at is not None:
@@ -354,11 +374,12 @@ def last_call_left(
 ) -> float | None:
     """Return the seconds left of the last call this node runs or sees, or None outside one.
 
-    A last call runs while at least ``min_nodes`` and fewer than ``max_nodes``
-    joined, from when this node first saw ``min_nodes`` (now, when it sees
-    them only now); a re-formation (:func:`reforming`) has none.
+    A last call runs while at least ``min_nodes`` and fewer than
+    :attr:`Limits.seal_at` joined, from when this node first saw
+    ``min_nodes`` (now, when it sees them only now); a re-formation
+    (:func:`reforming`) has none.
     """
-    if not limits.min_nodes <= queue_length < limits.max_nodes:
+    if not limits.min_nodes <= queue_length < limits.seal_at:
         return None
     if reforming(progress, state, queue_length):
         return None
@@ -384,19 +405,25 @@ def backup_delay(position: int, leader: int, grace: float) -> float:
 
 
 def plan_seal(
-    state: RendezvousState | None, round_id: int, records: Sequence[JoinRecord], limits: Limits
+    state: RendezvousState | None,
+    round_id: int,
+    records: Sequence[JoinRecord],
+    limits: Limits,
+    leaver: str | None = None,
 ) -> RendezvousState | None:
     """Plan the state that seals ``round_id`` from its join ``records``, in queue order.
 
     None when the round may not be sealed yet: fewer than ``min_nodes``
-    distinct nodes, or a live member of the previous round has not re-joined.
+    distinct nodes (or than the admission rules can form a round of), or a
+    live member of the previous round has not re-joined (nor ``leaver``: see
+    :func:`missing_members`).
     """
-    if missing_members(state, records):
+    if missing_members(state, records, leaver):
         return None
     # Evicted members that re-join (a member leaves before it re-joins) keep
     # their place among the survivors too.
     previous = state.participants if state is not None else ()
-    participants = assign_ranks(records, previous, limits.max_nodes)
+    participants = admit(records, previous, limits.min_nodes, limits.max_nodes, limits.admission)
     if len(participants) < limits.min_nodes:
         return None
     # Rank 0's record (its first, should it have enqueued twice) names the
@@ -406,13 +433,19 @@ def plan_seal(
 
 
 def nodes_waiting(
-    state: RendezvousState | None, next_queue_length: int, node: str, limits: Limits
+    state: RendezvousState | None,
+    next_queue_length: int,
+    node: str,
+    limits: Limits,
+    queued: Sequence[JoinRecord] | None = None,
 ) -> int:
     """Tell a member how many nodes wait for the next round (its queue is ``next_queue_length``).
 
     A positive number when the member should re-join: nodes wait and the
-    round has room, a member was evicted, or a newer round exists. Spares
-    waiting for a full round do not count.
+    round has room (and, under admission rules, they would make it larger:
+    :func:`~rdzv.dynamic.admission.grows`, from the ``queued`` records when
+    read), a member was evicted, or a newer round exists. Spares waiting for
+    a full round do not count.
     """
     if state is None:
         return next_queue_length
@@ -420,17 +453,29 @@ def nodes_waiting(
         return max(1, next_queue_length)
     live = state.live_count
     evicted = len(state.participants) - live
-    waiting = next_queue_length if live < limits.max_nodes else 0
+    waiting = next_queue_length if _room(live, next_queue_length, queued, limits) else 0
     return waiting + evicted
 
 
-def nodes_waiting_unchanged(world_size: int, next_queue_length: int, limits: Limits) -> int:
+def nodes_waiting_unchanged(
+    world_size: int,
+    next_queue_length: int,
+    limits: Limits,
+    queued: Sequence[JoinRecord] | None = None,
+) -> int:
     """Tell a member how many nodes wait, when the state is still as sealed.
 
     As :func:`nodes_waiting` for the sealed state itself: nobody was
     evicted, so only queued nodes count, when the round has room.
     """
-    return next_queue_length if world_size < limits.max_nodes else 0
+    return next_queue_length if _room(world_size, next_queue_length, queued, limits) else 0
+
+
+def _room(live: int, queued: int, records: Sequence[JoinRecord] | None, limits: Limits) -> bool:
+    """Tell whether ``queued`` nodes would make a round of ``live`` members larger."""
+    return live < limits.max_nodes and grows(
+        live, queued, records, limits.min_nodes, limits.max_nodes, limits.admission
+    )
 
 
 @dataclass(frozen=True)
@@ -531,12 +576,12 @@ class SealJudging:
     ) -> tuple[bool, SealJudging]:
         """Tell whether to judge now, and return the schedule after it."""
         since = now if self.blocked_since is None else self.blocked_since
-        leader = position in (limits.min_nodes, limits.max_nodes)
+        leader = position in (limits.min_nodes, limits.seal_at)
         tier = limits.grace
         if position is not None:
             tier = min(
                 backup_delay(position, limits.min_nodes, limits.grace),
-                backup_delay(position, limits.max_nodes, limits.grace),
+                backup_delay(position, limits.seal_at, limits.grace),
             )
         stalled = now - since >= limits.grace + tier
         if not (leader or stalled) or now < self.next_at:
@@ -602,9 +647,19 @@ def successor_of(state: RendezvousState, node: str) -> str | None:
     return live[(live.index(node) + 1) % len(live)]
 
 
-def missing_members(state: RendezvousState | None, records: Sequence[JoinRecord]) -> list[str]:
-    """Return the live members of the last round that have not re-joined, in rank order."""
+def missing_members(
+    state: RendezvousState | None, records: Sequence[JoinRecord], leaver: str | None = None
+) -> list[str]:
+    """Return the live members of the last round that have not re-joined, in rank order.
+
+    ``leaver``, a member that left the round to re-join (evicted by its own
+    leave, so alive), counts as missing too until it re-joined: under
+    admission rules a seal waits for it rather than give its place to a spare.
+    """
     if state is None:
         return []
     joined = {r.node for r in records}
-    return [n for n in state.live_participants() if n not in joined]
+    missing = [n for n in state.live_participants() if n not in joined]
+    if leaver in state.participants and leaver not in joined and leaver not in missing:
+        missing.append(leaver)
+    return missing

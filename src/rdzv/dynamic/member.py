@@ -39,7 +39,7 @@ from rdzv.dynamic.machine import (
 from rdzv.dynamic.pacing import waiting_poll_gap
 from rdzv.dynamic.seat import Member, Seat, watching_seat
 from rdzv.dynamic.shared import SharedState
-from rdzv.dynamic.state import RendezvousState, decode_state
+from rdzv.dynamic.state import JoinRecord, RendezvousState, decode_record, decode_state
 from rdzv.errors import RendezvousConnectionError, RendezvousStateError
 from rdzv.keys import leave_key, round_key
 from rdzv.retry import Clock
@@ -144,11 +144,19 @@ class Membership:
             if state is None:
                 # Still as sealed with this node's seat: no list to read.
                 length = self._queue.queue_length(member.round + 1)
-                return nodes_waiting_unchanged(member.seat.world_size, length, self._limits)
+                queued = self._queued(member.round + 1, length)
+                return nodes_waiting_unchanged(member.seat.world_size, length, self._limits, queued)
         length = self._queue.queue_length(0 if state is None else state.next_round)
         if state is None or round_lost(member.round, state):
             return max(1, length)
-        return nodes_waiting(state, length, self._node, self._limits)
+        queued = self._queued(state.next_round, length)
+        return nodes_waiting(state, length, self._node, self._limits, queued)
+
+    def _queued(self, round_id: int, length: int) -> list[JoinRecord] | None:
+        """Read the queued records when only their keys tell whether they fill a segment."""
+        if not (length and self._limits.admission.segment_size):
+            return None
+        return [decode_record(r) for r in self._queue.queue_records(round_id)]
 
     def leave_round(self) -> None:
         """Leave the round this node is a member of, before joining the next one.
@@ -172,6 +180,12 @@ class Membership:
         me = self._node.encode()
         if store_call("leave", lambda: self._store.compare_set(key, b"", me)) == me:
             self.evict([self._node], member.round, unless_any_evicted=True)
+
+    def leaver(self, round_id: int) -> str | None:
+        """Return the member that left ``round_id`` to re-join (its leave key), or None."""
+        key = leave_key(self._prefix, round_id)
+        found = store_call("leaver", lambda: self._store.try_multi_get([key]))[0]
+        return found.decode() if found else None
 
     def evict(
         self,

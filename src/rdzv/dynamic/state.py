@@ -21,7 +21,9 @@ its number of live participants; what a node joining a later round decides
 on) is ``b"S1 <round> <closed: 0 or 1> <live count>"``.
 
 A join record is ``b"<node key> <node rank>"``, or ``b"<node key> <node
-rank> <port>"`` from a node that holds a port for the bootstrap store.
+rank> <port>"`` from a node that holds a port for the bootstrap store, or
+``b"<node key> <node rank> <port or 0> t=<topology>"`` from a node that
+publishes a rank-order key value (``rank_order_key``; never by default).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ __all__ = [
     "encode_record",
     "encode_state",
     "encode_summary",
+    "is_topology_value",
     "make_node_key",
     "natural_key",
     "node_address",
@@ -274,15 +277,20 @@ class JoinRecord:
         node_rank: The rank it asks for, or -1 for none.
         port: The port it holds for the bootstrap store should it be rank
             0, or 0 for none.
+        topology: The value of its rank-order key (see
+            :mod:`rdzv.dynamic.admission`), or empty for none.
     """
 
     node: str
     node_rank: int = -1
     port: int = 0
+    topology: str = ""
 
 
 def encode_record(record: JoinRecord) -> bytes:
-    """Encode a join record as ``b"<node key> <node rank>[ <port>]"``."""
+    """Encode a join record as ``b"<node key> <node rank>[ <port>[ t=<topology>]]"``."""
+    if record.topology:
+        return f"{record.node} {record.node_rank} {record.port} t={record.topology}".encode()
     if record.port:
         return f"{record.node} {record.node_rank} {record.port}".encode()
     return f"{record.node} {record.node_rank}".encode()
@@ -304,10 +312,25 @@ def decode_record(data: bytes) -> JoinRecord:
         raise RendezvousStateError(f"a stored join record has a bad node rank: {data[:80]!r}")
     if not port_text:
         return JoinRecord(node, node_rank)
-    port = port_text[0]
-    if len(port_text) > 1 or not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
+    port, *topology = port_text
+    lowest = 0 if topology else 1
+    if len(topology) > 1 or not (
+        port.isascii() and port.isdigit() and lowest <= int(port) <= 65535
+    ):
         raise RendezvousStateError(f"a stored join record has a bad port: {data[:80]!r}")
-    return JoinRecord(node, node_rank, int(port))
+    value = topology[0].removeprefix("t=") if topology else ""
+    if topology and (not topology[0].startswith("t=") or not is_topology_value(value)):
+        raise RendezvousStateError(f"a stored join record has a bad topology: {data[:80]!r}")
+    return JoinRecord(node, node_rank, int(port), value)
+
+
+def is_topology_value(value: str) -> bool:
+    """Tell whether ``value`` can be published as a rank-order key value.
+
+    1 to 256 printable ASCII characters, no space (a join record separates
+    its fields by spaces).
+    """
+    return 0 < len(value) <= 256 and value.isascii() and value.isprintable() and " " not in value
 
 
 def assign_ranks(

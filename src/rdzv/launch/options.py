@@ -368,6 +368,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         dest="log_level",
         help="the same as --log-level INFO (rdzv only)",
     )
+    _add_admission_arguments(grouped(parser.add_argument_group("admission (rdzv only)")))
     ops = grouped(parser.add_argument_group("operations (rdzv only)"))
     ops(
         "no-slurm",
@@ -411,6 +412,57 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     compat("numa-binding", choices=NUMA_BINDINGS, help="workers are not bound to CPUs")
     parser.add_argument("training_script", help="the worker script, module with -m, or command")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+
+
+def _add_admission_arguments(add: Any) -> None:
+    """The admission rules' flags: each sets the ``--rdzv-conf`` key of its name."""
+    add(
+        "target-nodes",
+        metavar="N",
+        help="seal a round at once when N nodes joined; between the minimum and N wait the "
+        "last call ('slurm': $SLURM_NNODES)",
+    )
+    add("node-multiple", type=int, metavar="K", help="every round's size is a multiple of K")
+    add(
+        "keep-ranks",
+        action="store_true",
+        default=None,
+        help="members keep their rank across re-formations; a newcomer takes a lost one's",
+    )
+    add(
+        "rank-order-key",
+        metavar="VAR",
+        help="order ranks by this environment variable's value on each node (a switch, a rack)",
+    )
+    add(
+        "segment-size",
+        type=int,
+        metavar="S",
+        help="a round holds only whole groups of S nodes sharing --rank-order-key's value",
+    )
+
+
+#: The ``--rdzv-conf`` keys the admission flags set.
+ADMISSION_FLAGS = ("target_nodes", "node_multiple", "keep_ranks", "rank_order_key", "segment_size")
+
+
+def admission_conf(args: argparse.Namespace, config: dict[str, str]) -> dict[str, str]:
+    """Return ``config`` with the admission flags given set as its keys.
+
+    Raises:
+        ValueError: A flag and a ``--rdzv-conf`` key of the same name disagree.
+    """
+    merged = dict(config)
+    for key in ADMISSION_FLAGS:
+        value = getattr(args, key, None)
+        if value is None:
+            continue
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        if key in merged and merged[key] != text:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"{flag} {text} and --rdzv-conf {key}={merged[key]} disagree")
+        merged[key] = text
+    return merged
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

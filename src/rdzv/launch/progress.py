@@ -6,8 +6,9 @@ and then every :data:`LINE_EVERY` seconds, and at once when the number of
 joined nodes changes (once the wait has been reported: a rendezvous that
 completes quickly stays silent). The numbers come from the dynamic
 handler's structured events on the ``rdzv.dynamic`` logger (``join``,
-``enqueue``, ``waiting``: how many joined, ``min_nodes``/``max_nodes`` and
-the seconds left until the join timeout and, during a last call, until it
+``enqueue``, ``waiting``: how many joined, ``min_nodes``/``max_nodes``
+(and ``target_nodes`` when a target is set: the line then counts toward it,
+and a last call ends early when the target joins) and the seconds left until the join timeout and, during a last call, until it
 ends), which :class:`EventListener` forwards; the events are INFO records,
 so they arrive only while that logger is enabled for INFO (``rdzv run``
 enables it). Without them, as for the static rendezvous, the line says how
@@ -69,6 +70,7 @@ class WaitProgress:
         self._round: int | None = None
         self._joined: int | None = None
         self._limits: tuple[int, int] | None = None
+        self._target: int | None = None
         self._deadline: float | None = None
         self._last_call_end: float | None = None
         self._changed = False
@@ -87,6 +89,8 @@ class WaitProgress:
                 if isinstance(joined, int) and isinstance(low, int) and isinstance(high, int):
                     self._changed = self._changed or joined != self._joined
                     self._joined, self._limits = joined, (low, high)
+                    target = event.get("target_nodes")
+                    self._target = target if isinstance(target, int) else None
                 if isinstance(timeout_in, (int, float)):
                     self._deadline = self._clock() + timeout_in
                 self._last_call_end = None
@@ -138,6 +142,9 @@ class WaitProgress:
         if self._joined is not None and self._limits is not None:
             low, high = self._limits
             bounds = f"{low}" if low == high else f"min {low} / max {high}"
+            if self._target is not None:
+                bounds = f"target {self._target} ({bounds})"
+                high = self._target
             text += f"; {self._joined} of {bounds} nodes joined"
             if self._last_call_end is not None and self._joined < high:
                 left = self._last_call_end - now

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from rdzv.api import RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousSettings
 from rdzv.backends.options import EtcdOptions, RedisOptions, StoreBackendOptions
+from rdzv.dynamic.admission_options import ADMISSION_KEYS
 from rdzv.endpoint import format_endpoint, parse_config, parse_endpoint
 from rdzv.errors import RendezvousConnectionError, RendezvousError, explained
 from rdzv.launch.agent import ElasticAgent
@@ -48,6 +49,7 @@ from rdzv.launch.options import (
     BadEnvironment,
     RunOptionsError,
     add_run_arguments,
+    admission_conf,
     check_seconds,
     from_environment,
     given,
@@ -135,7 +137,9 @@ def known_conf_keys(backend: str) -> frozenset[str] | None:
         (a plugin's, or the static rendezvous).
     """
     keys = _FACTORY_KEYS.get(BACKEND_FACTORIES.get(backend, ""))
-    return None if keys is None else keys | RendezvousSettings.KEYS | LAUNCH_CONF_KEYS
+    return (
+        None if keys is None else keys | RendezvousSettings.KEYS | LAUNCH_CONF_KEYS | ADMISSION_KEYS
+    )
 
 
 class _Notices:
@@ -367,6 +371,10 @@ def _build_handler(args: argparse.Namespace, nproc: int, notes: _Notices) -> Ren
         config = parse_config(args.rdzv_conf)
     except ValueError as exc:
         raise RunOptionsError(f"--rdzv-conf {args.rdzv_conf!r}: {exc}") from None
+    try:
+        config = admission_conf(args, config)
+    except ValueError as exc:
+        raise RunOptionsError(str(exc)) from None
     _check_conf_keys(backend, config, notes)
     try:
         params = RendezvousParameters(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from rdzv import errors
 from rdzv.api import RendezvousParameters, RendezvousSettings, given_node_rank
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.backends.store import open_store
+from rdzv.dynamic.admission_options import admission_from_params
 from rdzv.dynamic.handler import DynamicRendezvousHandler, recorded_creation
 from rdzv.net import advertised_address, listen_addresses
 from rdzv.registry import rendezvous_handler_registry
@@ -190,6 +192,7 @@ def _create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Re
     spare_exit = _spare_exit(rdzv_params)
     options = StoreBackendOptions.from_params(rdzv_params)
     settings = RendezvousSettings.from_params(rdzv_params)
+    admission = admission_from_params(rdzv_params, os.environ)
     server = _start_server_if_this_node_hosts(options)
     stores: _RoundStores = (
         _SharedServerStores(options.host, options.port, options.read_timeout)
@@ -207,6 +210,7 @@ def _create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Re
             backend,
             rdzv_params.local_addr or advertised_address(rdzv_params.endpoint),
             node_rank=given_node_rank(rdzv_params),
+            admission=admission,
         )
     except BaseException:
         resources.close()
