@@ -282,13 +282,8 @@ class TCPStoreServer(Admission):
             self.idle_timeout,
             self.secret,
         )
-        self._connections_host = Host(
-            self.engine,
-            self,
-            limits,
-            self.throttled,
-            memoryview(bytearray(RECEIVE_BUFFER_BYTES)),
-        )
+        buffer = memoryview(bytearray(RECEIVE_BUFFER_BYTES))
+        self._connections_host = Host(self.engine, self, limits, self.throttled, buffer)
         self._work_scheduled = False
         self._port: int | None = None
         self._bound_host = self._hosts[0] if self._hosts else "::"

@@ -116,11 +116,6 @@ class EtcdRendezvousBackend(
 ):
     """Keeps a run's rendezvous state in etcd v3, with compare-and-set on ``mod_revision``.
 
-    Besides the backend contract it offers waiting for a state change
-    (:meth:`wait_for_state`), an append-only join queue per round
-    (:meth:`enqueue` and friends) and server-judged liveness per node
-    (:meth:`beat`, :meth:`heartbeat_mark`, :meth:`forget`).
-
     Args:
         client: The etcd client (either: :class:`~rdzv.backends.etcd.client.EtcdClientBase`).
         run_id: The run identifier.
@@ -347,9 +342,7 @@ class EtcdRendezvousBackend(
             start = token + 1
         else:
             current, revision = self._read()
-            if (current is None and token is not None) or (
-                current is not None and current[1] != token
-            ):
+            if (None if current is None else current[1]) != token:
                 return current
             start = revision + 1
         # The head moves with the state: after an event, read its value at once.
