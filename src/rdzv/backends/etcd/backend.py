@@ -229,13 +229,7 @@ class EtcdRendezvousBackend(
         return self._read()[0]
 
     def _read(self) -> tuple[tuple[bytes, Token] | None, int]:
-        """Read the state and the store revision; an unchanged state costs no value.
-
-        A keys-only read gives the state's modification revision (its
-        token); only when that differs from the last state seen is the value
-        read, so members polling a state of thousands of participants read
-        O(1) bytes a poll.
-        """
+        """Read the state and the store revision; an unchanged state costs no value (see the module)."""
         kvs, revision = self._client.range(self._key, keys_only=True)
         if not kvs:
             return None, revision
@@ -328,14 +322,11 @@ class EtcdRendezvousBackend(
         return unpack_seat(kv.value, node)
 
     def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
-        """Wait until the state's token differs from ``token``, by watching.
+        """Wait until the state's token differs from ``token``, watching the head.
 
-        The token is the revision of the state's last write, which put the
-        head too: a watch of the head from the revision after the token
-        ends at once if the state was written since, so a wait for the
-        token of the state this backend last saw sends no read before its
-        watch. Otherwise the state is read first and the watch starts after
-        that read.
+        The token is a revision of the head too, so a wait for the token of
+        the state last seen watches from the revision after it with no read
+        first; otherwise the watch starts after a read of the state.
         """
         last = self._last
         if token is not None and last is not None and last[1] == token:
@@ -358,12 +349,7 @@ class EtcdRendezvousBackend(
         return self._run_prefix + f"{self._queue_name}/{round_id}".encode()
 
     def enqueue(self, round_id: int, record: bytes) -> int:
-        """Append a join record in one transaction that also puts the queue's counter and reads it.
-
-        etcd serialises transactions and counts every put of a key in its
-        ``version``, so the counter's version after the put is the record's
-        position: O(1), where counting the records grew with the queue.
-        """
+        """Append a join record in one transaction that also puts the queue's counter and reads it."""
         validate_record(round_id, record)
         counter = self._queue_counter(round_id)
         key = self._queue_prefix(round_id) + uuid.uuid4().hex.encode()
