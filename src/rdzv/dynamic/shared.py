@@ -331,6 +331,4 @@ class SeatedState(SharedState):
 
     def changed_since(self, token: Token) -> tuple[bool, RendezvousState | None]:
         """As :meth:`SharedState.changed_since`; "unchanged" is told from the token alone."""
-        if not self.changed(token):
-            return False, None
-        return super().changed_since(token)
+        return super().changed_since(token) if self.changed(token) else (False, None)
