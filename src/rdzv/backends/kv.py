@@ -20,6 +20,7 @@ torch's (:func:`~rdzv.store.foreign.as_store`). Store failures become
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -263,8 +264,10 @@ class StoreVerdict(VerdictBackend):
                 if store.supports_watch:
                     if store.watch(key, None, seconds) is not None:
                         return True
-                elif _waited(store, key, seconds):
-                    return True
+                else:
+                    with contextlib.suppress(StoreTimeoutError):
+                        store.wait([key], timedelta(seconds=seconds))
+                        return True
             if self._changed(token):
                 return False
             if clock() >= deadline:
@@ -272,12 +275,3 @@ class StoreVerdict(VerdictBackend):
 
     def drop_verdict(self, round_id: int) -> None:  # noqa: D102
         self._verdict_store.delete_key(verdict_key(self._verdict_prefix, round_id))
-
-
-def _waited(store: Store, key: str, seconds: float) -> bool:
-    """Wait up to ``seconds`` for ``key`` to exist on a store that does not watch."""
-    try:
-        store.wait([key], timedelta(seconds=seconds))
-    except StoreTimeoutError:
-        return False
-    return True
