@@ -279,13 +279,11 @@ class StoreEngine(Generic[ClientT]):
         return woken
 
     def drop(self, client: ClientT) -> bytes | None:
-        """End the blocked request of ``client``; the engine answers nothing.
+        """End the blocked request of ``client``; the engine answers nothing (see the module).
 
-        The driver calls this when the client went away or when the time of
-        the request ran out. Return the reply a timeout calls for
-        (``GET_WAIT``: timed out, ``WATCH``: unchanged); None for a ``WAIT`` or
-        ``BARRIER``, whose clients cancel, or when ``client`` has no blocked
-        request.
+        Return the reply a timeout calls for (``GET_WAIT``: timed out,
+        ``WATCH``: unchanged); None for a ``WAIT`` or ``BARRIER``, whose
+        clients cancel, or when ``client`` has no blocked request.
         """
         if self._reserved:
             self._unreserve(client)
