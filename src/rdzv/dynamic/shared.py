@@ -303,9 +303,7 @@ class SeatedState(SharedState):
                 return view, token, None
             summary = None if current is None else self._summary(current)
             if summary is None and current is not None:
-                # A later write replaced the summary read for (members that
-                # re-join together race with the leave and the eviction of the
-                # dead): read the newest write's.
+                # A later write replaced the summary read for: read the newest (as read_view).
                 newest, current = self.read_view()
                 if not isinstance(newest, StateSummary):
                     return newest, current, None
