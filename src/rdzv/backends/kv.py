@@ -7,8 +7,7 @@ gets the capabilities that make a formation linear from its store:
   ``add`` on the round's counter (two non-conflicting operations per joining
   node; waiting is ``watch`` on the counter, or polling with jittered,
   capped backoff on stores without watch, on the caller's clock);
-* :class:`StoreLiveness`: ``add(key, 1)`` on a per-node counter; reading a
-  mark is ``add(key, 0)``, one round trip;
+* :class:`StoreLiveness`: ``add(key, 1)`` on a per-node counter, the marks read in one call;
 * :class:`StoreVerdict`: a sealed round's verdict as a key, waited for in
   slices with a look at the state's token between them.
 
@@ -232,9 +231,8 @@ class StoreLiveness(LivenessBackend):
 class StoreVerdict(VerdictBackend):
     """The verdict capability over a store: a key, watched in slices with a look at the token between.
 
-    So a wait ends at the verdict or at a write of the state, as an engine's
-    joint wait does. On a store that watches, a slice is one request (the
-    server ends it); elsewhere two (a cut-short ``WAIT`` needs its ``CANCEL_WAIT``).
+    On a store that watches, a slice is one request (the server ends it);
+    elsewhere two (a cut-short ``WAIT`` needs its ``CANCEL_WAIT``).
 
     Args:
         store: The store.

@@ -437,10 +437,8 @@ class EtcdRendezvousBackend(
     def beat(self, node: str) -> None:
         """Record a heartbeat: put the node's key under its lease, refreshed a third into its life.
 
-        The put moves the mark; the lease only lets the server delete the
-        key of a node that stopped beating, so a beat refreshes it only once
-        a third of its TTL passed since it was last granted or refreshed: a
-        beat is one request, not two, when beats come more often than that.
+        The put moves the mark; the lease only lets the server delete a dead
+        node's key, so most beats are one request (the put), not two.
         """
         key = self._alive_key(node)
         for _ in range(2):
@@ -475,9 +473,8 @@ class EtcdRendezvousBackend(
     def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
         """Return the marks of several nodes; of many, from one read of every heartbeat's revision.
 
-        A seal reads the marks of every member it seats (one read each);
-        from :data:`MARKS_IN_ONE_READ` nodes on, one keys-only read of the
-        run's heartbeat keys answers for all.
+        From :data:`MARKS_IN_ONE_READ` nodes on (a seal reads every member's),
+        one keys-only read of the run's heartbeat keys answers for all.
         """
         if len(nodes) < MARKS_IN_ONE_READ:
             return super().heartbeat_marks(nodes)

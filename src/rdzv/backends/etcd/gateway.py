@@ -64,10 +64,7 @@ _MAX_WATCH_LINE = 64 * 1024 * 1024
 
 
 class EtcdClient(EtcdClientBase):
-    """A thread-safe etcd v3 client over the JSON gateway.
-
-    Takes the arguments of :class:`~rdzv.backends.etcd.client.EtcdClientBase`.
-    """
+    """A thread-safe etcd v3 client over the JSON gateway; it takes its base's arguments."""
 
     def _open(self, ca_cert: str | None, ssl_cert: str | None, ssl_cert_key: str | None) -> None:
         self._ssl_context: ssl.SSLContext | None = None
