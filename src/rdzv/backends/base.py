@@ -198,12 +198,7 @@ MAX_RECORD_SIZE = 4096
 
 
 class WatchableBackend(ABC):
-    """Capability: block until the state changes, instead of polling.
-
-    etcd implements it with a watch from the revision after the token;
-    Redis with a blocking read of a stream that every write appends to; the
-    store backend with ``Store.watch`` on the state key.
-    """
+    """Capability: block until the state changes, instead of polling (each engine's module says how)."""
 
     @abstractmethod
     def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
@@ -227,13 +222,6 @@ class SeatedBackend(ABC):
     stored it: :meth:`read_seat` answers for one token and nothing else, so
     a seat stored by a write that lost its compare-and-set, or one that a
     later write replaced, is never taken for the current one.
-
-    The store backend implements it: the members' seats go to the store in
-    one request right after the compare-and-set that commits the state (a
-    member's seat found proves its write committed), a pseudo-node's
-    (:func:`is_pseudo_node`: the state's summary) with the body before it,
-    and each node's seat key is overwritten by the next seat, so the store
-    holds at most one seat per node.
     """
 
     @abstractmethod
@@ -330,12 +318,6 @@ class JoinQueueBackend(ABC):
       until :meth:`drop_queue`.
     * ``enqueue`` is not idempotent: a retry after a lost reply may append
       the record twice. Readers deduplicate records themselves.
-
-    etcd: a txn that increments a counter key and puts the record under
-    ``<prefix>/<round>/<position>``; Redis: ``RPUSH`` (its reply is the
-    position), ``LRANGE``, ``LLEN``, and a stream or key version for the
-    blocking wait; the store backend: ``append`` of a length-prefixed record
-    followed by ``add`` on a counter.
     """
 
     @abstractmethod
@@ -447,10 +429,6 @@ class LivenessBackend(ABC):
     ``PX`` key) may return None as soon as the server expired the record:
     None means "no live record", and observers treat a None mark that stays
     None like an unchanged mark.
-
-    Store backend: ``add(key, 1)`` on a per-node counter; etcd: a put under
-    a lease that is refreshed by the beat (the mark is the key's
-    mod_revision); Redis: ``INCR`` plus ``PEXPIRE``.
     """
 
     @abstractmethod

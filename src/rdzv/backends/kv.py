@@ -7,8 +7,7 @@ gets the capabilities that make a formation linear from its store:
   ``add`` on the round's counter (two non-conflicting operations per joining
   node; waiting is ``watch`` on the counter, or polling with jittered,
   capped backoff on stores without watch, on the caller's clock);
-* :class:`StoreLiveness`: ``add(key, 1)`` on a per-node counter; reading a
-  mark is ``add(key, 0)``, one round trip;
+* :class:`StoreLiveness`: ``add(key, 1)`` on a per-node counter, the marks read in one call;
 * :class:`StoreVerdict`: a sealed round's verdict as a key, waited for in
   slices with a look at the state's token between them.
 
@@ -20,6 +19,7 @@ torch's (:func:`~rdzv.store.foreign.as_store`). Store failures become
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -231,9 +231,8 @@ class StoreLiveness(LivenessBackend):
 class StoreVerdict(VerdictBackend):
     """The verdict capability over a store: a key, watched in slices with a look at the token between.
 
-    So a wait ends at the verdict or at a write of the state, as an engine's
-    joint wait does. On a store that watches, a slice is one request (the
-    server ends it); elsewhere two (a cut-short ``WAIT`` needs its ``CANCEL_WAIT``).
+    On a store that watches, a slice is one request (the server ends it);
+    elsewhere two (a cut-short ``WAIT`` needs its ``CANCEL_WAIT``).
 
     Args:
         store: The store.
@@ -263,8 +262,10 @@ class StoreVerdict(VerdictBackend):
                 if store.supports_watch:
                     if store.watch(key, None, seconds) is not None:
                         return True
-                elif _waited(store, key, seconds):
-                    return True
+                else:
+                    with contextlib.suppress(StoreTimeoutError):
+                        store.wait([key], timedelta(seconds=seconds))
+                        return True
             if self._changed(token):
                 return False
             if clock() >= deadline:
@@ -272,12 +273,3 @@ class StoreVerdict(VerdictBackend):
 
     def drop_verdict(self, round_id: int) -> None:  # noqa: D102
         self._verdict_store.delete_key(verdict_key(self._verdict_prefix, round_id))
-
-
-def _waited(store: Store, key: str, seconds: float) -> bool:
-    """Wait up to ``seconds`` for ``key`` to exist on a store that does not watch."""
-    try:
-        store.wait([key], timedelta(seconds=seconds))
-    except StoreTimeoutError:
-        return False
-    return True

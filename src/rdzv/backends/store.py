@@ -212,10 +212,8 @@ class C10dRendezvousBackend(
         """Return ``(state, token)`` for a stored head (reading its body) or old-layout record.
 
         Each attempt reads the body ``raw`` names, then the head, in one
-        request (atomic on rdzv's stores; in that order on a torch store: see
-        the module): a body found is returned with ``raw`` (committed, and
-        current when ``raw`` was read); a body missing means two newer
-        writes committed, and the head read with it is tried next.
+        request (see the module); a body missing under a head that moved is
+        a lost race, and the head read with it is tried next.
 
         Raises:
             RendezvousStateError: The record is corrupt, or a head's body is

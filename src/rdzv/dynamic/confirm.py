@@ -92,11 +92,9 @@ class RoundConfirmation:
     participants: Callable[[], Sequence[str]]
 
     def confirm(self, node: str) -> None:
-        """Count ``node`` in; once every participant is counted, write the verdict.
+        """Count ``node`` in; once every participant is counted, write the verdict (see the module).
 
-        Only members of the round confirm it, so ``world_size`` distinct
-        nodes in the queue are every participant (an append retried after a
-        lost reply can count one twice).
+        Only members confirm, so ``world_size`` distinct nodes are every participant.
         """
         position = self.queue.enqueue(self.round_id, node.encode())
         if position >= self.world_size and len(self._confirmed()) >= self.world_size:

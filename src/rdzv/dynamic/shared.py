@@ -303,9 +303,7 @@ class SeatedState(SharedState):
                 return view, token, None
             summary = None if current is None else self._summary(current)
             if summary is None and current is not None:
-                # A later write replaced the summary read for (members that
-                # re-join together race with the leave and the eviction of the
-                # dead): read the newest write's.
+                # A later write replaced the summary read for: read the newest (as read_view).
                 newest, current = self.read_view()
                 if not isinstance(newest, StateSummary):
                     return newest, current, None
@@ -331,6 +329,4 @@ class SeatedState(SharedState):
 
     def changed_since(self, token: Token) -> tuple[bool, RendezvousState | None]:
         """As :meth:`SharedState.changed_since`; "unchanged" is told from the token alone."""
-        if not self.changed(token):
-            return False, None
-        return super().changed_since(token)
+        return super().changed_since(token) if self.changed(token) else (False, None)

@@ -273,13 +273,10 @@ class Connection(asyncio.BufferedProtocol):
     # -- serving -----------------------------------------------------------
 
     def _serve(self, now: float) -> None:
-        """Execute buffered requests until none is complete or this turn is spent.
+        """Execute buffered requests until none is complete or this turn is spent (see the module).
 
-        A turn ends after :data:`REQUESTS_PER_TURN` requests, or once the
-        replies not yet taken by the peer pass ``max_unsent_bytes``; the
-        connection then stops reading and executes nothing more until the
-        peer has read (``resume_writing``) or, when the kernel took the
-        replies at once, until the loop has served everyone else.
+        A spent turn resumes once the peer read (``resume_writing``) or, when
+        the kernel took the replies at once, once the loop served the others.
         """
         parser = self.parser
         transport = self.transport
@@ -415,10 +412,7 @@ class Connection(asyncio.BufferedProtocol):
         self.inbox.clear()
 
     def abort(self) -> None:
-        """Close at once, whatever stage the connection is in.
-
-        What it had received is dropped now (:meth:`_drop_received`).
-        """
+        """Close at once, whatever stage the connection is in; what it received is dropped now."""
         self._drop_received()
         if self.transport is not None:
             self.transport.abort()

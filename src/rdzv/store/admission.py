@@ -146,10 +146,8 @@ class Admission:
     def make_room(self, address: str, peer: str, now: float) -> bool:
         """Decide whether a connection just accepted from ``address`` may start its handshake.
 
-        It may not when a connection cap is reached, or when every handshake
-        slot holds a handshake younger than the grace; otherwise the oldest
-        handshakes are closed until a slot is free. A connection that may not
-        was counted and logged, and must be closed.
+        Closes the oldest handshakes past the grace to free a slot (see the
+        module). A connection that may not was counted and logged, and must be closed.
         """
         why = self._refusal(address)
         if why is not None and self._unused_connection(now) is not None:

@@ -196,16 +196,11 @@ class StoreEngine(Generic[ClientT]):
 
     Args:
         max_waiting_bytes: Most bytes the blocked requests of all clients
-            may hold together: the length of each key they name plus
-            :data:`WAITED_KEY_OVERHEAD`. A request that would pass it is
-            refused.
+            may hold together (see the module).
         max_waited_keys: Most keys one ``WAIT`` may name; one naming more is
             refused.
-        schedule: Given by a driver with an event loop: a large blocked
-            request is then indexed and removed in slices, by :meth:`work`,
-            which the driver calls soon after ``schedule`` is called and again
-            while :attr:`has_work` (see :mod:`rdzv.store.waiters`). Without
-            it, everything is done in the call that asks for it.
+        schedule: Given by a driver with an event loop, which then calls
+            :meth:`work` as :mod:`rdzv.store.waiters` says; None: all at once.
 
     Raises:
         ValueError: ``max_waiting_bytes`` or ``max_waited_keys`` is not positive.
@@ -279,13 +274,11 @@ class StoreEngine(Generic[ClientT]):
         return woken
 
     def drop(self, client: ClientT) -> bytes | None:
-        """End the blocked request of ``client``; the engine answers nothing.
+        """End the blocked request of ``client``; the engine answers nothing (see the module).
 
-        The driver calls this when the client went away or when the time of
-        the request ran out. Return the reply a timeout calls for
-        (``GET_WAIT``: timed out, ``WATCH``: unchanged); None for a ``WAIT`` or
-        ``BARRIER``, whose clients cancel, or when ``client`` has no blocked
-        request.
+        Return the reply a timeout calls for (``GET_WAIT``: timed out,
+        ``WATCH``: unchanged); None for a ``WAIT`` or ``BARRIER``, whose
+        clients cancel, or when ``client`` has no blocked request.
         """
         if self._reserved:
             self._unreserve(client)

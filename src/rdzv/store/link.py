@@ -108,10 +108,8 @@ def capped(limit: float) -> float:
 
     The time left is rounded down to a step of :data:`_CAP_STEP` doubled
     until it is at least a sixteenth of the time left (0.25 s in the last
-    4 s, 8 s two minutes ahead), so that a client whose deadline is nearer
-    than its store timeout changes its socket option every few calls, not
-    on each; never below :data:`~rdzv.retry.LAST_ATTEMPT`, nor above
-    ``limit``.
+    4 s, 8 s two minutes ahead); never below :data:`~rdzv.retry.LAST_ATTEMPT`,
+    nor above ``limit``.
     """
     left = time_left(limit)
     if left >= limit:

@@ -148,14 +148,10 @@ class TCPStoreServer(Admission):
         auth_token: A shared secret; when given, clients must authenticate
             (rdzv clients only: torch's client cannot).
         ssl_context: A server-side TLS context; when given, connections use TLS.
-        max_connections: Most connections past the handshake open at once; a
-            connection past it is closed as soon as it is accepted (or, if
-            the slots filled during its handshake, once that is done), with
-            a log line. Lowered at start to what the open-file limit allows.
+        max_connections: Most connections past the handshake open at once
+            (who is refused or shed, and the open-file limit: :mod:`rdzv.store.admission`).
         max_handshakes: Most connections still in their handshake (TLS,
-            ``VALIDATE``, authentication) at once, apart from
-            ``max_connections``; when they are all taken, a new connection
-            closes the oldest of them.
+            ``VALIDATE``, authentication) at once, apart from ``max_connections``.
         handshake_timeout: Seconds within which a new connection must finish
             its handshake (at most ``frame_timeout``).
         max_connections_per_address: Most connections past the handshake
@@ -175,14 +171,9 @@ class TCPStoreServer(Admission):
             closes its connection with a warning naming the limit, as soon
             as its number of keys is read (default
             :data:`~rdzv.store.engine.DEFAULT_MAX_WAITED_KEYS`).
-        max_buffered_bytes: Bytes held by requests not executed yet
-            (mostly incomplete ones) over all connections: their received
-            bytes, plus :data:`~rdzv.store.protocol.DECODED_ITEM_OVERHEAD`
-            for each key or value already decoded from an incomplete one;
-            past it, the connection whose incomplete request has been
-            arriving the longest is closed, and so on until under. The
-            default lets one request of the largest size (and the most
-            items) through.
+        max_buffered_bytes: Bytes held by requests not executed yet over all
+            connections, counted and enforced as :mod:`rdzv.store.admission`
+            says (default :data:`DEFAULT_MAX_BUFFERED_BYTES`).
         frame_timeout: Seconds within which a request must arrive in full once
             its first byte has, and for which a peer may leave its replies
             unread; a slower peer is disconnected.
@@ -282,13 +273,8 @@ class TCPStoreServer(Admission):
             self.idle_timeout,
             self.secret,
         )
-        self._connections_host = Host(
-            self.engine,
-            self,
-            limits,
-            self.throttled,
-            memoryview(bytearray(RECEIVE_BUFFER_BYTES)),
-        )
+        buffer = memoryview(bytearray(RECEIVE_BUFFER_BYTES))
+        self._connections_host = Host(self.engine, self, limits, self.throttled, buffer)
         self._work_scheduled = False
         self._port: int | None = None
         self._bound_host = self._hosts[0] if self._hosts else "::"

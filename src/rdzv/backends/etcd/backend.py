@@ -116,11 +116,6 @@ class EtcdRendezvousBackend(
 ):
     """Keeps a run's rendezvous state in etcd v3, with compare-and-set on ``mod_revision``.
 
-    Besides the backend contract it offers waiting for a state change
-    (:meth:`wait_for_state`), an append-only join queue per round
-    (:meth:`enqueue` and friends) and server-judged liveness per node
-    (:meth:`beat`, :meth:`heartbeat_mark`, :meth:`forget`).
-
     Args:
         client: The etcd client (either: :class:`~rdzv.backends.etcd.client.EtcdClientBase`).
         run_id: The run identifier.
@@ -234,13 +229,7 @@ class EtcdRendezvousBackend(
         return self._read()[0]
 
     def _read(self) -> tuple[tuple[bytes, Token] | None, int]:
-        """Read the state and the store revision; an unchanged state costs no value.
-
-        A keys-only read gives the state's modification revision (its
-        token); only when that differs from the last state seen is the value
-        read, so members polling a state of thousands of participants read
-        O(1) bytes a poll.
-        """
+        """Read the state and the store revision; an unchanged state costs no value (see the module)."""
         kvs, revision = self._client.range(self._key, keys_only=True)
         if not kvs:
             return None, revision
@@ -333,23 +322,18 @@ class EtcdRendezvousBackend(
         return unpack_seat(kv.value, node)
 
     def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
-        """Wait until the state's token differs from ``token``, by watching.
+        """Wait until the state's token differs from ``token``, watching the head.
 
-        The token is the revision of the state's last write, which put the
-        head too: a watch of the head from the revision after the token
-        ends at once if the state was written since, so a wait for the
-        token of the state this backend last saw sends no read before its
-        watch. Otherwise the state is read first and the watch starts after
-        that read.
+        The token is a revision of the head too, so a wait for the token of
+        the state last seen watches from the revision after it with no read
+        first; otherwise the watch starts after a read of the state.
         """
         last = self._last
         if token is not None and last is not None and last[1] == token:
             start = token + 1
         else:
             current, revision = self._read()
-            if (current is None and token is not None) or (
-                current is not None and current[1] != token
-            ):
+            if (None if current is None else current[1]) != token:
                 return current
             start = revision + 1
         # The head moves with the state: after an event, read its value at once.
@@ -365,12 +349,7 @@ class EtcdRendezvousBackend(
         return self._run_prefix + f"{self._queue_name}/{round_id}".encode()
 
     def enqueue(self, round_id: int, record: bytes) -> int:
-        """Append a join record in one transaction that also puts the queue's counter and reads it.
-
-        etcd serialises transactions and counts every put of a key in its
-        ``version``, so the counter's version after the put is the record's
-        position: O(1), where counting the records grew with the queue.
-        """
+        """Append a join record in one transaction that also puts the queue's counter and reads it."""
         validate_record(round_id, record)
         counter = self._queue_counter(round_id)
         key = self._queue_prefix(round_id) + uuid.uuid4().hex.encode()
@@ -458,10 +437,8 @@ class EtcdRendezvousBackend(
     def beat(self, node: str) -> None:
         """Record a heartbeat: put the node's key under its lease, refreshed a third into its life.
 
-        The put moves the mark; the lease only lets the server delete the
-        key of a node that stopped beating, so a beat refreshes it only once
-        a third of its TTL passed since it was last granted or refreshed: a
-        beat is one request, not two, when beats come more often than that.
+        The put moves the mark; the lease only lets the server delete a dead
+        node's key, so most beats are one request (the put), not two.
         """
         key = self._alive_key(node)
         for _ in range(2):
@@ -496,9 +473,8 @@ class EtcdRendezvousBackend(
     def heartbeat_marks(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
         """Return the marks of several nodes; of many, from one read of every heartbeat's revision.
 
-        A seal reads the marks of every member it seats (one read each);
-        from :data:`MARKS_IN_ONE_READ` nodes on, one keys-only read of the
-        run's heartbeat keys answers for all.
+        From :data:`MARKS_IN_ONE_READ` nodes on (a seal reads every member's),
+        one keys-only read of the run's heartbeat keys answers for all.
         """
         if len(nodes) < MARKS_IN_ONE_READ:
             return super().heartbeat_marks(nodes)

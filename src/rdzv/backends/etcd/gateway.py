@@ -64,10 +64,7 @@ _MAX_WATCH_LINE = 64 * 1024 * 1024
 
 
 class EtcdClient(EtcdClientBase):
-    """A thread-safe etcd v3 client over the JSON gateway.
-
-    Takes the arguments of :class:`~rdzv.backends.etcd.client.EtcdClientBase`.
-    """
+    """A thread-safe etcd v3 client over the JSON gateway; it takes its base's arguments."""
 
     def _open(self, ca_cert: str | None, ssl_cert: str | None, ssl_cert_key: str | None) -> None:
         self._ssl_context: ssl.SSLContext | None = None
@@ -147,12 +144,7 @@ class EtcdClient(EtcdClientBase):
         return decode_reply(resp.status, data, endpoint, path)
 
     def call(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], int, str]:
-        """Send one JSON request, failing over between members until the deadline.
-
-        The deadline is the read timeout, or the caller's deadline
-        (:func:`rdzv.retry.deadline_within`) when sooner. While no member
-        accepts a connection at all (every host down, nothing listening), the
-        call gives up after the connect timeout instead.
+        """Send one JSON request, failing over between members until the deadline (see the base).
 
         Args:
             path: The gateway path, e.g. ``/v3/kv/range``.

@@ -119,10 +119,7 @@ class _Member:
 
 
 class EtcdGrpcClient(EtcdClientBase):
-    """A thread-safe etcd v3 client over gRPC.
-
-    Takes the arguments of :class:`~rdzv.backends.etcd.client.EtcdClientBase`.
-    """
+    """A thread-safe etcd v3 client over gRPC; it takes its base's arguments."""
 
     def _open(self, ca_cert: str | None, ssl_cert: str | None, ssl_cert_key: str | None) -> None:
         options = [

@@ -202,12 +202,6 @@ class RedisRendezvousBackend(
 ):
     """Keeps a run's rendezvous state in Redis, with compare-and-set in one Lua script.
 
-    Besides the backend contract it offers waiting for a state change
-    (:meth:`wait_for_state`), a join queue per round (:meth:`enqueue` and
-    friends), a sealed round's verdict (:meth:`wait_for_verdict`) and
-    heartbeats with server-side expiry (:meth:`beat`,
-    :meth:`heartbeat_mark`, :meth:`forget`).
-
     Args:
         client: A redis-py client (``decode_responses`` must be off).
         run_id: The run identifier.
@@ -312,11 +306,11 @@ class RedisRendezvousBackend(
             value = self._client.get(key)
         return None if value is None else as_bytes(value)
 
-    def _read_code(self, reply: Any) -> int:
-        """Return the read script's code; raise for a corrupt record (codes -1 and -2)."""
+    def _read_code(self, reply: Any, kind_at: int = 2) -> int:
+        """Return a script's code; raise for a corrupt record (-1: its type at ``kind_at``; -2)."""
         code = int(reply[0])
         if code == -1:
-            raise self._corrupt(f"it is a {as_bytes(reply[2]).decode()}, not a hash")
+            raise self._corrupt(f"it is a {as_bytes(reply[kind_at]).decode()}, not a hash")
         if code == -2:
             raise self._corrupt("its fields v and rev are missing or rev is not an integer")
         return code
@@ -347,16 +341,12 @@ class RedisRendezvousBackend(
                 keys=[self._key, self._events, *seat_keys],
                 args=[str(expected), state, self._ttl_ms, _STREAM_MAXLEN, *seats.values()],
             )
-        code = int(reply[0])
+        code = self._read_code(reply, kind_at=1)
         if code == 1:
             self._last = (state, _token(reply[1]))
             return state, self._last[1], True
         if code == 0:
             return None
-        if code == -1:
-            raise self._corrupt(f"it is a {as_bytes(reply[1]).decode()}, not a hash")
-        if code == -2:
-            raise self._corrupt("its fields v and rev are missing or rev is not an integer")
         return as_bytes(reply[1]), _token(reply[2]), False
 
     def _seat_key(self, node: str) -> str:
@@ -400,9 +390,9 @@ class RedisRendezvousBackend(
     def wait_for_state(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
         """Wait until the state's token differs from ``token``, blocking on the change stream."""
         current, last_id = self._read_state()
-        if (current is None and token is not None) or (current is not None and current[1] != token):
-            return current
-        if not self._block(self._events, last_id, timeout):
+        if (None if current is None else current[1]) != token or not self._block(
+            self._events, last_id, timeout
+        ):
             return current
         return self.get_state()
 
