@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeGuard
 
+from rdzv.first_failure import cut, printable
 from rdzv.keys import exclusion_index_key, exclusion_key
 from rdzv.store.base import Store
 
@@ -73,7 +74,6 @@ _MAX_REASON = 600
 _MAX_LISTED = 1024
 _KINDS = ("", KIND_HEALTH, KIND_WORKERS)
 _NODE = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,200}")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _INT_RANGE = range(1 << 31)
 
 
@@ -162,7 +162,7 @@ class ExclusionRecord:
     ) -> ExclusionRecord:
         """Return the record after a failure at ``now``: one more in a row, maybe an exclusion."""
         failures = self.failures + 1
-        record = replace(self, failures=failures, kind=kind, reason=_cut(reason, _MAX_REASON))
+        record = replace(self, failures=failures, kind=kind, reason=cut(reason, _MAX_REASON))
         if not policy.enabled or failures < policy.after:
             return record
         exclusions = self.exclusions + 1
@@ -204,17 +204,13 @@ class ExclusionRecord:
             text = f"{self.node} not excluded (excluded {self.exclusions} time(s) before)"
         if self.reason:
             text += f": {self.reason}"
-        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+        return printable(text)
 
 
 def encode_record(record: ExclusionRecord) -> bytes:
     """Encode a record (its reason cut to its limit)."""
     data: dict[str, Any] = {"v": _VERSION, **asdict(record)}
-    data["reason"] = _cut(record.reason, _MAX_REASON)
+    data["reason"] = cut(record.reason, _MAX_REASON)
     return json.dumps(data, separators=(",", ":")).encode("ascii")
 
 

@@ -148,10 +148,16 @@ class FailureRecord:
             text += f"; log: {self.log}"
         if self.stack:
             text += f"; stacks: {self.stack}"
-        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+        return printable(text)
 
 
-def _cut(text: str, limit: int) -> str:
+def printable(text: str) -> str:
+    """Escape the terminal control characters of ``text``, read from a store."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def cut(text: str, limit: int) -> str:
+    """Cut ``text`` to ``limit`` characters, ending with ``...`` when cut."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -159,7 +165,7 @@ def encode_failure(record: FailureRecord) -> bytes:
     """Encode a record, its strings cut to their limits (at most :data:`MAX_RECORD_BYTES`)."""
     data: dict[str, Any] = {"v": _VERSION}
     for name, value in asdict(record).items():
-        data[name] = _cut(value, _LIMITS[name]) if isinstance(value, str) else value
+        data[name] = cut(value, _LIMITS[name]) if isinstance(value, str) else value
     return json.dumps(data, separators=(",", ":")).encode("ascii")
 
 

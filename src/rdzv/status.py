@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -51,7 +50,7 @@ from rdzv.dynamic.state import (
 from rdzv.endpoint import parse_config
 from rdzv.errors import RendezvousError, explained
 from rdzv.exclusion import ExclusionRecord, read_current
-from rdzv.first_failure import FailureRecord, FailureRecordError, read_last
+from rdzv.first_failure import FailureRecord, FailureRecordError, printable, read_last
 from rdzv.keys import agent_key, round_store_prefix, runs_of
 from rdzv.registry import open_backend as open_registered_backend
 from rdzv.store.base import Store
@@ -77,15 +76,8 @@ EXIT_BACKEND = 3
 #: The exit status of ``rdzv status`` for a run the backend does not know.
 EXIT_UNKNOWN_RUN = 4
 
+
 # Terminal control characters (C0, DEL, C1) in names read from the store.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def _printable(text: str) -> str:
-    """Escape terminal control characters of a name read from the store."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-
-
 @dataclass(frozen=True)
 class MemberStatus:
     """One participant of the last sealed round.
@@ -401,7 +393,7 @@ def format_status(status: RunStatus) -> str:
     Names read from the store (run id, node keys, hosts) have their
     terminal control characters escaped.
     """
-    run = _printable(repr(status.run_id))
+    run = printable(repr(status.run_id))
     if not status.complete:
         head = f"run {run}: no round has completed yet"
     else:
@@ -420,12 +412,12 @@ def format_status(status: RunStatus) -> str:
             rows.append(
                 (
                     f"{m.rank:>4}",
-                    _printable(m.node),
+                    printable(m.node),
                     "evicted" if m.evicted else "member",
                     beat,
                     "-" if m.workers is None else str(m.workers),
                     "-" if m.restarts is None else str(m.restarts),
-                    "-" if m.host is None else _printable(m.host),
+                    "-" if m.host is None else printable(m.host),
                 )
             )
         header = ("rank", "node", "state", "heartbeat", "workers", "restarts", "host")
@@ -439,7 +431,7 @@ def format_status(status: RunStatus) -> str:
             ]
             lines.append("  ".join(cells).rstrip())
     waiting = ", ".join(
-        _printable(w + (f" ({status.waiting_keys[w]})" if w in status.waiting_keys else ""))
+        printable(w + (f" ({status.waiting_keys[w]})" if w in status.waiting_keys else ""))
         for w in status.waiting
     )
     if status.target_nodes is not None:
@@ -448,9 +440,9 @@ def format_status(status: RunStatus) -> str:
     if status.first_failure is not None or status.failure_note is not None:
         first = status.first_failure
         shown = first.describe() if first else status.failure_note
-        lines.append(_printable(f"first failure: {shown}"))
+        lines.append(printable(f"first failure: {shown}"))
     lines.extend(f"node {record.describe(status.time)}" for record in status.excluded)
-    lines.extend(_printable(note) for note in status.exclusion_notes)
+    lines.extend(printable(note) for note in status.exclusion_notes)
     return "\n".join(lines) + "\n"
 
 
@@ -494,7 +486,7 @@ def _runs_text(backend: RendezvousBackend) -> str:
         return f"listing the runs failed: {exc}"
     if not runs:
         return "the store holds no run"
-    return "runs there: " + ", ".join(_printable(repr(r)) for r in runs)
+    return "runs there: " + ", ".join(printable(repr(r)) for r in runs)
 
 
 def _list_runs(backend: RendezvousBackend, args: argparse.Namespace, out: TextIO) -> int:
@@ -530,7 +522,7 @@ def _summary_line(status: RunStatus) -> str:
     where = f"round {status.round}" if status.complete else "no round yet"
     state = "closed" if status.closed else "open"
     return (
-        f"{_printable(status.run_id)}: {where}, {state}, {data['members']} member(s), "
+        f"{printable(status.run_id)}: {where}, {state}, {data['members']} member(s), "
         f"{data['waiting']} waiting"
     )
 
@@ -575,7 +567,7 @@ def status_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     target = shown_target(parse_config(args.rdzv_conf), os.environ)
     redraw = args.watch is not None and not args.json and out.isatty()
     tracker = HeartbeatTracker()
-    run = _printable(repr(args.rdzv_id))
+    run = printable(repr(args.rdzv_id))
     try:
         if args.list_runs:
             return _list_runs(backend, args, out)

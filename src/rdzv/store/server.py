@@ -55,16 +55,9 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
 
-from rdzv.net import bind_listeners, enable_keepalive, listen_backlog, server_tls_context
-from rdzv.store._connection import (
-    FEED_SLICE,
-    RECEIVE_BUFFER_BYTES,
-    REQUESTS_PER_TURN,
-    Connection,
-    ConnectionLimits,
-    Host,
-)
-from rdzv.store.admission import FD_HEADROOM, HANDSHAKE_GRACE, Admission, handshake_grace
+from rdzv.net import bind_listeners, enable_keepalive, listen_backlog
+from rdzv.store._connection import RECEIVE_BUFFER_BYTES, Connection, ConnectionLimits, Host
+from rdzv.store.admission import Admission
 from rdzv.store.engine import DEFAULT_MAX_WAITED_KEYS, DEFAULT_MAX_WAITING_BYTES, StoreEngine
 from rdzv.store.protocol import DECODED_ITEM_OVERHEAD, MAX_MULTI_KEYS, MAX_REQUEST_BYTES
 from rdzv.store.throttle import ThrottledLog
@@ -83,15 +76,8 @@ __all__ = [
     "DEFAULT_MAX_UNSENT_BYTES",
     "DEFAULT_TCP_KEEPALIVE",
     "EVENT_LOOPS",
-    "FD_HEADROOM",
-    "FEED_SLICE",
-    "RECEIVE_BUFFER_BYTES",
     "LOG_INTERVAL",
-    "REQUESTS_PER_TURN",
-    "HANDSHAKE_GRACE",
     "TCPStoreServer",
-    "handshake_grace",
-    "server_tls_context",
 ]
 
 
