@@ -29,7 +29,7 @@ import pytest
 
 from rdzv.testing.netns import NetnsBed
 from tests.netns.conftest import open_bed
-from tests.netns.test_jobs import CONF, Agents, job_env
+from tests.netns.test_jobs import Agents, job_env
 from tests.procs import ROOT, subprocess_env, wait_until
 
 pytest.importorskip("torch.distributed.run")
@@ -44,6 +44,9 @@ pytestmark = [
 TRAINER = str(ROOT / "tests" / "netns" / "trainer.py")
 PORT = 29400
 STORE, JOB, SICK = 0, (1, 2, 3, 4, 5), 6
+# test_jobs' settings, with a keep-alive that forgives a survivor starved of
+# CPU for 5 s (the dead agent is seen at once: the store writes its will).
+CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
 SICK_CHECK = "echo 'nic eth1: link down' >&2; exit 3"
 
 
@@ -166,10 +169,10 @@ def test_the_spare_takes_rank_1_survivors_keep_theirs_training_resumes_sick_host
     victim = next(host for host, rank in before.items() if rank == 1)
     sick_address = hosts[SICK].ipv4
 
-    def first_status() -> dict[str, Any] | None:
+    def first_status() -> dict[str, Any]:
         data = status(bed7, endpoint, run_id)
         waiting = [key.split("#")[0] for key in data["waiting"]]
-        return data if waiting == [hosts[spare].ipv4] and data["excluded"] else None
+        return data if waiting == [hosts[spare].ipv4] and data["excluded"] else {}
 
     seen = wait_until(first_status, "the spare waiting and the sick host excluded", 60, every=1)
     assert members(seen) == {rank: hosts[host].ipv4 for host, rank in before.items()}, seen
@@ -183,6 +186,8 @@ def test_the_spare_takes_rank_1_survivors_keep_theirs_training_resumes_sick_host
     first_pids = {s["pid"] for s in steps(out)}
     os.kill(procs[victim].pid, signal.SIGKILL)
     procs[victim].wait(timeout=30)
+    (orphan,) = {s["pid"] for s in steps(out) if s["host"] == victim}
+    wait_until(lambda: not Path(f"/proc/{orphan}").exists(), "the victim's worker gone", 30)
 
     def resumed() -> list[dict[str, Any]]:
         later = [s for s in steps(out) if s["pid"] not in first_pids]
@@ -224,3 +229,6 @@ def test_the_spare_takes_rank_1_survivors_keep_theirs_training_resumes_sick_host
     )
     assert {h: procs[h].returncode for h in after} == dict.fromkeys(after, 0), agents.output()
     assert not any(s["host"] == SICK for s in steps(out))
+    assert (
+        f"node {sick_address} is excluded from run" in (tmp_path / f"agent-{SICK}.log").read_text()
+    )
