@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -208,13 +208,13 @@ print(json.dumps(reconnecting_slow_check(int(sys.argv[1]), float(sys.argv[2]))),
 
 
 @contextmanager
-def attack_process(port: int, seconds: float) -> Iterator[subprocess.Popen[str]]:
-    """Run :func:`reconnecting_slow_check` in a child process; stop it (by pid) at the end.
+def _child(code: str, *args: object) -> Iterator[subprocess.Popen[str]]:
+    """Run ``code`` in a child process with ``args``; stop it (by pid) at the end.
 
     The child prints its counts as one JSON line when the attack is over.
     """
     proc = subprocess.Popen(
-        [sys.executable, "-c", _ATTACK_CHILD, str(port), str(seconds)],
+        [sys.executable, "-c", code, *map(str, args)],
         stdout=subprocess.PIPE,
         text=True,
         env=subprocess_env(),
@@ -225,6 +225,11 @@ def attack_process(port: int, seconds: float) -> Iterator[subprocess.Popen[str]]
         stop_process(proc, grace=15.0)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def attack_process(port: int, seconds: float) -> AbstractContextManager[subprocess.Popen[str]]:
+    """Run :func:`reconnecting_slow_check` in a child process (:func:`_child`)."""
+    return _child(_ATTACK_CHILD, port, seconds)
 
 
 def waiting_attack(port: int, seconds: float, keys: int, hold: float = 0.5) -> dict[str, int]:
@@ -277,21 +282,8 @@ print(json.dumps(waiting_attack(int(sys.argv[1]), float(sys.argv[2]), int(sys.ar
 """
 
 
-@contextmanager
-def waiting_attack_process(port: int, seconds: float, keys: int) -> Iterator[subprocess.Popen[str]]:
-    """Run :func:`waiting_attack` in a child process; stop it (by pid) at the end.
-
-    The child prints its counts as one JSON line when the attack is over.
-    """
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _WAITING_CHILD, str(port), str(seconds), str(keys)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=subprocess_env(),
-    )
-    try:
-        yield proc
-    finally:
-        stop_process(proc, grace=15.0)
-        if proc.stdout is not None:
-            proc.stdout.close()
+def waiting_attack_process(
+    port: int, seconds: float, keys: int
+) -> AbstractContextManager[subprocess.Popen[str]]:
+    """Run :func:`waiting_attack` in a child process (:func:`_child`)."""
+    return _child(_WAITING_CHILD, port, seconds, keys)
