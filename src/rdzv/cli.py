@@ -18,7 +18,7 @@ from rdzv.endpoint import format_endpoint
 from rdzv.launch.options import add_run_arguments
 from rdzv.metrics import Family, MetricsServer, counter, gauge
 from rdzv.registry import rendezvous_handler_registry
-from rdzv.status import add_status_arguments
+from rdzv.status_cli import add_status_arguments
 from rdzv.store.serve import ServerSecurity, secured_server
 from rdzv.store.server import (
     DEFAULT_FRAME_TIMEOUT,
@@ -172,7 +172,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from rdzv.status import status_command  # noqa: PLC0415 - keep other commands light
+    from rdzv.status_cli import status_command  # noqa: PLC0415 - keep other commands light
 
     with _warnings_to_stderr("rdzv status"):
         return status_command(args)

@@ -22,16 +22,8 @@ from rdzv.backends.store import C10dRendezvousBackend
 from rdzv.dynamic.state import RendezvousState, encode_state, node_address
 from rdzv.first_failure import FailureRecord
 from rdzv.keys import last_failure_key
-from rdzv.status import (
-    EXIT_UNKNOWN_RUN,
-    HeartbeatTracker,
-    MemberStatus,
-    RunStatus,
-    add_status_arguments,
-    format_status,
-    read_status,
-    status_command,
-)
+from rdzv.status import HeartbeatTracker, MemberStatus, RunStatus, format_status, read_status
+from rdzv.status_cli import EXIT_UNKNOWN_RUN, add_status_arguments, status_command
 from tests.launch.procs import WORKER, agents, c10d_args, finish, with_world
 from tests.procs import free_port, subprocess_env, wait_until
 

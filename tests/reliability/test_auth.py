@@ -25,7 +25,7 @@ from rdzv.auth import AUTH_TOKEN_ENV, read_token_file, resolve_auth_token
 from rdzv.backends.store import create_backend
 from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.errors import RendezvousConnectionError, StoreAuthenticationError
-from rdzv.status import EXIT_UNKNOWN_RUN
+from rdzv.status_cli import EXIT_UNKNOWN_RUN
 from rdzv.store.protocol import (
     AUTH_NONCE_BYTES,
     FEATURE_AUTH_REQUIRED,

@@ -138,6 +138,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rdzv.first_failure",
             "rdzv.exclusion",
             "rdzv.status",
+            "rdzv.status_cli",
         ),
     ),
     (
