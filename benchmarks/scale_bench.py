@@ -41,8 +41,10 @@ What runs
 * etcd runs ``--etcd-members`` members (3, as users run it); each node's
   client starts at a member drawn at random, and the server CPU is the
   members' sum.
-* Dead-node judgements are the handlers' ``dead`` events; a judgement of a
-  node that was never killed is a *false death*.
+* Dead-node judgements are the handlers' ``dead`` events; ``dead`` counts
+  the nodes judged (a node two judges both judged, its ring judge and a
+  seal waiting for it, counts once); a judgement of a node that was never
+  killed is a *false death*.
 * Keep-alive: torch's and rdzv's default interval (5 s) x ``--attempts``,
   except in recovery (1 s, so the dead-node bound is 3 s); ``--interval``
   sets it for every scenario (at 1 s the beats of thousands of simulated
@@ -777,7 +779,7 @@ def run_scenario(
     finally:
         dead = run.close()
     killed = set(result.pop("killed", []))
-    result["dead"] = len(dead)
+    result["dead"] = len(set(dead))
     result["false_deaths"] = len(set(dead) - killed)
     return result
 
