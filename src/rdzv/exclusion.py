@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeGuard
 
-from rdzv.first_failure import cut, printable
+from rdzv.first_failure import cut, json_record, printable
 from rdzv.keys import exclusion_index_key, exclusion_key
 from rdzv.store.base import Store
 
@@ -221,16 +221,7 @@ def decode_record(raw: bytes) -> ExclusionRecord:
         ExclusionRecordError: It is too long, not JSON, of another version,
             or a field is missing, of the wrong type or out of range.
     """
-    if len(raw) > _MAX_RECORD_BYTES:
-        raise ExclusionRecordError(f"{len(raw)} bytes, over the limit of {_MAX_RECORD_BYTES}")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ExclusionRecordError(f"not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ExclusionRecordError("not a JSON object")
-    if data.get("v") != _VERSION:
-        raise ExclusionRecordError(f"version {data.get('v')!r}, not {_VERSION}")
+    data = json_record(raw, _MAX_RECORD_BYTES, _VERSION, ExclusionRecordError)
     node, kind, reason = data.get("node"), data.get("kind"), data.get("reason")
     if not isinstance(node, str) or not _NODE.fullmatch(node):
         raise ExclusionRecordError(f"node {node!r} is not a node name")

@@ -42,8 +42,11 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "FailureRecord",
     "FailureRecordError",
+    "cut",
     "decode_failure",
     "encode_failure",
+    "json_record",
+    "printable",
     "publish_last",
     "read_last",
     "record_first",
@@ -176,22 +179,33 @@ def decode_failure(raw: bytes) -> FailureRecord:
         FailureRecordError: It is too long, not JSON, of another version, or
             a field is missing, of the wrong type or too long.
     """
-    if len(raw) > MAX_RECORD_BYTES:
-        raise FailureRecordError(f"{len(raw)} bytes, over the limit of {MAX_RECORD_BYTES}")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FailureRecordError(f"not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise FailureRecordError("not a JSON object")
-    if data.get("v") != _VERSION:
-        raise FailureRecordError(f"version {data.get('v')!r}, not {_VERSION}")
+    data = json_record(raw, MAX_RECORD_BYTES, _VERSION, FailureRecordError)
     fields: dict[str, Any] = {}
     for name in FailureRecord.__dataclass_fields__:
         fields[name] = _field(data, name)
     if not _KIND.fullmatch(fields["kind"]):
         raise FailureRecordError(f"kind {fields['kind']!r} is not a lower-case word")
     return FailureRecord(**fields)
+
+
+def json_record(raw: bytes, limit: int, version: int, error: type[ValueError]) -> dict[str, Any]:
+    """Return the JSON object of a versioned record read from a store.
+
+    Raises:
+        ValueError: (``error``) It is over ``limit`` bytes, not JSON, not an
+            object, or of another version than ``version``.
+    """
+    if len(raw) > limit:
+        raise error(f"{len(raw)} bytes, over the limit of {limit}")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise error(f"not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise error("not a JSON object")
+    if data.get("v") != version:
+        raise error(f"version {data.get('v')!r}, not {version}")
+    return data
 
 
 def _field(data: Mapping[str, Any], name: str) -> Any:
