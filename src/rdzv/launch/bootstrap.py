@@ -30,7 +30,6 @@ each worker holds one socket on the server.
 from __future__ import annotations
 
 import importlib.util
-import os
 import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -123,16 +122,12 @@ def raise_open_files(sockets: int) -> int:
     Never lowers it, and never past the hard limit. Returns the soft limit
     now in force.
     """
-    from rdzv.store.admission import FD_HEADROOM  # noqa: PLC0415 - hosts only
+    from rdzv.store.admission import FD_HEADROOM, open_descriptors  # noqa: PLC0415 - hosts only
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return soft
-    try:
-        open_now = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        open_now = 0
-    wanted = open_now + sockets + FD_HEADROOM
+    wanted = open_descriptors() + sockets + FD_HEADROOM
     if wanted <= soft:
         return soft
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
@@ -170,10 +165,11 @@ def bootstrap_server(spec: BootstrapSpec) -> BootstrapServer:
     if spec.world_size >= TORCH_SERVER_MIN_WORLD and torch_available():
         from rdzv.launch.torch_server import torch_store_server  # noqa: PLC0415 - imports torch
 
-        raise_open_files(connection_limit(spec))
+        limit = connection_limit(spec)
+        raise_open_files(limit)
         # torch's server takes one listening socket: the published address's.
         host = None if spec.listen is None else spec.listen[0]
-        return torch_store_server(host, backlog=connection_limit(spec))
+        return torch_store_server(host, backlog=limit)
     return rdzv_store_server(spec)
 
 

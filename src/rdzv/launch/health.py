@@ -54,6 +54,7 @@ from rdzv.exclusion import (
 )
 from rdzv.launch.config import DEFAULT_HEALTH_CHECK_TIMEOUT, AgentConfig
 from rdzv.launch.exits import describe_returncode
+from rdzv.launch.workers import signal_group
 from rdzv.retry import Clock
 from rdzv.store.base import Store
 
@@ -150,8 +151,7 @@ class HealthCheck:
                 code = None
             finally:
                 if proc.returncode is None or code is None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, signal.SIGKILL)
+                    signal_group(proc.pid, signal.SIGKILL)
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(_REAP_AFTER_KILL)
             return HealthCheckResult(self.command, code, _tail(err), self.timeout)

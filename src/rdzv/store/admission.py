@@ -43,7 +43,7 @@ from typing import Final
 from rdzv.store._connection import Connection
 from rdzv.store.throttle import ThrottledLog
 
-__all__ = ["FD_HEADROOM", "HANDSHAKE_GRACE", "Admission", "handshake_grace"]
+__all__ = ["FD_HEADROOM", "HANDSHAKE_GRACE", "Admission", "handshake_grace", "open_descriptors"]
 
 HANDSHAKE_GRACE: Final = 1.0
 """Seconds a handshake in progress is safe from a newcomer (see :func:`handshake_grace`)."""
@@ -323,8 +323,12 @@ def _descriptor_room() -> int | None:
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return None
+    return max(2, soft - open_descriptors() - FD_HEADROOM)
+
+
+def open_descriptors() -> int:
+    """Return how many file descriptors this process has open (0 when it cannot tell)."""
     try:
-        open_now = len(os.listdir("/proc/self/fd"))
+        return len(os.listdir("/proc/self/fd"))
     except OSError:
-        open_now = 0
-    return max(2, soft - open_now - FD_HEADROOM)
+        return 0
