@@ -118,6 +118,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "core driver",
         (
+            "rdzv.dynamic.events",
             "rdzv.dynamic.shared",
             "rdzv.dynamic.confirm",
             "rdzv.dynamic.ticker",

@@ -43,12 +43,10 @@ in :mod:`rdzv.dynamic.shared`, the heartbeat and ring judgement in
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -76,6 +74,7 @@ from rdzv.dynamic.admission import Admission
 from rdzv.dynamic.admission_options import NodeAdmission, admission_from_params
 from rdzv.dynamic.bootstrap import HeldPort
 from rdzv.dynamic.confirm import check_period
+from rdzv.dynamic.events import LOGGER, log_event, recorded_creation
 from rdzv.dynamic.join import Join, JoinContext
 from rdzv.dynamic.keepalive import KeepAlive
 from rdzv.dynamic.machine import Limits, judge_interval
@@ -90,9 +89,8 @@ from rdzv.retry import Clock, as_clock, call_within, deadline_within
 from rdzv.store.base import Store
 from rdzv.store.foreign import StoreLike, as_store, caller_view
 
-__all__ = ["DynamicRendezvousHandler", "HandlerStatistics", "create_handler", "recorded_creation"]
+__all__ = ["DynamicRendezvousHandler", "HandlerStatistics", "create_handler"]
 
-LOGGER = logging.getLogger("rdzv.dynamic")
 
 _SHUTDOWN_WITHIN = 5.0
 """Seconds ``shutdown`` waits for the backend before giving up on leaving cleanly."""
@@ -338,7 +336,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _event(self, action: str, round_id: int, **fields: Any) -> None:
         if LOGGER.isEnabledFor(logging.INFO):
-            _log_event(self._settings.run_id, round_id, self._node, action, fields)
+            log_event(self._settings.run_id, round_id, self._node, action, fields)
 
     def statistics(self) -> HandlerStatistics:
         """Return what this handler knows of its rounds now (no backend call)."""
@@ -516,31 +514,6 @@ class HandlerStatistics:
     keepalive_error: RendezvousConnectionError | None
 
 
-class _EventText:
-    """An event's JSON text, built only when a log handler formats the record.
-
-    The handlers that read the event itself (``rdzv run``'s progress, the
-    torchrun bridge) never pay for it; a member of thousands logs four
-    events per round.
-    """
-
-    __slots__ = ("_event",)
-
-    def __init__(self, event: dict[str, Any]) -> None:
-        self._event = event
-
-    def __str__(self) -> str:
-        return json.dumps(self._event, sort_keys=True)
-
-
-def _log_event(
-    run_id: str, round_id: int, node: str | None, action: str, fields: dict[str, Any]
-) -> None:
-    """Log one structured event on :data:`LOGGER` (the record's ``rdzv_event``)."""
-    event = {"run_id": run_id, "round": round_id, "node": node, "action": action, **fields}
-    LOGGER.info("rdzv %s", _EventText(event), extra={"rdzv_event": event})
-
-
 def create_handler(
     store: StoreLike,
     backend: BackendLike,
@@ -571,7 +544,7 @@ def create_handler(
 
     As torch's ``create_handler`` records an event and raises when it
     fails, a failure here is logged as the event ``create-failed``
-    (:func:`recorded_creation`), then raised; under torchrun it reaches
+    (:func:`~rdzv.dynamic.events.recorded_creation`), then raised; under torchrun it reaches
     torch's event handler too (:mod:`rdzv.torchrun.events`).
 
     Raises:
@@ -593,19 +566,3 @@ def create_handler(
             node_rank=given_node_rank(params),
             admission=admission or admission_from_params(params, os.environ),
         )
-
-
-@contextlib.contextmanager
-def recorded_creation(run_id: str) -> Iterator[None]:
-    """Log a failure of the block, creating a handler of ``run_id``, as ``create-failed``; raise it.
-
-    The event has round -1, no node key (there is none yet) and ``error``:
-    ``"<type>: <text>"``, the message of torch's event for the same failure.
-    """
-    try:
-        yield
-    except Exception as exc:
-        if LOGGER.isEnabledFor(logging.INFO):
-            error = f"{type(exc).__name__}: {exc}"
-            _log_event(run_id, -1, None, "create-failed", {"error": error})
-        raise

@@ -35,7 +35,8 @@ from rdzv.api import RendezvousParameters, RendezvousSettings, given_node_rank
 from rdzv.backends.options import StoreBackendOptions
 from rdzv.backends.store import open_store
 from rdzv.dynamic.admission_options import admission_from_params
-from rdzv.dynamic.handler import DynamicRendezvousHandler, recorded_creation
+from rdzv.dynamic.events import recorded_creation
+from rdzv.dynamic.handler import DynamicRendezvousHandler
 from rdzv.net import advertised_address, listen_addresses
 from rdzv.registry import rendezvous_handler_registry
 from rdzv.torchrun.events import bridged_creation
@@ -180,7 +181,7 @@ def create_rdzv_handler(params: torch_api.RendezvousParameters) -> torch_api.Ren
             certificate.
 
     A failure is recorded as torch's ``create_handler`` records one
-    (:func:`~rdzv.dynamic.handler.recorded_creation`,
+    (:func:`~rdzv.dynamic.events.recorded_creation`,
     :func:`~rdzv.torchrun.events.bridged_creation`).
     """
     with bridged_creation(params.run_id), recorded_creation(params.run_id):
