@@ -34,7 +34,7 @@ from rdzv.backends.base import (
     LivenessBackend,
     RendezvousBackend,
 )
-from rdzv.dynamic.machine import MarkWatch
+from rdzv.dynamic.judging import MarkWatch
 from rdzv.dynamic.state import (
     JoinRecord,
     RendezvousState,
@@ -143,7 +143,7 @@ class RunStatus:
 class HeartbeatTracker:
     """Remembers when each node's heartbeat mark last changed, on a monotonic clock.
 
-    It keeps the handler's own :class:`~rdzv.dynamic.machine.MarkWatch`
+    It keeps the handler's own :class:`~rdzv.dynamic.judging.MarkWatch`
     records, so an age here means what the handler's judgement means: time
     on this observer's clock since the mark was first seen with its current
     value. A node whose mark was never seen to change has no age.

@@ -24,18 +24,16 @@ from dataclasses import dataclass, field, replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rdzv.dynamic.judging import MarkWatch, SealJudging, judge_marks
 from rdzv.dynamic.machine import (
     Complete,
     Enqueue,
     Fail,
     JoinProgress,
     Limits,
-    MarkWatch,
     Requeue,
     Seal,
-    SealJudging,
     decide,
-    judge_marks,
     leaving_members,
     missing_members,
     nodes_waiting,

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rdzv.backends.base import GONE_MARK
+from rdzv.dynamic.judging import GONE_GRACE, judge_marks
 from rdzv.dynamic.machine import (
-    GONE_GRACE,
     Complete,
     Enqueue,
     Fail,
@@ -20,7 +20,6 @@ from rdzv.dynamic.machine import (
     Wait,
     backup_delay,
     decide,
-    judge_marks,
     last_call_left,
     newcomers,
     nodes_waiting,
@@ -407,7 +406,7 @@ def test_missing_members() -> None:
 
 
 def test_leaders_judge_missing_members_often_others_only_once_the_seal_stalled() -> None:
-    from rdzv.dynamic.machine import SealJudging, judge_interval
+    from rdzv.dynamic.judging import SealJudging, judge_interval
 
     interval = 2.0  # LIMITS.grace is the dead-node timeout: 6 s
     every = judge_interval(interval, LIMITS.grace)
@@ -438,7 +437,7 @@ def test_leaders_judge_missing_members_often_others_only_once_the_seal_stalled()
 def test_others_judge_a_stalled_seal_in_tiers_doubling_each_dead_node_timeout(
     position: int, starts_after_graces: int
 ) -> None:
-    from rdzv.dynamic.machine import SealJudging
+    from rdzv.dynamic.judging import SealJudging
 
     start = starts_after_graces * LIMITS.grace
     judging = SealJudging()
@@ -451,7 +450,7 @@ def test_others_judge_a_stalled_seal_in_tiers_doubling_each_dead_node_timeout(
 
 
 def test_judge_interval_bounds() -> None:
-    from rdzv.dynamic.machine import judge_interval
+    from rdzv.dynamic.judging import judge_interval
 
     assert judge_interval(5.0, 15.0) == pytest.approx(0.375)
     assert judge_interval(0.1, 0.3) == pytest.approx(0.02)  # never more often than 20 ms

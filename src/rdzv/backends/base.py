@@ -415,7 +415,7 @@ class NamedQueues(JoinQueueBackend):
 GONE_MARK = b"gone"
 """The heartbeat mark of a node whose process is known to have died
 (:meth:`LivenessBackend.present`). Observers judge it dead after a short
-grace (:data:`rdzv.dynamic.machine.GONE_GRACE`), not the dead-node timeout."""
+grace (:data:`rdzv.dynamic.judging.GONE_GRACE`), not the dead-node timeout."""
 
 
 class LivenessBackend(ABC):

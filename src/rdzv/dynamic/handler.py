@@ -76,8 +76,9 @@ from rdzv.dynamic.bootstrap import HeldPort
 from rdzv.dynamic.confirm import check_period
 from rdzv.dynamic.events import LOGGER, log_event, recorded_creation
 from rdzv.dynamic.join import Join, JoinContext
+from rdzv.dynamic.judging import judge_interval
 from rdzv.dynamic.keepalive import KeepAlive
-from rdzv.dynamic.machine import Limits, judge_interval
+from rdzv.dynamic.machine import Limits
 from rdzv.dynamic.member import Membership
 from rdzv.dynamic.seat import Member, Seat
 from rdzv.dynamic.shared import shared_state

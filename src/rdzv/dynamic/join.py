@@ -37,6 +37,7 @@ from rdzv.backends.base import JoinQueueBackend, LivenessBackend, Token, Verdict
 from rdzv.backends.kv import store_call
 from rdzv.dynamic.bootstrap import HeldPort, await_bootstrap
 from rdzv.dynamic.confirm import RoundConfirmation, check_period, member_lost
+from rdzv.dynamic.judging import MarkWatch, SealJudging, judge_marks
 from rdzv.dynamic.keepalive import KeepAlive
 from rdzv.dynamic.machine import (
     Complete,
@@ -45,14 +46,11 @@ from rdzv.dynamic.machine import (
     FailReason,
     JoinProgress,
     Limits,
-    MarkWatch,
     Requeue,
     Seal,
-    SealJudging,
     StateView,
     Wait,
     decide,
-    judge_marks,
     last_call_left,
     missing_members,
     newcomers,

@@ -22,7 +22,7 @@ things, and returns when the next is due:
   (:func:`~rdzv.dynamic.pacing.ring_judge_period`), the first reading at a
   random point of the first period so that a round's members do not all
   read at once. It judges the mark on this node's clock
-  (:func:`~rdzv.dynamic.machine.judge_marks`), crediting at most one
+  (:func:`~rdzv.dynamic.judging.judge_marks`), crediting at most one
   ``interval`` between two readings, so a stalled backend or this node's
   own failed or starved reads never count against the successor; a
   successor judged dead is handed to ``on_dead`` (this node's membership
@@ -58,7 +58,7 @@ import threading
 from collections.abc import Callable
 
 from rdzv.backends.base import LivenessBackend
-from rdzv.dynamic.machine import MarkWatch, judge_marks
+from rdzv.dynamic.judging import MarkWatch, judge_marks
 from rdzv.dynamic.pacing import ring_judge_period
 from rdzv.dynamic.seat import Seat
 from rdzv.dynamic.ticker import Task, ticker_for
